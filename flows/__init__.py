@@ -1,0 +1,1 @@
+"""Prefect flows, the pipeline.toml schema and the `memplan` CLI."""

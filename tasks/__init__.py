@@ -1,0 +1,1 @@
+"""Pipeline stages: plain functions first, thin Prefect task wrappers second."""
