@@ -1,0 +1,32 @@
+"""memplan runtime: capture a training step, load and execute memory plans, measure memory.
+
+Exports are lazy (module `__getattr__`), so `import runtime.graph` or `runtime.plan` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "OpGraph": "runtime.graph",
+    "Plan": "runtime.plan",
+    "default_plan": "runtime.plan",
+    "capture": "runtime.capture",
+    "node_function": "runtime.capture",
+    "load": "runtime.executor",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
