@@ -1,0 +1,424 @@
+"""The `pipeline.toml` schema: typed sections with their defaults documented next to each field.
+
+`load_config(path)` parses the file and returns a `PipelineConfig`; any problem (malformed TOML, an
+unknown key, a bad value, an unknown solver) raises `ConfigError` with one paragraph naming the file,
+the key path, the bad value and what is allowed. `expand_matrix(config)` turns the declared matrix
+(models x batch sizes x plans x budgets) into the list of `Case`s the pipeline runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+NAMED_LOSSES = ("cross_entropy", "mse", "causal_lm", "sum")
+TRANSFORMERS_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForMaskedLM",
+    "AutoModelForSequenceClassification",
+    "AutoModel",
+)
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*([A-Za-z]+)\s*$")
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
+
+
+class MemplanError(Exception):
+    """A user-facing failure: the message is one paragraph naming the cause and the fix."""
+
+
+class ConfigError(MemplanError):
+    """`pipeline.toml` cannot be read or does not match the schema."""
+
+
+class Section(BaseModel):
+    """A TOML table: unknown keys are refused with the list of allowed keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False)
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        """The TOML keys this table accepts."""
+        return [field.alias or name for name, field in cls.model_fields.items()]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget: absolute bytes, or a fraction of the checkpoint-all peak (no recomputation)."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+
+    @property
+    def label(self) -> str:
+        """Readable form used in plan aliases: `60pct` or `1610612736B`."""
+        if self.fraction is not None:
+            return f"{self.fraction * 100:g}pct"
+        return f"{self.bytes}B"
+
+    def resolve(self, checkpoint_all_peak_bytes: int) -> int:
+        """Budget in bytes given the peak of the eager schedule that keeps every activation."""
+        if self.fraction is not None:
+            return int(self.fraction * checkpoint_all_peak_bytes)
+        return int(self.bytes)
+
+
+def parse_budget(value: Any) -> Budget:
+    """Parse `2000000000` (bytes), `0.6` or `"60%"` (fraction of checkpoint-all), `"1.5 GiB"`."""
+    if isinstance(value, bool):
+        raise ValueError(_budget_help(value))
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(_budget_help(value))
+        return Budget(bytes=value)
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(_budget_help(value))
+        return Budget(fraction=value)
+    if isinstance(value, str):
+        if m := _PERCENT.match(value):
+            fraction = float(m.group(1)) / 100
+            if 0.0 < fraction <= 1.0:
+                return Budget(fraction=fraction)
+        elif (m := _BYTES.match(value)) and m.group(2).lower() in _UNITS:
+            nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if nbytes > 0:
+                return Budget(bytes=nbytes)
+    raise ValueError(_budget_help(value))
+
+
+def _budget_help(value: Any) -> str:
+    return (
+        f"budget {value!r} is not understood; write an integer number of bytes (2000000000), a size "
+        f"with a unit ('1.5 GiB', '512 MiB'; units {', '.join(_UNITS)}), or a fraction of the "
+        "checkpoint-all peak as a float in (0, 1] (0.6) or a percentage ('60%')"
+    )
+
+
+class InputSpec(Section):
+    """One tensor of the batch; the batch size is prepended to `shape`."""
+
+    shape: list[int] = Field(description="Per-sample shape (without the batch dimension); [] for a scalar per sample.")
+    dtype: Literal[DTYPES] = Field("float32", description="Element type.")
+    high: int | None = Field(
+        None,
+        description="Integer inputs are drawn uniformly from [0, high) (class labels, token ids); "
+        "required for integer dtypes. Float inputs are standard normal.",
+    )
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: list[int]) -> list[int]:
+        if any(d <= 0 for d in shape):
+            raise ValueError(f"every dimension must be a positive integer, got {shape}")
+        return shape
+
+    @model_validator(mode="after")
+    def _integer_range(self) -> InputSpec:
+        integer = self.dtype.startswith(("int", "uint"))
+        if integer and (self.high is None or self.high <= 0):
+            raise ValueError(f"dtype {self.dtype!r} needs 'high' (a positive integer: values are drawn from [0, high))")
+        if not integer and self.high is not None:
+            raise ValueError(f"'high' applies to integer dtypes only, not {self.dtype!r}")
+        return self
+
+
+class ModelConfig(Section):
+    """One model: where it comes from, its loss and its inputs."""
+
+    name: str = Field(description="Label used in plan names and the plans index; unique in the file.")
+    torchvision: str | None = Field(None, description="A torchvision.models name, e.g. 'resnet18' (random weights).")
+    transformers: str | None = Field(
+        None, description="A transformers model type, e.g. 'gpt2', built from a config (no download)."
+    )
+    factory: str | None = Field(None, description="Import path 'pkg.module:function' returning an nn.Module.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the torchvision builder, the transformers config, or the factory.",
+    )
+    auto_class: Literal[TRANSFORMERS_AUTO_CLASSES] = Field(
+        "AutoModelForCausalLM", description="transformers only: the Auto class built from the config."
+    )
+    loss: str = Field(
+        "cross_entropy",
+        description="A named loss (cross_entropy, mse, causal_lm, sum) or an import path "
+        "'pkg.module:function' called as loss(model, *batch) -> scalar.",
+    )
+    inputs: list[InputSpec] = Field(description="The batch tensors, in the order the loss receives them.")
+    batch_sizes: list[int] = Field([8], description="Batch sizes to plan for (one graph each).")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            raise ValueError(f"name {name!r} must be letters, digits, '-', '_' or '.' (it becomes a file name)")
+        return name
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, path: str | None) -> str | None:
+        if path is not None and not IMPORT_PATH.match(path):
+            raise ValueError(f"factory {path!r} is not an import path; write 'package.module:function'")
+        return path
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, loss: str) -> str:
+        if loss not in NAMED_LOSSES and not IMPORT_PATH.match(loss):
+            raise ValueError(
+                f"loss {loss!r} is neither a named loss ({', '.join(NAMED_LOSSES)}) nor an import path "
+                "'package.module:function'"
+            )
+        return loss
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batch_sizes(cls, sizes: list[int]) -> list[int]:
+        if not sizes or any(b <= 0 for b in sizes):
+            raise ValueError(f"batch_sizes must be a non-empty list of positive integers, got {sizes}")
+        return sizes
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        sources = [k for k in ("torchvision", "transformers", "factory") if getattr(self, k) is not None]
+        if len(sources) != 1:
+            raise ValueError(
+                f"model {self.name!r} needs exactly one of 'torchvision', 'transformers' or 'factory', "
+                f"got {sources or 'none'}"
+            )
+        if not self.inputs:
+            raise ValueError(f"model {self.name!r} needs at least one entry in 'inputs'")
+        return self
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(kind, name): ('torchvision', 'resnet18'), ('transformers', 'gpt2') or ('factory', 'pkg.m:f')."""
+        for kind in ("torchvision", "transformers", "factory"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        raise AssertionError("validated: exactly one source")
+
+    def content_hash(self, batch_size: int) -> str:
+        """SHA-256 of everything that determines the traced graph of this model at `batch_size`."""
+        spec = self.model_dump(exclude={"name", "batch_sizes"}) | {"batch_size": batch_size}
+        return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class ProfileConfig(Section):
+    """Operator profiling (the costs the solvers minimise)."""
+
+    warmup: int = Field(2, ge=0, description="Untimed runs of each operator before timing.")
+    repeats: int = Field(5, ge=1, description="Timed runs of each operator; the store keeps their statistics.")
+    retries: int = Field(2, ge=0, description="Prefect retries of a profiling task that raised.")
+
+
+class PlanConfig(Section):
+    """One solver and the budgets to solve it at (each budget is one plan per model and batch size)."""
+
+    solver: str = Field(description="A registered solver name (see `memplan solve --help`).")
+    budgets: list[Annotated[Budget, BeforeValidator(parse_budget)]] = Field(
+        description="Bytes (int), a size with a unit ('1.5 GiB'), or a fraction of the checkpoint-all "
+        "peak (0.6 or '60%')."
+    )
+    backend: Literal["highs", "gurobi"] = Field("highs", description="MILP backend (MILP solvers only).")
+    time_limit_s: float = Field(300.0, gt=0, description="Wall-clock limit of one solve, seconds.")
+    gap: float = Field(0.01, ge=0, lt=1, description="Relative MIP gap at which a MILP solve stops.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Extra solver-specific options.")
+    models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, budgets: list[Budget]) -> list[Budget]:
+        if not budgets:
+            raise ValueError("budgets is empty; list at least one budget")
+        return budgets
+
+    @field_validator("solver")
+    @classmethod
+    def _registered(cls, solver: str, info) -> str:
+        registered = (info.context or {}).get("solvers")
+        if registered is not None and solver not in registered:
+            raise ValueError(f"unknown solver {solver!r}; registered solvers: {', '.join(sorted(registered))}")
+        return solver
+
+    def solver_options(self) -> dict[str, Any]:
+        """The options dict handed to `SOLVERS[solver](problem, budget_bytes, options)`."""
+        return {"backend": self.backend, "time_limit_s": self.time_limit_s, "gap": self.gap, **self.options}
+
+
+class ValidateConfig(Section):
+    """What a plan must satisfy before it is published."""
+
+    steps: int = Field(3, ge=1, description="Timed training steps of the plan and of eager PyTorch (median kept).")
+    warmup: int = Field(1, ge=0, description="Untimed steps before timing.")
+    rtol: float = Field(1e-4, ge=0, description="Relative tolerance on loss, gradients and buffer updates.")
+    atol: float = Field(1e-5, ge=0, description="Absolute tolerance on loss, gradients and buffer updates.")
+    peak_rtol: float = Field(
+        0.05,
+        ge=0,
+        description="Measured peak (tensor bytes allocated during the step) may exceed the budget by this fraction.",
+    )
+
+
+class PublishConfig(Section):
+    """Where validated plans go."""
+
+    dir: str = Field("plans", description="Folder of published plans, their aliases and the Parquet index.")
+
+
+class PipelineConfig(Section):
+    """The whole `pipeline.toml`."""
+
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    seed: int = Field(0, description="Seed of the random weights and batches.")
+    store: str = Field("profiles_db", description="Profile store folder.")
+    cache_dir: str = Field(".cache/memplan", description="Traced graphs, solutions and Prefect results.")
+    models: list[ModelConfig] = Field(description="The models to plan for.")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    plans: list[PlanConfig] = Field(description="Solvers and budgets.")
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, device: str) -> str:
+        if not DEVICE.match(device):
+            raise ValueError(f"device {device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+        return device
+
+    @model_validator(mode="after")
+    def _cross_references(self) -> PipelineConfig:
+        names = [m.name for m in self.models]
+        if not names:
+            raise ValueError("'models' is empty; declare at least one [[models]] table")
+        if not self.plans:
+            raise ValueError("'plans' is empty; declare at least one [[plans]] table")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model name {duplicates[0]!r} is used twice; model names must be unique")
+        for i, plan in enumerate(self.plans):
+            for name in plan.models or []:
+                if name not in names:
+                    raise ValueError(f"plans[{i}].models names {name!r}, which is not a model; models: {', '.join(names)}")
+        return self
+
+    @property
+    def validation(self) -> ValidateConfig:
+        """The `[validate]` section (`validate` itself is a pydantic method name)."""
+        return self.validate_
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the matrix: a model at a batch size, solved by one solver at one budget."""
+
+    model: ModelConfig
+    batch_size: int
+    plan: PlanConfig
+    budget: Budget
+
+    @property
+    def alias(self) -> str:
+        """Readable plan name, e.g. `resnet18-b8-checkmate-60pct`."""
+        return f"{self.model.name}-b{self.batch_size}-{self.plan.solver}-{self.budget.label}"
+
+
+def expand_matrix(config: PipelineConfig) -> list[Case]:
+    """All (model, batch size, plan, budget) combinations, in declaration order, without duplicates."""
+    cases: dict[str, Case] = {}
+    for model in config.models:
+        for batch_size in model.batch_sizes:
+            for plan in config.plans:
+                if plan.models is not None and model.name not in plan.models:
+                    continue
+                for budget in plan.budgets:
+                    case = Case(model, batch_size, plan, budget)
+                    cases.setdefault(case.alias, case)
+    return list(cases.values())
+
+
+def registered_solvers() -> list[str]:
+    """Names in the solver registry `tasks.solve.SOLVERS`."""
+    from tasks.solve import SOLVERS
+
+    return sorted(SOLVERS)
+
+
+def parse_config(data: dict[str, Any], source: str = "pipeline.toml", solvers: list[str] | None = None) -> PipelineConfig:
+    """Validate parsed TOML; `solvers` (default: the registry) are the names a plan may use."""
+    solvers = registered_solvers() if solvers is None else solvers
+    try:
+        return PipelineConfig.model_validate(data, context={"solvers": solvers})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def load_config(path: str | Path = "pipeline.toml", solvers: list[str] | None = None) -> PipelineConfig:
+    """Read and validate `pipeline.toml`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no such file; pass the path of a pipeline.toml (see docs/config.md for the schema)"
+        ) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}; fix the syntax at that position") from None
+    return parse_config(data, str(path), solvers)
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    """One paragraph: each error as `key.path = value: what is wrong and what is allowed`."""
+    parts = []
+    for err in exc.errors():
+        path = _key_path(err["loc"])
+        if err["type"] == "value_error":
+            message = str(err["ctx"]["error"])
+        elif err["type"] == "extra_forbidden":
+            section = _section_at(err["loc"][:-1])
+            where = _key_path(err["loc"][:-1]) or "the top level"
+            message = f"unknown key; allowed keys in {where}: {', '.join(section.keys())}"
+        elif err["type"] == "missing":
+            message = "required key is missing"
+        else:
+            message = err["msg"]
+        where = f"key {path}" if path else "top level"
+        value = "" if err["type"] == "missing" or isinstance(err["input"], dict) else f" = {err['input']!r}"
+        parts.append(f"{where}{value}: {message}")
+    return f"{source} does not match the pipeline schema (docs/config.md): " + "; ".join(parts) + "."
+
+
+def _section_at(loc: tuple) -> type[Section]:
+    """The table class reached by following a pydantic error location from `PipelineConfig`."""
+    section: type[Section] = PipelineConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = next(f for name, f in section.model_fields.items() if (f.alias or name) == part)
+        annotation = field.annotation
+        while get_origin(annotation) is not None:
+            annotation = next(a for a in get_args(annotation) if a is not type(None))
+        section = annotation
+    return section
+
+
+def _key_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += ("." if path else "") + str(part)
+    return path

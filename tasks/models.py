@@ -1,0 +1,190 @@
+"""Model, loss, batch and device factories for a `[[models]]` entry of `pipeline.toml`.
+
+Models get seeded random weights (no downloads). A loss is called as `loss(model, *batch) -> scalar`,
+the calling convention of `runtime.capture` and `runtime.load`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.config import IMPORT_PATH, NAMED_LOSSES, MemplanError, ModelConfig
+
+
+class ModelError(MemplanError):
+    """A model, loss or batch that cannot be built from its `pipeline.toml` entry."""
+
+
+class DeviceError(MemplanError):
+    """The configured device is not present on this host."""
+
+
+def resolve_device(spec: str) -> str:
+    """`auto` -> `cuda:0` when torch sees a GPU, else `cpu`; `cuda`/`cuda:N` must exist."""
+    if spec == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return "cpu"
+    index = int(spec.partition(":")[2] or 0)
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"device = {spec!r} in pipeline.toml, but torch {torch.__version__} sees no CUDA GPU on this host "
+            "(torch.cuda.is_available() is False); run on a GPU host, or set device = \"auto\" or \"cpu\"."
+        )
+    if index >= torch.cuda.device_count():
+        raise DeviceError(
+            f"device = {spec!r} in pipeline.toml, but this host has {torch.cuda.device_count()} CUDA GPU(s) "
+            f"(cuda:0..cuda:{torch.cuda.device_count() - 1}); pick one of those or \"auto\"."
+        )
+    return f"cuda:{index}"
+
+
+def import_object(path: str, role: str) -> Any:
+    """The object named by `pkg.module:attr.sub`; `role` says what the path is for in error messages."""
+    if not IMPORT_PATH.match(path):
+        raise ModelError(f"{role} {path!r} is not an import path; write 'package.module:function'.")
+    module_name, _, attr = path.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(
+            f"{role} {path!r}: cannot import module {module_name!r} ({exc}); install the package or put "
+            "its folder on PYTHONPATH."
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelError(f"{role} {path!r}: {obj.__name__} has no attribute {part!r}; check the name after ':'.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ModelError(f"{role} {path!r} names a {type(obj).__name__}, not a function or class.")
+    return obj
+
+
+def build_model(spec: ModelConfig, seed: int) -> nn.Module:
+    """The model of `spec` with weights drawn from `torch.manual_seed(seed)`, in training mode."""
+    kind, name = spec.source
+    torch.manual_seed(seed)
+    where = f"model {spec.name!r} ({kind} = {name!r})"
+    try:
+        if kind == "torchvision":
+            model = _torchvision(name, spec.kwargs, where)
+        elif kind == "transformers":
+            model = _transformers(name, spec.auto_class, spec.kwargs, where)
+        else:
+            model = import_object(name, f"factory of model {spec.name!r}")(**spec.kwargs)
+    except MemplanError:
+        raise
+    except Exception as exc:
+        raise ModelError(
+            f"{where} could not be built with kwargs {spec.kwargs}: {type(exc).__name__}: {exc}. "
+            "Fix the kwargs or the model source."
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"{where} returned a {type(model).__name__}, not a torch.nn.Module.")
+    return model.train()
+
+
+def _torchvision(name: str, kwargs: dict[str, Any], where: str) -> nn.Module:
+    import torchvision
+
+    names = torchvision.models.list_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=5)
+        raise ModelError(
+            f"{where}: torchvision {torchvision.__version__} has no model {name!r}"
+            + (f"; close matches: {', '.join(close)}" if close else "")
+            + "; see torchvision.models.list_models()."
+        )
+    return torchvision.models.get_model(name, weights=None, **kwargs)
+
+
+def _transformers(model_type: str, auto_class: str, kwargs: dict[str, Any], where: str) -> nn.Module:
+    """A transformers model from `AutoConfig.for_model(model_type, **kwargs)`: no hub access.
+
+    Defaults: `use_cache=False` (no key/value cache in training) and `attn_implementation="eager"`
+    (attention as plain ATen ops the planner can see)."""
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(
+            model_type, **({"use_cache": False, "attn_implementation": "eager"} | kwargs)
+        )
+    except ValueError:
+        if model_type in transformers.CONFIG_MAPPING:
+            raise
+        close = difflib.get_close_matches(model_type, list(transformers.CONFIG_MAPPING), n=5)
+        raise ModelError(
+            f"{where}: transformers {transformers.__version__} has no model type {model_type!r}"
+            + (f"; close matches: {', '.join(close)}" if close else "")
+            + "."
+        ) from None
+    return getattr(transformers, auto_class).from_config(config)
+
+
+def build_loss(spec: ModelConfig) -> Callable[..., torch.Tensor]:
+    """The loss of `spec`: a named loss or the function at its import path."""
+    if spec.loss in NAMED_LOSSES:
+        return _NAMED[spec.loss]
+    return import_object(spec.loss, f"loss of model {spec.name!r}")
+
+
+def build_batch(spec: ModelConfig, batch_size: int, seed: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:
+    """The batch tensors of `spec` (shape `[batch_size, *shape]`), drawn from a generator seeded with `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = []
+    for item in spec.inputs:
+        shape = (batch_size, *item.shape)
+        dtype = getattr(torch, item.dtype)
+        if item.high is not None:
+            tensor = torch.randint(0, item.high, shape, generator=generator, dtype=dtype)
+        elif dtype == torch.bool:
+            tensor = torch.rand(shape, generator=generator) < 0.5
+        else:
+            tensor = torch.randn(shape, generator=generator).to(dtype)
+        batch.append(tensor.to(device))
+    return tuple(batch)
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """The prediction tensor of a model output: the tensor itself, `.logits`, or the first element."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ModelError(
+        f"the model returned a {type(output).__name__}; named losses need a tensor, an object with "
+        "`.logits` or a tuple whose first element is a tensor. Use a loss given by import path."
+    )
+
+
+def cross_entropy(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `model(inputs)` against class indices `target`."""
+    return F.cross_entropy(_logits(model(inputs)), target)
+
+
+def mse(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of `model(inputs)` against `target`."""
+    return F.mse_loss(_logits(model(inputs)), target)
+
+
+def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: logits at position t predict token t+1."""
+    logits = _logits(model(input_ids))
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+
+
+def output_sum(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
+    """Sum of the model output (a loss for models without targets)."""
+    return _logits(model(*batch)).sum()
+
+
+_NAMED = {"cross_entropy": cross_entropy, "mse": mse, "causal_lm": causal_lm, "sum": output_sum}
+assert set(_NAMED) == set(NAMED_LOSSES)
