@@ -1,0 +1,289 @@
+"""The profile store: hive-partitioned Parquet files under `profiles_db/`, DuckDB views over them.
+
+Writers write one Parquet file per profiling run under a temporary name that does not end in `.parquet`
+and rename it into place (`os.replace`), so readers never see half a file and any number of processes and
+hosts can write at once; nobody opens a DuckDB database file read-write. Readers list the finished files,
+skip (with a `ProfileStoreWarning` naming them) files that are truncated or are not memplan profiles, and
+build in-memory DuckDB views over the rest with absolute paths and `union_by_name`. Layout, columns and
+views: docs/profile-schema.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tasks.store_schema import (
+    DEFAULT_IMPL,
+    REQUIRED,
+    RUN_COLUMNS,
+    SCHEMA,
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    partition_dir,
+    run_filename,
+)
+
+ENV_VAR = "MEMPLAN_PROFILES_DB"
+_RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class ProfileStoreWarning(UserWarning):
+    """A file in the store was skipped (truncated, foreign or unreadable)."""
+
+
+class ProfileNotFoundError(LookupError):
+    """No complete profiling run exists for the requested graph fingerprint and device."""
+
+
+def store_root(root: str | os.PathLike | None = None) -> Path:
+    """The store folder: `root` if given, else `$MEMPLAN_PROFILES_DB`, else `<repo>/profiles_db` (absolute)."""
+    chosen = root if root is not None else os.environ.get(ENV_VAR) or Path(__file__).resolve().parents[1] / "profiles_db"
+    return Path(chosen).expanduser().resolve()
+
+
+def new_run_id() -> str:
+    """A run id that sorts by creation time and is unique across hosts: `<UTC time>-<random hex>`."""
+    return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:12]}"
+
+
+def _single(table: pa.Table, column: str):
+    values = table.column(column).unique().to_pylist()
+    if len(values) != 1:
+        raise ValueError(f"A profile run file holds exactly one {column}, but the rows carry {values!r}: "
+                         f"write one file per run (split the rows by {column}).")
+    return values[0]
+
+
+def _as_run_table(rows: pa.Table | list[dict]) -> pa.Table:
+    """Cast `rows` to the schema and check that they form one well-formed run."""
+    if isinstance(rows, pa.Table):
+        rows = rows.to_pylist()
+    unknown = sorted({key for row in rows for key in row} - set(SCHEMA.names))
+    if unknown:
+        raise ValueError(f"Profile rows carry columns {unknown} that schema version {SCHEMA_VERSION} does not "
+                         f"define (docs/profile-schema.md); fix the names or add the columns to the schema.")
+    try:
+        table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ValueError(f"Profile rows do not match profile schema version {SCHEMA_VERSION} "
+                         f"(docs/profile-schema.md): {exc}. Build the rows with tasks.profile or give every "
+                         f"column of tasks.store_schema.SCHEMA with its type.") from exc
+    if table.num_rows == 0:
+        raise ValueError("A profile run needs at least one row; nothing was written.")
+    for column in REQUIRED:
+        if table.column(column).null_count:
+            raise ValueError(f"Profile column {column!r} is missing or null in some rows; every row needs it "
+                             f"(docs/profile-schema.md).")
+    for column in ("run_id", "fingerprint", "model", "device", "graph_nodes", "schema_version"):
+        _single(table, column)
+    run_id = _single(table, "run_id")
+    if not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run_id {run_id!r} may only hold letters, digits, '.', '_' and '-' "
+                         f"(use tasks.store.new_run_id()).")
+    if _single(table, "schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"schema_version must be {SCHEMA_VERSION} for files written by this memplan.")
+    ids = table.column("node_id").to_pylist()
+    if len(set(zip(ids, table.column("impl").to_pylist()))) != table.num_rows:
+        raise ValueError(f"Run {run_id} has more than one row for some (node_id, impl): each node and "
+                         f"implementation variant is measured once per run.")
+    graph_nodes = _single(table, "graph_nodes")
+    if min(ids) < 0 or max(ids) >= graph_nodes:
+        raise ValueError(f"Run {run_id}: node_id must lie in [0, graph_nodes={graph_nodes}), got "
+                         f"{min(ids)}..{max(ids)}.")
+    return table
+
+
+def write_run(rows: pa.Table | list[dict], root: str | os.PathLike | None = None) -> Path:
+    """Write one run atomically to `<root>/device=<d>/model=<m>/run-<id>.parquet`; return its path.
+
+    The file is written and fsynced under `.run-<id>.<pid>.partial` in the same folder (outside the
+    `*.parquet` glob), then renamed into place, so concurrent readers and writers never see partial files.
+    """
+    table = _as_run_table(rows)
+    run_id = _single(table, "run_id")
+    folder = store_root(root) / partition_dir(_single(table, "device"), _single(table, "model"))
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / run_filename(run_id)
+    if final.exists():
+        raise FileExistsError(f"Profile run {run_id} already exists at {final}; run ids are unique per run.")
+    temp = folder / f".run-{run_id}.{os.getpid()}.partial"
+    try:
+        with open(temp, "wb") as handle:
+            pq.write_table(table, handle, compression="zstd")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, final)
+    finally:
+        temp.unlink(missing_ok=True)
+    return final
+
+
+def _problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a memplan profile file, or None when it can."""
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except (OSError, pa.ArrowException) as exc:
+        return f"unreadable or truncated Parquet ({exc})"
+    metadata = schema.metadata or {}
+    if SCHEMA_KEY not in metadata:
+        return f"not a memplan profile (no {SCHEMA_KEY.decode()} key in its metadata)"
+    missing = [c for c in REQUIRED if c not in schema.names]
+    if missing:
+        return f"memplan profile without required columns {missing}"
+    return None
+
+
+def run_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """The readable profile files in the store (absolute, sorted); others are skipped with a warning."""
+    base = store_root(root)
+    good = []
+    for path in sorted(base.rglob("*.parquet")):
+        if not path.is_file():
+            continue
+        problem = _problem(path)
+        if problem is None:
+            good.append(path)
+        else:
+            warnings.warn(f"Skipping {path}: {problem}. Delete or move the file out of {base} to silence "
+                          f"this warning.", ProfileStoreWarning, stacklevel=2)
+    return good
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+_GROUP = ("run_id", "fingerprint", "device")
+_RUN_VALUES = ", ".join(c if c in _GROUP else f"any_value({c}) AS {c}" for c in RUN_COLUMNS)
+VIEWS = {
+    "runs": f"""
+        SELECT {_RUN_VALUES},
+               count(*) AS rows,
+               count(DISTINCT node_id) FILTER (WHERE impl = '{DEFAULT_IMPL}') AS nodes,
+               count(DISTINCT node_id) FILTER (WHERE impl = '{DEFAULT_IMPL}') = any_value(graph_nodes) AS complete
+        FROM profiles GROUP BY {', '.join(_GROUP)}""",
+    "latest_runs": """
+        SELECT * FROM runs WHERE complete
+        QUALIFY row_number() OVER (PARTITION BY fingerprint, device ORDER BY created_at DESC, run_id DESC) = 1""",
+    "latest_costs": """
+        SELECT p.* FROM profiles p SEMI JOIN latest_runs r
+        ON p.run_id = r.run_id AND p.fingerprint = r.fingerprint AND p.device = r.device""",
+}
+
+
+def connect(root: str | os.PathLike | None = None):
+    """An in-memory DuckDB connection with the store's views, locked against file access.
+
+    Views: `profiles` (every row of every readable run), `runs` (one row per run with `rows`, `nodes`
+    and `complete`), `latest_runs` (newest complete run per fingerprint and device) and `latest_costs`
+    (the rows of those runs). After the views are built, file access is limited to the store's files and
+    the configuration is locked, so queries can read the store but write nothing.
+    """
+    import duckdb
+
+    files = run_files(root)
+    con = duckdb.connect(":memory:")
+    if files:
+        paths = ", ".join(_sql_string(str(p)) for p in files)
+        con.execute(f"CREATE VIEW profiles AS SELECT * FROM read_parquet([{paths}], union_by_name = true)")
+    else:
+        con.register("_empty_profiles", SCHEMA.empty_table())
+        con.execute("CREATE VIEW profiles AS SELECT * FROM _empty_profiles")
+    for name, sql in VIEWS.items():
+        con.execute(f"CREATE VIEW {name} AS {sql}")
+    con.execute(f"SET allowed_paths = [{', '.join(_sql_string(str(p)) for p in files)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+class NodeCost(NamedTuple):
+    """Measured cost of one operator node in one implementation variant."""
+
+    time_ms: float
+    workspace_bytes: int
+    output_bytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class CostTable(Mapping):
+    """Costs of one profiling run: `table[node_id]` is the default implementation's `NodeCost`.
+
+    `variants[node_id][impl]` holds every measured implementation variant.
+    """
+
+    fingerprint: str
+    device: str
+    model: str
+    run_id: str
+    created_at: datetime
+    variants: Mapping[int, Mapping[str, NodeCost]]
+
+    def __getitem__(self, node_id: int) -> NodeCost:
+        return self.variants[node_id][DEFAULT_IMPL]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.variants))
+
+    def __len__(self) -> int:
+        return len(self.variants)
+
+
+def _device_filter(device: str | None) -> tuple[str, list]:
+    """SQL predicate for a device key (`nvidia-h100-80gb-hbm3`) or a device type (`cuda`, `cuda:1`, `cpu`)."""
+    if device is None:
+        return "TRUE", []
+    return "(device = ? OR device_type = ?)", [device, device.split(":")[0]]
+
+
+def load_costs(fingerprint: str, device: str | None = None, root: str | os.PathLike | None = None) -> CostTable:
+    """The cost table of the newest complete profiling run of graph `fingerprint` (on `device` if given).
+
+    A run is complete when it has a default-implementation row for every node of the graph. Only rows
+    whose `fingerprint` equals the one asked for are ever read. Raises `ProfileNotFoundError` saying
+    which profile to run when there is none.
+    """
+    con = connect(root)
+    where, params = _device_filter(device)
+    found = con.execute(
+        f"SELECT run_id, device, model, created_at FROM runs WHERE complete AND fingerprint = ? AND {where} "
+        "ORDER BY created_at DESC, run_id DESC LIMIT 1", [fingerprint, *params]).fetchall()
+    if not found:
+        others = con.execute(
+            "SELECT device, model, bool_or(complete), count(*) FROM runs WHERE fingerprint = ? "
+            "GROUP BY device, model ORDER BY device", [fingerprint]).fetchall()
+        raise ProfileNotFoundError(_missing_message(fingerprint, device, store_root(root), others))
+    run_id, run_device, model, created_at = found[0]
+    rows = con.execute(
+        "SELECT node_id, impl, time_ms, workspace_bytes, output_bytes FROM profiles "
+        "WHERE run_id = ? AND fingerprint = ? AND device = ?", [run_id, fingerprint, run_device]).fetchall()
+    variants: dict[int, dict[str, NodeCost]] = {}
+    for node_id, impl, time_ms, workspace, output in rows:
+        if impl in variants.setdefault(node_id, {}):
+            raise ValueError(f"Profile run {run_id} holds node {node_id} ({impl}) twice: its file is in "
+                             f"{store_root(root)} more than once. Delete the copy.")
+        variants[node_id][impl] = NodeCost(float(time_ms), int(workspace), int(output))
+    return CostTable(fingerprint, run_device, model, run_id, created_at, variants)
+
+
+def _missing_message(fingerprint: str, device: str | None, root: Path, others: list[tuple]) -> str:
+    where = f" on device {device!r}" if device else ""
+    text = f"No complete profile of graph fingerprint {fingerprint[:16]}...{where} in the profile store {root}."
+    if others:
+        seen = ", ".join(f"{d} ({m}, {'complete' if c else 'incomplete'}, {n} run(s))" for d, m, c, n in others)
+        text += f" Profiles of this graph exist for: {seen}."
+    target = device or "the device you plan for"
+    return text + (f" Profile this graph on {target} first: `memplan profile` with the pipeline.toml that "
+                   f"declares its model, or tasks.profile.profile_graph(graph, model=..., device=...) "
+                   f"(set {ENV_VAR} or pass root= if the store lives elsewhere).")

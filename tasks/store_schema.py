@@ -1,0 +1,70 @@
+"""The profile store's Parquet schema (`memplan-profile`, documented in docs/profile-schema.md).
+
+One Parquet file holds one profiling run: one row per (operator node, implementation variant), with the
+run's metadata repeated on every row so that every file describes itself. The version is stored in the
+file's key-value metadata; it grows by one whenever a column is added. Readers take every version whose
+files carry the `REQUIRED` columns and union the rest by name.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import pyarrow as pa
+
+SCHEMA_KEY = b"memplan.profile_schema"
+SCHEMA_VERSION = 1
+DEFAULT_IMPL = "default"
+
+_RUN_FIELDS = [
+    pa.field("schema_version", pa.int32(), nullable=False),
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("fingerprint", pa.string(), nullable=False),
+    pa.field("model", pa.string(), nullable=False),
+    pa.field("graph_nodes", pa.int32(), nullable=False),
+    pa.field("batch_size", pa.int32()),
+    pa.field("input_shapes", pa.string()),
+    pa.field("device", pa.string(), nullable=False),
+    pa.field("device_type", pa.string(), nullable=False),
+    pa.field("device_name", pa.string()),
+    pa.field("host", pa.string()),
+    pa.field("torch_version", pa.string()),
+    pa.field("cuda_version", pa.string()),
+    pa.field("cudnn_version", pa.string()),
+    pa.field("memplan_version", pa.string()),
+    pa.field("timer", pa.string()),
+    pa.field("warmup", pa.int32()),
+    pa.field("repeats", pa.int32()),
+    pa.field("threads", pa.int32()),
+    pa.field("seed", pa.int64()),
+]
+
+_ROW_FIELDS = [
+    pa.field("node_id", pa.int32(), nullable=False),
+    pa.field("node_name", pa.string()),
+    pa.field("op", pa.string()),
+    pa.field("targets", pa.list_(pa.string())),
+    pa.field("phase", pa.string()),
+    pa.field("impl", pa.string(), nullable=False),
+    pa.field("time_ms", pa.float64(), nullable=False),
+    pa.field("time_ms_min", pa.float64()),
+    pa.field("time_ms_iqr", pa.float64()),
+    pa.field("input_bytes", pa.int64()),
+    pa.field("output_bytes", pa.int64(), nullable=False),
+    pa.field("workspace_bytes", pa.int64(), nullable=False),
+]
+
+SCHEMA = pa.schema(_RUN_FIELDS + _ROW_FIELDS, metadata={SCHEMA_KEY: str(SCHEMA_VERSION).encode()})
+RUN_COLUMNS = tuple(f.name for f in _RUN_FIELDS)
+REQUIRED = tuple(f.name for f in SCHEMA if not f.nullable)
+
+
+def partition_dir(device: str, model: str) -> str:
+    """Relative hive partition folder `device=<d>/model=<m>` (values percent-encoded, as DuckDB reads them)."""
+    return f"device={quote(device, safe='')}/model={quote(model, safe='')}"
+
+
+def run_filename(run_id: str) -> str:
+    """File name of one run: only finished files end in `.parquet`, the suffix the readers glob for."""
+    return f"run-{run_id}.parquet"
