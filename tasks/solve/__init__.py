@@ -1,0 +1,1 @@
+"""Solvers for memory-constrained schedules (torch-free): problem, simulator, solvers by name."""

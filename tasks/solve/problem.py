@@ -1,0 +1,279 @@
+"""The rematerialization problem every solver sees: numbers and integer ids, no torch.
+
+A `Problem` is an operator graph (nodes reading and allocating values) plus a compute cost and a
+workspace per node. It is built from the project's operator graph and its profiled costs
+(`Problem.from_graph`) or from the node-link JSON of the public benchmarks (`Problem.from_node_link`).
+Memory is defined by `tasks.solve.simulator.simulate`, never here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+PHASES = ("forward", "loss", "backward")
+
+
+class ProblemError(ValueError):
+    """A graph or cost table that cannot be turned into a consistent `Problem`."""
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """Nodes `0..n-1` and values `0..V-1`, ids as in the source graph.
+
+    `cost[i]`, `workspace[i]`: compute cost (graph's cost unit) and scratch bytes of node i while it runs.
+    `node_inputs[i]` / `node_outputs[i]`: value ids read / allocated by node i.
+    `value_bytes[v]`; `value_producer[v]` is the node allocating v, -1 for a graph input (batch,
+    parameter, buffer: always resident, counted in `constant_bytes`, never in a peak).
+    `outputs`: graph output values, resident from their last computation to the end.
+    `order`: the default (eager) execution order, a topological order of the nodes.
+    `fingerprint`: of the operator graph this problem came from, None for benchmark graphs.
+    """
+
+    name: str
+    cost: np.ndarray
+    workspace: np.ndarray
+    phase: tuple[str, ...]
+    node_inputs: tuple[tuple[int, ...], ...]
+    node_outputs: tuple[tuple[int, ...], ...]
+    value_bytes: np.ndarray
+    value_producer: np.ndarray
+    outputs: tuple[int, ...]
+    order: np.ndarray
+    fingerprint: str | None = None
+    node_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    # -- sizes and derived tables ----------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.cost)
+
+    @property
+    def num_values(self) -> int:
+        return len(self.value_bytes)
+
+    @cached_property
+    def constant_bytes(self) -> int:
+        """Bytes of the graph inputs, always resident, reported apart from a schedule's peak."""
+        return int(self.value_bytes[self.value_producer < 0].sum())
+
+    @cached_property
+    def position(self) -> np.ndarray:
+        """`position[node]` = index of the node in `order`."""
+        pos = np.empty(self.num_nodes, dtype=np.int64)
+        pos[self.order] = np.arange(self.num_nodes)
+        return pos
+
+    @cached_property
+    def value_users(self) -> tuple[tuple[int, ...], ...]:
+        """Nodes reading each value, in default-order position."""
+        users: list[set[int]] = [set() for _ in range(self.num_values)]
+        for node, inputs in enumerate(self.node_inputs):
+            for v in inputs:
+                users[v].add(node)
+        pos = self.position
+        return tuple(tuple(sorted(u, key=lambda n: pos[n])) for u in users)
+
+    @cached_property
+    def is_output(self) -> np.ndarray:
+        mask = np.zeros(self.num_values, dtype=bool)
+        mask[list(self.outputs)] = True
+        return mask
+
+    @cached_property
+    def node_bytes(self) -> np.ndarray:
+        """Bytes allocated by each node (sum of its output values)."""
+        return np.array([int(self.value_bytes[list(out)].sum()) for out in self.node_outputs], dtype=np.int64)
+
+    @cached_property
+    def is_recomputable(self) -> np.ndarray:
+        """Forward and loss nodes; backward nodes (gradients) are never rematerialized by the classic
+        checkpointing baselines (Checkmate sec. 1)."""
+        return np.array([p != "backward" for p in self.phase], dtype=bool)
+
+    def node_label(self, node: int) -> str:
+        return f"node {node} ({self.node_names[node]})" if self.node_names else f"node {node}"
+
+    # -- loaders ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_graph(cls, graph: Any, costs: Mapping[int, Sequence[float]] | None = None) -> "Problem":
+        """Problem of a `runtime.graph.OpGraph`; `costs[node_id] = (time, workspace_bytes)` from the
+        profile store. Without `costs`, every node costs 1 and needs no workspace."""
+        n = len(graph.nodes)
+        if costs is None:
+            cost, workspace = np.ones(n), np.zeros(n, dtype=np.int64)
+        else:
+            missing = [node.id for node in graph.nodes if node.id not in costs]
+            if missing:
+                raise ProblemError(
+                    f"the cost table has no entry for nodes {missing[:10]} of graph {graph.fingerprint[:12]} "
+                    f"({len(missing)} of {n} missing); profile this graph (memplan profile) so every node "
+                    f"has a time and a workspace.")
+            pairs = [tuple(costs[node.id]) for node in graph.nodes]
+            if any(len(p) != 2 for p in pairs):
+                raise ProblemError("each cost entry must be a pair (time, workspace_bytes).")
+            cost = np.array([float(p[0]) for p in pairs])
+            workspace = np.array([int(p[1]) for p in pairs], dtype=np.int64)
+        return cls(
+            name=str(graph.meta.get("model", "graph")),
+            cost=cost,
+            workspace=workspace,
+            phase=tuple(node.phase for node in graph.nodes),
+            node_inputs=tuple(tuple(dict.fromkeys(node.inputs)) for node in graph.nodes),
+            node_outputs=tuple(tuple(node.outputs) for node in graph.nodes),
+            value_bytes=np.array([v.bytes for v in graph.values], dtype=np.int64),
+            value_producer=np.array([-1 if v.producer is None else v.producer for v in graph.values],
+                                    dtype=np.int64),
+            outputs=tuple(graph.outputs),
+            order=np.arange(n, dtype=np.int64),
+            fingerprint=graph.fingerprint,
+            node_names=tuple(node.name for node in graph.nodes),
+        )
+
+    @classmethod
+    def from_node_link(cls, path: str | os.PathLike) -> "Problem":
+        """Problem of a benchmark graph (networkx node-link JSON, both layouts of
+        shared/benchmarks/README.md). One value per node, holding that node's output; no graph
+        inputs, no workspace; the only graph output is the terminal node (Checkmate eq. 1e), so peaks
+        equal Checkmate's U recurrence (eq. 2-3) with no constant overhead."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ProblemError(f"cannot read node-link graph {path}: {exc}. Pass a benchmark graph JSON file.") from None
+        if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("links"), list):
+            raise ProblemError(f"{path}: not a node-link graph (expected an object with 'nodes' and 'links' lists).")
+        if data["nodes"] and "cost_ram" in data["nodes"][0]:
+            ids, cost, nbytes, backward, names = _columns(
+                data["nodes"], ("id", "cost_cpu", "cost_ram", "backward", "name"), path)
+            edges = _edges(data["links"], "source", "target", path)
+            order, terminal = None, None
+        else:
+            ids, cost, nbytes = _columns(data["nodes"], ("name", "duration", "out_cost"), path)
+            names = ids
+            backward = [False] * len(ids)
+            edges = _edges(data["links"], "0", "1", path)
+            graph = data.get("graph", {})
+            order, terminal = graph.get("order"), graph.get("target_node")
+            if not isinstance(order, list) or terminal is None:
+                raise ProblemError(f"{path}: the random-layered layout needs graph.order (a list) and graph.target_node.")
+        n = len(ids)
+        if sorted(ids) != list(range(n)):
+            raise ProblemError(f"{path}: node ids must be 0..{n - 1}, got {sorted(ids)[:5]}...")
+        by_id = np.argsort(ids)
+        try:
+            return cls.from_edges(
+                np.asarray(cost, dtype=float)[by_id], np.asarray(nbytes, dtype=np.int64)[by_id], edges,
+                order=order, backward=np.asarray(backward, dtype=bool)[by_id], terminal=terminal, name=path.stem,
+                names=[names[i] for i in by_id])
+        except ProblemError as exc:
+            raise ProblemError(f"{path}: {exc}") from None
+
+    @classmethod
+    def from_edges(cls, cost: Sequence[float], nbytes: Sequence[int], edges: Iterable[tuple[int, int]], *,
+                   order: Sequence[int] | None = None, backward: Sequence[bool] | None = None,
+                   terminal: int | None = None, name: str = "graph",
+                   names: Sequence[str] | None = None) -> "Problem":
+        """Checkmate's data-flow graph (sec. 4.1): node i outputs one value (id i) of `nbytes[i]` bytes and
+        costs `cost[i]`; edge (i, j) means j reads i's output. `order` defaults to the node ids (which
+        must then be topological), `terminal` (the only graph output) to the last node of the order."""
+        n = len(cost)
+        order = list(range(n)) if order is None else list(order)
+        inputs: list[list[int]] = [[] for _ in range(n)]
+        for s, t in edges:
+            if not (0 <= s < n and 0 <= t < n):
+                raise ProblemError(f"edge {s}->{t} names a node that does not exist (0..{n - 1}).")
+            if s not in inputs[t]:
+                inputs[t].append(s)
+        backward = np.zeros(n, dtype=bool) if backward is None else np.asarray(backward, dtype=bool)
+        terminal = (order[-1] if order else None) if terminal is None else terminal
+        return cls(
+            name=name,
+            cost=np.asarray(cost, dtype=float),
+            workspace=np.zeros(n, dtype=np.int64),
+            phase=tuple("backward" if b else "forward" for b in backward),
+            node_inputs=tuple(tuple(sorted(x)) for x in inputs),
+            node_outputs=tuple((i,) for i in range(n)),
+            value_bytes=np.asarray(nbytes, dtype=np.int64),
+            value_producer=np.arange(n, dtype=np.int64),
+            outputs=() if terminal is None else (int(terminal),),
+            order=np.asarray(order, dtype=np.int64),
+            node_names=tuple(str(x) for x in (range(n) if names is None else names)),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, costs: Mapping[int, Sequence[float]] | None = None) -> "Problem":
+        """A memplan-graph JSON (via `runtime.graph.OpGraph`, with `costs`) or a node-link benchmark."""
+        from runtime.graph import OpGraph
+
+        try:
+            head = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ProblemError(f"cannot read graph file {path}: {exc}.") from None
+        if isinstance(head, dict) and head.get("format") == "memplan-graph":
+            return cls.from_graph(OpGraph.load(path), costs)
+        return cls.from_node_link(path)
+
+
+def _columns(nodes: list, keys: tuple[str, ...], path: Path) -> tuple[list, ...]:
+    for i, node in enumerate(nodes):
+        if not isinstance(node, dict) or any(k not in node for k in keys):
+            raise ProblemError(f"{path}: nodes[{i}] lacks one of the keys {keys} of its layout "
+                               f"(see shared/benchmarks/README.md).")
+    return tuple([node[k] for node in nodes] for k in keys)
+
+
+def _edges(links: list, src: str, dst: str, path: Path) -> list[tuple[int, int]]:
+    try:
+        return [(int(link[src]), int(link[dst])) for link in links]
+    except (KeyError, TypeError, ValueError):
+        raise ProblemError(f"{path}: every link must hold integer {src!r} and {dst!r} keys.") from None
+
+
+def _check(p: Problem) -> None:
+    """Consistent sizes, ids in range, costs finite and non-negative, each value allocated by the node
+    that lists it, and `order` a topological order of all nodes."""
+    n, nv = len(p.cost), len(p.value_bytes)
+    sizes = {"workspace": len(p.workspace), "phase": len(p.phase), "node_inputs": len(p.node_inputs),
+             "node_outputs": len(p.node_outputs), "order": len(p.order)}
+    bad = {k: v for k, v in sizes.items() if v != n}
+    if bad or len(p.value_producer) != nv or (p.node_names and len(p.node_names) != n):
+        raise ProblemError(f"problem {p.name!r}: {n} node costs but sizes {bad}; {nv} value sizes but "
+                           f"{len(p.value_producer)} producers.")
+    if not np.all(np.isfinite(p.cost)) or np.any(p.cost < 0) or np.any(p.workspace < 0) or np.any(p.value_bytes < 0):
+        raise ProblemError(f"problem {p.name!r}: costs, workspaces and value bytes must be finite and non-negative.")
+    if any(ph not in PHASES for ph in p.phase):
+        raise ProblemError(f"problem {p.name!r}: phases must be one of {PHASES}.")
+    for node, outs in enumerate(p.node_outputs):
+        for v in outs:
+            if not 0 <= v < nv or p.value_producer[v] != node:
+                raise ProblemError(f"problem {p.name!r}: node {node} lists output value {v}, whose producer "
+                                   f"is not that node.")
+    if np.any(p.value_producer >= n) or sum(map(len, p.node_outputs)) != int((p.value_producer >= 0).sum()):
+        raise ProblemError(f"problem {p.name!r}: every produced value must be listed by its producer node.")
+    if sorted(p.order.tolist()) != list(range(n)):
+        raise ProblemError(f"problem {p.name!r}: order must be a permutation of the node ids 0..{n - 1}.")
+    pos = np.empty(n, dtype=np.int64)
+    pos[p.order] = np.arange(n)
+    for node, inputs in enumerate(p.node_inputs):
+        for v in inputs:
+            if not 0 <= v < nv:
+                raise ProblemError(f"problem {p.name!r}: node {node} reads value {v}, which does not exist.")
+            producer = p.value_producer[v]
+            if producer >= 0 and pos[producer] >= pos[node]:
+                raise ProblemError(f"problem {p.name!r}: node {node} reads value {v} of node {producer}, "
+                                   f"which comes later in the default order; the order must be topological.")
+    if any(not 0 <= v < nv or p.value_producer[v] < 0 for v in p.outputs):
+        raise ProblemError(f"problem {p.name!r}: graph outputs must be values produced by nodes.")
