@@ -1,0 +1,231 @@
+"""Publish validated plans into `plans/`: content-addressed JSON, a readable alias, a Parquet index.
+
+Layout (every write is atomic: temporary dot-name, then `os.replace`):
+
+    plans/<plan_id>.json          the plan; plan_id = SHA-256 of its canonical JSON minus checksum and
+                                  provenance.created_at, so re-solving the same plan gives the same id
+    plans/<alias>.json            symlink to the newest plan published under that alias
+    plans/index/<plan_id>.parquet one index row (INDEX_SCHEMA); DuckDB reads `plans/index/*.parquet`
+
+Publishing the same plan again changes nothing: the plan file, its index row and an alias that already
+points at it are left untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from runtime.jsonio import sha256_hex, write_json_atomic
+from runtime.plan import Plan
+from tasks.config import MemplanError
+
+if TYPE_CHECKING:
+    from tasks.validate import Validation
+
+INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("plan_id", pa.string(), nullable=False),
+        pa.field("alias", pa.string(), nullable=False),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("batch_size", pa.int32(), nullable=False),
+        pa.field("fingerprint", pa.string(), nullable=False),
+        pa.field("solver", pa.string(), nullable=False),
+        pa.field("budget", pa.string(), nullable=False),
+        pa.field("budget_bytes", pa.int64(), nullable=False),
+        pa.field("predicted_peak_bytes", pa.int64(), nullable=False),
+        pa.field("predicted_time_ms", pa.float64()),
+        pa.field("measured_peak_bytes", pa.int64(), nullable=False),
+        pa.field("measured_step_ms", pa.float64(), nullable=False),
+        pa.field("eager_peak_bytes", pa.int64(), nullable=False),
+        pa.field("eager_step_ms", pa.float64(), nullable=False),
+        pa.field("overhead", pa.float64(), nullable=False),
+        pa.field("device", pa.string(), nullable=False),
+        pa.field("device_name", pa.string()),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("published_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("path", pa.string(), nullable=False),
+    ]
+)
+_ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_PLAN_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+class PublishError(MemplanError):
+    """A plan that cannot be published or found in `plans/`."""
+
+
+@dataclass(frozen=True)
+class IndexRow:
+    """What the index says about one published plan (the measured fields come from validation)."""
+
+    plan_id: str
+    alias: str
+    model: str
+    batch_size: int
+    fingerprint: str
+    solver: str
+    budget: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_time_ms: float | None
+    measured_peak_bytes: int
+    measured_step_ms: float
+    eager_peak_bytes: int
+    eager_step_ms: float
+    overhead: float
+    device: str
+    device_name: str
+    created_at: datetime
+    published_at: datetime
+    path: str
+
+
+@dataclass(frozen=True)
+class Published:
+    """Result of `publish`: where the plan is and whether this call wrote anything."""
+
+    plan_id: str
+    path: str
+    alias_path: str
+    changed: bool
+
+
+def plan_id(plan: Plan) -> str:
+    """Content address of a plan: SHA-256 of its canonical JSON without `checksum` and `created_at`."""
+    body = plan.to_json()
+    body.pop("checksum")
+    body["provenance"] = {k: v for k, v in body["provenance"].items() if k != "created_at"}
+    return sha256_hex(body)
+
+
+def publish(
+    plan: Plan, validation: Validation, plans_dir: str | os.PathLike, *, alias: str, model: str, batch_size: int, budget: str
+) -> Published:
+    """Write `plan` under its content address, its index row and the alias; idempotent.
+
+    Only a plan whose `validation` passed is published; `model`, `batch_size` and `budget` (the budget
+    as declared, e.g. `60pct`) are the index fields that the plan itself does not carry.
+    """
+    if not validation.passed:
+        raise PublishError(validation.explain(alias) + " It was not published.")
+    if not _ALIAS.match(alias):
+        raise PublishError(f"alias {alias!r} must be letters, digits, '-', '_' or '.' (it is a file name).")
+    plans_dir = Path(plans_dir)
+    pid = plan_id(plan)
+    target = plans_dir / f"{pid}.json"
+    changed = False
+    if not target.exists():
+        write_json_atomic(target, plan.to_json())
+        changed = True
+    index_file = plans_dir / "index" / f"{pid}.parquet"
+    if not index_file.exists():
+        row = _index_row(plan, pid, alias, validation, target.name, model=model, batch_size=batch_size, budget=budget)
+        _write_row(index_file, row)
+        changed = True
+    alias_path = plans_dir / f"{alias}.json"
+    if not (alias_path.is_symlink() and os.readlink(alias_path) == target.name):
+        _symlink_atomic(target.name, alias_path)
+        changed = True
+    return Published(pid, str(target), str(alias_path), changed)
+
+
+def _index_row(
+    plan: Plan, pid: str, alias: str, validation: Validation, filename: str, *, model: str, batch_size: int, budget: str
+) -> IndexRow:
+    provenance, predicted = plan.provenance, plan.predicted
+    missing = [k for k in ("solver", "budget_bytes") if provenance.get(k) is None]
+    if missing or predicted.get("peak_bytes") is None:
+        raise PublishError(
+            f"plan {pid[:12]} lacks provenance {missing or ''} / predicted.peak_bytes; only plans made by "
+            "`memplan solve` or the pipeline carry them. Re-solve the plan."
+        )
+    now = datetime.now(timezone.utc)
+    created = provenance.get("created_at")
+    return IndexRow(
+        plan_id=pid,
+        alias=alias,
+        model=model,
+        batch_size=batch_size,
+        fingerprint=plan.fingerprint,
+        solver=provenance["solver"],
+        budget=budget,
+        budget_bytes=int(provenance["budget_bytes"]),
+        predicted_peak_bytes=int(predicted["peak_bytes"]),
+        predicted_time_ms=predicted.get("time_ms"),
+        measured_peak_bytes=validation.measured_peak_bytes,
+        measured_step_ms=validation.measured_step_ms,
+        eager_peak_bytes=validation.eager_peak_bytes,
+        eager_step_ms=validation.eager_step_ms,
+        overhead=validation.overhead,
+        device=validation.device,
+        device_name=validation.device_name,
+        created_at=datetime.fromisoformat(created) if created else now,
+        published_at=now,
+        path=filename,
+    )
+
+
+def _write_row(path: Path, row: IndexRow) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist([asdict(row)], schema=INDEX_SCHEMA)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _symlink_atomic(target: str, link: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.parent / f".{link.name}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def index_glob(plans_dir: str | os.PathLike) -> str:
+    """The glob DuckDB reads for the plans index."""
+    return str(Path(plans_dir) / "index" / "*.parquet")
+
+
+def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Index rows (newest first) via DuckDB; `where` is an optional SQL condition with `?` parameters."""
+    import duckdb
+
+    if not any((Path(plans_dir) / "index").glob("*.parquet")):
+        return []
+    sql = f"SELECT * FROM read_parquet(?, union_by_name = true) {'WHERE ' + where if where else ''} ORDER BY published_at DESC, alias"
+    with duckdb.connect() as con:
+        cursor = con.execute(sql, [index_glob(plans_dir), *(params or [])])
+        columns = [d[0] for d in cursor.description]
+        return [dict(zip(columns, row)) for row in cursor.fetchall()]
+
+
+def resolve(plans_dir: str | os.PathLike, name: str) -> Path:
+    """The plan file for a plan id, an id prefix (at least 8 hex digits) or an alias."""
+    plans_dir = Path(plans_dir)
+    candidates = [plans_dir / f"{name}.json"]
+    if re.fullmatch(r"[0-9a-f]{8,64}", name):
+        candidates += sorted(p for p in plans_dir.glob(f"{name}*.json") if _PLAN_ID.match(p.stem))
+    found = [p for p in candidates if p.exists()]
+    if len({p.resolve() for p in found}) > 1:
+        raise PublishError(f"plan {name!r} is ambiguous in {plans_dir}: {', '.join(p.name for p in found)}; give more digits.")
+    if not found:
+        raise PublishError(f"no plan {name!r} in {plans_dir}: give a plan id, an id prefix or an alias (see `memplan plans list`).")
+    return found[0]

@@ -1,0 +1,187 @@
+"""Validate a plan by running it: same loss, gradients and buffer updates as eager PyTorch, peak within
+the budget, step time and overhead measured.
+
+What counts:
+- correctness: the loss, every parameter gradient and every buffer after one step of the plan equal
+  those of one eager step from the same weights and batch: |plan - eager| <= atol + rtol * |eager|
+  elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other;
+- memory: `runtime.meter.PeakMeter` measures the peak of tensor bytes allocated during the step
+  (activations, gradients, outputs, temporaries; not the parameters, buffers and batch that exist before
+  it, the same split as the plan's `peak_bytes` vs `constant_bytes`). It must not exceed
+  `budget_bytes * (1 + peak_rtol)`;
+- time: median over `steps` timed steps after `warmup` untimed ones, for the plan and for eager;
+  overhead = plan time / eager time - 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from runtime.plan import Plan
+from tasks.config import MemplanError, ModelConfig, ValidateConfig
+from tasks.models import build_batch, build_loss, build_model
+
+
+class ValidationFailed(MemplanError):
+    """A plan that does not reproduce eager training or exceeds its budget; it is not published."""
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Outcome of running one plan against eager PyTorch on one device."""
+
+    passed: bool
+    reasons: list[str]
+    device: str
+    device_name: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    eager_peak_bytes: int
+    measured_step_ms: float
+    eager_step_ms: float
+    overhead: float
+    loss: float
+    eager_loss: float
+    max_abs_error: float
+    tensors_compared: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Validation:
+        return cls(**data)
+
+    def explain(self, name: str) -> str:
+        """One paragraph saying why plan `name` failed."""
+        return f"plan {name} failed validation on {self.device}: " + "; ".join(self.reasons) + "."
+
+
+def compare_tensors(
+    expected: Mapping[str, torch.Tensor | None], actual: Mapping[str, torch.Tensor | None], rtol: float, atol: float
+) -> tuple[list[str], float, int]:
+    """Mismatches between two name -> tensor maps (`torch.allclose(actual, expected, rtol, atol)`),
+    the largest absolute difference seen and the number of tensors compared."""
+    problems, worst, compared = [], 0.0, 0
+    for name in sorted(set(expected) | set(actual)):
+        want, got = expected.get(name), actual.get(name)
+        if want is None or got is None:
+            if (want is None) != (got is None):
+                problems.append(f"{name} is {'missing' if got is None else 'unexpected'} in the plan's step")
+            continue
+        if want.shape != got.shape or want.dtype != got.dtype:
+            problems.append(f"{name} has shape {tuple(got.shape)} {got.dtype}, eager {tuple(want.shape)} {want.dtype}")
+            continue
+        compared += 1
+        if want.is_floating_point():
+            diff = (got.detach().double() - want.detach().double()).abs()
+            worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+            if not torch.allclose(got.detach(), want.detach(), rtol=rtol, atol=atol, equal_nan=True):
+                problems.append(f"{name} differs from eager by up to {float(diff.max()):.3g} (rtol {rtol:g}, atol {atol:g})")
+        elif not torch.equal(got, want):
+            problems.append(f"{name} differs from eager")
+    return problems, worst, compared
+
+
+def peak_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float) -> str | None:
+    """Why a measured peak breaks its budget (`measured > budget * (1 + peak_rtol)`), or None."""
+    limit = budget_bytes * (1 + peak_rtol)
+    if measured_bytes > limit:
+        return (
+            f"measured peak {measured_bytes:,} B exceeds the budget {budget_bytes:,} B by "
+            f"{measured_bytes / budget_bytes - 1:.1%} (allowed {peak_rtol:.1%})"
+        )
+    return None
+
+
+def step_state(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """Loss, parameter gradients and buffers after a step, keyed `loss`, `grad:<name>`, `buffer:<name>`."""
+    state: dict[str, torch.Tensor | None] = {"loss": loss.detach().clone()}
+    state |= {f"grad:{n}": None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+    state |= {f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()}
+    return state
+
+
+def validate_plan(
+    plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig
+) -> Validation:
+    """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc)."""
+    import runtime
+
+    base = build_model(spec, seed).to(device)
+    loss_fn = build_loss(spec)
+    batch = build_batch(spec, batch_size, seed, device)
+    eager_model, plan_model = copy.deepcopy(base), copy.deepcopy(base)
+
+    def eager_step() -> torch.Tensor:
+        loss = loss_fn(eager_model, *batch)
+        loss.backward()
+        return loss
+
+    planned_step = runtime.load(plan, plan_model, loss_fn)
+    eager, eager_peak, eager_ms = _measure(eager_model, eager_step, device, seed, settings)
+    planned, peak, step_ms = _measure(plan_model, lambda: planned_step(*batch), device, seed, settings)
+
+    problems, worst, compared = compare_tensors(eager, planned, settings.rtol, settings.atol)
+    budget = plan.provenance.get("budget_bytes")
+    if budget is None:
+        problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
+    elif reason := peak_problem(peak, int(budget), settings.peak_rtol):
+        problems.append(reason)
+    return Validation(
+        passed=not problems,
+        reasons=problems,
+        device=device,
+        device_name=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        budget_bytes=int(budget or 0),
+        predicted_peak_bytes=int(plan.predicted.get("peak_bytes") or 0),
+        measured_peak_bytes=int(peak),
+        eager_peak_bytes=int(eager_peak),
+        measured_step_ms=step_ms,
+        eager_step_ms=eager_ms,
+        overhead=step_ms / eager_ms - 1,
+        loss=float(planned["loss"]),
+        eager_loss=float(eager["loss"]),
+        max_abs_error=worst,
+        tensors_compared=compared,
+    )
+
+
+def _measure(
+    model: nn.Module, step: Callable[[], torch.Tensor], device: str, seed: int, settings: ValidateConfig
+) -> tuple[dict[str, torch.Tensor | None], int, float]:
+    """State after one step from a fresh `model`, then the peak of a second step, then its median time."""
+    from runtime.meter import PeakMeter
+
+    torch.manual_seed(seed)
+    state = step_state(model, step())
+    model.zero_grad(set_to_none=True)
+    with PeakMeter(device) as meter:
+        step()
+    model.zero_grad(set_to_none=True)
+    return state, meter.peak_bytes, _median_ms(step, model, device, settings.warmup, settings.steps)
+
+
+def _median_ms(step: Callable[[], Any], model: nn.Module, device: str, warmup: int, steps: int) -> float:
+    """Median wall time of `step` in milliseconds (CUDA synchronised), gradients cleared between steps."""
+    cuda = device.startswith("cuda")
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1000)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)

@@ -1,0 +1,165 @@
+"""pipeline.toml schema: defaults, budgets, matrix expansion and one-paragraph errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.config import (
+    Budget,
+    ConfigError,
+    expand_matrix,
+    load_config,
+    parse_budget,
+    parse_config,
+)
+
+SOLVERS = ["checkmate", "chen-sqrt-n"]
+
+
+def parse(data):
+    return parse_config(data, solvers=SOLVERS)
+
+
+def test_defaults_fill_every_optional_section(config_data):
+    config = parse(config_data)
+    assert config.device == "auto"
+    assert config.profile.warmup == 2 and config.profile.repeats == 5
+    assert config.validation.rtol == 1e-4 and config.validation.peak_rtol == 0.05
+    assert config.publish.dir == "plans"
+    assert config.models[1].batch_sizes == [8]
+    assert config.plans[0].solver_options() == {"backend": "highs", "time_limit_s": 300.0, "gap": 0.01}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (2_000_000_000, Budget(bytes=2_000_000_000)),
+        ("1.5 GiB", Budget(bytes=3 * 2**29)),
+        ("512MiB", Budget(bytes=512 * 2**20)),
+        ("2 GB", Budget(bytes=2 * 10**9)),
+        ("1e3 B", Budget(bytes=1000)),
+        (0.6, Budget(fraction=0.6)),
+        ("60%", Budget(fraction=0.6)),
+        (1.0, Budget(fraction=1.0)),
+    ],
+)
+def test_budget_forms(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", [0, -5, 1.5, 0.0, "150%", "0%", "3 parsecs", "GiB", True, None])
+def test_bad_budgets_are_refused(text):
+    with pytest.raises(ValueError, match="not understood"):
+        parse_budget(text)
+
+
+def test_budget_resolution_and_labels():
+    assert Budget(fraction=0.5).resolve(1001) == 500
+    assert Budget(bytes=123).resolve(10**9) == 123
+    assert Budget(fraction=0.7).label == "70pct"
+    assert Budget(bytes=1024).label == "1024B"
+
+
+def test_matrix_is_models_by_batch_sizes_by_plans_by_budgets(config_data):
+    cases = expand_matrix(parse(config_data))
+    assert [c.alias for c in cases] == [
+        "resnet18-b8-checkmate-70pct",
+        "resnet18-b8-checkmate-50pct",
+        "resnet18-b16-checkmate-70pct",
+        "resnet18-b16-checkmate-50pct",
+        "mlp-b8-checkmate-70pct",
+        "mlp-b8-checkmate-50pct",
+        "mlp-b8-chen-sqrt-n-1073741824B",
+    ]
+
+
+def test_matrix_drops_duplicate_cells(config_data):
+    config_data["plans"][0]["budgets"] = ["50%", 0.5]
+    assert len([c for c in expand_matrix(parse(config_data)) if c.model.name == "mlp"]) == 2
+
+
+def test_content_hash_ignores_labels_but_not_shapes(config_data):
+    config = parse(config_data)
+    model = config.models[0]
+    renamed = model.model_copy(update={"name": "other", "batch_sizes": [1]})
+    assert model.content_hash(8) == renamed.content_hash(8)
+    assert model.content_hash(8) != model.content_hash(16)
+    wider = model.model_copy(update={"kwargs": {"num_classes": 11}})
+    assert wider.content_hash(8) != model.content_hash(8)
+
+
+def error(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse(data)
+    return str(info.value)
+
+
+def test_unknown_key_names_its_path_and_the_allowed_keys(config_data):
+    config_data["models"][1]["batchsize"] = 4
+    message = error(config_data)
+    assert "models[1].batchsize = 4" in message
+    assert "allowed keys in models[1]: name, torchvision, transformers, factory" in message
+
+
+def test_unknown_top_level_key(config_data):
+    config_data["solver"] = "checkmate"
+    assert "key solver = 'checkmate': unknown key; allowed keys in the top level: device" in error(config_data)
+
+
+def test_unknown_solver_lists_registered_solvers(config_data):
+    config_data["plans"][1]["solver"] = "chekmate"
+    message = error(config_data)
+    assert "plans[1].solver = 'chekmate'" in message
+    assert "registered solvers: checkmate, chen-sqrt-n" in message
+
+
+def test_bad_budget_names_its_index(config_data):
+    config_data["plans"][0]["budgets"] = ["70%", "lots"]
+    assert "plans[0].budgets[1] = 'lots': budget 'lots' is not understood" in error(config_data)
+
+
+def test_bad_literal_lists_allowed_values(config_data):
+    config_data["models"][0]["inputs"][0]["dtype"] = "float8"
+    message = error(config_data)
+    assert "models[0].inputs[0].dtype = 'float8'" in message and "'float32', 'float64'" in message
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (lambda d: d.update(device="gpu"), "device 'gpu' is not one of 'auto', 'cpu', 'cuda', 'cuda:N'"),
+        (lambda d: d["models"][0].update(transformers="gpt2"), "needs exactly one of 'torchvision', 'transformers' or 'factory'"),
+        (lambda d: d["models"][1].update(factory="torch.nn.Linear"), "is not an import path"),
+        (lambda d: d["models"][1].update(loss="hinge"), "neither a named loss"),
+        (lambda d: d["models"][0]["inputs"][1].pop("high"), "needs 'high'"),
+        (lambda d: d["models"][1].update(name="resnet18"), "used twice"),
+        (lambda d: d["models"][1].update(name="a b"), "becomes a file name"),
+        (lambda d: d["plans"][1].update(models=["vgg"]), "plans[1].models names 'vgg', which is not a model"),
+        (lambda d: d["plans"][0].update(gap=1.5), "plans[0].gap = 1.5"),
+        (lambda d: d["plans"][0].pop("budgets"), "plans[0].budgets: required key is missing"),
+        (lambda d: d.pop("models"), "key models: required key is missing"),
+        (lambda d: d.update(validate={"steps": 0}), "validate.steps = 0"),
+    ],
+)
+def test_bad_values_are_named(config_data, change, fragment):
+    change(config_data)
+    assert fragment in error(config_data)
+
+
+def test_malformed_toml_names_the_file_and_position(tmp_path):
+    path = tmp_path / "pipeline.toml"
+    path.write_text('device = "cpu"\n[[models]\nname = "x"\n')
+    with pytest.raises(ConfigError, match=r"pipeline.toml is not valid TOML: .*line 2"):
+        load_config(path, solvers=SOLVERS)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "absent.toml", solvers=SOLVERS)
+
+
+def test_repository_pipeline_toml_is_valid():
+    from pathlib import Path
+
+    config = load_config(Path(__file__).parents[2] / "pipeline.toml", solvers=SOLVERS)
+    assert len(expand_matrix(config)) >= 5

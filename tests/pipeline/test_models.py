@@ -1,0 +1,112 @@
+"""Model, loss, batch and device factories."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tasks.config import parse_config
+from tasks.models import DeviceError, ModelError, build_batch, build_loss, build_model, resolve_device
+
+
+def model_spec(**entry):
+    entry.setdefault("name", "m")
+    entry.setdefault("inputs", [{"shape": [4]}])
+    return parse_config({"models": [entry], "plans": [{"solver": "checkmate", "budgets": [0.5]}]}, solvers=["checkmate"]).models[0]
+
+
+def test_torchvision_model_takes_kwargs_and_seed():
+    spec = model_spec(torchvision="resnet18", kwargs={"num_classes": 7})
+    a, b, c = build_model(spec, 0), build_model(spec, 0), build_model(spec, 1)
+    assert a.fc.out_features == 7 and a.training
+    assert torch.equal(a.conv1.weight, b.conv1.weight)
+    assert not torch.equal(a.conv1.weight, c.conv1.weight)
+
+
+def test_transformers_model_is_built_from_a_config_and_causal_lm_loss_is_next_token_ce():
+    spec = model_spec(
+        transformers="gpt2",
+        kwargs={"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 16,
+                "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+        loss="causal_lm",
+        inputs=[{"shape": [16], "dtype": "int64", "high": 50}],
+    )
+    model = build_model(spec, 0)
+    assert model.config.n_layer == 1 and model.config.use_cache is False
+    (ids,) = build_batch(spec, 3, 0)
+    assert ids.shape == (3, 16) and ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < 50
+    logits = model(ids).logits
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
+    assert torch.allclose(build_loss(spec)(model, ids), expected)
+
+
+def test_import_path_factory_and_loss(tmp_path, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        import torch
+        def tiny(width):
+            return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh())
+        def l1(model, x):
+            return model(x).abs().sum()
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = model_spec(factory="mymodels:tiny", kwargs={"width": 5}, loss="mymodels:l1")
+    model = build_model(spec, 0)
+    (x,) = build_batch(spec, 2, 0)
+    assert model[0].out_features == 5
+    assert torch.allclose(build_loss(spec)(model, x), model(x).abs().sum())
+
+
+def test_named_losses_match_torch():
+    spec = model_spec(factory="torch.nn:Linear", kwargs={"in_features": 4, "out_features": 3}, loss="mse",
+                      inputs=[{"shape": [4]}, {"shape": [3]}])
+    model = build_model(spec, 0)
+    x, y = build_batch(spec, 5, 0)
+    assert torch.allclose(build_loss(spec)(model, x, y), F.mse_loss(model(x), y))
+    summed = spec.model_copy(update={"loss": "sum"})
+    assert torch.allclose(build_loss(summed)(model, x), model(x).sum())
+
+
+def test_batches_are_seeded_and_typed():
+    spec = model_spec(factory="torch.nn:Identity", inputs=[{"shape": [2, 3]}, {"shape": [], "dtype": "int32", "high": 4},
+                                                          {"shape": [1], "dtype": "bool"}])
+    x, y, mask = build_batch(spec, 6, seed=3)
+    assert (x.shape, y.shape, mask.shape) == ((6, 2, 3), (6,), (6, 1))
+    assert (x.dtype, y.dtype, mask.dtype) == (torch.float32, torch.int32, torch.bool)
+    assert torch.equal(x, build_batch(spec, 6, seed=3)[0])
+    assert not torch.equal(x, build_batch(spec, 6, seed=4)[0])
+
+
+@pytest.mark.parametrize(
+    "entry, fragment",
+    [
+        ({"torchvision": "resnet19"}, "torchvision .* has no model 'resnet19'; close matches: resnet18"),
+        ({"transformers": "gpt3"}, "has no model type 'gpt3'; close matches: .*gpt2"),
+        ({"factory": "no_such_pkg.models:make"}, "cannot import module 'no_such_pkg.models'"),
+        ({"factory": "torch.nn:Lineer"}, "torch.nn has no attribute 'Lineer'"),
+        ({"factory": "torch.nn:Linear", "kwargs": {"in_features": 4}}, "could not be built with kwargs .*out_features"),
+        ({"factory": "math:pi"}, "names a float, not a function"),
+        ({"factory": "torch:zeros", "kwargs": {"size": [2]}}, "returned a Tensor, not a torch.nn.Module"),
+    ],
+)
+def test_model_errors_name_the_cause(entry, fragment):
+    with pytest.raises(ModelError, match=fragment):
+        build_model(model_spec(**entry), 0)
+
+
+def test_loss_import_errors_name_the_cause():
+    with pytest.raises(ModelError, match="loss of model 'm' 'torch.nn.functional:nope'"):
+        build_loss(model_spec(factory="torch.nn:Identity", loss="torch.nn.functional:nope"))
+
+
+def test_device_resolution():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_missing_gpu_is_a_clear_error():
+    with pytest.raises(DeviceError, match=r"device = 'cuda:1' in pipeline.toml, but torch .* sees no CUDA GPU"):
+        resolve_device("cuda:1")
