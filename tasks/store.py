@@ -287,3 +287,24 @@ def _missing_message(fingerprint: str, device: str | None, root: Path, others: l
     return text + (f" Profile this graph on {target} first: `memplan profile` with the pipeline.toml that "
                    f"declares its model, or tasks.profile.profile_graph(graph, model=..., device=...) "
                    f"(set {ENV_VAR} or pass root= if the store lives elsewhere).")
+
+
+READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
+
+
+def query(sql: str, root: str | os.PathLike | None = None) -> pa.Table:
+    """Run one read-only SQL statement (SELECT, SHOW, DESCRIBE, SUMMARIZE, EXPLAIN) over the store's views.
+
+    Raises `PermissionError` for any other statement and `duckdb.Error` with DuckDB's message for bad SQL.
+    """
+    import duckdb
+
+    statements = duckdb.extract_statements(sql)
+    if len(statements) != 1:
+        raise ValueError(f"Give exactly one SQL statement, got {len(statements)}: {sql!r:.200}")
+    kind = statements[0].type.name
+    if kind not in READ_ONLY_STATEMENTS:
+        raise PermissionError(f"The profile store is queried read-only: a {kind} statement is not allowed, "
+                              f"only {' / '.join(READ_ONLY_STATEMENTS)} (SHOW, DESCRIBE and SUMMARIZE count "
+                              f"as SELECT). Write results elsewhere with --format csv|json|parquet.")
+    return connect(root).sql(sql).to_arrow_table()

@@ -1,0 +1,139 @@
+"""`memplan query "SELECT ..."`: read-only SQL over the profile store's DuckDB views.
+
+Also the shared output of query-like commands (`emit`): a rich table, CSV, JSON or a Parquet file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+
+
+class Format(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+    parquet = "parquet"
+
+
+FormatOption = Annotated[Format, typer.Option("--format", "-f", help="Output: table (rich), csv, json or parquet.")]
+OutputOption = Annotated[Optional[Path], typer.Option(
+    "--output", "-o", help="Write to this file instead of stdout (required for parquet); written atomically.")]
+StoreOption = Annotated[Optional[Path], typer.Option(
+    "--store", help="Profile store folder [default: $MEMPLAN_PROFILES_DB or <repo>/profiles_db].",
+    show_default=False)]
+
+
+def _err(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True, soft_wrap=True).print(escape(message), style="red")
+
+
+@contextmanager
+def reporting_store_warnings() -> Iterator[None]:
+    """Print the store's warnings about skipped files on stderr, one line each."""
+    from tasks.store import ProfileStoreWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileStoreWarning)
+        try:
+            yield
+        finally:
+            for w in caught:
+                _err(f"warning: {w.message}")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def _write_atomic(path: Path, write) -> None:
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temp)
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def check_output(fmt: Format, output: Path | None) -> None:
+    """Refuse format/output combinations before any work is done."""
+    if fmt is Format.parquet and output is None:
+        raise typer.BadParameter("--format parquet needs --output FILE (Parquet is binary).")
+    if fmt is Format.table and output is not None:
+        raise typer.BadParameter("--output writes csv, json or parquet; choose one with --format.")
+
+
+def emit(table, fmt: Format, output: Path | None = None, title: str | None = None) -> None:
+    """Print or write the arrow `table` in format `fmt`."""
+    check_output(fmt, output)
+    if fmt is Format.parquet:
+        import pyarrow.parquet as pq
+
+        _write_atomic(output, lambda p: pq.write_table(table, p))
+        return
+    rows = list(zip(*(column.to_pylist() for column in table.columns)))
+    if fmt is Format.table:
+        from rich.console import Console
+        from rich.table import Table
+
+        view = Table(*table.column_names, title=title)
+        for row in rows:
+            view.add_row(*(_cell(v) for v in row))
+        Console().print(view)
+        return
+    if fmt is Format.json:
+        text = json.dumps([dict(zip(table.column_names, row)) for row in rows], default=str, indent=1) + "\n"
+    else:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(table.column_names)
+        writer.writerows([_cell(v) for v in row] for row in rows)
+        text = buffer.getvalue()
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        _write_atomic(output, lambda p: p.write_text(text))
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("query")
+    def query(
+        sql: Annotated[str, typer.Argument(help="One SELECT (or SHOW/DESCRIBE/SUMMARIZE/EXPLAIN) statement over "
+                                                "the views profiles, runs, latest_runs, latest_costs.")],
+        fmt: FormatOption = Format.table,
+        output: OutputOption = None,
+        store: StoreOption = None,
+    ) -> None:
+        """Query the profile store with SQL (DuckDB, read-only). See docs/profile-schema.md."""
+        import duckdb
+
+        from tasks.store import query as run_query
+
+        check_output(fmt, output)
+        try:
+            with reporting_store_warnings():
+                table = run_query(sql, store)
+        except duckdb.Error as exc:
+            _err(f"DuckDB: {exc}")
+            raise typer.Exit(1)
+        except (PermissionError, ValueError) as exc:
+            _err(str(exc))
+            raise typer.Exit(1)
+        emit(table, fmt, output)
