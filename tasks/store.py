@@ -129,12 +129,14 @@ def write_run(rows: pa.Table | list[dict], root: str | os.PathLike | None = None
     return final
 
 
-def _problem(path: Path) -> str | None:
-    """Why `path` cannot be read as a memplan profile file, or None when it can."""
+def _problem(path: Path, profile: bool = True) -> str | None:
+    """Why `path` cannot be read (as a memplan profile file when `profile`), or None when it can."""
     try:
         schema = pq.ParquetFile(path).schema_arrow
     except (OSError, pa.ArrowException) as exc:
         return f"unreadable or truncated Parquet ({exc})"
+    if not profile:
+        return None
     metadata = schema.metadata or {}
     if SCHEMA_KEY not in metadata:
         return f"not a memplan profile (no {SCHEMA_KEY.decode()} key in its metadata)"
@@ -144,20 +146,22 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def run_files(root: str | os.PathLike | None = None) -> list[Path]:
-    """The readable profile files in the store (absolute, sorted); others are skipped with a warning."""
-    base = store_root(root)
+def _readable(paths, base: Path, profile: bool = True) -> list[Path]:
     good = []
-    for path in sorted(base.rglob("*.parquet")):
-        if not path.is_file():
-            continue
-        problem = _problem(path)
+    for path in sorted(paths):
+        problem = _problem(path, profile)
         if problem is None:
             good.append(path)
         else:
             warnings.warn(f"Skipping {path}: {problem}. Delete or move the file out of {base} to silence "
-                          f"this warning.", ProfileStoreWarning, stacklevel=2)
+                          f"this warning.", ProfileStoreWarning, stacklevel=3)
     return good
+
+
+def run_files(root: str | os.PathLike | None = None) -> list[Path]:
+    """The readable profile files in the store (absolute, sorted); others are skipped with a warning."""
+    base = store_root(root)
+    return _readable((p for p in base.rglob("*.parquet") if p.is_file()), base)
 
 
 def _sql_string(text: str) -> str:
@@ -182,26 +186,37 @@ VIEWS = {
 }
 
 
-def connect(root: str | os.PathLike | None = None):
+def _parquet_view(con, name: str, files: list[Path], schema: pa.Schema) -> None:
+    if files:
+        paths = ", ".join(_sql_string(str(p)) for p in files)
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{paths}], union_by_name = true)")
+    else:
+        con.register(f"_empty_{name}", schema.empty_table())
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
+
+
+def connect(root: str | os.PathLike | None = None,
+            extra_views: Mapping[str, tuple[list[Path], pa.Schema]] | None = None):
     """An in-memory DuckDB connection with the store's views, locked against file access.
 
     Views: `profiles` (every row of every readable run), `runs` (one row per run with `rows`, `nodes`
     and `complete`), `latest_runs` (newest complete run per fingerprint and device) and `latest_costs`
-    (the rows of those runs). After the views are built, file access is limited to the store's files and
-    the configuration is locked, so queries can read the store but write nothing.
+    (the rows of those runs); `extra_views` maps more view names to (Parquet files, schema when empty),
+    e.g. the plans index. After the views are built, file access is limited to those files and the
+    configuration is locked, so queries can read the store but write nothing.
     """
     import duckdb
 
     files = run_files(root)
     con = duckdb.connect(":memory:")
-    if files:
-        paths = ", ".join(_sql_string(str(p)) for p in files)
-        con.execute(f"CREATE VIEW profiles AS SELECT * FROM read_parquet([{paths}], union_by_name = true)")
-    else:
-        con.register("_empty_profiles", SCHEMA.empty_table())
-        con.execute("CREATE VIEW profiles AS SELECT * FROM _empty_profiles")
+    _parquet_view(con, "profiles", files, SCHEMA)
     for name, sql in VIEWS.items():
         con.execute(f"CREATE VIEW {name} AS {sql}")
+    for name, (paths, schema) in (extra_views or {}).items():
+        paths = [Path(p).resolve() for p in paths]
+        readable = _readable(paths, paths[0].parent if paths else Path(), profile=False)
+        _parquet_view(con, name, readable, schema)
+        files += readable
     con.execute(f"SET allowed_paths = [{', '.join(_sql_string(str(p)) for p in files)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
@@ -209,6 +224,13 @@ def connect(root: str | os.PathLike | None = None):
 
 
 class NodeCost(NamedTuple):
+    """What planners read for one node (`Problem.from_graph` takes exactly this pair)."""
+
+    time_ms: float
+    workspace_bytes: int
+
+
+class VariantCost(NamedTuple):
     """Measured cost of one operator node in one implementation variant."""
 
     time_ms: float
@@ -218,9 +240,9 @@ class NodeCost(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class CostTable(Mapping):
-    """Costs of one profiling run: `table[node_id]` is the default implementation's `NodeCost`.
-
-    `variants[node_id][impl]` holds every measured implementation variant.
+    """Costs of one profiling run: `table[node_id]` is the default implementation's
+    `NodeCost(time_ms, workspace_bytes)`; `variants[node_id][impl]` is the `VariantCost` (with
+    `output_bytes`) of every measured implementation variant.
     """
 
     fingerprint: str
@@ -228,10 +250,11 @@ class CostTable(Mapping):
     model: str
     run_id: str
     created_at: datetime
-    variants: Mapping[int, Mapping[str, NodeCost]]
+    variants: Mapping[int, Mapping[str, VariantCost]]
 
     def __getitem__(self, node_id: int) -> NodeCost:
-        return self.variants[node_id][DEFAULT_IMPL]
+        cost = self.variants[node_id][DEFAULT_IMPL]
+        return NodeCost(cost.time_ms, cost.workspace_bytes)
 
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(self.variants))
@@ -268,12 +291,12 @@ def load_costs(fingerprint: str, device: str | None = None, root: str | os.PathL
     rows = con.execute(
         "SELECT node_id, impl, time_ms, workspace_bytes, output_bytes FROM profiles "
         "WHERE run_id = ? AND fingerprint = ? AND device = ?", [run_id, fingerprint, run_device]).fetchall()
-    variants: dict[int, dict[str, NodeCost]] = {}
+    variants: dict[int, dict[str, VariantCost]] = {}
     for node_id, impl, time_ms, workspace, output in rows:
         if impl in variants.setdefault(node_id, {}):
             raise ValueError(f"Profile run {run_id} holds node {node_id} ({impl}) twice: its file is in "
                              f"{store_root(root)} more than once. Delete the copy.")
-        variants[node_id][impl] = NodeCost(float(time_ms), int(workspace), int(output))
+        variants[node_id][impl] = VariantCost(float(time_ms), int(workspace), int(output))
     return CostTable(fingerprint, run_device, model, run_id, created_at, variants)
 
 
@@ -292,7 +315,8 @@ def _missing_message(fingerprint: str, device: str | None, root: Path, others: l
 READ_ONLY_STATEMENTS = ("SELECT", "EXPLAIN")
 
 
-def query(sql: str, root: str | os.PathLike | None = None) -> pa.Table:
+def query(sql: str, root: str | os.PathLike | None = None,
+          extra_views: Mapping[str, tuple[list[Path], pa.Schema]] | None = None) -> pa.Table:
     """Run one read-only SQL statement (SELECT, SHOW, DESCRIBE, SUMMARIZE, EXPLAIN) over the store's views.
 
     Raises `PermissionError` for any other statement and `duckdb.Error` with DuckDB's message for bad SQL.
@@ -307,4 +331,4 @@ def query(sql: str, root: str | os.PathLike | None = None) -> pa.Table:
         raise PermissionError(f"The profile store is queried read-only: a {kind} statement is not allowed, "
                               f"only {' / '.join(READ_ONLY_STATEMENTS)} (SHOW, DESCRIBE and SUMMARIZE count "
                               f"as SELECT). Write results elsewhere with --format csv|json|parquet.")
-    return connect(root).sql(sql).to_arrow_table()
+    return connect(root, extra_views).sql(sql).to_arrow_table()

@@ -29,6 +29,8 @@ class Format(str, Enum):
 FormatOption = Annotated[Format, typer.Option("--format", "-f", help="Output: table (rich), csv, json or parquet.")]
 OutputOption = Annotated[Optional[Path], typer.Option(
     "--output", "-o", help="Write to this file instead of stdout (required for parquet); written atomically.")]
+PlansOption = Annotated[Path, typer.Option(
+    "--plans", help="Folder of published plans; its index/*.parquet is the view `plans`.")]
 StoreOption = Annotated[Optional[Path], typer.Option(
     "--store", help="Profile store folder [default: $MEMPLAN_PROFILES_DB or <repo>/profiles_db].",
     show_default=False)]
@@ -116,20 +118,27 @@ def register(app: typer.Typer) -> None:
     @app.command("query")
     def query(
         sql: Annotated[str, typer.Argument(help="One SELECT (or SHOW/DESCRIBE/SUMMARIZE/EXPLAIN) statement over "
-                                                "the views profiles, runs, latest_runs, latest_costs.")],
+                                                "the views profiles, runs, latest_runs, latest_costs, plans.")],
         fmt: FormatOption = Format.table,
         output: OutputOption = None,
         store: StoreOption = None,
+        plans: PlansOption = Path("plans"),
     ) -> None:
-        """Query the profile store with SQL (DuckDB, read-only). See docs/profile-schema.md."""
+        """Query the profile store and the plans index with SQL (DuckDB, read-only).
+
+        Views: profiles, runs, latest_runs, latest_costs (docs/profile-schema.md) and plans (the index of
+        published plans).
+        """
         import duckdb
 
+        from tasks.publish import INDEX_SCHEMA
         from tasks.store import query as run_query
 
         check_output(fmt, output)
         try:
             with reporting_store_warnings():
-                table = run_query(sql, store)
+                index = sorted((plans / "index").glob("*.parquet"))
+                table = run_query(sql, store, {"plans": (index, INDEX_SCHEMA)})
         except duckdb.Error as exc:
             _err(f"DuckDB: {exc}")
             raise typer.Exit(1)

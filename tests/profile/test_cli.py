@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
@@ -103,3 +104,26 @@ def test_command_modules_import_no_heavy_library():
             "print(sorted(m for m in ('torch', 'duckdb', 'pyarrow', 'rich') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_query_reads_the_plans_index_next_to_the_profiles(cli, filled, tmp_path):
+    from datetime import datetime, timezone
+
+    from tasks.publish import INDEX_SCHEMA
+
+    plans = tmp_path / "plans"
+    empty = cli("query", "select count(*) as n, count(solver) as s from plans", "--plans", str(plans), "-f", "csv")
+    assert empty.exit_code == 0, empty.output
+    assert empty.stdout == "n,s\n0,0\n"
+    (plans / "index").mkdir(parents=True)
+    row = {f.name: None for f in INDEX_SCHEMA}
+    now = datetime(2026, 1, 2, tzinfo=timezone.utc)
+    row.update(plan_id="ab" * 32, alias="resnet18-60pct", model="resnet18", batch_size=8, fingerprint="fp-a",
+               solver="checkmate", budget="60pct", budget_bytes=1000, predicted_peak_bytes=900,
+               measured_peak_bytes=910, measured_step_ms=5.0, eager_peak_bytes=1500, eager_step_ms=4.0,
+               overhead=0.25, device="cpu", created_at=now, published_at=now, path="plans/x.json")
+    pq.write_table(pa.Table.from_pylist([row], schema=INDEX_SCHEMA), plans / "index" / "one.parquet")
+    sql = ("select p.alias, p.solver, r.rows from plans p join runs r using (fingerprint)")
+    result = cli("query", sql, "--plans", str(plans), "-f", "csv")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "alias,solver,rows\nresnet18-60pct,checkmate,3\n"
