@@ -1,0 +1,345 @@
+"""Capture one training step as a joint ATen graph (AOTAutograd) and fold it into an operator graph.
+
+Folding (docs/graph-format.md): every FX node that allocates a new storage starts an operator node;
+`getitem`s of its tuple result and every view of its storage (transitively) join that node. Views of
+graph inputs and module constants allocate nothing and belong to no producer: they are replicated into
+each node that reads them. Each value is one storage, so its bytes are counted once.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx, nn
+from torch._functorch.aot_autograd import aot_export_module
+
+from runtime.graph import Node, OpGraph, Value
+
+# Ops whose schema declares a fresh result but whose kernel returns a view of the input.
+_VIEW_LIKE = {torch.ops.aten._unsafe_view.default}
+_MODEL_PREFIX = "model."
+
+
+class CaptureError(RuntimeError):
+    """The training step cannot be captured or folded into an operator graph."""
+
+
+@dataclass(eq=False)
+class Program:
+    """The captured FX joint graph and its mapping onto the operator graph (never serialized)."""
+
+    gm: fx.GraphModule
+    placeholders: list[fx.Node]
+    params: list[str]                    # FQN per parameter placeholder, in placeholder order
+    buffers: list[str]                   # FQN per buffer placeholder
+    n_batch: int                         # batch placeholders follow parameters and buffers
+    outputs: list[fx.Node]               # FX graph outputs, in FX order
+    mutated_buffers: list[str]           # FQN of the buffer updated by each leading FX output
+    grad_params: list[str]               # FQN of the parameter of each trailing gradient output
+    groups: list[list[fx.Node]]          # per operator node: its FX nodes in execution order
+    value_of: dict[fx.Node, int]         # tensor-valued FX node -> value (storage) id
+    primary: list[Any]                   # value id -> FX node holding it, or (tuple node, index)
+    random_devices: dict[int, str] = field(default_factory=dict)  # node id -> device of its RNG
+    batch_signature: tuple = ()
+
+
+class _LossStep(nn.Module):
+    """`loss_fn(model, *batch)` as a module returning a 1-tuple, the form `aot_export_module` needs."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor]:
+        loss = self.loss_fn(self.model, *batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CaptureError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                               f"{tuple(getattr(loss, 'shape', ()))}.")
+        return (loss,)
+
+
+def batch_signature(model: nn.Module, batch: tuple) -> tuple:
+    """What a captured graph depends on besides the model's structure: batch shapes, dtypes, devices
+    and the training flag."""
+    return (model.training,) + tuple((tuple(t.shape), t.dtype, t.device) for t in batch)
+
+
+def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list) -> OpGraph:
+    """Trace one training step (forward, loss, backward) with `aot_export_module(trace_joint=True)` and
+    fold it into an operator graph. The returned graph carries the FX program in `.program`."""
+    batch = tuple(batch)
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise CaptureError(f"batch[{i}] is a {type(t).__name__}; every batch element must be a tensor "
+                               f"(pass other settings through loss_fn).")
+        if t.requires_grad:
+            raise CaptureError(f"batch[{i}] requires grad; batch tensors must be plain data (detach them).")
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise CaptureError(f"parameters {frozen[:5]} do not require grad; memplan captures full training "
+                           f"steps, so every parameter must require grad.")
+    gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    graph = _fold(gm, sig, model, batch)
+    graph.program.batch_signature = batch_signature(model, batch)
+    return graph
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(_MODEL_PREFIX):] if fqn.startswith(_MODEL_PREFIX) else fqn
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage a fresh result needs: the extent its sizes and strides reach."""
+    if t.numel() == 0:
+        return 0
+    extent = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return int(extent) * t.element_size()
+
+
+def _view_base(node: fx.Node) -> fx.Node | None:
+    """The argument whose storage `node` aliases, or None if `node` allocates."""
+    op = node.target
+    if op in _VIEW_LIKE:
+        return node.args[0]
+    schema = op._schema
+    aliased = [r.alias_info for r in schema.returns if r.alias_info is not None]
+    if not aliased:
+        return None
+    if any(a.is_write for a in aliased):
+        raise CaptureError(f"FX node {node.name} runs the in-place op {op}; the joint graph should be "
+                           f"functional. Is the model mutating a tensor in a way AOTAutograd cannot remove?")
+    sets = aliased[0].before_set
+    for arg, value in zip(schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.before_set & sets and isinstance(value, fx.Node):
+            return value
+    raise CaptureError(f"cannot find the aliased argument of view op {op} at FX node {node.name}.")
+
+
+def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGraph:
+    fx_nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(fx_nodes)}
+    placeholders = [n for n in fx_nodes if n.op == "placeholder"]
+    output_node = next(n for n in fx_nodes if n.op == "output")
+    fx_outputs = list(output_node.args[0])
+
+    values: list[dict[str, Any]] = []
+    primary: list[Any] = []
+    value_of: dict[fx.Node, int] = {}
+    owner: dict[int, int] = {}                 # value id -> group index (absent for graph inputs)
+    constants: set[fx.Node] = set()            # get_attr nodes and views of graph inputs / constants
+    group_of: dict[fx.Node, int] = {}
+    groups: list[list[fx.Node]] = []
+    heads: list[fx.Node] = []                  # the allocating FX node of each group
+    tuple_values: dict[fx.Node, list[int | None]] = {}
+
+    def new_value(t: torch.Tensor, kind: str, name: str, where: Any, group: int | None) -> int:
+        vid = len(values)
+        values.append({"bytes": _storage_bytes(t), "shape": tuple(int(s) for s in t.shape),
+                       "dtype": _dtype_name(t.dtype), "kind": kind, "name": name})
+        primary.append(where)
+        if group is not None:
+            owner[vid] = group
+        return vid
+
+    # Graph inputs: parameters, buffers, batch (placeholder order).
+    params, buffers = [], []
+    for i, ph in enumerate(placeholders):
+        if ph.name in sig.inputs_to_parameters:
+            kind, name = "param", _strip(sig.inputs_to_parameters[ph.name])
+            params.append(name)
+        elif ph.name in sig.inputs_to_buffers:
+            kind, name = "buffer", _strip(sig.inputs_to_buffers[ph.name])
+            buffers.append(name)
+        else:
+            kind, name = "input", f"input{i - len(params) - len(buffers)}"
+        value_of[ph] = new_value(ph.meta["val"], kind, name, ph, None)
+
+    for n in fx_nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "get_attr":
+            constants.add(n)
+            continue
+        if n.op != "call_function":
+            raise CaptureError(f"FX node {n.name} has op {n.op!r}; only call_function nodes are supported.")
+        if n.target is operator.getitem:
+            src, idx = n.args
+            if src in tuple_values:                        # element of an allocating multi-output op
+                vid = tuple_values[src][idx]
+                if vid is None:
+                    raise CaptureError(f"FX node {n.name} reads element {idx} of {src.name}, which is not a tensor.")
+                if not isinstance(primary[vid], fx.Node):
+                    primary[vid] = n
+                value_of[n] = vid
+                group_of[n] = group_of[src]
+                groups[group_of[n]].append(n)
+            else:                                          # element of a view op's list result
+                _join_alias(n, src, value_of, owner, constants, group_of, groups)
+            continue
+        if not isinstance(n.target, torch._ops.OpOverload):
+            raise CaptureError(f"FX node {n.name} calls {n.target!r}, which is not an ATen op overload.")
+        base = _view_base(n)
+        if base is not None:
+            _join_alias(n, base, value_of, owner, constants, group_of, groups)
+            continue
+        gid = len(groups)
+        groups.append([n])
+        heads.append(n)
+        group_of[n] = gid
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            value_of[n] = new_value(val, "activation", n.name, n, gid)
+        elif isinstance(val, (tuple, list)):
+            tuple_values[n] = [new_value(t, "activation", f"{n.name}.{i}", (n, i), gid)
+                               if isinstance(t, torch.Tensor) else None for i, t in enumerate(val)]
+        else:
+            raise CaptureError(f"FX node {n.name} ({n.target}) returns {type(val).__name__}, not tensors.")
+
+    # Graph outputs: buffer updates, the loss, parameter gradients (FX order).
+    n_mut, n_user = len(sig.buffers_to_mutate), len(sig.user_outputs)
+    grads = sig.backward_signature.gradients_to_parameters
+    if len(fx_outputs) != n_mut + n_user + len(grads) or n_user != 1:
+        raise CaptureError(f"unexpected joint graph outputs: {len(fx_outputs)} outputs for {n_mut} buffer "
+                           f"updates, {n_user} user outputs and {len(grads)} gradients.")
+    if any(isinstance(o, fx.Node) and o.name != name for o, name in zip(fx_outputs[:n_mut], sig.buffers_to_mutate)):
+        raise CaptureError("joint graph outputs do not start with the buffer updates the signature names.")
+    for o in fx_outputs:
+        if not isinstance(o, fx.Node) or value_of.get(o) not in owner:
+            raise CaptureError(f"joint graph output {o} is not a tensor computed by the step (it is None or "
+                               f"aliases an input); every parameter must receive a gradient.")
+    loss_fx = fx_outputs[n_mut]
+    out_kinds = [(o, "output") for o in fx_outputs[:n_mut + 1]] + [(o, "gradient") for o in fx_outputs[n_mut + 1:]]
+    for o, kind in out_kinds:
+        values[value_of[o]]["kind"] = kind
+
+    # Replicate views of graph inputs and constants into each group that reads them.
+    for gid, group in enumerate(groups):
+        needed: set[fx.Node] = set()
+        stack = [a for m in group for a in m.all_input_nodes if a in constants]
+        while stack:
+            c = stack.pop()
+            if c not in needed:
+                needed.add(c)
+                stack.extend(a for a in c.all_input_nodes if a in constants)
+        groups[gid] = sorted(set(group) | needed, key=position.__getitem__)
+
+    # Values were numbered in FX order, so every produced value follows its producer's inputs.
+    loss_group = owner[value_of[loss_fx]]
+    phases = _phases(groups, owner, value_of, values, loss_group)
+    produced: list[list[int]] = [[] for _ in groups]
+    for vid, gid in owner.items():
+        produced[gid].append(vid)
+    nodes = []
+    for gid, (group, head) in enumerate(zip(groups, heads)):
+        reads: list[int] = []
+        for m in group:
+            for a in m.all_input_nodes:
+                v = value_of.get(a)
+                if v is not None and owner.get(v) != gid and v not in reads:
+                    reads.append(v)
+        targets = [str(head.target)] + [str(m.target) for m in group
+                                         if m is not head and isinstance(m.target, torch._ops.OpOverload)]
+        nodes.append(Node(gid, head.name, tuple(targets), phases[gid], tuple(reads), tuple(sorted(produced[gid]))))
+
+    value_objs = [Value(i, v["bytes"], v["shape"], v["dtype"], v["kind"], v["name"], owner.get(i))
+                  for i, v in enumerate(values)]
+    grad_params = [_strip(grads[o.name]) for o in fx_outputs[n_mut + 1:]]
+    graph_outputs = [value_of[loss_fx]] + [value_of[o] for o in fx_outputs[n_mut + 1:]] + \
+                    [value_of[o] for o in fx_outputs[:n_mut]]
+    random_devices = {gid: str(_device_of(m)) for gid, group in enumerate(groups) for m in group
+                      if isinstance(m.target, torch._ops.OpOverload)
+                      and torch.Tag.nondeterministic_seeded in m.target.tags}
+    program = Program(gm=gm, placeholders=placeholders, params=params, buffers=buffers,
+                      n_batch=len(placeholders) - len(params) - len(buffers), outputs=fx_outputs,
+                      mutated_buffers=[_strip(sig.buffers_to_mutate[o.name]) for o in fx_outputs[:n_mut]],
+                      grad_params=grad_params, groups=groups, value_of=value_of, primary=primary,
+                      random_devices=random_devices)
+    meta = {"model": type(model).__name__, "torch": torch.__version__,
+            "batch": [{"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for t in batch],
+            "aten_call_nodes": sum(1 for n in fx_nodes if n.op == "call_function"), "n_nodes": len(groups)}
+    return OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
+
+
+def _device_of(m: fx.Node) -> torch.device:
+    val = m.meta.get("val")
+    t = val if isinstance(val, torch.Tensor) else next(x for x in val if isinstance(x, torch.Tensor))
+    return t.device
+
+
+def _join_alias(n: fx.Node, base: fx.Node, value_of: dict, owner: dict, constants: set,
+                group_of: dict, groups: list) -> None:
+    """Fold the view `n` of `base`: into the group owning the storage, or mark it a constant view."""
+    if base in constants:
+        constants.add(n)
+        return
+    vid = value_of[base]
+    gid = owner.get(vid)
+    value_of[n] = vid
+    if gid is None:                                        # aliases a graph input
+        constants.add(n)
+        return
+    group_of[n] = gid
+    groups[gid].append(n)
+
+
+def _phases(groups: list, owner: dict, value_of: dict, values: list, loss_group: int) -> list[str]:
+    """Phase per group: `backward` after the loss node (AOTAutograd traces the whole forward first);
+    `loss` for the loss node and the forward nodes after the last one reading a parameter (the loss
+    function's own ops); `forward` for the rest."""
+    reads_param = [any(values[value_of[a]]["kind"] == "param" for m in g for a in m.all_input_nodes
+                       if a in value_of and value_of[a] not in owner) for g in groups]
+    last_param = max((i for i in range(loss_group) if reads_param[i]), default=-1)
+    return ["backward" if i > loss_group else "loss" if i > last_param else "forward"
+            for i in range(len(groups))]
+
+
+def _program(graph: OpGraph) -> Program:
+    if not isinstance(graph.program, Program):
+        raise CaptureError("this graph has no captured program (it was loaded from JSON); run "
+                           "runtime.capture(model, loss_fn, batch) to get an executable graph.")
+    return graph.program
+
+
+def node_function(graph: OpGraph, node_id: int) -> fx.GraphModule:
+    """A callable `f(*inputs) -> tuple(outputs)` running operator node `node_id` alone: inputs are the
+    tensors of `nodes[node_id].inputs` (graph values, in order), outputs those of `.outputs`. Views of
+    another node's value that the node reads are re-derived from the value passed in."""
+    program = _program(graph)
+    if not 0 <= node_id < len(graph.nodes):
+        raise IndexError(f"node id {node_id} is out of range 0..{len(graph.nodes) - 1}.")
+    node = graph.nodes[node_id]
+    g = fx.Graph()
+    placeholder = {v: g.placeholder(f"v{v}") for v in node.inputs}
+    env: dict[fx.Node, fx.Node] = {}
+
+    def resolve(a: fx.Node) -> fx.Node:
+        if a not in env:
+            v = program.value_of.get(a)
+            if v in placeholder and program.primary[v] is a:
+                env[a] = placeholder[v]
+            else:                                          # a view: replay it from its base
+                env[a] = g.node_copy(a, resolve)
+        return env[a]
+
+    for m in program.groups[node_id]:
+        env[m] = g.node_copy(m, resolve)
+    outs = []
+    for v in node.outputs:
+        where = program.primary[v]
+        if isinstance(where, fx.Node):
+            outs.append(env[where])
+        else:
+            tup, idx = where
+            outs.append(g.call_function(operator.getitem, (env[tup], idx)))
+    g.output(tuple(outs))
+    return fx.GraphModule(program.gm, g)

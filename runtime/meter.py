@@ -1,0 +1,80 @@
+"""Measured peak memory of a block: live tensor bytes allocated inside it.
+
+CPU: a TorchDispatchMode sees every ATen op's results; a result whose storage is not one of the op's
+input storages is a new allocation, counted until Python releases the storage (a finalizer on the
+storage object, which PyTorch keeps unique per storage). Allocations inside a kernel that do not go
+through the dispatcher are not seen, for eager PyTorch and memplan alike.
+CUDA: `torch.cuda.max_memory_allocated` minus the bytes allocated when the block starts.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts the bytes of storages created by ATen ops while the mode is active, and their peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.active = True
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.active:
+            seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if storage._cdata not in seen:
+                        seen.add(storage._cdata)
+                        nbytes = storage.nbytes()
+                        self.live += nbytes
+                        weakref.finalize(storage, self._release, nbytes)
+            self.peak = max(self.peak, self.live)
+        return out
+
+
+class PeakMeter:
+    """`with PeakMeter(device) as m: ...` then `m.peak_bytes`: the peak of live tensor bytes allocated
+    inside the block (tensors alive before it, such as parameters, are not counted). `m.end_bytes` is
+    what the block left allocated."""
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self._tracker: _StorageTracker | None = None
+        self._start = 0
+
+    def __enter__(self) -> "PeakMeter":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        elif self.device.type == "cpu":
+            self._tracker = _StorageTracker()
+            self._tracker.__enter__()
+        else:
+            raise ValueError(f"PeakMeter supports cpu and cuda devices, not {self.device}.")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.end_bytes = torch.cuda.memory_allocated(self.device) - self._start
+        else:
+            self._tracker.__exit__(*exc)
+            self._tracker.active = False
+            self.peak_bytes = self._tracker.peak
+            self.end_bytes = self._tracker.live
