@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -176,8 +177,14 @@ def mse(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.T
 
 
 def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: logits at position t predict token t+1."""
-    logits = _logits(model(input_ids))
+    """Next-token cross-entropy: logits at position t predict token t+1.
+
+    Models whose forward takes `attention_mask` get an all-ones mask: the same attention as no mask,
+    without transformers' data-dependent packed-sequence check, which AOTAutograd cannot trace."""
+    if "attention_mask" in inspect.signature(model.forward).parameters:
+        logits = _logits(model(input_ids, attention_mask=torch.ones_like(input_ids)))
+    else:
+        logits = _logits(model(input_ids))
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
 
 
