@@ -230,10 +230,12 @@ class PlanConfig(Section):
         description="Bytes (int), a size with a unit ('1.5 GiB'), or a fraction of the checkpoint-all "
         "peak (0.6 or '60%')."
     )
-    backend: Literal["highs", "gurobi"] = Field("highs", description="MILP backend (MILP solvers only).")
+    backend: Literal["highs", "gurobi", "auto"] = Field(
+        "highs", description="MILP backend (MILP solvers only); 'auto' takes Gurobi when a full license is found."
+    )
     time_limit_s: float = Field(300.0, gt=0, description="Wall-clock limit of one solve, seconds.")
     gap: float = Field(0.01, ge=0, lt=1, description="Relative MIP gap at which a MILP solve stops.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Extra solver-specific options.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Solver-specific settings (`SolveOptions.params`).")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")
@@ -252,8 +254,8 @@ class PlanConfig(Section):
         return solver
 
     def solver_options(self) -> dict[str, Any]:
-        """The options dict handed to `SOLVERS[solver](problem, budget_bytes, options)`."""
-        return {"backend": self.backend, "time_limit_s": self.time_limit_s, "gap": self.gap, **self.options}
+        """Keyword arguments of the `tasks.solve.solution.SolveOptions` handed to the solver."""
+        return {"backend": self.backend, "time_limit": self.time_limit_s, "gap": self.gap, "params": dict(self.options)}
 
 
 class ValidateConfig(Section):
@@ -281,8 +283,8 @@ class PipelineConfig(Section):
 
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     seed: int = Field(0, description="Seed of the random weights and batches.")
-    store: str = Field("profiles_db", description="Profile store folder.")
-    cache_dir: str = Field(".cache/memplan", description="Traced graphs, solutions and Prefect results.")
+    store: str = Field("profiles_db", description="Profile store folder (relative paths: from the file's folder).")
+    cache_dir: str = Field(".cache/memplan", description="Traced graphs, solutions, reports and Prefect results.")
     models: list[ModelConfig] = Field(description="The models to plan for.")
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     plans: list[PlanConfig] = Field(description="Solvers and budgets.")
@@ -311,6 +313,15 @@ class PipelineConfig(Section):
                 if name not in names:
                     raise ValueError(f"plans[{i}].models names {name!r}, which is not a model; models: {', '.join(names)}")
         return self
+
+    def relative_to(self, folder: str | Path) -> PipelineConfig:
+        """This config with the relative `store`, `cache_dir` and `publish.dir` taken inside `folder`."""
+
+        def inside(path: str) -> str:
+            return path if Path(path).is_absolute() else str(Path(folder) / path)
+
+        publish = self.publish.model_copy(update={"dir": inside(self.publish.dir)})
+        return self.model_copy(update={"store": inside(self.store), "cache_dir": inside(self.cache_dir), "publish": publish})
 
     @property
     def validation(self) -> ValidateConfig:
@@ -364,7 +375,7 @@ def parse_config(data: dict[str, Any], source: str = "pipeline.toml", solvers: l
 
 
 def load_config(path: str | Path = "pipeline.toml", solvers: list[str] | None = None) -> PipelineConfig:
-    """Read and validate `pipeline.toml`."""
+    """Read and validate `pipeline.toml`; its relative paths are taken from the file's folder."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -376,7 +387,7 @@ def load_config(path: str | Path = "pipeline.toml", solvers: list[str] | None = 
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}; fix the syntax at that position") from None
-    return parse_config(data, str(path), solvers)
+    return parse_config(data, str(path), solvers).relative_to(path.parent)
 
 
 def _describe(exc: ValidationError, source: str) -> str:

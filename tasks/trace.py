@@ -7,6 +7,7 @@ of `runtime/`. The same key always names the same file, so a trace is made once 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -38,12 +39,15 @@ class Traced:
         return cls(**data)
 
 
-def source_hash(*packages: str) -> str:
-    """SHA-256 over the Python sources of `packages` (folders of this repository), in path order."""
+@functools.lru_cache(maxsize=None)
+def source_hash(*paths: str) -> str:
+    """SHA-256 over the Python sources under `paths` (files or folders of this repository): a cache key
+    part that changes when the code producing a result changes."""
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
-    for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
+    for name in paths:
+        base = root / name
+        for path in [base] if base.is_file() else sorted(base.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -27,7 +27,7 @@ def test_defaults_fill_every_optional_section(config_data):
     assert config.validation.rtol == 1e-4 and config.validation.peak_rtol == 0.05
     assert config.publish.dir == "plans"
     assert config.models[1].batch_sizes == [8]
-    assert config.plans[0].solver_options() == {"backend": "highs", "time_limit_s": 300.0, "gap": 0.01}
+    assert config.plans[0].solver_options() == {"backend": "highs", "time_limit": 300.0, "gap": 0.01, "params": {}}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,117 @@
+"""The `plan` flow: pipeline.toml -> trace -> profile -> solve (mapped over the matrix) -> validate ->
+publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tests use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, unmapped
+
+from flows.report import Outcome, create_artifacts
+from flows.steps import profile_step, publish_step, solve_step, trace_step, validate_step
+from tasks.config import Case, MemplanError, PipelineConfig, expand_matrix, load_config
+from tasks.models import resolve_device
+
+
+class PipelineFailed(MemplanError):
+    """Some cells of the matrix produced no published plan; the message says why for each."""
+
+
+@flow(name="plan", description="Trace, profile, solve, validate and publish the plans of a pipeline.toml.")
+def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list[dict[str, Any]]:
+    """Run the pipeline of `config_path`; `refresh` re-runs every stage instead of using its cache.
+
+    Returns one `Outcome` (as JSON) per matrix cell; raises `PipelineFailed` after publishing what passed
+    when any cell has no validated plan."""
+    config = load_config(config_path)
+    device = resolve_device(config.device)
+    cases = expand_matrix(config)
+    options = {"refresh_cache": True} if refresh else {}
+
+    traced = {
+        (m.name, b): trace_step.with_options(**options)(m, b, device, config.seed, config.cache_dir)
+        for m in config.models
+        for b in m.batch_sizes
+    }
+    profiled = {
+        (m.name, b): profile_step.with_options(retries=config.profile.retries, **options)(
+            m, traced[m.name, b], device, config.seed, config.profile, config.store
+        )
+        for m in config.models
+        for b in m.batch_sizes
+    }
+    solved = solve_step.with_options(**options).map(
+        traced=[traced[c.model.name, c.batch_size] for c in cases],
+        profile=[profiled[c.model.name, c.batch_size] for c in cases],
+        solver=[c.plan.solver for c in cases],
+        budget=[c.budget for c in cases],
+        options=[c.plan.solver_options() for c in cases],
+        device=unmapped(device),
+        store=unmapped(config.store),
+        cache_dir=unmapped(config.cache_dir),
+        alias=[c.alias for c in cases],
+    )
+    outcomes = [
+        _validate_and_publish(case, future.result(), config, device, options) for case, future in zip(cases, solved)
+    ]
+    create_artifacts(outcomes, Path(config.cache_dir) / "reports")
+    failed = [o for o in outcomes if o.status != "published"]
+    if failed:
+        raise PipelineFailed(
+            f"{len(failed)} of {len(outcomes)} plans were not published ({len(outcomes) - len(failed)} were): "
+            + " ".join(o.message for o in failed)
+        )
+    return [o.to_json() for o in outcomes]
+
+
+def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str,
+                          options: dict[str, Any]) -> Outcome:
+    common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
+                  budget=case.budget.label, budget_bytes=solved["budget_bytes"],
+                  checkpoint_all_peak_bytes=solved["checkpoint_all_peak_bytes"],
+                  predicted_peak_bytes=solved["predicted_peak_bytes"])
+    if not solved["feasible"]:
+        return Outcome(**common, status="infeasible", message=infeasible_message(case, solved))
+    validation = validate_step.with_options(**options)(
+        solved["plan_path"], case.model, case.batch_size, device, config.seed, config.validation, case.alias
+    )
+    measured = dict(measured_peak_bytes=validation["measured_peak_bytes"],
+                    eager_peak_bytes=validation["eager_peak_bytes"], overhead=validation["overhead"],
+                    predicted_overhead=solved["objective"] / solved["checkpoint_all_cost"] - 1)
+    if not validation["passed"]:
+        message = f"plan {case.alias} failed validation on {device}: " + "; ".join(validation["reasons"]) + "."
+        return Outcome(**common, **measured, status="rejected", message=message)
+    published = publish_step(solved["plan_path"], validation, config.publish.dir, case.alias, case.model.name,
+                             case.batch_size, case.budget.label)
+    return Outcome(**common, **measured, status="published", plan_id=published["plan_id"])
+
+
+def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
+    """Why a cell has no plan, with the smallest feasible budget known."""
+    budget, peak = solved["budget_bytes"], solved["checkpoint_all_peak_bytes"]
+    text = (
+        f"{case.alias}: solver {case.plan.solver} found no schedule within {budget:,} B ({case.budget.label}; "
+        f"the checkpoint-all peak is {peak:,} B), status {solved['status']}"
+        + (f" ({solved['message']})" if solved["message"] else "")
+        + f"; no schedule fits below {solved['min_budget_lower_bound']:,} B"
+    )
+    if solved["smallest_feasible_budget"] is not None:
+        text += f", and the smallest feasible budget found is {solved['smallest_feasible_budget']:,} B"
+    if solved["status"] == "no_solution":
+        text += f"; raise time_limit_s (now {case.plan.time_limit_s:g} s) or the budget"
+    else:
+        text += "; raise the budget"
+    return text + "."
+
+
+def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False) -> list[dict[str, Any]]:
+    """Validate `config_path`, then run `plan_flow` with Prefect's results stored under
+    `<cache_dir>/prefect` (JSON records; caching survives across runs)."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    config = load_config(config_path)
+    resolve_device(config.device)
+    storage = Path(config.cache_dir).resolve() / "prefect"
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage}):
+        return plan_flow(str(config_path), refresh)

@@ -1,0 +1,40 @@
+"""The `profile` flow: trace and profile every model of a pipeline.toml, nothing else. Meant for
+scheduled deployments that keep the profile store fresh on each GPU class; the `plan` flow then solves
+against the newest complete profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+
+from flows.steps import profile_step, trace_step
+from tasks.config import load_config
+from tasks.models import resolve_device
+
+
+@flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.")
+def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False) -> list[dict[str, Any]]:
+    """Profile every (model, batch size) of `config_path`; a new run is measured each time unless `reuse`,
+    which keeps a cached profile of an unchanged graph. Traces are always re-used when unchanged."""
+    config = load_config(config_path)
+    device = resolve_device(config.device)
+    measure = profile_step.with_options(retries=config.profile.retries, refresh_cache=not reuse)
+    runs = []
+    for model in config.models:
+        for batch_size in model.batch_sizes:
+            traced = trace_step(model, batch_size, device, config.seed, config.cache_dir)
+            run = measure(model, traced, device, config.seed, config.profile, config.store)
+            runs.append({"model": model.name, "batch_size": batch_size, "nodes": traced["nodes"], **run})
+    return runs
+
+
+def run_profile(config_path: str | Path = "pipeline.toml", reuse: bool = False) -> list[dict[str, Any]]:
+    """Validate `config_path`, then run `profile_flow` with Prefect's results under `<cache_dir>/prefect`."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    config = load_config(config_path)
+    resolve_device(config.device)
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: Path(config.cache_dir).resolve() / "prefect"}):
+        return profile_flow(str(config_path), reuse)

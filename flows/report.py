@@ -1,0 +1,116 @@
+"""What a pipeline run reports: one `Outcome` per matrix cell, a markdown table of them, and a
+memory-vs-overhead plot per model (PNG), both left as Prefect artifacts."""
+
+from __future__ import annotations
+
+import base64
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget) or
+    rejected (failed validation); `message` says why for the last two."""
+
+    alias: str
+    model: str
+    batch_size: int
+    solver: str
+    budget: str
+    status: str
+    budget_bytes: int | None = None
+    checkpoint_all_peak_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    eager_peak_bytes: int | None = None
+    predicted_overhead: float | None = None
+    overhead: float | None = None
+    plan_id: str | None = None
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "" if nbytes is None else f"{nbytes / MIB:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:+.0%}"
+
+
+def markdown_table(outcomes: list[Outcome]) -> str:
+    """The plans of a run as a markdown table: budget, predicted and measured peak, overhead, status."""
+    lines = [
+        "| plan | solver | budget | budget MiB | predicted peak MiB | measured peak MiB | eager peak MiB "
+        "| predicted overhead | measured overhead | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for o in outcomes:
+        status = o.status if o.status == "published" else f"{o.status}: {o.message}"
+        lines.append(
+            f"| {o.alias} | {o.solver} | {o.budget} | {_mib(o.budget_bytes)} | {_mib(o.predicted_peak_bytes)} "
+            f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "
+            f"| {_pct(o.overhead)} | {status.replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def memory_overhead_plot(outcomes: list[Outcome], model: str, path: str | Path) -> Path:
+    """PNG of measured peak (MiB) against measured step-time overhead for the validated plans of one
+    model, one marker per solver, with eager PyTorch at zero overhead for reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [o for o in outcomes if o.model == model and o.measured_peak_bytes is not None]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    eager = [o.eager_peak_bytes for o in rows if o.eager_peak_bytes is not None]
+    if eager:
+        ax.scatter([0.0], [max(eager) / MIB], marker="*", s=150, color="black", label="eager PyTorch")
+    for solver in sorted({o.solver for o in rows}):
+        mine = [o for o in rows if o.solver == solver]
+        ax.scatter([100 * o.overhead for o in mine], [o.measured_peak_bytes / MIB for o in mine], label=solver)
+        for o in mine:
+            ax.annotate(o.budget, (100 * o.overhead, o.measured_peak_bytes / MIB), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("step-time overhead over eager (%)")
+    ax.set_ylabel("measured peak (MiB)")
+    ax.set_title(f"{model}: memory vs overhead")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes)."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def create_artifacts(outcomes: list[Outcome], report_dir: str | Path) -> list[Path]:
+    """A markdown artifact with the plans table and, per model, an image artifact of its plot (the PNG is
+    also written under `report_dir`). Returns the PNG paths."""
+    from prefect.artifacts import create_image_artifact, create_markdown_artifact
+
+    create_markdown_artifact(markdown=markdown_table(outcomes), key="memplan-plans",
+                             description="Plans of this run: budget, predicted and measured peak, overhead.")
+    pngs = []
+    for model in sorted({o.model for o in outcomes if o.measured_peak_bytes is not None}):
+        png = memory_overhead_plot(outcomes, model, Path(report_dir) / f"{model}-memory-vs-overhead.png")
+        data = base64.b64encode(png.read_bytes()).decode()
+        create_image_artifact(image_url=f"data:image/png;base64,{data}", key=artifact_key("memplan", model, "plot"),
+                              description=f"{model}: measured peak vs step-time overhead ({png})")
+        pngs.append(png)
+    return pngs

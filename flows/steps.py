@@ -1,0 +1,225 @@
+"""The pipeline stages as Prefect tasks: thin wrappers over the plain functions in `tasks/`.
+
+Each task is cached by a content hash of what determines its result (`cache_key_fn`), so re-running an
+unchanged pipeline re-uses traces, profiles, solutions and validations. Results are persisted by Prefect
+as JSON records (`result_serializer="json"`, never pickles) that point at the JSON graph and plan files
+and the Parquet profile runs the stages write; `flows.plan.run_plan` puts Prefect's result storage under
+`cache_dir/prefect`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from prefect import task
+
+from tasks.config import Budget, MemplanError, ModelConfig, ProfileConfig, ValidateConfig
+from tasks.trace import source_hash, trace_key
+
+PERSISTED = {"persist_result": True, "result_serializer": "json"}
+_CAPTURED: dict[str, Any] = {}  # trace key -> captured OpGraph (with its FX program), this process only
+
+
+class StaleCacheError(MemplanError):
+    """A cached stage result points at a file that no longer exists."""
+
+
+def content_key(stage: str, *parts: Any) -> str:
+    """Cache key `<stage>-<sha256 of the canonical JSON of parts>`."""
+    text = json.dumps(parts, sort_keys=True, default=_jsonable)
+    return f"{stage}-{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump(mode="json")
+    if isinstance(obj, Budget):
+        return asdict(obj)
+    raise TypeError(f"cannot hash {type(obj).__name__} into a cache key")
+
+
+def _existing(path: str, stage: str) -> Path:
+    if not Path(path).exists():
+        raise StaleCacheError(
+            f"the cached {stage} result points at {path}, which no longer exists (was the cache folder "
+            "cleaned?); re-run with `memplan run --refresh` to rebuild the cached stages."
+        )
+    return Path(path)
+
+
+# -- trace -------------------------------------------------------------------------------------------
+
+
+def _trace_key(context: Any, p: Mapping[str, Any]) -> str:
+    return "trace-" + trace_key(p["model"], p["batch_size"], p["device"])
+
+
+@task(name="trace", cache_key_fn=_trace_key, task_run_name="trace {model.name} b{batch_size}", **PERSISTED)
+def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str) -> dict[str, Any]:
+    """Capture the model's training step; the graph JSON lands in `cache_dir/graphs/`."""
+    from tasks.trace import trace
+
+    traced, graph = trace(model, batch_size, device, seed, cache_dir)
+    _CAPTURED[traced.key] = graph
+    return traced.to_json()
+
+
+# -- profile -----------------------------------------------------------------------------------------
+
+
+def _profile_key(context: Any, p: Mapping[str, Any]) -> str:
+    settings = p["settings"].model_dump(exclude={"retries"})
+    return content_key("profile", p["traced"]["fingerprint"], p["device"], p["seed"], settings, p["store"],
+                       source_hash("tasks/profile.py", "tasks/store.py", "runtime"))
+
+
+@task(name="profile", cache_key_fn=_profile_key, retry_delay_seconds=5,
+      task_run_name="profile {model.name} b{traced[batch_size]}", **PERSISTED)
+def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: int, settings: ProfileConfig,
+                 store: str) -> dict[str, Any]:
+    """Measure every operator node of the traced graph on `device` and write the run to the store."""
+    from tasks.profile import ProfileSettings, profile_graph
+    from tasks.trace import capture_model
+
+    graph = _CAPTURED.get(traced["key"]) or capture_model(model, traced["batch_size"], device, seed)
+    if graph.fingerprint != traced["fingerprint"]:
+        raise MemplanError(
+            f"re-capturing {model.name} at batch {traced['batch_size']} gave graph {graph.fingerprint[:12]}, "
+            f"not the traced {traced['fingerprint'][:12]}; capture is not deterministic for this model."
+        )
+    run = profile_graph(graph, device, ProfileSettings(settings.warmup, settings.repeats, seed),
+                        model=model.name, root=store, progress=False)
+    return {"run_id": run.run_id, "device": run.device, "fingerprint": run.fingerprint, "rows": run.rows,
+            "path": str(run.path)}
+
+
+# -- solve -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Solved:
+    """A solver's answer for one matrix cell, with the numbers the report needs."""
+
+    solver: str
+    status: str
+    feasible: bool
+    budget_bytes: int
+    checkpoint_all_peak_bytes: int
+    checkpoint_all_cost: float
+    predicted_peak_bytes: int | None
+    objective: float | None
+    gap: float | None
+    solve_seconds: float
+    backend: str | None
+    min_budget_lower_bound: int | None
+    smallest_feasible_budget: int | None
+    message: str
+    plan_path: str | None
+    profile_run_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def solve_case(graph_path: str, solver: str, budget: Budget, options: dict[str, Any], device: str, store: str,
+               plan_path: str) -> Solved:
+    """Solve one cell: build the `Problem` from the graph and its newest complete profile, resolve the
+    budget against the checkpoint-all peak (eager order, no recomputation), run the solver and, when it
+    finds a schedule, write the plan to `plan_path`."""
+    from runtime.graph import OpGraph
+    from runtime.plan import Plan
+    from tasks.solve import SOLVERS
+    from tasks.solve.problem import Problem
+    from tasks.solve.simulator import default_schedule, simulate
+    from tasks.solve.solution import SolveOptions, min_budget_lower_bound
+    from tasks.store import load_costs
+
+    graph = OpGraph.load(_existing(graph_path, "trace"))
+    costs = load_costs(graph.fingerprint, device, root=store)
+    problem = Problem.from_graph(graph, costs)
+    eager = simulate(problem, default_schedule(problem))
+    budget_bytes = budget.resolve(eager.peak_bytes)
+    solution = SOLVERS[solver](problem, budget_bytes, SolveOptions(**options))
+    smallest = None
+    if solution.feasible:
+        plan = Plan.load(solution.to_plan(problem, device=device, profile_run_id=costs.run_id))
+        plan.predicted["time_ms"] = plan.predicted["compute_cost"]  # node costs are profiled milliseconds
+        plan.save(plan_path)
+    elif eager.peak_bytes > budget_bytes:
+        smallest = eager.peak_bytes
+    return Solved(
+        solver=solver,
+        status=solution.status,
+        feasible=solution.feasible,
+        budget_bytes=budget_bytes,
+        checkpoint_all_peak_bytes=eager.peak_bytes,
+        checkpoint_all_cost=eager.compute_cost,
+        predicted_peak_bytes=solution.predicted_peak_bytes,
+        objective=solution.objective,
+        gap=solution.gap,
+        solve_seconds=solution.solve_seconds,
+        backend=solution.backend,
+        min_budget_lower_bound=solution.min_budget_lower_bound or min_budget_lower_bound(problem),
+        smallest_feasible_budget=smallest,
+        message=solution.message,
+        plan_path=plan_path if solution.feasible else None,
+        profile_run_id=costs.run_id,
+    )
+
+
+def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
+    return content_key("solve", p["traced"]["fingerprint"], p["profile"]["run_id"], p["solver"], p["budget"],
+                       p["options"], p["device"], source_hash("tasks/solve", "runtime/plan.py"))
+
+
+@task(name="solve", cache_key_fn=_solve_key, task_run_name="solve {alias}", **PERSISTED)
+def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, budget: Budget, options: dict[str, Any],
+               device: str, store: str, cache_dir: str, alias: str) -> dict[str, Any]:
+    """Solve one matrix cell; the plan lands in `cache_dir/solutions/`."""
+    key = _solve_key(None, locals())
+    plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
+    return solve_case(traced["path"], solver, budget, options, device, store, plan_path).to_json()
+
+
+# -- validate ----------------------------------------------------------------------------------------
+
+
+def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
+    import torch
+    from runtime.plan import Plan
+    from tasks.publish import plan_id
+
+    plan = plan_id(Plan.load(_existing(p["plan_path"], "solve")))
+    return content_key("validate", plan, p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
+                       p["settings"], torch.__version__,
+                       source_hash("runtime", "tasks/validate.py", "tasks/models.py"))
+
+
+@task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED)
+def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: str, seed: int,
+                  settings: ValidateConfig, alias: str) -> dict[str, Any]:
+    """Run the plan against eager PyTorch on `device` (tasks/validate.py)."""
+    from runtime.plan import Plan
+    from tasks.validate import validate_plan
+
+    return validate_plan(Plan.load(plan_path), model, batch_size, device, seed, settings).to_json()
+
+
+# -- publish -----------------------------------------------------------------------------------------
+
+
+@task(name="publish", task_run_name="publish {alias}")
+def publish_step(plan_path: str, validation: dict[str, Any], plans_dir: str, alias: str, model: str,
+                 batch_size: int, budget: str) -> dict[str, Any]:
+    """Publish a validated plan into `plans_dir` (idempotent, so never cached)."""
+    from runtime.plan import Plan
+    from tasks.publish import publish
+    from tasks.validate import Validation
+
+    published = publish(Plan.load(plan_path), Validation.from_json(validation), plans_dir, alias=alias,
+                        model=model, batch_size=batch_size, budget=budget)
+    return asdict(published)
