@@ -1,0 +1,239 @@
+"""Profile an operator graph: time and memory of every node on one device, written to the profile store.
+
+Every node runs alone (`runtime.node_function`) on its real inputs: graph inputs are random tensors of
+the graph's shapes and dtypes, every other input is the value its producer computed in this run, so
+integer tensors (pooling indices, labels) are valid. Per node: `warmup` untimed calls, `repeats` timed
+calls (CUDA events on GPU, `time.perf_counter` on CPU; median, minimum and interquartile range), then
+one call under `runtime.meter.PeakMeter` whose outputs feed the later nodes:
+    output_bytes    = bytes the call left allocated (its outputs),
+    workspace_bytes = max(0, peak bytes during the call - output_bytes)
+(inputs exist before the call, so the meter never counts them). Columns: docs/profile-schema.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import re
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tasks.store import new_run_id, write_run
+from tasks.store_schema import DEFAULT_IMPL, SCHEMA_VERSION
+
+NodeFunction = Callable[[Any, int], Callable[..., tuple]]
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How each node is measured."""
+
+    warmup: int = 3     # untimed calls per node before timing (lazy init, caches, allocator)
+    repeats: int = 10   # timed calls per node; time_ms is their median
+    seed: int = 0       # seed of the random graph inputs
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError(f"Profile settings need warmup >= 0 and repeats >= 1, got warmup={self.warmup}, "
+                             f"repeats={self.repeats}.")
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    """A profiling run written to the store."""
+
+    run_id: str
+    path: Path
+    rows: int
+    fingerprint: str
+    device: str
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    """Run columns describing the device: `device` is the store's key (`cpu`, or the GPU name as a slug,
+    e.g. `nvidia-h100-80gb-hbm3`), `device_type` is torch's (`cpu`, `cuda`)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        key = _slug(name)
+    elif device.type == "cpu":
+        name, key = _cpu_name(), "cpu"
+    else:
+        raise ValueError(f"Profiling supports cpu and cuda devices, not {device}.")
+    cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
+    return {"device": key, "device_type": device.type, "device_name": name, "host": socket.gethostname(),
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda if device.type == "cuda" else None,
+            "cudnn_version": None if cudnn is None else str(cudnn)}
+
+
+def graph_inputs(graph, device: torch.device, seed: int) -> dict[int, torch.Tensor]:
+    """Random tensors for the graph inputs, by value id: floating batch inputs ~ N(0, 1); parameters
+    ~ N(0, 1/fan_in) with fan_in the product of all but the first dimension (keeps activations O(1)
+    through deep stacks); floating buffers 1 (e.g. BatchNorm running variance); integer tensors 0
+    (a valid class label or token id for every graph); booleans True."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for value in graph.input_values:
+        dtype = getattr(torch, value.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"Value {value.id} ({value.name}) has dtype {value.dtype!r}, which is not a torch "
+                             f"dtype name; re-capture the graph.")
+        shape = tuple(value.shape)
+        if dtype == torch.bool:
+            t = torch.ones(shape, dtype=dtype)
+        elif not (dtype.is_floating_point or dtype.is_complex):
+            t = torch.zeros(shape, dtype=dtype)
+        elif value.kind == "buffer":
+            t = torch.ones(shape, dtype=dtype)
+        else:
+            t = torch.randn(shape, generator=generator, dtype=dtype)
+            if value.kind == "param":
+                t /= math.sqrt(math.prod(shape[1:]) or 1)
+        tensors[value.id] = t.to(device)
+    return tensors
+
+
+def _time_calls(fn: Callable, args: list, device: torch.device, settings: ProfileSettings) -> list[float]:
+    """Milliseconds of `settings.repeats` calls of `fn(*args)` after `settings.warmup` untimed ones."""
+    for _ in range(settings.warmup):
+        fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(settings.repeats)]
+        for start, end in events:
+            start.record()
+            fn(*args)
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for _ in range(settings.repeats):
+        start = time.perf_counter()
+        fn(*args)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _last_reads(graph) -> dict[int, int]:
+    """Value id -> index of the last node reading it."""
+    last = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            last[v] = node.id
+    return last
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), disable=not enabled)
+
+
+def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSettings = ProfileSettings(), *,
+                  model: str | None = None, node_function: NodeFunction | None = None,
+                  progress: bool = True) -> list[dict[str, Any]]:
+    """Measure every node of `graph` on `device`; return the rows of one run (not yet written).
+
+    `node_function(graph, node_id)` gives the callable of a node; it defaults to `runtime.node_function`,
+    which needs a graph made by `runtime.capture` on the same device. `model` names the model in the
+    store (default: the graph's `meta["model"]`).
+    """
+    from runtime.meter import PeakMeter
+
+    if node_function is None:
+        from runtime import node_function
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    model = model or graph.meta.get("model")
+    if not model:
+        raise ValueError("Name the model being profiled (model=...): the graph's meta has no 'model'.")
+    run = _run_columns(graph, device, settings, model)
+    live = graph_inputs(graph, device, settings.seed)
+    last = _last_reads(graph)
+    rows = []
+    with torch.no_grad(), _progress(progress) as bar:
+        task = bar.add_task(f"profiling {model} on {run['device']}", total=len(graph.nodes))
+        for node in graph.nodes:
+            args = [live[v] for v in node.inputs]
+            fn = node_function(graph, node.id)
+            try:
+                times = _time_calls(fn, args, device, settings)
+                with PeakMeter(device) as meter:
+                    outputs = fn(*args)
+            except Exception as exc:
+                raise RuntimeError(f"Profiling node {node.id} ({node.name}, {', '.join(node.targets)}) failed on "
+                                   f"{device}: {exc}. Profile a graph captured on the same device.") from exc
+            if len(outputs) != len(node.outputs):
+                raise RuntimeError(f"Node {node.id} ({node.name}) returned {len(outputs)} tensors but the graph "
+                                   f"lists {len(node.outputs)} outputs; the node function does not match the graph.")
+            live.update(zip(node.outputs, outputs))
+            del outputs
+            for v in set(node.inputs) | set(node.outputs):
+                if last.get(v, -1) <= node.id:
+                    live.pop(v, None)
+            q25, q75 = np.percentile(times, [25, 75])
+            rows.append({
+                **run, "node_id": node.id, "node_name": node.name, "op": node.targets[0] if node.targets else None,
+                "targets": list(node.targets), "phase": node.phase, "impl": DEFAULT_IMPL,
+                "time_ms": statistics.median(times), "time_ms_min": min(times), "time_ms_iqr": float(q75 - q25),
+                "input_bytes": sum(graph.values[v].bytes for v in set(node.inputs)),
+                "output_bytes": meter.end_bytes, "workspace_bytes": max(0, meter.peak_bytes - meter.end_bytes),
+            })
+            bar.advance(task)
+    created = datetime.now(timezone.utc)
+    for row in rows:
+        row["created_at"] = created
+    return rows
+
+
+def _run_columns(graph, device: torch.device, settings: ProfileSettings, model: str) -> dict[str, Any]:
+    batch = [v for v in graph.values if v.kind == "input"]
+    try:
+        version = metadata.version("memplan")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {
+        "schema_version": SCHEMA_VERSION, "run_id": new_run_id(), "fingerprint": graph.fingerprint,
+        "model": model, "graph_nodes": len(graph.nodes),
+        "batch_size": batch[0].shape[0] if batch and batch[0].shape else None,
+        "input_shapes": json.dumps([{"shape": list(v.shape), "dtype": v.dtype} for v in batch]),
+        **device_info(device), "memplan_version": version,
+        "timer": "cuda_events" if device.type == "cuda" else "perf_counter",
+        "warmup": settings.warmup, "repeats": settings.repeats, "threads": torch.get_num_threads(),
+        "seed": settings.seed,
+    }
+
+
+def profile_graph(graph, device: str | torch.device = "cpu", settings: ProfileSettings = ProfileSettings(), *,
+                  model: str | None = None, root: str | Path | None = None,
+                  node_function: NodeFunction | None = None, progress: bool = True) -> ProfileRun:
+    """Measure every node of `graph` on `device` (see `measure_graph`) and write the run to the store."""
+    rows = measure_graph(graph, device, settings, model=model, node_function=node_function, progress=progress)
+    path = write_run(rows, root)
+    return ProfileRun(rows[0]["run_id"], path, len(rows), graph.fingerprint, rows[0]["device"])
