@@ -15,7 +15,12 @@ from tasks.models import resolve_device
 
 
 class PipelineFailed(MemplanError):
-    """Some cells of the matrix produced no published plan; the message says why for each."""
+    """Some cells of the matrix produced no published plan; the message says why for each, `outcomes`
+    holds every cell's `Outcome` as JSON."""
+
+    def __init__(self, message: str, outcomes: list[dict[str, Any]]):
+        super().__init__(message)
+        self.outcomes = outcomes
 
 
 @flow(name="plan", description="Trace, profile, solve, validate and publish the plans of a pipeline.toml.")
@@ -60,7 +65,8 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list
     if failed:
         raise PipelineFailed(
             f"{len(failed)} of {len(outcomes)} plans were not published ({len(outcomes) - len(failed)} were): "
-            + " ".join(o.message for o in failed)
+            + " ".join(o.message for o in failed),
+            [o.to_json() for o in outcomes],
         )
     return [o.to_json() for o in outcomes]
 

@@ -17,10 +17,12 @@ from typing import Any, Mapping
 
 from prefect import task
 
+from flows.progress import stage_finished, stage_started
 from tasks.config import Budget, MemplanError, ModelConfig, ProfileConfig, ValidateConfig
 from tasks.trace import source_hash, trace_key
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
+HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
 _CAPTURED: dict[str, Any] = {}  # trace key -> captured OpGraph (with its FX program), this process only
 
 
@@ -58,7 +60,7 @@ def _trace_key(context: Any, p: Mapping[str, Any]) -> str:
     return "trace-" + trace_key(p["model"], p["batch_size"], p["device"])
 
 
-@task(name="trace", cache_key_fn=_trace_key, task_run_name="trace {model.name} b{batch_size}", **PERSISTED)
+@task(name="trace", cache_key_fn=_trace_key, task_run_name="trace {model.name} b{batch_size}", **PERSISTED, **HOOKS)
 def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str) -> dict[str, Any]:
     """Capture the model's training step; the graph JSON lands in `cache_dir/graphs/`."""
     from tasks.trace import trace
@@ -78,7 +80,7 @@ def _profile_key(context: Any, p: Mapping[str, Any]) -> str:
 
 
 @task(name="profile", cache_key_fn=_profile_key, retry_delay_seconds=5,
-      task_run_name="profile {model.name} b{traced[batch_size]}", **PERSISTED)
+      task_run_name="profile {model.name} b{traced[batch_size]}", **PERSISTED, **HOOKS)
 def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: int, settings: ProfileConfig,
                  store: str) -> dict[str, Any]:
     """Measure every operator node of the traced graph on `device` and write the run to the store."""
@@ -176,7 +178,7 @@ def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
                        p["options"], p["device"], source_hash("tasks/solve", "runtime/plan.py"))
 
 
-@task(name="solve", cache_key_fn=_solve_key, task_run_name="solve {alias}", **PERSISTED)
+@task(name="solve", cache_key_fn=_solve_key, task_run_name="solve {alias}", **PERSISTED, **HOOKS)
 def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, budget: Budget, options: dict[str, Any],
                device: str, store: str, cache_dir: str, alias: str) -> dict[str, Any]:
     """Solve one matrix cell; the plan lands in `cache_dir/solutions/`."""
@@ -199,7 +201,7 @@ def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
                        source_hash("runtime", "tasks/validate.py", "tasks/models.py"))
 
 
-@task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED)
+@task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)
 def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: str, seed: int,
                   settings: ValidateConfig, alias: str) -> dict[str, Any]:
     """Run the plan against eager PyTorch on `device` (tasks/validate.py)."""
@@ -212,7 +214,7 @@ def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: s
 # -- publish -----------------------------------------------------------------------------------------
 
 
-@task(name="publish", task_run_name="publish {alias}")
+@task(name="publish", task_run_name="publish {alias}", **HOOKS)
 def publish_step(plan_path: str, validation: dict[str, Any], plans_dir: str, alias: str, model: str,
                  batch_size: int, budget: str) -> dict[str, Any]:
     """Publish a validated plan into `plans_dir` (idempotent, so never cached)."""

@@ -1,0 +1,69 @@
+"""`memplan plans list|show`: the published plans and their index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+DirOption = Annotated[Path, typer.Option("--dir", help="Folder of published plans.")]
+
+
+def register(app: typer.Typer) -> None:
+    plans = typer.Typer(help="Published plans (plans/ and its Parquet index).", no_args_is_help=True)
+
+    @plans.command("list")
+    def list_plans(
+        plans_dir: DirOption = Path("plans"),
+        model: Annotated[Optional[str], typer.Option(help="Only this model.")] = None,
+        solver: Annotated[Optional[str], typer.Option(help="Only this solver.")] = None,
+    ) -> None:
+        """One row per published plan, newest first."""
+        from rich.table import Table
+
+        from flows.console import console, exit_on_error
+        from tasks.publish import read_index
+
+        with exit_on_error():
+            rows = read_index(plans_dir, "(? IS NULL OR model = ?) AND (? IS NULL OR solver = ?)",
+                              [model, model, solver, solver])
+        mib = 2**20
+        table = Table("plan id", "alias", "solver", "budget MiB", "predicted MiB", "measured MiB", "eager MiB",
+                      "overhead", "device", "published", title=f"plans in {plans_dir}")
+        for r in rows:
+            table.add_row(r["plan_id"][:12], r["alias"], r["solver"], f"{r['budget_bytes'] / mib:.1f}",
+                          f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
+                          f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", r["device"],
+                          f"{r['published_at']:%Y-%m-%d %H:%M}")
+        console.print(table)
+
+    @plans.command("show")
+    def show(
+        name: Annotated[str, typer.Argument(help="A plan id, an id prefix (8+ hex digits) or an alias.")],
+        plans_dir: DirOption = Path("plans"),
+    ) -> None:
+        """A plan's provenance, predictions, schedule summary and index row."""
+        from rich.table import Table
+
+        from flows.console import console, exit_on_error
+        from runtime.plan import Plan
+        from tasks.publish import plan_id, read_index, resolve
+
+        with exit_on_error():
+            path = resolve(plans_dir, name)
+            plan = Plan.load(path)
+            pid = plan_id(plan)
+            rows = read_index(plans_dir, "plan_id = ?", [pid])
+        computes = plan.compute_steps()
+        table = Table("key", "value", title=f"plan {pid[:12]} ({path})", show_header=False)
+        table.add_row("fingerprint", plan.fingerprint)
+        table.add_row("schedule", f"{len(plan.schedule)} steps: {len(computes)} computes of {len(set(computes))} "
+                                  f"nodes ({len(computes) - len(set(computes))} recomputations)")
+        for key, value in (plan.predicted | plan.provenance).items():
+            table.add_row(key, str(value))
+        for key, value in (rows[0] if rows else {}).items():
+            table.add_row(f"index.{key}", str(value))
+        console.print(table)
+
+    app.add_typer(plans, name="plans")

@@ -1,0 +1,41 @@
+"""`memplan publish PLAN`: validate a plan and, when it passes, publish it into plans/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from flows.commands.validate import BatchOption, ConfigOption, ModelOption, PlanArgument
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def publish(
+        plan: PlanArgument,
+        config: ConfigOption = Path("pipeline.toml"),
+        model: ModelOption = None,
+        batch: BatchOption = None,
+        alias: Annotated[Optional[str], typer.Option(help="Readable name [default: <model>-b<batch>-<solver>-<budget>B].")] = None,
+    ) -> None:
+        """Validate a plan on the configured device and publish it if it passes (idempotent)."""
+        from flows.console import console, exit_on_error, prepare
+
+        prepare(config)
+        with exit_on_error():
+            from flows.commands.validate import run_validation, validation_table
+            from runtime.plan import Plan
+            from tasks.config import load_config
+            from tasks.publish import publish as publish_plan
+
+            validation, spec, batch_size = run_validation(plan, config, model, batch)
+            console.print(validation_table(validation))
+            loaded = Plan.load(plan)
+            budget = f"{loaded.provenance.get('budget_bytes')}B"
+            name = alias or f"{spec.name}-b{batch_size}-{loaded.provenance.get('solver')}-{budget}"
+            plans_dir = load_config(config).publish.dir
+            done = publish_plan(loaded, validation, plans_dir, alias=name, model=spec.name, batch_size=batch_size,
+                                budget=budget)
+            verb = "published" if done.changed else "already published, nothing changed:"
+            console.print(f"{verb} {done.path} (alias {done.alias_path})")

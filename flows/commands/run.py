@@ -1,0 +1,56 @@
+"""`memplan run [pipeline.toml]`: the whole pipeline (the `plan` flow) on Prefect's local server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+ConfigArgument = Annotated[Path, typer.Argument(help="The pipeline file (schema: docs/config.md).")]
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def run(
+        config: ConfigArgument = Path("pipeline.toml"),
+        refresh: Annotated[bool, typer.Option(help="Re-run every stage instead of re-using cached results.")] = False,
+    ) -> None:
+        """Trace, profile, solve, validate and publish every plan that pipeline.toml declares."""
+        from flows.console import console, exit_on_error, prepare
+
+        prepare(config)
+        with exit_on_error():
+            from flows.plan import PipelineFailed, run_plan
+            from flows.progress import stage_progress
+            from tasks.config import expand_matrix, load_config
+
+            loaded = load_config(config)
+            graphs = sum(len(m.batch_sizes) for m in loaded.models)
+            stages = 2 * graphs + 3 * len(expand_matrix(loaded))
+            try:
+                with stage_progress(stages, "starting Prefect"):
+                    outcomes = run_plan(config, refresh)
+            except PipelineFailed as failed:
+                console.print(outcome_table(failed.outcomes))
+                raise
+            console.print(outcome_table(outcomes))
+            console.print(f"published {len(outcomes)} plans into {loaded.publish.dir}/")
+
+
+def outcome_table(outcomes: list[dict[str, Any]]):
+    """The outcomes of a run as a rich table."""
+    from rich.table import Table
+
+    mib = 2**20
+    table = Table("plan", "budget MiB", "predicted peak MiB", "measured peak MiB", "eager peak MiB",
+                  "overhead", "status", title="memplan plans")
+    for o in outcomes:
+        def size(key: str) -> str:
+            return "" if o[key] is None else f"{o[key] / mib:.1f}"
+
+        overhead = "" if o["overhead"] is None else f"{o['overhead']:+.0%}"
+        style = "green" if o["status"] == "published" else "red"
+        table.add_row(o["alias"], size("budget_bytes"), size("predicted_peak_bytes"), size("measured_peak_bytes"),
+                      size("eager_peak_bytes"), overhead, f"[{style}]{o['status']}[/{style}]")
+    return table

@@ -1,0 +1,54 @@
+"""What the pipeline commands share: the rich consoles, turning known failures into one red paragraph
+and exit status 1, and Prefect's environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+console = Console(soft_wrap=True)
+errors = Console(stderr=True, soft_wrap=True)
+
+
+def known_errors() -> tuple[type[BaseException], ...]:
+    """Failures with a message meant for the user (config, model, device, graph, plan, profile, solve)."""
+    from runtime.graph import GraphFormatError
+    from runtime.plan import PlanError
+    from tasks.config import MemplanError
+
+    found: list[type[BaseException]] = [MemplanError, PlanError, GraphFormatError]
+    for module, name in (("tasks.store", "ProfileNotFoundError"), ("tasks.solve.problem", "ProblemError"),
+                         ("tasks.solve.simulator", "InvalidSchedule"), ("runtime.capture", "CaptureError")):
+        if module in sys.modules:  # only errors of modules that ran can have been raised
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
+
+
+@contextmanager
+def exit_on_error() -> Iterator[None]:
+    """Print a known failure as one paragraph on stderr and exit with status 1."""
+    try:
+        yield
+    except Exception as exc:
+        if not isinstance(exc, known_errors()):
+            raise
+        errors.print(f"error: {escape(str(exc))}", style="red")
+        raise typer.Exit(1) from None
+
+
+def prepare(config_path: Path) -> None:
+    """Make modules next to `config_path` importable (model factories) and set Prefect's defaults:
+    a patient ephemeral server, no analytics, warnings-only logs."""
+    folder = str(Path(config_path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
