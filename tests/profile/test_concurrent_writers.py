@@ -1,0 +1,63 @@
+"""Eight processes profile and write to one store at the same time; every row of every run arrives."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tasks.store import connect, load_costs
+
+WORKERS = 8
+
+# Each worker captures an MLP, profiles it, waits until all workers have measured (a file barrier), then
+# writes its run and prints its rows as JSON.
+WORKER = r"""
+import json, sys, time
+from pathlib import Path
+import torch
+from torch import nn
+import runtime
+from tasks.profile import ProfileSettings, measure_graph
+from tasks.store import write_run
+
+root, barrier, index, workers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+torch.manual_seed(index)
+net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+graph = runtime.capture(net, lambda m, x, y: nn.functional.cross_entropy(m(x), y),
+                        (torch.randn(16, 32), torch.zeros(16, dtype=torch.long)))
+rows = measure_graph(graph, "cpu", ProfileSettings(warmup=1, repeats=3), model=f"mlp-{index % 2}", progress=False)
+(barrier / str(index)).touch()
+deadline = time.monotonic() + 300
+while len(list(barrier.iterdir())) < workers:
+    if time.monotonic() > deadline:
+        sys.exit("barrier timed out")
+    time.sleep(0.01)
+write_run(rows, root)
+print(json.dumps([[r["run_id"], r["fingerprint"], r["node_id"], r["time_ms"], r["output_bytes"]] for r in rows]))
+"""
+
+
+def test_eight_processes_profile_and_write_at_once(tmp_path):
+    root, barrier = tmp_path / "profiles_db", tmp_path / "barrier"
+    barrier.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(root), str(barrier), str(i), str(WORKERS)],
+                              cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(WORKERS)]
+    results = [p.communicate(timeout=540) for p in procs]
+    for proc, (_, err) in zip(procs, results):
+        assert proc.returncode == 0, err
+    written = sorted(tuple(row) for out, _ in results for row in json.loads(out))
+    runs = {row[0] for row in written}
+    assert len(runs) == WORKERS
+    con = connect(root)
+    stored = con.execute("SELECT run_id, fingerprint, node_id, time_ms, output_bytes FROM profiles "
+                         "ORDER BY ALL").fetchall()
+    assert stored == written
+    assert con.execute("SELECT count(*), bool_and(complete) FROM runs").fetchall() == [(WORKERS, True)]
+    assert sorted(p.name for p in root.rglob("*") if p.is_file()) == sorted(f"run-{r}.parquet" for r in runs)
+    fingerprint = written[0][1]
+    assert load_costs(fingerprint, root=root).run_id in runs
