@@ -3,7 +3,9 @@
 Folding (docs/graph-format.md): every FX node that allocates a new storage starts an operator node;
 `getitem`s of its tuple result and every view of its storage (transitively) join that node. Views of
 graph inputs and module constants allocate nothing and belong to no producer: they are replicated into
-each node that reads them. Each value is one storage, so its bytes are counted once.
+each node that reads them. Each value is one storage, so its bytes are counted once. Ops that return nothing (metadata
+assertions such as `aten._assert_tensor_metadata`) are dropped: they compute no value and check
+shapes and dtypes that the fingerprint already fixes.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                            f"steps, so every parameter must require grad.")
     gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
     graph = _fold(gm, sig, model, batch)
+    gm.recompile()
     graph.program.batch_signature = batch_signature(model, batch)
     return graph
 
@@ -118,9 +120,11 @@ def _view_base(node: fx.Node) -> fx.Node | None:
     if any(a.is_write for a in aliased):
         raise CaptureError(f"FX node {node.name} runs the in-place op {op}; the joint graph should be "
                            f"functional. Is the model mutating a tensor in a way AOTAutograd cannot remove?")
-    sets = aliased[0].before_set
+    sets = aliased[0].before_set  # empty for list results such as split's `Tensor(a)[]`
     for arg, value in zip(schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.before_set & sets and isinstance(value, fx.Node):
+        info = arg.alias_info
+        if info is not None and not info.is_write and (not sets or info.before_set & sets) \
+                and isinstance(value, fx.Node):
             return value
     raise CaptureError(f"cannot find the aliased argument of view op {op} at FX node {node.name}.")
 
@@ -141,6 +145,7 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
     groups: list[list[fx.Node]] = []
     heads: list[fx.Node] = []                  # the allocating FX node of each group
     tuple_values: dict[fx.Node, list[int | None]] = {}
+    dropped: list[fx.Node] = []                # ops returning nothing (assertions)
 
     def new_value(t: torch.Tensor, kind: str, name: str, where: Any, group: int | None) -> int:
         vid = len(values)
@@ -188,6 +193,11 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
             continue
         if not isinstance(n.target, torch._ops.OpOverload):
             raise CaptureError(f"FX node {n.name} calls {n.target!r}, which is not an ATen op overload.")
+        if not n.target._schema.returns:                   # metadata assertion: computes nothing
+            if n.users:
+                raise CaptureError(f"FX node {n.name} ({n.target}) returns nothing but has users.")
+            dropped.append(n)
+            continue
         base = _view_base(n)
         if base is not None:
             _join_alias(n, base, value_of, owner, constants, group_of, groups)
@@ -204,6 +214,9 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
                                if isinstance(t, torch.Tensor) else None for i, t in enumerate(val)]
         else:
             raise CaptureError(f"FX node {n.name} ({n.target}) returns {type(val).__name__}, not tensors.")
+
+    for n in dropped:
+        gm.graph.erase_node(n)
 
     # Graph outputs: buffer updates, the loss, parameter gradients (FX order).
     n_mut, n_user = len(sig.buffers_to_mutate), len(sig.user_outputs)
