@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 from contextlib import contextmanager
+from decimal import Decimal
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
@@ -65,6 +66,13 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _json_value(value):
+    """JSON for what json cannot encode: SUM over integers is a DuckDB HUGEINT (a Decimal here)."""
+    if isinstance(value, Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    return str(value)
+
+
 def _write_atomic(path: Path, write) -> None:
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -101,7 +109,7 @@ def emit(table, fmt: Format, output: Path | None = None, title: str | None = Non
         Console().print(view)
         return
     if fmt is Format.json:
-        text = json.dumps([dict(zip(table.column_names, row)) for row in rows], default=str, indent=1) + "\n"
+        text = json.dumps([dict(zip(table.column_names, row)) for row in rows], default=_json_value, indent=1) + "\n"
     else:
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")

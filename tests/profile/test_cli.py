@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -127,3 +129,17 @@ def test_query_reads_the_plans_index_next_to_the_profiles(cli, filled, tmp_path)
     result = cli("query", sql, "--plans", str(plans), "-f", "csv")
     assert result.exit_code == 0, result.output
     assert result.stdout == "alias,solver,rows\nresnet18-60pct,checkmate,3\n"
+
+
+def test_documented_example_queries_run(cli, filled):
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "profile-schema.md").read_text()
+    queries = re.findall(r'memplan query "(.*?)"', docs, flags=re.S)
+    assert len(queries) >= 5
+    outputs = []
+    for sql in queries:
+        result = cli("query", sql, "--format", "json")
+        assert result.exit_code == 0, (sql, result.stderr)
+        outputs.append(json.loads(result.stdout))
+    slowest, by_op = outputs[0], outputs[1]
+    assert [r["ms"] for r in slowest] == [3.0, 2.0, 2.0, 1.0, 1.0]
+    assert by_op == [{"op": "aten.mm.default", "nodes": 5, "max_workspace": 2, "total_workspace": 4, "total_ms": 9.0}]
