@@ -11,7 +11,7 @@ from prefect import flow, unmapped
 from flows.report import Outcome, create_artifacts
 from flows.steps import profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, expand_matrix, load_config
-from tasks.models import resolve_device
+from tasks.models import check_model, resolve_device
 
 
 class PipelineFailed(MemplanError):
@@ -118,6 +118,8 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False) -
 
     config = load_config(config_path)
     resolve_device(config.device)
+    for model in config.models:
+        check_model(model)
     storage = Path(config.cache_dir).resolve() / "prefect"
     with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage}):
         return plan_flow(str(config_path), refresh)

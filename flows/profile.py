@@ -11,7 +11,7 @@ from prefect import flow
 
 from flows.steps import profile_step, trace_step
 from tasks.config import load_config
-from tasks.models import resolve_device
+from tasks.models import check_model, resolve_device
 
 
 @flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.")
@@ -36,5 +36,7 @@ def run_profile(config_path: str | Path = "pipeline.toml", reuse: bool = False) 
 
     config = load_config(config_path)
     resolve_device(config.device)
+    for model in config.models:
+        check_model(model)
     with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: Path(config.cache_dir).resolve() / "prefect"}):
         return profile_flow(str(config_path), reuse)

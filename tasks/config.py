@@ -47,7 +47,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False)
 
     @classmethod
-    def keys(cls) -> list[str]:
+    def toml_keys(cls) -> list[str]:
         """The TOML keys this table accepts."""
         return [field.alias or name for name, field in cls.model_fields.items()]
 
@@ -400,7 +400,7 @@ def _describe(exc: ValidationError, source: str) -> str:
         elif err["type"] == "extra_forbidden":
             section = _section_at(err["loc"][:-1])
             where = _key_path(err["loc"][:-1]) or "the top level"
-            message = f"unknown key; allowed keys in {where}: {', '.join(section.keys())}"
+            message = f"unknown key; allowed keys in {where}: {', '.join(section.toml_keys())}"
         elif err["type"] == "missing":
             message = "required key is missing"
         else:

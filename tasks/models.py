@@ -67,6 +67,31 @@ def import_object(path: str, role: str) -> Any:
     return obj
 
 
+def check_model(spec: ModelConfig) -> None:
+    """Fail fast, without building anything, when the model's source or loss cannot be found."""
+    kind, name = spec.source
+    where = f"model {spec.name!r} ({kind} = {name!r})"
+    if kind == "torchvision":
+        import torchvision
+
+        _known(name, torchvision.models.list_models(), f"{where}: torchvision {torchvision.__version__} has no model")
+    elif kind == "transformers":
+        import transformers
+
+        _known(name, list(transformers.CONFIG_MAPPING), f"{where}: transformers {transformers.__version__} has no model type")
+        if not hasattr(transformers, spec.auto_class):
+            raise ModelError(f"{where}: transformers {transformers.__version__} has no {spec.auto_class}.")
+    else:
+        import_object(name, f"factory of model {spec.name!r}")
+    build_loss(spec)
+
+
+def _known(name: str, names: list[str], message: str) -> None:
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=5)
+        raise ModelError(f"{message} {name!r}" + (f"; close matches: {', '.join(close)}" if close else "") + ".")
+
+
 def build_model(spec: ModelConfig, seed: int) -> nn.Module:
     """The model of `spec` with weights drawn from `torch.manual_seed(seed)`, in training mode."""
     kind, name = spec.source
@@ -94,14 +119,7 @@ def build_model(spec: ModelConfig, seed: int) -> nn.Module:
 def _torchvision(name: str, kwargs: dict[str, Any], where: str) -> nn.Module:
     import torchvision
 
-    names = torchvision.models.list_models()
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=5)
-        raise ModelError(
-            f"{where}: torchvision {torchvision.__version__} has no model {name!r}"
-            + (f"; close matches: {', '.join(close)}" if close else "")
-            + "; see torchvision.models.list_models()."
-        )
+    _known(name, torchvision.models.list_models(), f"{where}: torchvision {torchvision.__version__} has no model")
     return torchvision.models.get_model(name, weights=None, **kwargs)
 
 
@@ -112,19 +130,8 @@ def _transformers(model_type: str, auto_class: str, kwargs: dict[str, Any], wher
     (attention as plain ATen ops the planner can see)."""
     import transformers
 
-    try:
-        config = transformers.AutoConfig.for_model(
-            model_type, **({"use_cache": False, "attn_implementation": "eager"} | kwargs)
-        )
-    except ValueError:
-        if model_type in transformers.CONFIG_MAPPING:
-            raise
-        close = difflib.get_close_matches(model_type, list(transformers.CONFIG_MAPPING), n=5)
-        raise ModelError(
-            f"{where}: transformers {transformers.__version__} has no model type {model_type!r}"
-            + (f"; close matches: {', '.join(close)}" if close else "")
-            + "."
-        ) from None
+    _known(model_type, list(transformers.CONFIG_MAPPING), f"{where}: transformers {transformers.__version__} has no model type")
+    config = transformers.AutoConfig.for_model(model_type, **({"use_cache": False, "attn_implementation": "eager"} | kwargs))
     return getattr(transformers, auto_class).from_config(config)
 
 

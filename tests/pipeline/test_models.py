@@ -110,3 +110,26 @@ def test_device_resolution():
 def test_missing_gpu_is_a_clear_error():
     with pytest.raises(DeviceError, match=r"device = 'cuda:1' in pipeline.toml, but torch .* sees no CUDA GPU"):
         resolve_device("cuda:1")
+
+
+@pytest.mark.parametrize(
+    "entry, fragment",
+    [
+        ({"torchvision": "resnet19"}, "has no model 'resnet19'"),
+        ({"transformers": "gpt3"}, "has no model type 'gpt3'"),
+        ({"factory": "no_such_pkg.models:make"}, "cannot import module 'no_such_pkg.models'"),
+        ({"factory": "torch.nn:Linear", "loss": "torch.nn.functional:nope"}, "has no attribute 'nope'"),
+    ],
+)
+def test_check_model_fails_fast_without_building(entry, fragment):
+    from tasks.models import check_model
+
+    with pytest.raises(ModelError, match=fragment):
+        check_model(model_spec(**entry))
+
+
+def test_check_model_accepts_each_source_kind():
+    from tasks.models import check_model
+
+    for entry in ({"torchvision": "resnet18"}, {"transformers": "gpt2"}, {"factory": "torch.nn:Linear"}):
+        check_model(model_spec(**entry))

@@ -1,0 +1,59 @@
+"""Validation logic: tensor comparison and the peak check (running plans is covered by the flow tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from tasks.validate import compare_tensors, peak_problem, step_state
+
+
+def test_equal_tensors_pass_and_are_counted():
+    a = {"loss": torch.tensor(1.5), "grad:w": torch.ones(3, 3), "buffer:steps": torch.tensor(4)}
+    problems, worst, compared = compare_tensors(a, {k: v.clone() for k, v in a.items()}, rtol=0, atol=0)
+    assert (problems, worst, compared) == ([], 0.0, 3)
+
+
+def test_tolerance_is_atol_plus_rtol_times_eager():
+    want = {"grad:w": torch.tensor([100.0, 1.0])}
+    inside = {"grad:w": torch.tensor([100.0 + 0.0105, 1.0])}     # |diff| <= 1e-3 + 1e-4 * 100
+    outside = {"grad:w": torch.tensor([100.0, 1.0 + 0.0012])}    # |diff| >  1e-3 + 1e-4 * 1
+    assert compare_tensors(want, inside, rtol=1e-4, atol=1e-3)[0] == []
+    problems, worst, _ = compare_tensors(want, outside, rtol=1e-4, atol=1e-3)
+    assert problems == ["grad:w differs from eager by up to 0.0012 (rtol 0.0001, atol 0.001)"]
+    assert abs(worst - 0.0012) < 1e-6
+
+
+def test_missing_extra_and_misshapen_tensors_are_reported():
+    want = {"grad:a": torch.zeros(2), "grad:b": None, "grad:c": torch.zeros(2), "grad:d": torch.zeros(2)}
+    got = {"grad:a": None, "grad:b": torch.zeros(2), "grad:c": torch.zeros(3), "grad:d": torch.zeros(2, dtype=torch.float64)}
+    problems, _, compared = compare_tensors(want, got, rtol=1, atol=1)
+    assert compared == 0
+    assert problems == [
+        "grad:a is missing in the plan's step",
+        "grad:b is unexpected in the plan's step",
+        "grad:c has shape (3,) torch.float32, eager (2,) torch.float32",
+        "grad:d has shape (2,) torch.float64, eager (2,) torch.float32",
+    ]
+
+
+def test_integer_tensors_must_match_exactly():
+    problems, _, _ = compare_tensors({"buffer:n": torch.tensor(3)}, {"buffer:n": torch.tensor(4)}, rtol=1, atol=1)
+    assert problems == ["buffer:n differs from eager"]
+
+
+def test_peak_check_allows_the_stated_slack_only():
+    assert peak_problem(1050, 1000, 0.05) is None
+    assert peak_problem(1051, 1000, 0.05) == "measured peak 1,051 B exceeds the budget 1,000 B by 5.1% (allowed 5.0%)"
+    assert peak_problem(1000, 1000, 0.0) is None
+
+
+def test_step_state_holds_loss_gradients_and_buffers():
+    model = torch.nn.BatchNorm1d(3)
+    x = torch.randn(4, 3)
+    loss = model(x).pow(2).sum()
+    loss.backward()
+    state = step_state(model, loss)
+    assert set(state) == {"loss", "grad:weight", "grad:bias", "buffer:running_mean", "buffer:running_var",
+                          "buffer:num_batches_tracked"}
+    assert torch.equal(state["grad:bias"], model.bias.grad) and state["grad:bias"] is not model.bias.grad
+    assert int(state["buffer:num_batches_tracked"]) == 1
