@@ -285,11 +285,11 @@ class PipelineConfig(Section):
     seed: int = Field(0, description="Seed of the random weights and batches.")
     store: str = Field("profiles_db", description="Profile store folder (relative paths: from the file's folder).")
     cache_dir: str = Field(".cache/memplan", description="Traced graphs, solutions, reports and Prefect results.")
-    models: list[ModelConfig] = Field(description="The models to plan for.")
-    profile: ProfileConfig = Field(default_factory=ProfileConfig)
-    plans: list[PlanConfig] = Field(description="Solvers and budgets.")
-    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
-    publish: PublishConfig = Field(default_factory=PublishConfig)
+    models: list[ModelConfig] = Field(description="The models to plan for ([[models]] tables).")
+    profile: ProfileConfig = Field(default_factory=ProfileConfig, description="[profile] table.")
+    plans: list[PlanConfig] = Field(description="Solvers and budgets ([[plans]] tables).")
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate", description="[validate] table.")
+    publish: PublishConfig = Field(default_factory=PublishConfig, description="[publish] table.")
 
     @field_validator("device")
     @classmethod

@@ -163,3 +163,15 @@ def test_repository_pipeline_toml_is_valid():
 
     config = load_config(Path(__file__).parents[2] / "pipeline.toml", solvers=SOLVERS)
     assert len(expand_matrix(config)) >= 5
+
+
+def test_every_key_is_documented():
+    """docs/config.md has a table row for every key of every section of the schema."""
+    from pathlib import Path
+
+    from tasks.config import InputSpec, ModelConfig, PipelineConfig, PlanConfig, ProfileConfig, PublishConfig, ValidateConfig
+
+    doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+    for section in (PipelineConfig, ModelConfig, InputSpec, ProfileConfig, PlanConfig, ValidateConfig, PublishConfig):
+        missing = [key for key in section.toml_keys() if f"| `{key}` |" not in doc]
+        assert not missing, f"{section.__name__} keys {missing} are not documented in docs/config.md"
