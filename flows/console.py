@@ -13,8 +13,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-console = Console(soft_wrap=True)
-errors = Console(stderr=True, soft_wrap=True)
+
+
+def console() -> Console:
+    """The console for results (stdout; its width follows `COLUMNS` at call time)."""
+    return Console(soft_wrap=True)
+
+
+def errors() -> Console:
+    """The console for errors (stderr)."""
+    return Console(stderr=True, soft_wrap=True)
 
 
 def known_errors() -> tuple[type[BaseException], ...]:
@@ -39,16 +47,16 @@ def exit_on_error() -> Iterator[None]:
     except Exception as exc:
         if not isinstance(exc, known_errors()):
             raise
-        errors.print(f"error: {escape(str(exc))}", style="red")
+        errors().print(f"error: {escape(str(exc))}", style="red")
         raise typer.Exit(1) from None
 
 
 def prepare(config_path: Path) -> None:
     """Make modules next to `config_path` importable (model factories) and set Prefect's defaults:
     a patient ephemeral server, no analytics, warnings-only logs."""
-    folder = str(Path(config_path).resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    from tasks.models import allow_imports_from
+
+    allow_imports_from(Path(config_path).parent)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")

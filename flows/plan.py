@@ -11,7 +11,7 @@ from prefect import flow, unmapped
 from flows.report import Outcome, create_artifacts
 from flows.steps import profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, expand_matrix, load_config
-from tasks.models import check_model, resolve_device
+from tasks.models import allow_imports_from, check_model, resolve_device
 
 
 class PipelineFailed(MemplanError):
@@ -30,6 +30,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list
     Returns one `Outcome` (as JSON) per matrix cell; raises `PipelineFailed` after publishing what passed
     when any cell has no validated plan."""
     config = load_config(config_path)
+    allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     cases = expand_matrix(config)
     options = {"refresh_cache": True} if refresh else {}
@@ -117,6 +118,7 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False) -
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
     config = load_config(config_path)
+    allow_imports_from(Path(config_path).parent)
     resolve_device(config.device)
     for model in config.models:
         check_model(model)

@@ -11,7 +11,7 @@ from prefect import flow
 
 from flows.steps import profile_step, trace_step
 from tasks.config import load_config
-from tasks.models import check_model, resolve_device
+from tasks.models import allow_imports_from, check_model, resolve_device
 
 
 @flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.")
@@ -19,6 +19,7 @@ def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False) -> lis
     """Profile every (model, batch size) of `config_path`; a new run is measured each time unless `reuse`,
     which keeps a cached profile of an unchanged graph. Traces are always re-used when unchanged."""
     config = load_config(config_path)
+    allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     measure = profile_step.with_options(retries=config.profile.retries, refresh_cache=not reuse)
     runs = []
@@ -35,6 +36,7 @@ def run_profile(config_path: str | Path = "pipeline.toml", reuse: bool = False) 
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
     config = load_config(config_path)
+    allow_imports_from(Path(config_path).parent)
     resolve_device(config.device)
     for model in config.models:
         check_model(model)

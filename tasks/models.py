@@ -9,6 +9,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -44,6 +46,13 @@ def resolve_device(spec: str) -> str:
             f"(cuda:0..cuda:{torch.cuda.device_count() - 1}); pick one of those or \"auto\"."
         )
     return f"cuda:{index}"
+
+
+def allow_imports_from(folder: str | Path) -> None:
+    """Let import paths name modules in `folder` (the folder holding pipeline.toml)."""
+    folder = str(Path(folder).resolve())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def import_object(path: str, role: str) -> Any:

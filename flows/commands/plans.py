@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
                           f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
                           f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", r["device"],
                           f"{r['published_at']:%Y-%m-%d %H:%M}")
-        console.print(table)
+        console().print(table)
 
     @plans.command("show")
     def show(
@@ -64,6 +64,6 @@ def register(app: typer.Typer) -> None:
             table.add_row(key, str(value))
         for key, value in (rows[0] if rows else {}).items():
             table.add_row(f"index.{key}", str(value))
-        console.print(table)
+        console().print(table)
 
     app.add_typer(plans, name="plans")

@@ -32,4 +32,4 @@ def register(app: typer.Typer) -> None:
             for run in runs:
                 table.add_row(run["model"], str(run["batch_size"]), str(run["nodes"]), run["device"], run["run_id"],
                               run["path"])
-            console.print(table)
+            console().print(table)

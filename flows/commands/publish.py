@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
             from tasks.publish import publish as publish_plan
 
             validation, spec, batch_size = run_validation(plan, config, model, batch)
-            console.print(validation_table(validation))
+            console().print(validation_table(validation))
             loaded = Plan.load(plan)
             budget = f"{loaded.provenance.get('budget_bytes')}B"
             name = alias or f"{spec.name}-b{batch_size}-{loaded.provenance.get('solver')}-{budget}"
@@ -38,4 +38,4 @@ def register(app: typer.Typer) -> None:
             done = publish_plan(loaded, validation, plans_dir, alias=name, model=spec.name, batch_size=batch_size,
                                 budget=budget)
             verb = "published" if done.changed else "already published, nothing changed:"
-            console.print(f"{verb} {done.path} (alias {done.alias_path})")
+            console().print(f"{verb} {done.path} (alias {done.alias_path})")

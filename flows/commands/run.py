@@ -32,10 +32,10 @@ def register(app: typer.Typer) -> None:
                 with stage_progress(stages, "starting Prefect"):
                     outcomes = run_plan(config, refresh)
             except PipelineFailed as failed:
-                console.print(outcome_table(failed.outcomes))
+                console().print(outcome_table(failed.outcomes))
                 raise
-            console.print(outcome_table(outcomes))
-            console.print(f"published {len(outcomes)} plans into {loaded.publish.dir}/")
+            console().print(outcome_table(outcomes))
+            console().print(f"published {len(outcomes)} plans into {loaded.publish.dir}/")
 
 
 def outcome_table(outcomes: list[dict[str, Any]]):

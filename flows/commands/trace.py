@@ -36,7 +36,7 @@ def register(app: typer.Typer) -> None:
                 raise ConfigError(f"{config} declares no model {model or ''} at batch {batch or 'any'}; it declares {names}.")
             table = Table("model", "batch", "nodes", "values", "constant MiB", "fingerprint", "graph",
                           title=f"operator graphs on {device}")
-            with Progress(console=console, transient=True) as progress:
+            with Progress(console=console(), transient=True) as progress:
                 bar = progress.add_task("tracing", total=len(cells))
                 for spec, size in cells:
                     progress.update(bar, description=f"tracing {spec.name} b{size}")
@@ -44,4 +44,4 @@ def register(app: typer.Typer) -> None:
                     table.add_row(spec.name, str(size), str(traced.nodes), str(traced.values),
                                   f"{traced.constant_bytes / 2**20:.1f}", traced.fingerprint[:16], traced.path)
                     progress.advance(bar)
-            console.print(table)
+            console().print(table)

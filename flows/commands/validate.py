@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         prepare(config)
         with exit_on_error():
             validation, _, _ = run_validation(plan, config, model, batch)
-            console.print(validation_table(validation))
+            console().print(validation_table(validation))
             if not validation.passed:
                 from tasks.validate import ValidationFailed
 

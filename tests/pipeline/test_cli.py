@@ -1,0 +1,99 @@
+"""The `memplan` commands: fast help, clear one-paragraph errors with exit status 1, plans listing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+runner = CliRunner(env={"COLUMNS": "250"})
+GOOD = textwrap.dedent('''
+    device = "cpu"
+    [[models]]
+    name = "mlp"
+    factory = "torch.nn:Linear"
+    kwargs = { in_features = 4, out_features = 3 }
+    inputs = [{ shape = [4] }, { shape = [], dtype = "int64", high = 3 }]
+    [[plans]]
+    solver = "checkmate"
+    budgets = ["90%"]
+''')
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pipeline.toml"
+    path.write_text(text)
+    return path
+
+
+def test_help_lists_the_commands_without_importing_torch():
+    code = "import sys; from flows.cli import app; print('torch' in sys.modules, 'prefect' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("run", "trace", "profile", "validate", "publish", "plans"):
+        assert command in result.output
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[[models]\nname = 'x'\n", "is not valid TOML"),
+        (GOOD.replace('device = "cpu"', 'device = "cpu"\nsolvers = 3'), "key solvers = 3: unknown key; allowed keys in the top level"),
+        (GOOD.replace('solver = "checkmate"', 'solver = "chekmate"'), "unknown solver 'chekmate'; registered solvers: "),
+        (GOOD.replace('"torch.nn:Linear"', '"nowhere.models:mlp"'), "cannot import module 'nowhere.models'"),
+        (GOOD.replace('budgets = ["90%"]', 'budgets = ["lots"]'), "plans[0].budgets[0] = 'lots'"),
+    ],
+)
+@pytest.mark.parametrize("command", ["run", "trace", "profile"])
+def test_bad_pipeline_files_exit_1_with_the_cause(tmp_path, text, fragment, command):
+    result = runner.invoke(app, [command, str(write(tmp_path, text))])
+    assert result.exit_code == 1, result.output
+    assert fragment in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "plans").exists() and not (tmp_path / "profiles_db").exists()
+
+
+def test_missing_file_exits_1(tmp_path):
+    result = runner.invoke(app, ["run", str(tmp_path / "nope.toml")])
+    assert result.exit_code == 1 and "no such file" in result.output
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without CUDA")
+@pytest.mark.parametrize("command", ["run", "trace", "profile"])
+def test_missing_gpu_exits_1(tmp_path, command):
+    result = runner.invoke(app, [command, str(write(tmp_path, GOOD.replace('"cpu"', '"cuda"')))])
+    assert result.exit_code == 1
+    assert "device = 'cuda' in pipeline.toml, but torch" in result.output and "sees no CUDA GPU" in result.output
+
+
+def test_plans_list_and_show(tmp_path, make_plan, make_validation):
+    from tasks.publish import plan_id, publish
+
+    plan = make_plan()
+    publish(plan, make_validation(), tmp_path, alias="toy-b4-checkmate-200B", model="toy", batch_size=4, budget="200B")
+    listed = runner.invoke(app, ["plans", "list", "--dir", str(tmp_path)])
+    assert listed.exit_code == 0
+    assert plan_id(plan)[:12] in listed.output and "toy-b4-checkmate-200B" in listed.output
+    shown = runner.invoke(app, ["plans", "show", "toy-b4-checkmate-200B", "--dir", str(tmp_path)])
+    assert shown.exit_code == 0
+    assert "6 steps: 5 computes of 4 nodes (1 recomputations)" in shown.output
+    assert "index.measured_peak_bytes" in shown.output
+    missing = runner.invoke(app, ["plans", "show", "nothing", "--dir", str(tmp_path)])
+    assert missing.exit_code == 1 and "no plan 'nothing'" in missing.output
+
+
+def test_trace_command_writes_the_graph(tmp_path):
+    result = runner.invoke(app, ["trace", str(write(tmp_path, GOOD))])
+    assert result.exit_code == 0, result.output
+    (graph,) = (tmp_path / ".cache" / "memplan" / "graphs").glob("mlp-b8-*.json")
+    from runtime.graph import OpGraph
+
+    assert OpGraph.load(graph).fingerprint[:16] in result.output

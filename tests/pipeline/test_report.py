@@ -1,0 +1,58 @@
+"""Run reports: the markdown table, the plot, cache keys and the no-plan message."""
+
+from __future__ import annotations
+
+from flows.report import Outcome, artifact_key, markdown_table, memory_overhead_plot
+from flows.steps import content_key
+
+PUBLISHED = Outcome("m-b8-checkmate-90pct", "m", 8, "checkmate", "90pct", "published", budget_bytes=90 * 2**20,
+                    checkpoint_all_peak_bytes=100 * 2**20, predicted_peak_bytes=80 * 2**20,
+                    measured_peak_bytes=81 * 2**20, eager_peak_bytes=100 * 2**20, predicted_overhead=0.1,
+                    overhead=0.125, plan_id="ab" * 32)
+REJECTED = Outcome("m-b8-chen-90pct", "m", 8, "chen", "90pct", "rejected", budget_bytes=90 * 2**20,
+                   message="plan m-b8-chen-90pct failed validation on cpu: loss differs | badly.")
+
+
+def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
+    lines = markdown_table([PUBLISHED, REJECTED]).splitlines()
+    assert len(lines) == 4
+    assert lines[2] == "| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 | 80.0 | 81.0 | 100.0 | +10% | +12% | published |"
+    assert lines[3].endswith("| rejected: plan m-b8-chen-90pct failed validation on cpu: loss differs / badly. |")
+
+
+def test_plot_is_a_png(tmp_path):
+    png = memory_overhead_plot([PUBLISHED, REJECTED], "m", tmp_path / "m.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_artifact_keys_are_lowercase_dashes():
+    assert artifact_key("memplan", "GPT2_tiny.v1", "plot") == "memplan-gpt2-tiny-v1-plot"
+
+
+def test_content_key_depends_on_every_part_and_nothing_else():
+    from tasks.config import Budget
+
+    key = content_key("solve", "fp", {"gap": 0.01, "backend": "highs"}, Budget(fraction=0.9))
+    assert key == content_key("solve", "fp", {"backend": "highs", "gap": 0.01}, Budget(fraction=0.9))
+    assert key != content_key("solve", "fp", {"gap": 0.02, "backend": "highs"}, Budget(fraction=0.9))
+    assert key != content_key("solve", "fp", {"gap": 0.01, "backend": "highs"}, Budget(fraction=0.8))
+    assert key.startswith("solve-") and len(key) == 6 + 64
+
+
+def test_no_plan_messages_say_what_to_change():
+    from flows.plan import infeasible_message
+    from tasks.config import Budget, Case, parse_config
+
+    config = parse_config({"models": [{"name": "m", "factory": "torch.nn:Linear", "inputs": [{"shape": [4]}]}],
+                           "plans": [{"solver": "checkmate", "budgets": [0.5], "time_limit_s": 2}]}, solvers=["checkmate"])
+    case = Case(config.models[0], 8, config.plans[0], Budget(fraction=0.5))
+    solved = {"budget_bytes": 500, "checkpoint_all_peak_bytes": 1000, "status": "no_solution",
+              "message": "time limit reached without an incumbent", "min_budget_lower_bound": 300,
+              "smallest_feasible_budget": 1000}
+    assert infeasible_message(case, solved) == (
+        "m-b8-checkmate-50pct: solver checkmate found no schedule within 500 B (50pct; the checkpoint-all peak "
+        "is 1,000 B), status no_solution (time limit reached without an incumbent); no schedule fits below 300 B, "
+        "and the smallest feasible budget found is 1,000 B; raise time_limit_s (now 2 s) or the budget."
+    )
+    proved = solved | {"status": "infeasible", "message": "", "smallest_feasible_budget": None}
+    assert infeasible_message(case, proved).endswith("no schedule fits below 300 B; raise the budget.")
