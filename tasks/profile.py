@@ -2,9 +2,10 @@
 
 Every node runs alone (`runtime.node_function`) on its real inputs: graph inputs are random tensors of
 the graph's shapes and dtypes, every other input is the value its producer computed in this run, so
-integer tensors (pooling indices, labels) are valid. Per node: `warmup` untimed calls, `repeats` timed
-calls (CUDA events on GPU, `time.perf_counter` on CPU; median, minimum and interquartile range), then
-one call under `runtime.meter.PeakMeter` whose outputs feed the later nodes:
+integer tensors (pooling indices, labels) are valid. The graph is run `rounds` times in node order; in
+each round every node gets `warmup` untimed calls and `repeats` timed calls (CUDA events on GPU,
+`time.perf_counter` on CPU); time_ms is the median of all timed calls, with their minimum and
+interquartile range. In the first round one more call runs under `runtime.meter.PeakMeter`:
     output_bytes    = bytes the call left allocated (its outputs),
     workspace_bytes = max(0, peak bytes during the call - output_bytes)
 (inputs exist before the call, so the meter never counts them). Columns: docs/profile-schema.md.
@@ -19,11 +20,12 @@ import re
 import socket
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -38,14 +40,18 @@ NodeFunction = Callable[[Any, int], Callable[..., tuple]]
 class ProfileSettings:
     """How each node is measured."""
 
-    warmup: int = 3     # untimed calls per node before timing (lazy init, caches, allocator)
-    repeats: int = 10   # timed calls per node; time_ms is their median
+    warmup: int = 2     # untimed calls per node and round before timing (lazy init, caches, allocator)
+    repeats: int = 5    # timed calls per node and round; time_ms is the median of all rounds' calls
     seed: int = 0       # seed of the random graph inputs
+    rounds: int = 3     # passes over the graph: a burst of load on a shared host hits one pass, not all samples
+    threads: int | None = None  # torch CPU threads while profiling (None: leave torch's setting)
 
     def __post_init__(self) -> None:
-        if self.warmup < 0 or self.repeats < 1:
-            raise ValueError(f"Profile settings need warmup >= 0 and repeats >= 1, got warmup={self.warmup}, "
-                             f"repeats={self.repeats}.")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"Profile setting threads must be >= 1 or None, got {self.threads}.")
+        if self.warmup < 0 or self.repeats < 1 or self.rounds < 1:
+            raise ValueError(f"Profile settings need warmup >= 0, repeats >= 1 and rounds >= 1, got "
+                             f"warmup={self.warmup}, repeats={self.repeats}, rounds={self.rounds}.")
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,18 @@ def _last_reads(graph) -> dict[int, int]:
     return last
 
 
+@contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """Run the block with `count` torch CPU threads (unchanged when None), restoring the setting after."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _progress(enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -163,8 +181,6 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
     which needs a graph made by `runtime.capture` on the same device. `model` names the model in the
     store (default: the graph's `meta["model"]`).
     """
-    from runtime.meter import PeakMeter
-
     if node_function is None:
         from runtime import node_function
     device = torch.device(device)
@@ -173,43 +189,60 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
     model = model or graph.meta.get("model")
     if not model:
         raise ValueError("Name the model being profiled (model=...): the graph's meta has no 'model'.")
-    run = _run_columns(graph, device, settings, model)
+    functions = [node_function(graph, node.id) for node in graph.nodes]
+    times: list[list[float]] = [[] for _ in graph.nodes]
+    memory: list[tuple[int, int]] = []
+    with torch.no_grad(), _threads(settings.threads), _progress(progress) as bar:
+        run = _run_columns(graph, device, settings, model)
+        task = bar.add_task(f"profiling {model} on {run['device']}", total=settings.rounds * len(graph.nodes))
+        for round_ in range(settings.rounds):
+            _run_round(graph, functions, device, settings, times, memory if round_ == 0 else None,
+                       lambda: bar.advance(task))
+    created = datetime.now(timezone.utc)
+    rows = []
+    for node, samples, (output, workspace) in zip(graph.nodes, times, memory):
+        q25, q75 = np.percentile(samples, [25, 75])
+        rows.append({
+            **run, "created_at": created, "node_id": node.id, "node_name": node.name,
+            "op": node.targets[0] if node.targets else None, "targets": list(node.targets), "phase": node.phase,
+            "impl": DEFAULT_IMPL, "time_ms": statistics.median(samples), "time_ms_min": min(samples),
+            "time_ms_iqr": float(q75 - q25), "input_bytes": sum(graph.values[v].bytes for v in set(node.inputs)),
+            "output_bytes": output, "workspace_bytes": workspace,
+        })
+    return rows
+
+
+def _run_round(graph, functions: list, device: torch.device, settings: ProfileSettings,
+               times: list[list[float]], memory: list[tuple[int, int]] | None, advance: Callable) -> None:
+    """One pass over the graph in node order: time every node, append its samples to `times`, and when
+    `memory` is given append its (output_bytes, workspace_bytes) from one metered call. The outputs of
+    each node feed the later ones; a value is dropped after its last reader."""
+    from runtime.meter import PeakMeter
+
     live = graph_inputs(graph, device, settings.seed)
     last = _last_reads(graph)
-    rows = []
-    with torch.no_grad(), _progress(progress) as bar:
-        task = bar.add_task(f"profiling {model} on {run['device']}", total=len(graph.nodes))
-        for node in graph.nodes:
-            args = [live[v] for v in node.inputs]
-            fn = node_function(graph, node.id)
-            try:
-                times = _time_calls(fn, args, device, settings)
+    for node, fn in zip(graph.nodes, functions):
+        args = [live[v] for v in node.inputs]
+        try:
+            times[node.id] += _time_calls(fn, args, device, settings)
+            if memory is None:
+                outputs = fn(*args)
+            else:
                 with PeakMeter(device) as meter:
                     outputs = fn(*args)
-            except Exception as exc:
-                raise RuntimeError(f"Profiling node {node.id} ({node.name}, {', '.join(node.targets)}) failed on "
-                                   f"{device}: {exc}. Profile a graph captured on the same device.") from exc
-            if len(outputs) != len(node.outputs):
-                raise RuntimeError(f"Node {node.id} ({node.name}) returned {len(outputs)} tensors but the graph "
-                                   f"lists {len(node.outputs)} outputs; the node function does not match the graph.")
-            live.update(zip(node.outputs, outputs))
-            del outputs
-            for v in set(node.inputs) | set(node.outputs):
-                if last.get(v, -1) <= node.id:
-                    live.pop(v, None)
-            q25, q75 = np.percentile(times, [25, 75])
-            rows.append({
-                **run, "node_id": node.id, "node_name": node.name, "op": node.targets[0] if node.targets else None,
-                "targets": list(node.targets), "phase": node.phase, "impl": DEFAULT_IMPL,
-                "time_ms": statistics.median(times), "time_ms_min": min(times), "time_ms_iqr": float(q75 - q25),
-                "input_bytes": sum(graph.values[v].bytes for v in set(node.inputs)),
-                "output_bytes": meter.end_bytes, "workspace_bytes": max(0, meter.peak_bytes - meter.end_bytes),
-            })
-            bar.advance(task)
-    created = datetime.now(timezone.utc)
-    for row in rows:
-        row["created_at"] = created
-    return rows
+                memory.append((meter.end_bytes, max(0, meter.peak_bytes - meter.end_bytes)))
+        except Exception as exc:
+            raise RuntimeError(f"Profiling node {node.id} ({node.name}, {', '.join(node.targets)}) failed on "
+                               f"{device}: {exc}. Profile a graph captured on the same device.") from exc
+        if len(outputs) != len(node.outputs):
+            raise RuntimeError(f"Node {node.id} ({node.name}) returned {len(outputs)} tensors but the graph "
+                               f"lists {len(node.outputs)} outputs; the node function does not match the graph.")
+        live.update(zip(node.outputs, outputs))
+        del outputs
+        for v in set(node.inputs) | set(node.outputs):
+            if last.get(v, -1) <= node.id:
+                live.pop(v, None)
+        advance()
 
 
 def _run_columns(graph, device: torch.device, settings: ProfileSettings, model: str) -> dict[str, Any]:
@@ -225,7 +258,8 @@ def _run_columns(graph, device: torch.device, settings: ProfileSettings, model: 
         "input_shapes": json.dumps([{"shape": list(v.shape), "dtype": v.dtype} for v in batch]),
         **device_info(device), "memplan_version": version,
         "timer": "cuda_events" if device.type == "cuda" else "perf_counter",
-        "warmup": settings.warmup, "repeats": settings.repeats, "threads": torch.get_num_threads(),
+        "warmup": settings.warmup, "repeats": settings.repeats, "rounds": settings.rounds,
+        "threads": torch.get_num_threads(),
         "seed": settings.seed,
     }
 

@@ -36,6 +36,7 @@ _RUN_FIELDS = [
     pa.field("timer", pa.string()),
     pa.field("warmup", pa.int32()),
     pa.field("repeats", pa.int32()),
+    pa.field("rounds", pa.int32()),
     pa.field("threads", pa.int32()),
     pa.field("seed", pa.int64()),
 ]
