@@ -11,6 +11,8 @@ shapes and dtypes that the fingerprint already fixes.
 from __future__ import annotations
 
 import operator
+import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -84,7 +86,10 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     if frozen:
         raise CaptureError(f"parameters {frozen[:5]} do not require grad; memplan captures full training "
                            f"steps, so every parameter must require grad.")
-    gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
+    cuda = sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
+                   for t in [*batch, *model.parameters()] if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):              # tracing must not move the generators
+        gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
     gm.graph.eliminate_dead_code()
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
@@ -356,3 +361,14 @@ def node_function(graph: OpGraph, node_id: int) -> fx.GraphModule:
             outs.append(g.call_function(operator.getitem, (env[tup], idx)))
     g.output(tuple(outs))
     return fx.GraphModule(program.gm, g)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing the submodule `runtime.capture` rebinds the package attribute `runtime.capture` to the
+    module; making the module callable keeps `runtime.capture(model, loss_fn, batch)` working."""
+
+    def __call__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list) -> OpGraph:
+        return capture(model, loss_fn, batch)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,154 @@
+"""capture: folding into operator nodes, values, kinds, phases, outputs, determinism, node_function."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import fx
+
+import runtime
+from runtime.capture import CaptureError
+from runtime.graph import OpGraph
+
+VIEW_TARGETS = {"aten.t.default", "aten.view.default", "aten.alias.default", "aten._unsafe_view.default",
+                "aten.expand.default", "aten.permute.default", "aten.transpose.int", "aten.slice.Tensor"}
+
+
+def test_views_and_getitems_are_folded_into_allocating_nodes(captured):
+    _, _, _, g = captured("mlp")
+    assert len(g.nodes) < g.meta["aten_call_nodes"]
+    for node in g.nodes:
+        assert node.targets[0] not in VIEW_TARGETS, node
+        assert node.outputs, node
+    folded = [t for node in g.nodes for t in node.targets[1:]]
+    assert "aten.t.default" in folded and "aten.alias.default" in folded
+
+
+def test_values_have_dtype_aware_bytes_and_kinds(captured):
+    model, _, batch, g = captured("mlp")
+    for v in g.values:
+        itemsize = torch.empty((), dtype=getattr(torch, v.dtype)).element_size()
+        assert v.bytes == math.prod(v.shape) * itemsize, v
+    kinds = {v.name: v.kind for v in g.values if v.producer is None}
+    assert kinds == {**{k: "param" for k, _ in model.named_parameters()},
+                     **{k: "buffer" for k, _ in model.named_buffers()}, "input0": "input", "input1": "input"}
+    mask = [v for v in g.values if v.dtype == "bool"]
+    assert len(mask) == 1 and mask[0].bytes == 6 * 16          # the dropout mask: one byte per element
+    assert g.constant_bytes == sum(t.numel() * t.element_size()
+                                   for t in [*model.parameters(), *model.buffers(), *batch])
+
+
+def test_outputs_are_loss_then_gradients_then_buffer_updates(captured):
+    model, _, _, g = captured("mlp")
+    params, buffers = list(model.parameters()), list(model.buffers())
+    loss, grads, updates = g.outputs[0], g.outputs[1:1 + len(params)], g.outputs[1 + len(params):]
+    assert g.values[loss].shape == () and g.values[loss].kind == "output"
+    assert [g.values[v].bytes for v in grads] == [p.numel() * 4 for p in params]
+    assert all(g.values[v].kind == "gradient" for v in grads)
+    assert [g.values[v].bytes for v in updates] == [b.numel() * b.element_size() for b in buffers]
+    assert all(g.values[v].kind == "output" for v in updates)
+
+
+def test_phases_split_forward_loss_backward(captured):
+    model, _, _, g = captured("mlp")
+    n_params = len(list(model.parameters()))
+    phases = [n.phase for n in g.nodes]
+    assert phases == sorted(phases, key=["forward", "loss", "backward"].index)  # contiguous, in order
+    loss_targets = {t for n in g.nodes if n.phase == "loss" for t in n.targets}
+    assert {"aten._log_softmax.default", "aten.nll_loss_forward.default"} <= loss_targets
+    assert not any("addmm" in t for t in loss_targets)
+    assert g.nodes[g.values[g.outputs[0]].producer].phase == "loss"
+    assert all(g.nodes[g.values[v].producer].phase == "backward" for v in g.outputs[1:1 + n_params])
+    assert all(g.nodes[g.values[v].producer].phase == "forward" for v in g.outputs[1 + n_params:])
+
+
+def test_capture_is_deterministic_and_leaves_the_model_alone(captured):
+    model, loss_fn, batch, g = captured("mlp")
+    state = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    again = runtime.capture(model, loss_fn, batch)
+    assert again.to_json() == g.to_json()
+    assert torch.equal(rng, torch.get_rng_state())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+@pytest.mark.parametrize("change", ["batch size", "dtype", "eval mode"])
+def test_fingerprint_changes_with_shape_dtype_and_mode(captured, change):
+    model, loss_fn, (x, y), g = captured("mlp")
+    model = copy.deepcopy(model)
+    if change == "batch size":
+        x, y = x[:4], y[:4]
+    elif change == "dtype":
+        model, x = model.double(), x.double()
+    else:
+        model.eval()
+    assert runtime.capture(model, loss_fn, (x, y)).fingerprint != g.fingerprint
+
+
+def test_loaded_graph_has_no_program(captured, tmp_path):
+    _, _, _, g = captured("mlp")
+    g.save(tmp_path / "g.json")
+    loaded = OpGraph.load(tmp_path / "g.json")
+    assert loaded.fingerprint == g.fingerprint
+    with pytest.raises(CaptureError, match="no captured program"):
+        runtime.node_function(loaded, 0)
+
+
+def test_bad_batch_and_loss_are_refused(captured):
+    model, loss_fn, (x, y), _ = captured("mlp")
+    with pytest.raises(CaptureError, match=r"batch\[1\] is a int"):
+        runtime.capture(model, loss_fn, (x, 3))
+    with pytest.raises(CaptureError, match="scalar tensor"):
+        runtime.capture(model, lambda m, x: m(x), (x,))
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the joint graph keeping every value, and the RNG state before each random op."""
+
+    def __init__(self, gm):
+        super().__init__(gm, garbage_collect_values=False)
+        self.rng_before = {}
+
+    def run_node(self, n):
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and torch.Tag.nondeterministic_seeded in n.target.tags:
+            self.rng_before[n] = torch.get_rng_state()
+        return super().run_node(n)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_node_function_runs_each_node_alone(captured, name):
+    model, _, batch, g = captured(name)
+    program = g.program
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    args = [params[k] for k in program.params] + [buffers[k] for k in program.buffers] + list(batch)
+    rec = _Recorder(program.gm)
+    with torch.no_grad():
+        rec.run(*args)
+
+    def tensor(v):
+        where = program.primary[v]
+        return rec.env[where] if isinstance(where, fx.Node) else rec.env[where[0]][where[1]]
+
+    with torch.no_grad():
+        for node in g.nodes:
+            f = runtime.node_function(g, node.id)
+            random = [m for m in program.groups[node.id] if m in rec.rng_before]
+            if random:
+                torch.set_rng_state(rec.rng_before[random[0]])
+            outs = f(*[tensor(v) for v in node.inputs])
+            assert isinstance(outs, tuple) and len(outs) == len(node.outputs), node
+            for v, out in zip(node.outputs, outs):
+                assert tuple(out.shape) == g.values[v].shape and str(out.dtype) == f"torch.{g.values[v].dtype}"
+                torch.testing.assert_close(out, tensor(v), rtol=0, atol=0, msg=lambda m: f"{node.name}: {m}")
+
+
+def test_tied_weights_get_one_gradient_output_per_name(captured):
+    model, _, _, g = captured("gpt2")
+    names = [k for k, _ in model.named_parameters(remove_duplicate=False)]
+    assert "lm_head.weight" in names and len(names) == len(list(model.parameters())) + 1
+    grads = [v for v in g.outputs if g.values[v].kind == "gradient"]
+    assert len(grads) == len(names)
