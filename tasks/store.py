@@ -132,7 +132,7 @@ def write_run(rows: pa.Table | list[dict], root: str | os.PathLike | None = None
 def _problem(path: Path, profile: bool = True) -> str | None:
     """Why `path` cannot be read (as a memplan profile file when `profile`), or None when it can."""
     try:
-        schema = pq.ParquetFile(path).schema_arrow
+        schema = pq.read_schema(path)
     except (OSError, pa.ArrowException) as exc:
         return f"unreadable or truncated Parquet ({exc})"
     if not profile:
