@@ -90,9 +90,11 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                    for t in [*batch, *model.parameters()] if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=cuda):              # tracing must not move the generators
         gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
+    calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
+    graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
     graph.program.batch_signature = batch_signature(model, batch)
     return graph
 
@@ -283,8 +285,7 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
                       grad_params=grad_params, groups=groups, value_of=value_of, primary=primary,
                       random_devices=random_devices)
     meta = {"model": type(model).__name__, "torch": torch.__version__,
-            "batch": [{"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for t in batch],
-            "aten_call_nodes": sum(1 for n in fx_nodes if n.op == "call_function"), "n_nodes": len(groups)}
+            "batch": [{"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for t in batch]}
     return OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
 
 

@@ -1,0 +1,62 @@
+"""PeakMeter on CPU: exact byte counts for known allocation patterns."""
+
+import pytest
+import torch
+
+from runtime.meter import PeakMeter
+
+MB = 1 << 20
+
+
+def test_peak_counts_live_allocations_only():
+    with PeakMeter() as m:
+        a = torch.empty(MB, dtype=torch.uint8)
+        b = torch.empty(2 * MB, dtype=torch.uint8)
+        del a
+        c = torch.empty(MB // 4, dtype=torch.float32)       # 1 MiB: reuses a's share of the budget
+        del b, c
+    assert m.peak_bytes == 3 * MB
+    assert m.end_bytes == 0
+
+
+def test_views_and_in_place_ops_allocate_nothing():
+    x = torch.zeros(MB // 4)
+    with PeakMeter() as m:
+        v = x.view(-1, 4).t()
+        x.add_(1)
+        v.mul_(2)
+    assert m.peak_bytes == 0
+
+
+def test_tensors_allocated_before_the_block_are_not_counted_and_results_are():
+    x = torch.randn(256, 256)
+    with PeakMeter() as m:
+        y = x @ x                                            # 256 KiB result, kept
+        z = (y + 1).sum()                                    # a temporary of 256 KiB, then a scalar
+    assert m.peak_bytes == 2 * 256 * 1024 + z.element_size()
+    assert m.end_bytes == 256 * 1024 + z.element_size()
+
+
+def test_dtype_sizes_are_counted():
+    with PeakMeter() as m:
+        a = torch.ones(1000, dtype=torch.float64)
+        b = torch.ones(1000, dtype=torch.bool)
+        c = torch.ones(1000, dtype=torch.float16)
+    assert m.peak_bytes == 8000 + 1000 + 2000
+    del a, b, c
+
+
+def test_autograd_backward_is_seen():
+    w = torch.randn(512, 512, requires_grad=True)
+    x = torch.randn(64, 512)
+    with PeakMeter() as m:
+        (x @ w).relu().sum().backward()
+    # w.grad (1 MiB) stays; while it is computed, the 128 KiB gradient of the ReLU input is live
+    assert m.end_bytes >= 512 * 512 * 4
+    assert m.peak_bytes >= 512 * 512 * 4 + 64 * 512 * 4
+
+
+def test_unknown_device_is_refused():
+    with pytest.raises(ValueError, match="cpu and cuda"):
+        with PeakMeter("meta"):
+            pass
