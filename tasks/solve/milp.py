@@ -1,0 +1,292 @@
+"""MILP backends: a model as sparse matrices, solved by HiGHS (default) or Gurobi (full license only).
+
+`solve_milp(model, options)` minimizes `c @ x + offset` subject to `row_lower <= A @ x <= row_upper`,
+`col_lower <= x <= col_upper` and integrality. `backend="auto"` tries Gurobi, and falls back to HiGHS
+with one log line when gurobipy is missing or its license is size-limited (the PyPI license raises
+error 10010 above 2000 variables or constraints). Progress (incumbent, bound, gap over time) is logged
+to the `memplan.solve` logger while solving and returned with the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+log = logging.getLogger("memplan.solve")
+
+BACKENDS = ("auto", "highs", "gurobi")
+GUROBI_SIZE_LIMITED = 10010
+_LOGGED: set[str] = set()
+
+
+@dataclass
+class MilpModel:
+    """min c @ x + offset s.t. row_lower <= A x <= row_upper, col_lower <= x <= col_upper,
+    x[j] integer where integrality[j]. The solver sees c as given; objectives, bounds and progress
+    are reported multiplied by `objective_scale` (build models with costs near 1 for numerics)."""
+
+    c: np.ndarray
+    A: sp.csr_matrix
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    col_lower: np.ndarray
+    col_upper: np.ndarray
+    integrality: np.ndarray
+    offset: float = 0.0
+    objective_scale: float = 1.0
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.c)
+
+    @property
+    def num_constraints(self) -> int:
+        return self.A.shape[0]
+
+    @property
+    def num_nonzeros(self) -> int:
+        return self.A.nnz
+
+
+@dataclass
+class MilpOptions:
+    """`gap`: relative optimality gap at which to stop; `mip_start`: a full assignment to try first;
+    `relax`: solve the LP relaxation instead; `lp_method`: HiGHS `solver` option for LPs."""
+
+    backend: str = "auto"
+    time_limit: float | None = None
+    gap: float = 1e-4
+    threads: int | None = None
+    mip_start: np.ndarray | None = None
+    relax: bool = False
+    lp_method: str = "choose"
+    quiet: bool = True
+
+
+@dataclass
+class Progress:
+    seconds: float
+    incumbent: float | None
+    bound: float | None
+
+    @property
+    def gap(self) -> float | None:
+        return relative_gap(self.incumbent, self.bound)
+
+
+@dataclass
+class MilpResult:
+    """`status`: "optimal" (proved within the gap), "time_limit" (stopped early, `x` is the incumbent
+    or None), "infeasible", or "failed" (`message` says why). `bound` is a lower bound on the optimum."""
+
+    status: str
+    x: np.ndarray | None
+    objective: float | None
+    bound: float | None
+    backend: str
+    num_variables: int
+    num_constraints: int
+    num_nonzeros: int
+    solve_seconds: float
+    progress: list[Progress] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.x is not None
+
+    @property
+    def gap(self) -> float | None:
+        return relative_gap(self.objective, self.bound)
+
+    def seconds_to_gap(self, gap: float) -> float | None:
+        """First time the logged incumbent was proven within `gap` of the bound (or of the final bound)."""
+        for p in self.progress:
+            if p.incumbent is not None and p.bound is not None and relative_gap(p.incumbent, p.bound) <= gap:
+                return p.seconds
+        return self.solve_seconds if self.status == "optimal" and (self.gap or 0.0) <= gap else None
+
+    @property
+    def seconds_to_first_feasible(self) -> float | None:
+        return next((p.seconds for p in self.progress if p.incumbent is not None),
+                    self.solve_seconds if self.feasible else None)
+
+
+def relative_gap(incumbent: float | None, bound: float | None) -> float | None:
+    """(incumbent - bound) / |incumbent|, 0 when both are 0; None without an incumbent or bound."""
+    if incumbent is None or bound is None or not math.isfinite(incumbent) or not math.isfinite(bound):
+        return None
+    if incumbent == bound:
+        return 0.0
+    return max(0.0, (incumbent - bound) / max(abs(incumbent), 1e-12))
+
+
+def solve_milp(model: MilpModel, options: MilpOptions) -> MilpResult:
+    """Solve `model` with the backend `options.backend` names (module docstring)."""
+    if options.backend not in BACKENDS:
+        raise ValueError(f"backend {options.backend!r} is unknown; choose one of {', '.join(BACKENDS)}.")
+    if options.backend in ("auto", "gurobi"):
+        try:
+            return _solve_gurobi(model, options)
+        except _GurobiUnavailable as exc:
+            if options.backend == "gurobi":
+                raise RuntimeError(f"backend 'gurobi' requested but {exc}; use --backend highs or install a "
+                                   f"full Gurobi license.") from None
+            if str(exc) not in _LOGGED:
+                _LOGGED.add(str(exc))
+                log.info("gurobi unavailable (%s); solving with highs", exc)
+    return _solve_highs(model, options)
+
+
+# -- HiGHS ---------------------------------------------------------------------------------------
+
+def _solve_highs(model: MilpModel, options: MilpOptions) -> MilpResult:
+    import highspy
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", not options.quiet)
+    if options.time_limit is not None:
+        h.setOptionValue("time_limit", float(options.time_limit))
+    h.setOptionValue("mip_rel_gap", float(options.gap))
+    if options.threads is not None:
+        h.setOptionValue("threads", int(options.threads))
+    if options.relax:
+        h.setOptionValue("solver", options.lp_method)
+    A = model.A.tocsc()
+    A.sort_indices()
+    integrality = np.zeros(model.num_variables, np.int32) if options.relax else model.integrality.astype(np.int32)
+    inf = highspy.kHighsInf
+    status = h.passModel(
+        model.num_variables, model.num_constraints, A.nnz, int(highspy.MatrixFormat.kColwise),
+        int(highspy.ObjSense.kMinimize), float(model.offset), model.c.astype(np.float64),
+        np.nan_to_num(model.col_lower, neginf=-inf, posinf=inf), np.nan_to_num(model.col_upper, neginf=-inf, posinf=inf),
+        np.nan_to_num(model.row_lower, neginf=-inf, posinf=inf), np.nan_to_num(model.row_upper, neginf=-inf, posinf=inf),
+        A.indptr.astype(np.int32), A.indices.astype(np.int32), A.data.astype(np.float64), integrality)
+    if status == highspy.HighsStatus.kError:
+        raise ValueError("HiGHS rejected the model (inconsistent bounds or matrix); this is a model-building bug.")
+    progress: list[Progress] = []
+    scale = model.objective_scale
+    start = time.perf_counter()
+
+    def record(event) -> None:
+        out = event.data_out
+        incumbent = out.mip_primal_bound * scale if abs(out.mip_primal_bound) < inf else None
+        bound = out.mip_dual_bound * scale if abs(out.mip_dual_bound) < inf else None
+        last = progress[-1] if progress else None
+        if last is None or (incumbent, bound) != (last.incumbent, last.bound):
+            progress.append(Progress(time.perf_counter() - start, incumbent, bound))
+            log.info("highs %7.1fs  incumbent %s  bound %s  gap %s", progress[-1].seconds, _fmt(incumbent),
+                     _fmt(bound), _fmt(progress[-1].gap))
+
+    if not options.relax:
+        h.cbMipImprovingSolution.subscribe(record)
+        h.cbMipLogging.subscribe(record)
+        if options.mip_start is not None:
+            h.setSolution(model.num_variables, np.arange(model.num_variables, dtype=np.int32),
+                          np.asarray(options.mip_start, dtype=np.float64))
+    h.run()
+    seconds = time.perf_counter() - start
+    ms = h.getModelStatus()
+    info = h.getInfo()
+    has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+    x = np.array(h.getSolution().col_value) if has_solution else None
+    objective = info.objective_function_value * scale if has_solution else None
+    if options.relax:
+        bound = objective if ms == highspy.HighsModelStatus.kOptimal else None
+    else:
+        bound = info.mip_dual_bound * scale if abs(info.mip_dual_bound) < inf else None
+    M = highspy.HighsModelStatus
+    if ms == M.kOptimal:
+        status = "optimal"
+    elif ms in (M.kInfeasible, M.kUnboundedOrInfeasible):
+        status, x, objective = "infeasible", None, None
+    elif ms in (M.kTimeLimit, M.kIterationLimit, M.kSolutionLimit, M.kInterrupt):
+        status = "time_limit"
+    else:
+        status = "failed"
+    if objective is not None and (not progress or (progress[-1].incumbent, progress[-1].bound) != (objective, bound)):
+        progress.append(Progress(seconds, objective, bound))
+    return MilpResult(status, x, objective, bound, "highs", model.num_variables, model.num_constraints,
+                      model.num_nonzeros, seconds, progress, h.modelStatusToString(ms))
+
+
+# -- Gurobi --------------------------------------------------------------------------------------
+
+class _GurobiUnavailable(Exception):
+    pass
+
+
+def _solve_gurobi(model: MilpModel, options: MilpOptions) -> MilpResult:
+    try:
+        import gurobipy as gp
+        from gurobipy import GRB
+    except ImportError:
+        raise _GurobiUnavailable("gurobipy is not installed") from None
+    try:
+        env = gp.Env(params={"OutputFlag": 0 if options.quiet else 1})
+        m = gp.Model(env=env)
+        vtype = GRB.CONTINUOUS if options.relax else np.where(model.integrality, GRB.INTEGER, GRB.CONTINUOUS)
+        x = m.addMVar(model.num_variables, lb=model.col_lower, ub=model.col_upper, obj=model.c, vtype=vtype)
+        m.ObjCon = model.offset
+        lo, up = model.row_lower, model.row_upper
+        A = model.A.tocsr()
+        eq = lo == up
+        upper = ~eq & np.isfinite(up)
+        lower = ~eq & np.isfinite(lo)
+        for mask, sense, rhs in ((eq, "=", up), (upper, "<", up), (lower, ">", lo)):
+            if mask.any():
+                m.addMConstr(A[mask], x, sense, rhs[mask])
+        m.Params.MIPGap = options.gap
+        if options.time_limit is not None:
+            m.Params.TimeLimit = options.time_limit
+        if options.threads is not None:
+            m.Params.Threads = options.threads
+        if options.mip_start is not None and not options.relax:
+            x.Start = options.mip_start
+        progress: list[Progress] = []
+        start = time.perf_counter()
+
+        def callback(mdl, where):
+            if where == GRB.Callback.MIP:
+                best, bound = mdl.cbGet(GRB.Callback.MIP_OBJBST), mdl.cbGet(GRB.Callback.MIP_OBJBND)
+                incumbent = best * model.objective_scale if best < GRB.INFINITY else None
+                bound *= model.objective_scale
+                if not progress or (incumbent, bound) != (progress[-1].incumbent, progress[-1].bound):
+                    progress.append(Progress(time.perf_counter() - start, incumbent, bound))
+                    log.info("gurobi %7.1fs  incumbent %s  bound %s  gap %s", progress[-1].seconds,
+                             _fmt(incumbent), _fmt(bound), _fmt(progress[-1].gap))
+
+        m.optimize(callback)
+    except gp.GurobiError as exc:
+        if exc.errno == GUROBI_SIZE_LIMITED:
+            raise _GurobiUnavailable(f"the Gurobi license is size-limited (error {exc.errno})") from None
+        if exc.errno in (10009, 10032):  # no license / license expired
+            raise _GurobiUnavailable(f"no usable Gurobi license (error {exc.errno})") from None
+        raise
+    seconds = time.perf_counter() - start
+    has_solution = m.SolCount > 0
+    sol = np.array(x.X) if has_solution else None
+    objective = m.ObjVal * model.objective_scale if has_solution else None
+    bound = m.ObjBound * model.objective_scale if not options.relax and m.Status in (GRB.OPTIMAL, GRB.TIME_LIMIT) else (
+        objective if m.Status == GRB.OPTIMAL else None)
+    if m.Status == GRB.OPTIMAL:
+        status = "optimal"
+    elif m.Status in (GRB.INFEASIBLE, GRB.INF_OR_UNBD):
+        status, sol, objective = "infeasible", None, None
+    elif m.Status in (GRB.TIME_LIMIT, GRB.INTERRUPTED, GRB.NODE_LIMIT, GRB.SOLUTION_LIMIT):
+        status = "time_limit"
+    else:
+        status = "failed"
+    if objective is not None:
+        progress.append(Progress(seconds, objective, bound))
+    return MilpResult(status, sol, objective, bound, "gurobi", model.num_variables, model.num_constraints,
+                      model.num_nonzeros, seconds, progress, f"gurobi status {m.Status}")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"

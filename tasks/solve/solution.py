@@ -1,0 +1,129 @@
+"""What every solver takes and returns: `SolveOptions` in, a `Solution` (checked by the simulator) out,
+and its conversion to a runtime plan (docs/plan-format.md) and to the solve report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+
+from tasks.solve.milp import Progress, relative_gap
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import Simulation, simulate
+
+
+@dataclass
+class SolveOptions:
+    """`time_limit` (seconds), relative `gap` and `threads` bound the MILP solvers; `backend` picks the
+    MILP backend ("auto", "highs", "gurobi"); `mip_start` is a schedule to start from; `params` holds
+    solver-specific settings, documented by each solver."""
+
+    time_limit: float | None = None
+    gap: float = 1e-4
+    backend: str = "auto"
+    threads: int | None = None
+    mip_start: list | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Solution:
+    """A solver's answer for one budget. `status`: "optimal" (proved, MILP), "feasible" (a schedule
+    within the budget, optimality not proved), "infeasible" (proved: no schedule the solver considers
+    fits; `min_budget_lower_bound` is a lower bound on the smallest feasible budget), "no_solution"
+    (time limit or heuristic failure without a schedule within budget). `objective` is the schedule's
+    total compute cost, `bound` a lower bound on the optimal cost."""
+
+    solver: str
+    budget_bytes: int
+    status: str
+    schedule: list[tuple[str, int]] | None = None
+    simulation: Simulation | None = None
+    bound: float | None = None
+    solve_seconds: float = 0.0
+    backend: str | None = None
+    num_variables: int | None = None
+    num_constraints: int | None = None
+    min_budget_lower_bound: int | None = None
+    progress: list[Progress] = field(default_factory=list)
+    message: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def objective(self) -> float | None:
+        return None if self.simulation is None else self.simulation.compute_cost
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        return None if self.simulation is None else self.simulation.peak_bytes
+
+    @property
+    def gap(self) -> float | None:
+        return relative_gap(self.objective, self.bound)
+
+    def report(self) -> dict[str, Any]:
+        """The solve report (the JSON object `memplan solve --json` prints)."""
+        return {
+            "solver": self.solver,
+            "budget_bytes": self.budget_bytes,
+            "feasible": self.feasible,
+            "status": self.status,
+            "objective": self.objective,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "bound": self.bound,
+            "gap": self.gap,
+            "solve_seconds": round(self.solve_seconds, 3),
+            "backend": self.backend,
+            "num_variables": self.num_variables,
+            "num_constraints": self.num_constraints,
+            "min_budget_lower_bound": self.min_budget_lower_bound,
+            "message": self.message,
+        }
+
+    def to_plan(self, problem: Problem, *, device: str | None = None, profile_run_id: str | None = None) -> dict:
+        """The runtime plan JSON dict of this solution (docs/plan-format.md)."""
+        from runtime.plan import Plan, memplan_version
+
+        if self.schedule is None or self.simulation is None:
+            raise ValueError(f"solver {self.solver} found no schedule within {self.budget_bytes} bytes "
+                             f"(status {self.status}); there is no plan to write.")
+        plan = Plan(
+            fingerprint=problem.fingerprint or f"benchmark:{problem.name}",
+            schedule=list(self.schedule),
+            predicted={"peak_bytes": self.simulation.peak_bytes, "constant_bytes": self.simulation.constant_bytes,
+                       "compute_cost": self.simulation.compute_cost, "time_ms": None},
+            provenance={"solver": self.solver, "budget_bytes": self.budget_bytes, "backend": self.backend,
+                        "gap": self.gap, "profile_run_id": profile_run_id, "device": device,
+                        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "memplan_version": memplan_version()},
+        )
+        return plan.to_json()
+
+
+def checked_solution(problem: Problem, solver: str, budget: int, schedule: list | None, **kw: Any) -> Solution:
+    """A Solution whose schedule has been run through the simulator; a schedule above the budget is
+    dropped (status "no_solution", the message gives its peak)."""
+    if schedule is None:
+        kw.pop("status", None)
+        return Solution(solver, budget, "no_solution", **kw)
+    sim = simulate(problem, schedule)
+    if sim.peak_bytes > budget:
+        kw["message"] = (kw.get("message", "") + f" schedule peak {sim.peak_bytes} exceeds the budget {budget}").strip()
+        kw.pop("status", None)
+        return Solution(solver, budget, "no_solution", **kw)
+    return Solution(solver, budget, kw.pop("status", "feasible"), schedule, sim, **kw)
+
+
+def min_budget_lower_bound(problem: Problem) -> int:
+    """A budget below which no schedule exists: every compute step holds the node's internal inputs,
+    outputs and workspace, and the last step holds every graph output."""
+    internal = problem.value_producer >= 0
+    step = [int(problem.value_bytes[[v for v in ins if internal[v]]].sum()) for ins in problem.node_inputs]
+    per_node = np.asarray(step, dtype=np.int64) + problem.node_bytes + problem.workspace
+    outputs = int(problem.value_bytes[list(set(problem.outputs))].sum())
+    return int(max(per_node.max(initial=0), outputs))
