@@ -39,7 +39,6 @@ class Program:
     placeholders: list[fx.Node]
     params: list[str]                    # FQN per parameter placeholder, in placeholder order
     buffers: list[str]                   # FQN per buffer placeholder
-    n_batch: int                         # batch placeholders follow parameters and buffers
     outputs: list[fx.Node]               # FX graph outputs, in FX order
     mutated_buffers: list[str]           # FQN of the buffer updated by each leading FX output
     grad_params: list[str]               # FQN of the parameter of each trailing gradient output
@@ -242,34 +241,10 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
     for o, kind in out_kinds:
         values[value_of[o]]["kind"] = kind
 
-    # Replicate views of graph inputs and constants into each group that reads them.
     for gid, group in enumerate(groups):
-        needed: set[fx.Node] = set()
-        stack = [a for m in group for a in m.all_input_nodes if a in constants]
-        while stack:
-            c = stack.pop()
-            if c not in needed:
-                needed.add(c)
-                stack.extend(a for a in c.all_input_nodes if a in constants)
-        groups[gid] = sorted(set(group) | needed, key=position.__getitem__)
-
-    # Values were numbered in FX order, so every produced value follows its producer's inputs.
-    loss_group = owner[value_of[loss_fx]]
-    phases = _phases(groups, owner, value_of, values, loss_group)
-    produced: list[list[int]] = [[] for _ in groups]
-    for vid, gid in owner.items():
-        produced[gid].append(vid)
-    nodes = []
-    for gid, (group, head) in enumerate(zip(groups, heads)):
-        reads: list[int] = []
-        for m in group:
-            for a in m.all_input_nodes:
-                v = value_of.get(a)
-                if v is not None and owner.get(v) != gid and v not in reads:
-                    reads.append(v)
-        targets = [str(head.target)] + [str(m.target) for m in group
-                                         if m is not head and isinstance(m.target, torch._ops.OpOverload)]
-        nodes.append(Node(gid, head.name, tuple(targets), phases[gid], tuple(reads), tuple(sorted(produced[gid]))))
+        groups[gid] = sorted(set(group) | _constant_ancestors(group, constants), key=position.__getitem__)
+    phases = _phases(groups, owner, value_of, values, loss_group=owner[value_of[loss_fx]])
+    nodes = _nodes(groups, heads, phases, value_of, owner)
 
     value_objs = [Value(i, v["bytes"], v["shape"], v["dtype"], v["kind"], v["name"], owner.get(i))
                   for i, v in enumerate(values)]
@@ -280,13 +255,46 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
                       if isinstance(m.target, torch._ops.OpOverload)
                       and torch.Tag.nondeterministic_seeded in m.target.tags}
     program = Program(gm=gm, placeholders=placeholders, params=params, buffers=buffers,
-                      n_batch=len(placeholders) - len(params) - len(buffers), outputs=fx_outputs,
+                      outputs=fx_outputs,
                       mutated_buffers=[_strip(sig.buffers_to_mutate[o.name]) for o in fx_outputs[:n_mut]],
                       grad_params=grad_params, groups=groups, value_of=value_of, primary=primary,
                       random_devices=random_devices)
     meta = {"model": type(model).__name__, "torch": torch.__version__,
             "batch": [{"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for t in batch]}
     return OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
+
+
+def _constant_ancestors(group: list[fx.Node], constants: set[fx.Node]) -> set[fx.Node]:
+    """The views of graph inputs and the constants that `group` reads, transitively: they are
+    replicated into every group that reads them."""
+    needed: set[fx.Node] = set()
+    stack = [a for m in group for a in m.all_input_nodes if a in constants]
+    while stack:
+        c = stack.pop()
+        if c not in needed:
+            needed.add(c)
+            stack.extend(a for a in c.all_input_nodes if a in constants)
+    return needed
+
+
+def _nodes(groups: list, heads: list, phases: list[str], value_of: dict, owner: dict) -> list[Node]:
+    """One operator node per group: values read (in order of first use) and allocated (ascending).
+    Values were numbered in FX order, so every produced value follows its producer's inputs."""
+    produced: list[list[int]] = [[] for _ in groups]
+    for vid, gid in owner.items():
+        produced[gid].append(vid)
+    nodes = []
+    for gid, (group, head) in enumerate(zip(groups, heads)):
+        reads: dict[int, None] = {}
+        for m in group:
+            for a in m.all_input_nodes:
+                v = value_of.get(a)
+                if v is not None and owner.get(v) != gid:
+                    reads.setdefault(v)
+        targets = [str(head.target)] + [str(m.target) for m in group
+                                         if m is not head and isinstance(m.target, torch._ops.OpOverload)]
+        nodes.append(Node(gid, head.name, tuple(targets), phases[gid], tuple(reads), tuple(sorted(produced[gid]))))
+    return nodes
 
 
 def _device_of(m: fx.Node) -> torch.device:

@@ -2,6 +2,9 @@
 
 import copy
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,3 +155,15 @@ def test_tied_weights_get_one_gradient_output_per_name(captured):
     assert "lm_head.weight" in names and len(names) == len(list(model.parameters())) + 1
     grads = [v for v in g.outputs if g.values[v].kind == "gradient"]
     assert len(grads) == len(names)
+
+
+def test_fingerprint_is_the_same_in_another_process(captured):
+    _, _, _, g = captured("mlp")
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    code = ("import importlib.util, runtime\n"
+            f"spec = importlib.util.spec_from_file_location('helpers', {conftest!r})\n"
+            "helpers = importlib.util.module_from_spec(spec); spec.loader.exec_module(helpers)\n"
+            "print(runtime.capture(*helpers.build('mlp')).fingerprint)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert out.stdout.strip().splitlines()[-1] == g.fingerprint
