@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads (1 keeps the comparison stable on a shared host)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

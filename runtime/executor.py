@@ -123,6 +123,12 @@ class TrainStep:
         program: Program = graph.program
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        inputs = {v.name: v for v in graph.values if v.producer is None}
+        for name, t in [*((n, params.get(n)) for n in program.params), *((n, buffers.get(n)) for n in program.buffers)]:
+            if t is None or tuple(t.shape) != inputs[name].shape:
+                raise ValueError(f"the graph passed to runtime.load has {inputs[name].kind} {name!r} of shape "
+                                 f"{list(inputs[name].shape)}, which this model lacks or shapes differently: it "
+                                 f"was captured from another model. Pass a graph of this model, or none.")
         compiled = _Compiled(
             fn=compile_plan(graph, self.plan),
             params=[params[name] for name in program.params],

@@ -150,6 +150,15 @@ def test_plan_for_another_model_is_refused(captured):
         step(*batch)
 
 
+def test_graph_of_another_model_is_refused(captured):
+    model, loss_fn, batch, g = captured("mlp")
+    other = copy.deepcopy(model)
+    other.l2 = torch.nn.Linear(16, 16, bias=False)
+    step = runtime.load(runtime.default_plan(g), other, loss_fn, graph=g)
+    with pytest.raises(ValueError, match="param 'l2.bias' .* captured from another model"):
+        step(*batch)
+
+
 def test_invalid_plan_is_refused_before_running(captured):
     model, loss_fn, batch, g = captured("mlp")
     schedule = runtime.default_plan(g).schedule
