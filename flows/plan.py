@@ -12,6 +12,7 @@ from flows.report import Outcome, create_artifacts
 from flows.steps import profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
+from tasks.validate import Validation
 
 
 class PipelineFailed(MemplanError):
@@ -33,21 +34,21 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     cases = expand_matrix(config)
-    options = {"refresh_cache": True} if refresh else {}
+    rerun = {"refresh_cache": True} if refresh else {}
 
     traced = {
-        (m.name, b): trace_step.with_options(**options)(m, b, device, config.seed, config.cache_dir)
+        (m.name, b): trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir)
         for m in config.models
         for b in m.batch_sizes
     }
     profiled = {
-        (m.name, b): profile_step.with_options(retries=config.profile.retries, **options)(
+        (m.name, b): profile_step.with_options(retries=config.profile.retries, **rerun)(
             m, traced[m.name, b], device, config.seed, config.profile, config.store
         )
         for m in config.models
         for b in m.batch_sizes
     }
-    solved = solve_step.with_options(**options).map(
+    solved = solve_step.with_options(**rerun).map(
         traced=[traced[c.model.name, c.batch_size] for c in cases],
         profile=[profiled[c.model.name, c.batch_size] for c in cases],
         solver=[c.plan.solver for c in cases],
@@ -59,7 +60,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list
         alias=[c.alias for c in cases],
     )
     outcomes = [
-        _validate_and_publish(case, future.result(), config, device, options) for case, future in zip(cases, solved)
+        _validate_and_publish(case, future.result(), config, device, rerun) for case, future in zip(cases, solved)
     ]
     create_artifacts(outcomes, Path(config.cache_dir) / "reports")
     failed = [o for o in outcomes if o.status != "published"]
@@ -73,21 +74,21 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list
 
 
 def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str,
-                          options: dict[str, Any]) -> Outcome:
+                          rerun: dict[str, Any]) -> Outcome:
     common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
                   budget=case.budget.label, budget_bytes=solved["budget_bytes"],
                   checkpoint_all_peak_bytes=solved["checkpoint_all_peak_bytes"],
                   predicted_peak_bytes=solved["predicted_peak_bytes"])
     if not solved["feasible"]:
         return Outcome(**common, status="infeasible", message=infeasible_message(case, solved))
-    validation = validate_step.with_options(**options)(
+    validation = validate_step.with_options(**rerun)(
         solved["plan_path"], case.model, case.batch_size, device, config.seed, config.validation, case.alias
     )
     measured = dict(measured_peak_bytes=validation["measured_peak_bytes"],
                     eager_peak_bytes=validation["eager_peak_bytes"], overhead=validation["overhead"],
                     predicted_overhead=solved["objective"] / solved["checkpoint_all_cost"] - 1)
     if not validation["passed"]:
-        message = f"plan {case.alias} failed validation on {device}: " + "; ".join(validation["reasons"]) + "."
+        message = Validation.from_json(validation).explain(case.alias)
         return Outcome(**common, **measured, status="rejected", message=message)
     published = publish_step(solved["plan_path"], validation, config.publish.dir, case.alias, case.model.name,
                              case.batch_size, case.budget.label)
@@ -104,7 +105,7 @@ def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
         + f"; no schedule fits below {solved['min_budget_lower_bound']:,} B"
     )
     if solved["smallest_feasible_budget"] is not None:
-        text += f", and the smallest feasible budget found is {solved['smallest_feasible_budget']:,} B"
+        text += f", and the smallest feasible budget found (greedy checkpointing) is {solved['smallest_feasible_budget']:,} B"
     if solved["status"] == "no_solution":
         text += f"; raise time_limit_s (now {case.plan.time_limit_s:g} s) or the budget"
     else:

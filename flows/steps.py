@@ -87,7 +87,7 @@ def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: 
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.trace import capture_model
 
-    graph = _CAPTURED.get(traced["key"]) or capture_model(model, traced["batch_size"], device, seed)
+    graph = _CAPTURED.pop(traced["key"], None) or capture_model(model, traced["batch_size"], device, seed)
     if graph.fingerprint != traced["fingerprint"]:
         raise MemplanError(
             f"re-capturing {model.name} at batch {traced['batch_size']} gave graph {graph.fingerprint[:12]}, "
@@ -146,13 +146,14 @@ def solve_case(graph_path: str, solver: str, budget: Budget, options: dict[str, 
     eager = simulate(problem, default_schedule(problem))
     budget_bytes = budget.resolve(eager.peak_bytes)
     solution = SOLVERS[solver](problem, budget_bytes, SolveOptions(**options))
+    lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
     smallest = None
     if solution.feasible:
         plan = Plan.load(solution.to_plan(problem, device=device, profile_run_id=costs.run_id))
         plan.predicted["time_ms"] = plan.predicted["compute_cost"]  # node costs are profiled milliseconds
         plan.save(plan_path)
     elif eager.peak_bytes > budget_bytes:
-        smallest = eager.peak_bytes
+        smallest = smallest_feasible_budget(problem, max(lower, budget_bytes), eager.peak_bytes)
     return Solved(
         solver=solver,
         status=solution.status,
@@ -165,12 +166,32 @@ def solve_case(graph_path: str, solver: str, budget: Budget, options: dict[str, 
         gap=solution.gap,
         solve_seconds=solution.solve_seconds,
         backend=solution.backend,
-        min_budget_lower_bound=solution.min_budget_lower_bound or min_budget_lower_bound(problem),
+        min_budget_lower_bound=lower,
         smallest_feasible_budget=smallest,
         message=solution.message,
         plan_path=plan_path if solution.feasible else None,
         profile_run_id=costs.run_id,
     )
+
+
+PROBES = ("ap-greedy", "linearized-greedy")
+
+
+def smallest_feasible_budget(problem: Any, infeasible: int, feasible: int, rel_tol: float = 0.005) -> int:
+    """Bisection between a budget known infeasible and one known feasible (the checkpoint-all peak):
+    the smallest budget, within `rel_tol`, at which a fast greedy baseline (`PROBES`) finds a schedule."""
+    from tasks.solve import SOLVERS
+    from tasks.solve.solution import SolveOptions
+
+    probes = [SOLVERS[name] for name in PROBES if name in SOLVERS]
+    while probes and feasible - infeasible > rel_tol * feasible:
+        middle = (infeasible + feasible) // 2
+        found = [s.predicted_peak_bytes for s in (probe(problem, middle, SolveOptions()) for probe in probes) if s.feasible]
+        if found:
+            feasible = min(found)
+        else:
+            infeasible = middle
+    return feasible
 
 
 def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
@@ -182,7 +203,8 @@ def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
 def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, budget: Budget, options: dict[str, Any],
                device: str, store: str, cache_dir: str, alias: str) -> dict[str, Any]:
     """Solve one matrix cell; the plan lands in `cache_dir/solutions/`."""
-    key = _solve_key(None, locals())
+    key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, options=options,
+                                device=device))
     plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
     return solve_case(traced["path"], solver, budget, options, device, store, plan_path).to_json()
 

@@ -60,18 +60,20 @@ class Validation:
     def from_json(cls, data: Mapping[str, Any]) -> Validation:
         return cls(**data)
 
-    def explain(self, name: str) -> str:
-        """One paragraph saying why plan `name` failed."""
-        return f"plan {name} failed validation on {self.device}: " + "; ".join(self.reasons) + "."
+    def explain(self, name: str, shown: int = 3) -> str:
+        """One paragraph saying why plan `name` failed (the first `shown` reasons)."""
+        more = len(self.reasons) - shown
+        return (f"plan {name} failed validation on {self.device}: " + "; ".join(self.reasons[:shown])
+                + (f"; and {more} more" if more > 0 else "") + ".")
 
 
 def compare_tensors(
     expected: Mapping[str, torch.Tensor | None], actual: Mapping[str, torch.Tensor | None], rtol: float, atol: float
 ) -> tuple[list[str], float, int]:
-    """Mismatches between two name -> tensor maps (`torch.allclose(actual, expected, rtol, atol)`),
-    the largest absolute difference seen and the number of tensors compared."""
+    """Mismatches between two name -> tensor maps (`torch.allclose(actual, expected, rtol, atol)`), in
+    the order of `expected`, the largest absolute difference seen and the number of tensors compared."""
     problems, worst, compared = [], 0.0, 0
-    for name in sorted(set(expected) | set(actual)):
+    for name in [*expected, *(k for k in actual if k not in expected)]:
         want, got = expected.get(name), actual.get(name)
         if want is None or got is None:
             if (want is None) != (got is None):

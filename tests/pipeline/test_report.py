@@ -52,7 +52,7 @@ def test_no_plan_messages_say_what_to_change():
     assert infeasible_message(case, solved) == (
         "m-b8-checkmate-50pct: solver checkmate found no schedule within 500 B (50pct; the checkpoint-all peak "
         "is 1,000 B), status no_solution (time limit reached without an incumbent); no schedule fits below 300 B, "
-        "and the smallest feasible budget found is 1,000 B; raise time_limit_s (now 2 s) or the budget."
+        "and the smallest feasible budget found (greedy checkpointing) is 1,000 B; raise time_limit_s (now 2 s) or the budget."
     )
     proved = solved | {"status": "infeasible", "message": "", "smallest_feasible_budget": None}
     assert infeasible_message(case, proved).endswith("no schedule fits below 300 B; raise the budget.")
