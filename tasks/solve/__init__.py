@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tasks.solve import baselines, checkmate
+from tasks.solve import baselines, checkmate, greedy
 from tasks.solve.problem import Problem
 from tasks.solve.solution import Solution, SolveOptions
 
@@ -23,6 +23,7 @@ SOLVERS: dict[str, Solver] = {
     "ap-greedy": baselines.ap_greedy,
     "linearized-sqrt-n": baselines.linearized_sqrt_n,
     "linearized-greedy": baselines.linearized_greedy,
+    "remat-greedy": greedy.remat_greedy,
     "checkmate-approx": checkmate.checkmate_approx,
     "checkmate": checkmate.checkmate,
 }

@@ -90,12 +90,17 @@ def _fixed(problem: Problem, name: str, budget: int, kept: list[int], start: flo
                             message=f"{len(kept)} checkpoints")
 
 
-def _greedy(problem: Problem, name: str, budget: int, candidates: list[int], start: float) -> Solution:
-    """Search b over a geometric grid (and both retention rules of the fill); cheapest fitting schedule."""
+def _greedy(problem: Problem, name: str, budget: int, candidates: list[int], start: float,
+            time_limit: float | None) -> Solution:
+    """Search b over a geometric grid (and both retention rules of the fill); cheapest fitting schedule
+    found before the time limit."""
     sizes = problem.node_bytes[forward_nodes(problem)].astype(float)
     lo, hi = max(sizes.min(initial=1.0), 1.0), max(sizes.sum(), 2.0)
-    best, tried = None, set()
+    best, tried, stopped = None, set(), ""
     for b in np.geomspace(lo, hi, GREEDY_STEPS):
+        if time_limit is not None and time.perf_counter() - start > time_limit:
+            stopped = " before the time limit"
+            break
         kept = tuple(greedy_checkpoints(problem, candidates, b))
         if kept in tried:
             continue
@@ -109,7 +114,7 @@ def _greedy(problem: Problem, name: str, budget: int, candidates: list[int], sta
                 break
     if best is None:
         return Solution(name, budget, "no_solution", solve_seconds=time.perf_counter() - start,
-                        message=f"no segment size b of {len(tried)} checkpoint sets fits the budget")
+                        message=f"no segment size b of {len(tried)} checkpoint sets tried{stopped} fits the budget")
     return checked_solution(problem, name, budget, best[0], solve_seconds=time.perf_counter() - start,
                             message=f"{best[2]} checkpoints, b = {best[3]:.4g} bytes")
 
@@ -125,7 +130,7 @@ def chen_greedy(problem: Problem, budget: int, options: SolveOptions) -> Solutio
     start = time.perf_counter()
     if not is_linear(problem):
         return _not_linear(problem, "chen-greedy", budget, start)
-    return _greedy(problem, "chen-greedy", budget, forward_nodes(problem), start)
+    return _greedy(problem, "chen-greedy", budget, forward_nodes(problem), start, options.time_limit)
 
 
 def ap_sqrt_n(problem: Problem, budget: int, options: SolveOptions) -> Solution:
@@ -137,7 +142,7 @@ def ap_sqrt_n(problem: Problem, budget: int, options: SolveOptions) -> Solution:
 def ap_greedy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """Appendix B.1: Chen's greedy with checkpoints restricted to articulation points."""
     start = time.perf_counter()
-    return _greedy(problem, "ap-greedy", budget, articulation_points(problem), start)
+    return _greedy(problem, "ap-greedy", budget, articulation_points(problem), start, options.time_limit)
 
 
 def linearized_sqrt_n(problem: Problem, budget: int, options: SolveOptions) -> Solution:
@@ -149,7 +154,7 @@ def linearized_sqrt_n(problem: Problem, budget: int, options: SolveOptions) -> S
 def linearized_greedy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """Appendix B.2: Chen's greedy on the topological order of the forward nodes."""
     start = time.perf_counter()
-    return _greedy(problem, "linearized-greedy", budget, forward_nodes(problem), start)
+    return _greedy(problem, "linearized-greedy", budget, forward_nodes(problem), start, options.time_limit)
 
 
 @lru_cache(maxsize=None)

@@ -3,8 +3,8 @@ two-phase rounding (`checkmate-approx`, sec. 5, Algorithm 2). The model itself i
 
 Solver parameters (`SolveOptions.params`):
 - `formulation`: "tight" (default) or "paper" FREE linearization (see checkmate_model).
-- `warm_start` (checkmate, default True): run checkmate-approx first and hand its schedule to the MILP
-  as a MIP start; `SolveOptions.mip_start` (a schedule) takes precedence.
+- `warm_start` (checkmate): "greedy" (default), "approx" or "none": the heuristic whose schedule is
+  the MIP start; `SolveOptions.mip_start` (a schedule) takes precedence.
 - `allowances` (checkmate-approx): budget allowances eps, the LP is solved under (1 - eps) * budget
   (sec. 5.3); default (0, 0.05, 0.1, 0.2, 0.3).
 - `thresholds` (checkmate-approx): rounding thresholds p, S_int = [S* > p]; default 0.1 .. 0.9.
@@ -20,7 +20,8 @@ import numpy as np
 from tasks.solve.checkmate_model import (CheckmateLayout, assignment_from_schedule, build_model, schedule_from_solution,
                                          _ranges)
 from tasks.solve.checkpoints import recompute_closure
-from tasks.solve.milp import MilpModel, MilpOptions, solve_milp
+from tasks.solve.greedy import greedy_schedule
+from tasks.solve.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_milp
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
@@ -74,12 +75,13 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
         return _infeasible(problem, "checkmate-approx", budget, lower, time.perf_counter() - start,
                            f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and workspace")
     formulation = options.params.get("formulation", "tight")
-    best, bound, size = None, None, (None, None)
+    best, bound, size, why = None, None, (None, None), "no rounding fits the budget"
     for eps in options.params.get("allowances", ALLOWANCES):
-        if deadline is not None and time.perf_counter() >= deadline:
-            break
         model, L = build_model(problem, budget * (1.0 - eps), formulation)
         size = (model.num_variables, model.num_constraints)
+        if deadline is not None and time.perf_counter() >= deadline:
+            why = "time limit reached"
+            break
         lp = solve_milp(model, MilpOptions(backend="highs", relax=True, time_limit=_remaining(deadline),
                                            threads=options.threads))
         if lp.status == "infeasible":
@@ -89,11 +91,14 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
                                    num_variables=size[0], num_constraints=size[1], backend="highs")
             break
         if lp.x is None:
+            why = f"the LP relaxation stopped without a solution ({lp.message})"
             break
         if eps == 0.0 and lp.status == "optimal":
             bound = lp.objective
         s_star = _s_matrix(L, lp.x)
         for p in options.params.get("thresholds", THRESHOLDS):
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
             schedule = two_phase_rounding(problem, L, s_star, p)
             sim = simulate(problem, schedule)
             if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
@@ -102,23 +107,29 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
     return checked_solution(problem, "checkmate-approx", budget, best[0] if best else None,
                             status="feasible", bound=bound, solve_seconds=time.perf_counter() - start,
                             backend="highs", num_variables=size[0], num_constraints=size[1],
-                            message="" if best else "no rounding fits the budget")
+                            message="" if best else why)
 
 
 def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """The MILP of eq. (9) with frontier-advancing stages (8a-8c), FREE linearization (7a-7c) and the
-    eliminations of 4.8, warm-started from checkmate-approx. Its bound is the MILP's dual bound; an
-    infeasible MILP proves that no frontier-advancing schedule in the default order fits."""
+    eliminations of 4.8, started from a heuristic schedule (`warm_start`: "greedy" (remat-greedy,
+    default), "approx" (checkmate-approx) or "none"; `SolveOptions.mip_start` takes precedence).
+
+    The bound is the larger of the MILP's dual bound and sum of costs (eq. 8a runs every node once);
+    when the start is already within `gap` of it, the MILP is skipped. An infeasible MILP proves that no
+    frontier-advancing schedule in the default order fits."""
     start = time.perf_counter()
     deadline = None if options.time_limit is None else start + options.time_limit
     lower = min_budget_lower_bound(problem)
     if budget < lower:
         return _infeasible(problem, "checkmate", budget, lower, time.perf_counter() - start,
                            f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and workspace")
-    formulation = options.params.get("formulation", "tight")
-    model, L = build_model(problem, budget, formulation)
+    floor = float(problem.cost.sum())
     incumbent = options.mip_start
-    if incumbent is None and options.params.get("warm_start", True):
+    warm = options.params.get("warm_start", "greedy")
+    if incumbent is None and warm == "greedy":
+        incumbent = greedy_schedule(problem, budget, deadline)
+    elif incumbent is None and warm == "approx":
         approx = checkmate_approx(problem, budget, SolveOptions(
             time_limit=_remaining(deadline), threads=options.threads,
             params={**options.params, "allowances": options.params.get("allowances", (0.0, 0.1, 0.2))}))
@@ -126,11 +137,27 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
             approx.solver, approx.solve_seconds = "checkmate", time.perf_counter() - start
             return approx
         incumbent = approx.schedule
+    elif warm not in ("greedy", "approx", "none"):
+        raise ValueError(f"checkmate parameter warm_start={warm!r}; choose greedy, approx or none.")
+    progress = []
+    if incumbent is not None:
+        cost = simulate(problem, incumbent).compute_cost
+        progress.append(Progress(time.perf_counter() - start, cost, floor))
+        if relative_gap(cost, floor) <= options.gap:
+            return checked_solution(problem, "checkmate", budget, incumbent, status="optimal", bound=floor,
+                                    solve_seconds=time.perf_counter() - start, progress=progress,
+                                    message=f"the {warm} start is within the gap of sum of costs; MILP skipped")
+    formulation = options.params.get("formulation", "tight")
+    model, L = build_model(problem, budget, formulation)
     mip_start = _feasible_start(problem, model, L, incumbent, budget)
+    offset = time.perf_counter() - start
     result = solve_milp(model, MilpOptions(backend=options.backend, time_limit=_remaining(deadline),
                                            gap=options.gap, threads=options.threads, mip_start=mip_start))
+    progress += [Progress(p.seconds + offset, p.incumbent, max(p.bound, floor) if p.bound is not None else floor)
+                 for p in result.progress]
+    bound = max(result.bound, floor) if result.bound is not None else floor
     common = dict(backend=result.backend, num_variables=result.num_variables, num_constraints=result.num_constraints,
-                  progress=result.progress, bound=result.bound)
+                  progress=progress, bound=bound)
     seconds = time.perf_counter() - start
     if result.status == "infeasible":
         return _infeasible(problem, "checkmate", budget, max(lower, budget + 1), seconds,
@@ -138,7 +165,7 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     if result.x is not None:
         schedule = schedule_from_solution(L, result.x)
         status = "optimal" if result.status == "optimal" else "feasible"
-    elif mip_start is not None:
+    elif incumbent is not None:
         schedule, status = incumbent, "feasible"
     else:
         schedule, status = None, "no_solution"

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import scipy.sparse as sp
@@ -130,16 +131,16 @@ def solve_milp(model: MilpModel, options: MilpOptions) -> MilpResult:
     """Solve `model` with the backend `options.backend` names (module docstring)."""
     if options.backend not in BACKENDS:
         raise ValueError(f"backend {options.backend!r} is unknown; choose one of {', '.join(BACKENDS)}.")
-    if options.backend in ("auto", "gurobi"):
+    if options.backend == "gurobi" or (options.backend == "auto" and _gurobi_unavailable() is None):
         try:
             return _solve_gurobi(model, options)
         except _GurobiUnavailable as exc:
             if options.backend == "gurobi":
                 raise RuntimeError(f"backend 'gurobi' requested but {exc}; use --backend highs or install a "
                                    f"full Gurobi license.") from None
-            if str(exc) not in _LOGGED:
-                _LOGGED.add(str(exc))
-                log.info("gurobi unavailable (%s); solving with highs", exc)
+            _log_once(f"gurobi unavailable ({exc}); solving with highs")
+    elif options.backend == "auto":
+        _log_once(f"gurobi unavailable ({_gurobi_unavailable()}); solving with highs")
     return _solve_highs(model, options)
 
 
@@ -219,6 +220,31 @@ def _solve_highs(model: MilpModel, options: MilpOptions) -> MilpResult:
 
 class _GurobiUnavailable(Exception):
     pass
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.info(message)
+
+
+@lru_cache(maxsize=1)
+def _gurobi_unavailable() -> str | None:
+    """Why Gurobi cannot take every model (not installed, no license, size-limited), None when it can.
+    Probed once with an empty model just above the PyPI license's 2000-variable limit."""
+    try:
+        import gurobipy as gp
+    except ImportError:
+        return "gurobipy is not installed"
+    try:
+        with gp.Env(params={"OutputFlag": 0}) as env, gp.Model(env=env) as m:
+            m.addMVar(2001)
+            m.optimize()
+    except gp.GurobiError as exc:
+        if exc.errno == GUROBI_SIZE_LIMITED:
+            return f"the Gurobi license is size-limited (error {exc.errno})"
+        return f"no usable Gurobi license (error {exc.errno}: {exc})"
+    return None
 
 
 def _solve_gurobi(model: MilpModel, options: MilpOptions) -> MilpResult:

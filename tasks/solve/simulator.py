@@ -30,7 +30,8 @@ class InvalidSchedule(ValueError):
 @dataclass(frozen=True)
 class Simulation:
     """`timeline[i]`: live bytes during step i (a compute step includes the node's workspace; a free
-    step shows what stays live after it). `peak_step` is the first compute step reaching the peak."""
+    step shows what stays live after it). `peak_step` is the first compute step reaching the peak.
+    Copy c of value `copy_value[c]` is live during steps `copy_start[c]..copy_end[c]`."""
 
     peak_bytes: int
     peak_step: int
@@ -38,6 +39,14 @@ class Simulation:
     constant_bytes: int
     num_computes: int
     timeline: np.ndarray
+    copy_value: np.ndarray
+    copy_start: np.ndarray
+    copy_end: np.ndarray
+
+    def live_values(self, step: int) -> np.ndarray:
+        """Values with a copy live during `step`."""
+        live = (self.copy_start <= step) & (self.copy_end >= step)
+        return np.unique(self.copy_value[live])
 
 
 def normalize_schedule(schedule: Iterable[Any]) -> list[dict[str, Any]]:
@@ -98,12 +107,13 @@ def simulate(problem: Problem, schedule: Iterable[Any]) -> Simulation:
     if missing:
         raise InvalidSchedule(f"graph outputs {missing[:10]} are not resident at the end of the schedule "
                               f"({len(missing)} missing); compute each and do not free it afterwards.")
+    values = np.asarray(copy_value, dtype=np.int64)
+    starts = np.asarray(copy_start, dtype=np.int64)
     ends = np.asarray(copy_end, dtype=np.int64)
-    final_outputs = current[list(problem.outputs)]
-    ends[final_outputs] = len(steps) - 1
-    nbytes = problem.value_bytes[np.asarray(copy_value, dtype=np.int64)] if copy_value else np.zeros(0, np.int64)
+    ends[current[list(problem.outputs)]] = len(steps) - 1
+    nbytes = problem.value_bytes[values]
     delta = np.zeros(len(steps) + 1, dtype=np.int64)
-    np.add.at(delta, np.asarray(copy_start, dtype=np.int64), nbytes)
+    np.add.at(delta, starts, nbytes)
     np.add.at(delta, ends + 1, -nbytes)
     timeline = np.cumsum(delta[:-1]) + workspace
     compute_live = np.where(is_compute, timeline, -1)
@@ -115,6 +125,9 @@ def simulate(problem: Problem, schedule: Iterable[Any]) -> Simulation:
         constant_bytes=problem.constant_bytes,
         num_computes=int(is_compute.sum()),
         timeline=timeline,
+        copy_value=values,
+        copy_start=starts,
+        copy_end=ends,
     )
 
 

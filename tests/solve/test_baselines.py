@@ -1,0 +1,76 @@
+from math import comb
+
+import pytest
+
+from tasks.solve import SOLVERS, solve
+from tasks.solve.baselines import articulation_points, is_linear, revolve_cost, revolve_schedule
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+
+HEURISTICS = [name for name in SOLVERS if name != "checkmate"]
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.8])
+def test_every_heuristic_on_every_benchmark_graph(benchmark_paths, fraction):
+    """A schedule the simulator accepts within the budget, or a clear statement that none was found."""
+    for path in benchmark_paths:
+        problem = Problem.from_node_link(path)
+        budget = int(fraction * simulate(problem, default_schedule(problem)).peak_bytes)
+        for name in HEURISTICS:
+            sol = solve(problem, name, budget, SolveOptions(time_limit=2))
+            if sol.feasible:
+                again = simulate(problem, sol.schedule)
+                assert again.peak_bytes == sol.predicted_peak_bytes <= budget, (path.name, name)
+                assert sol.objective == again.compute_cost >= problem.cost.sum()
+            else:
+                assert sol.status in ("no_solution", "infeasible") and sol.message, (path.name, name)
+
+
+def test_chen_sqrt_n_on_a_linear_graph(linear):
+    # 17 forward nodes -> every 5th is a checkpoint (4, 9, 14); each segment before a checkpoint is
+    # recomputed once for the backward pass (4 nodes each), the last segment is kept.
+    problem = linear(16)
+    sol = solve(problem, "chen-sqrt-n", 10**6)
+    assert sol.objective == 33 + 12
+    assert sol.message == "3 checkpoints"
+
+
+def test_griewank_matches_the_binomial_closed_form():
+    """Griewank & Walther (2000): with s = c + 1 snapshots, reversing l steps costs r*l - beta(s+1, r-1)
+    forward steps beyond the first sweep's... in this count, l + r*l - C(s+r, r-1), where
+    beta(s, r-1) < l <= beta(s, r) and beta(s, r) = C(s+r, s)."""
+    for c in range(1, 5):
+        for steps in range(2, 60):
+            s = c + 1
+            r = next(r for r in range(1, steps + 1) if comb(s + r, s) >= steps)
+            assert revolve_cost(steps, c)[0] == steps + r * steps - comb(s + r, r - 1), (steps, c)
+
+
+def test_revolve_schedule_runs_the_optimal_number_of_forward_steps(linear):
+    problem = linear(20)
+    for slots in (1, 2, 3, 5):
+        schedule = revolve_schedule(problem, slots)
+        sim = simulate(problem, schedule)
+        forward = sum(1 for _, node in schedule if node <= 20)
+        assert forward == revolve_cost(21, slots)[0] and sim.num_computes == forward + 20
+    assert simulate(problem, revolve_schedule(problem, 2)).peak_bytes < simulate(problem, default_schedule(problem)).peak_bytes
+
+
+def test_articulation_points_of_a_residual_graph():
+    # 0 -> 1 -> 2 -> 3 with a skip 0 -> 2, then 3 -> 4: cut vertices are 2 and 3 (0 and 1 are not).
+    problem = Problem.from_edges([1] * 5, [1] * 5, [(0, 1), (1, 2), (0, 2), (2, 3), (3, 4)])
+    assert articulation_points(problem) == [2, 3] and not is_linear(problem)
+    sol = solve(problem, "chen-sqrt-n", 100)
+    assert not sol.feasible and "linear forward graphs only" in sol.message
+
+
+def test_remat_greedy_respects_the_budget_and_the_optimum(linear):
+    problem = linear(6)
+    optimum = {4: 18, 5: 16, 6: 15, 7: 14, 8: 13}       # exhaustive optima (test_checkmate)
+    for budget, best in optimum.items():
+        sol = solve(problem, "remat-greedy", budget)
+        if sol.feasible:
+            assert sol.predicted_peak_bytes <= budget and sol.objective >= best
+        else:
+            assert sol.status == "no_solution" and sol.message

@@ -1,0 +1,74 @@
+import json
+from datetime import datetime, timezone
+
+from typer.testing import CliRunner
+
+from flows.cli import app
+from runtime.graph import Node, OpGraph, Value
+from runtime.plan import Plan
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import simulate
+from tasks.store import ENV_VAR, new_run_id, write_run
+from tasks.store_schema import SCHEMA_VERSION
+
+REPORT_KEYS = {"feasible", "objective", "predicted_peak_bytes", "bound", "gap", "status", "solve_seconds", "backend",
+               "num_variables", "num_constraints"}
+
+
+def _chain_graph() -> OpGraph:
+    values = [Value(0, 64, (16,), "float32", "input", "x", None), Value(1, 64, (16,), "float32", "param", "w", None)]
+    nodes = []
+    for i in range(4):
+        values.append(Value(2 + i, 64, (16,), "float32", "output" if i == 3 else "activation", f"a{i}", i))
+        nodes.append(Node(i, f"mul{i}", ("aten.mul.Tensor",), "loss" if i == 3 else "forward",
+                          (0 if i == 0 else 1 + i, 1), (2 + i,)))
+    return OpGraph(values, nodes, [5], {"model": "chain"})
+
+
+def _profile(graph: OpGraph) -> list[dict]:
+    run_id = new_run_id()
+    return [dict(schema_version=SCHEMA_VERSION, run_id=run_id, created_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
+                 fingerprint=graph.fingerprint, model="chain", graph_nodes=4, device="cpu", device_type="cpu",
+                 node_id=i, phase=n.phase, impl="default", time_ms=0.5 * (i + 1), output_bytes=64, workspace_bytes=8)
+            for i, n in enumerate(graph.nodes)]
+
+
+def test_json_report_and_plan_for_a_benchmark_graph(tmp_path, benchmark_paths):
+    path = next(p for p in benchmark_paths if p.name.startswith("VGG16") and "train" in p.name)
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["solve", "--graph", str(path), "--solver", "checkmate", "--budget", "90%",
+                                      "--json", "--out", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert REPORT_KEYS <= set(report) and report["feasible"] and report["status"] == "optimal"
+    assert report["predicted_peak_bytes"] <= report["budget_bytes"] == int(0.9 * report["checkpoint_all_peak_bytes"])
+    plan = Plan.load(out)
+    sim = simulate(Problem.from_node_link(path), plan.schedule)
+    assert sim.peak_bytes == plan.predicted["peak_bytes"] == report["predicted_peak_bytes"]
+    assert sim.compute_cost == report["objective"] == plan.predicted["compute_cost"]
+    assert plan.provenance["solver"] == "checkmate" and plan.provenance["budget_bytes"] == report["budget_bytes"]
+
+
+def test_memplan_graph_takes_costs_from_the_profile_store(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "profiles_db"))
+    graph = _chain_graph()
+    graph.save(tmp_path / "g.json")
+    args = ["solve", "--graph", str(tmp_path / "g.json"), "--solver", "checkpoint-all", "--budget", "1.0", "--json"]
+    missing = CliRunner().invoke(app, args)
+    assert missing.exit_code == 1 and "No complete profile" in missing.output
+    write_run(_profile(graph))
+    result = CliRunner().invoke(app, args + ["--out", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["objective"] == 0.5 + 1.0 + 1.5 + 2.0
+    # workspace 8 while a node runs: its input and output (64 each) are live; the loss stays to the end
+    assert report["predicted_peak_bytes"] == 2 * 64 + 8
+    assert Plan.load(tmp_path / "p.json").fingerprint == graph.fingerprint
+
+
+def test_bad_solver_and_budget_are_usage_errors(benchmark_paths):
+    path = str(benchmark_paths[0])
+    wrong = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "magic", "--budget", "0.8"])
+    assert wrong.exit_code == 2 and "unknown solver 'magic'" in wrong.output
+    bad = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "checkmate", "--budget", "lots"])
+    assert bad.exit_code == 2 and "--budget" in bad.output

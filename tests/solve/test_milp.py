@@ -1,0 +1,91 @@
+import itertools
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tasks.solve.milp import MilpModel, MilpOptions, _gurobi_unavailable, relative_gap, solve_milp
+
+WEIGHTS = np.array([12, 7, 11, 8, 9, 6, 5, 14])
+VALUES = np.array([24, 13, 23, 15, 16, 11, 9, 30])
+CAPACITY = 31
+
+
+def _knapsack(capacity: int = CAPACITY) -> MilpModel:
+    """max values @ x s.t. weights @ x <= capacity, x binary (as a minimization of -values)."""
+    n = len(WEIGHTS)
+    return MilpModel(c=-VALUES.astype(float), A=sp.csr_matrix(WEIGHTS[None, :].astype(float)),
+                     row_lower=np.array([-np.inf]), row_upper=np.array([float(capacity)]),
+                     col_lower=np.zeros(n), col_upper=np.ones(n), integrality=np.ones(n, bool))
+
+
+def _brute_force() -> int:
+    return max(int(VALUES @ np.array(x)) for x in itertools.product((0, 1), repeat=len(WEIGHTS))
+               if WEIGHTS @ np.array(x) <= CAPACITY)
+
+
+def test_highs_finds_the_brute_force_optimum():
+    result = solve_milp(_knapsack(), MilpOptions(backend="highs"))
+    assert result.status == "optimal" and result.objective == -_brute_force()
+    assert WEIGHTS @ np.round(result.x) <= CAPACITY and result.gap == 0.0
+    assert (result.num_variables, result.num_constraints, result.num_nonzeros) == (8, 1, 8)
+    assert result.progress and result.progress[-1].incumbent == result.objective
+
+
+def test_lp_relaxation_bounds_the_optimum():
+    result = solve_milp(_knapsack(), MilpOptions(backend="highs", relax=True))
+    assert result.status == "optimal" and result.bound == result.objective < -_brute_force()
+    assert np.any((result.x > 1e-6) & (result.x < 1 - 1e-6))
+
+
+def test_objective_scale_is_applied_to_results():
+    model = _knapsack()
+    model.objective_scale = 10.0
+    result = solve_milp(model, MilpOptions(backend="highs"))
+    assert result.objective == -10 * _brute_force() and result.bound == result.objective
+
+
+def test_infeasible_model():
+    model = _knapsack()
+    model.col_lower[:] = 1.0
+    result = solve_milp(model, MilpOptions(backend="highs"))
+    assert result.status == "infeasible" and result.x is None and not result.feasible
+
+
+def test_mip_start_is_the_first_incumbent():
+    start = np.zeros(len(WEIGHTS))
+    start[[0, 1]] = 1.0
+    result = solve_milp(_knapsack(), MilpOptions(backend="highs", mip_start=start))
+    assert result.progress[0].incumbent <= -(VALUES[0] + VALUES[1])
+    assert result.objective == -_brute_force()
+
+
+def test_gurobi_only_with_a_full_license():
+    reason = _gurobi_unavailable()
+    auto = solve_milp(_knapsack(), MilpOptions(backend="auto"))
+    assert auto.objective == -_brute_force() and auto.backend == ("gurobi" if reason is None else "highs")
+    if reason == "gurobipy is not installed":
+        with pytest.raises(RuntimeError, match="gurobipy is not installed"):
+            solve_milp(_knapsack(), MilpOptions(backend="gurobi"))
+        return
+    small = solve_milp(_knapsack(), MilpOptions(backend="gurobi"))
+    assert small.backend == "gurobi" and small.objective == -_brute_force()
+    n = 2500
+    large = MilpModel(c=-np.ones(n), A=sp.csr_matrix(np.ones((1, n))), row_lower=np.array([-np.inf]),
+                      row_upper=np.array([3.0]), col_lower=np.zeros(n), col_upper=np.ones(n),
+                      integrality=np.ones(n, bool))
+    if reason is not None and "size-limited" in reason:
+        with pytest.raises(RuntimeError, match="size-limited"):
+            solve_milp(large, MilpOptions(backend="gurobi"))
+    assert solve_milp(large, MilpOptions(backend="auto")).objective == -3.0
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="backend 'cplex' is unknown"):
+        solve_milp(_knapsack(), MilpOptions(backend="cplex"))
+
+
+def test_relative_gap():
+    assert relative_gap(105.0, 100.0) == pytest.approx(5 / 105)
+    assert relative_gap(0.0, 0.0) == 0.0
+    assert relative_gap(None, 1.0) is None and relative_gap(1.0, None) is None
