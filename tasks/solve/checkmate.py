@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from tasks.solve.checkmate_model import (CheckmateLayout, assignment_from_schedule, build_model, schedule_from_solution,
-                                         _ranges)
+                                         expand_ranges)
 from tasks.solve.checkpoints import recompute_closure
 from tasks.solve.greedy import greedy_schedule
 from tasks.solve.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_milp
@@ -49,7 +49,7 @@ def two_phase_rounding(problem: Problem, L: CheckmateLayout, s_star: np.ndarray,
 
 
 def _s_matrix(L: CheckmateLayout, x: np.ndarray) -> np.ndarray:
-    iv, t = _ranges(L.pp + 1, np.full(len(L.pp), L.n))
+    iv, t = expand_ranges(L.pp + 1, np.full(len(L.pp), L.n))
     s = np.zeros((L.n, len(L.vals)))
     s[t, iv] = x[L.s(t, iv)]
     return s

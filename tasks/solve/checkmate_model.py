@@ -37,7 +37,7 @@ log = logging.getLogger("memplan.solve")
 FORMULATIONS = ("paper", "tight")
 
 
-def _ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For items i with integer ranges [lo_i, hi_i): (item index, value) of every member."""
     counts = np.maximum(hi - lo, 0)
     item = np.repeat(np.arange(len(lo)), counts)
@@ -91,6 +91,9 @@ class CheckmateLayout:
 
 
 def layout(problem: Problem) -> CheckmateLayout:
+    """Index the model's variables: edges (value, reading position), FREE pairs (eq. 4 with the 4.8
+    eliminations: user pairs of freeable values, plus the producer pair of multi-output or unread values)
+    and, per pair, the later users that are its hazards (eq. 5)."""
     n = problem.num_nodes
     order, pos = problem.order, problem.position
     producer = problem.value_producer
@@ -108,16 +111,15 @@ def layout(problem: Problem) -> CheckmateLayout:
     edge_k = np.concatenate(edge_k) if edge_k else np.zeros(0, np.int64)
     freeable = ~problem.is_output[vals]
     multi = np.array([len(problem.node_outputs[p]) > 1 for p in producer[vals]], dtype=bool)
-    no_users = np.bincount(edge_v, minlength=len(vals)) == 0
-    own = np.flatnonzero(freeable & (multi | no_users))
+    count = np.bincount(edge_v, minlength=len(vals))
+    own = np.flatnonzero(freeable & (multi | (count == 0)))
     user_pairs = freeable[edge_v]
     fv = np.concatenate([edge_v[user_pairs], own])
     fk = np.concatenate([edge_k[user_pairs], pp[own]])
     # users j of fv[e] with j > fk[e]: join pairs with edges on the value, keep later ones
     by_value = np.argsort(edge_v, kind="stable")
     first = np.searchsorted(edge_v[by_value], np.arange(len(vals)))
-    count = np.bincount(edge_v, minlength=len(vals))
-    e_idx, slot = _ranges(np.zeros(len(fv), np.int64), count[fv])
+    e_idx, slot = expand_ranges(np.zeros(len(fv), np.int64), count[fv])
     j = edge_k[by_value[first[fv[e_idx]] + slot]]
     keep = j > fk[e_idx]
     s_count = n - 1 - pp
@@ -169,11 +171,11 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight") -> 
     cost = problem.cost[L.order].astype(np.float64)
     work = problem.workspace[L.order].astype(np.float64)
     rows = _Rows()
-    sv, st = _ranges(L.pp + 1, np.full(len(L.pp), n))                          # S variables (st, sv)
-    ut, uk = _ranges(np.zeros(n, np.int64), np.arange(1, n + 1))                # R and U variables (ut, uk)
+    sv, st = expand_ranges(L.pp + 1, np.full(len(L.pp), n))                          # S variables (st, sv)
+    ut, uk = expand_ranges(np.zeros(n, np.int64), np.arange(1, n + 1))                # R and U variables (ut, uk)
 
     # eq. 1b: R[t,k] - R[t,pp(v)] - S[t,v] <= 0 for every edge (v, k) and stage t >= k
-    e, t = _ranges(L.edge_k, np.full(len(L.edge_k), n))
+    e, t = expand_ranges(L.edge_k, np.full(len(L.edge_k), n))
     r0 = rows.block(len(e), -np.inf, 0.0) + np.arange(len(e))
     v, k = L.edge_v[e], L.edge_k[e]
     rows.add(r0, L.r(t, k), 1.0)
@@ -197,7 +199,7 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight") -> 
     later = k > 0
     rows.add(urow[later], L.u(t[later], k[later] - 1), -1.0)
     rows.add(u0 + _tri(st, 0), L.s(st, sv), -L.mb[sv] / L.unit)
-    e, tf = _ranges(L.fk + 1, np.full(len(L.fk), n))
+    e, tf = expand_ranges(L.fk + 1, np.full(len(L.fk), n))
     rows.add(u0 + _tri(tf, L.fk[e] + 1), L.f(tf, e), L.mb[L.fv[e]] / L.unit)
 
     # eq. 9 with workspace: U[t,k] + W_k R[t,k] <= budget (U <= budget is a column bound); memory is
@@ -211,7 +213,7 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight") -> 
     # FREE linearization; the F variable (tf, e) has hazards R[tf, fk], S[tf+1, fv], R[tf, j > fk]
     fcol = L.f(tf, e)
     has_next = tf + 1 < n
-    le, tl = _ranges(np.maximum(L.later_j, L.fk[L.later_e] + 1), np.full(len(L.later_j), n))
+    le, tl = expand_ranges(np.maximum(L.later_j, L.fk[L.later_e] + 1), np.full(len(L.later_j), n))
     lfcol = L.f(tl, L.later_e[le])
     lrcol = L.r(tl, L.later_j[le])
     if formulation == "tight":
@@ -256,7 +258,7 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight") -> 
 def schedule_from_solution(L: CheckmateLayout, x: np.ndarray) -> list[tuple[str, int]]:
     """Algorithm 1: a row-major scan of R (stage by stage, nodes in order); frees are left to the
     simulator, which releases each value after its last use (at or before FREE's point)."""
-    t, k = _ranges(np.zeros(L.n, np.int64), np.arange(1, L.n + 1))
+    t, k = expand_ranges(np.zeros(L.n, np.int64), np.arange(1, L.n + 1))
     run = x[L.r(t, k)] > 0.5
     return [("compute", int(node)) for node in L.order[k[run]]]
 
@@ -298,23 +300,23 @@ def assignment_from_schedule(problem: Problem, L: CheckmateLayout, schedule: lis
     ends = np.where(problem.is_output[L.vals][final], n - 1, last_read[final])
     spans.extend(zip(final.tolist(), copy_stage[final].tolist(), ends.tolist()))
     sp_v, sp_a, sp_b = (np.array(col, dtype=np.int64) for col in zip(*spans)) if spans else (np.zeros(0, np.int64),) * 3
-    item, t = _ranges(sp_a + 1, sp_b + 1)
+    item, t = expand_ranges(sp_a + 1, sp_b + 1)
     x[L.s(t, sp_v[item])] = 1.0
     # FREE[t,e] = 1 iff no hazard: R[t,k], not S[t+1,v], no later user j of v runs in stage t
-    e, tf = _ranges(L.fk + 1, np.full(len(L.fk), n))
+    e, tf = expand_ranges(L.fk + 1, np.full(len(L.fk), n))
     ok = x[L.r(tf, L.fk[e])] > 0.5
     nxt = tf + 1 < n
     ok[nxt] &= x[L.s(tf[nxt] + 1, L.fv[e[nxt]])] < 0.5
-    le, tl = _ranges(np.maximum(L.later_j, L.fk[L.later_e] + 1), np.full(len(L.later_j), n))
+    le, tl = expand_ranges(np.maximum(L.later_j, L.fk[L.later_e] + 1), np.full(len(L.later_j), n))
     busy = x[L.r(tl, L.later_j[le])] > 0.5
     fcol = L.f(tf, e)
     blocked = np.zeros(len(e), dtype=bool)
     blocked[L.f(tl[busy], L.later_e[le[busy]]) - L.f_base] = True
     x[fcol] = (ok & ~blocked).astype(np.float64)
     # U by the recurrence: per-(t,k) increments, cumulative within each stage
-    ut, uk = _ranges(np.zeros(n, np.int64), np.arange(1, n + 1))
+    ut, uk = expand_ranges(np.zeros(n, np.int64), np.arange(1, n + 1))
     delta = x[L.r(ut, uk)] * L.node_bytes[uk]
-    sv, st = _ranges(L.pp + 1, np.full(len(L.pp), n))
+    sv, st = expand_ranges(L.pp + 1, np.full(len(L.pp), n))
     np.add.at(delta, _tri(st, 0), x[L.s(st, sv)] * L.mb[sv])
     np.add.at(delta, _tri(tf, L.fk[e] + 1), -x[fcol] * L.mb[L.fv[e]])
     total = np.cumsum(delta)
