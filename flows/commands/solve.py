@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
             from runtime.plan import Plan
             from tasks.config import parse_budget
             from tasks.solve import SOLVERS, solve as run_solver
+            from tasks.solve.milp import BACKENDS
             from tasks.solve.simulator import default_schedule, simulate
             from tasks.solve.solution import SolveOptions
 
@@ -55,8 +56,15 @@ def register(app: typer.Typer) -> None:
                 budget_bytes = parse_budget(_budget_value(budget)).resolve(eager.peak_bytes)
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--budget") from None
-            solution = run_solver(problem, solver, budget_bytes, SolveOptions(
-                time_limit=time_limit, gap=gap, backend=backend, threads=threads))
+            if backend not in BACKENDS:
+                raise typer.BadParameter(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.",
+                                         param_hint="--backend")
+            try:
+                solution = run_solver(problem, solver, budget_bytes, SolveOptions(
+                    time_limit=time_limit, gap=gap, backend=backend, threads=threads))
+            except RuntimeError as exc:          # a requested backend that cannot run this model
+                errors().print(f"error: {exc}", style="red")
+                raise typer.Exit(1) from None
             report = {**solution.report(), "checkpoint_all_peak_bytes": eager.peak_bytes,
                       "checkpoint_all_cost": eager.compute_cost, "graph": str(graph)}
             if out is not None and solution.feasible:

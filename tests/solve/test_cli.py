@@ -72,3 +72,6 @@ def test_bad_solver_and_budget_are_usage_errors(benchmark_paths):
     assert wrong.exit_code == 2 and "unknown solver 'magic'" in wrong.output
     bad = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "checkmate", "--budget", "lots"])
     assert bad.exit_code == 2 and "--budget" in bad.output
+    backend = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "checkmate", "--budget", "0.8",
+                                       "--backend", "cplex"])
+    assert backend.exit_code == 2 and "unknown backend 'cplex'" in backend.output
