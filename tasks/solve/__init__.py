@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from tasks.solve import baselines, checkmate, greedy
+from tasks.solve.acg.solver import acg
 from tasks.solve.problem import Problem
 from tasks.solve.solution import Solution, SolveOptions
 
@@ -26,6 +27,7 @@ SOLVERS: dict[str, Solver] = {
     "remat-greedy": greedy.remat_greedy,
     "checkmate-approx": checkmate.checkmate_approx,
     "checkmate": checkmate.checkmate,
+    "acg": acg,
 }
 
 

@@ -50,6 +50,9 @@ def build(name: str):
                             bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(config).train(), lm_loss, (torch.randint(0, 128, (2, 32)),)
     import torchvision
+    if name == "inception_v3":                 # the smallest input it takes; no auxiliary head output
+        model = torchvision.models.inception_v3(num_classes=10, aux_logits=False, init_weights=False)
+        return model, cross_entropy, (torch.randn(2, 3, 75, 75), torch.randint(0, 10, (2,)))
     model = getattr(torchvision.models, name)(num_classes=10)
     return model, cross_entropy, (torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,)))
 

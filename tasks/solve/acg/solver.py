@@ -1,0 +1,112 @@
+"""The `acg` solver: optimal gradient checkpoints on arbitrary computation graphs (Feng & Huang 2021).
+
+Modes (`SolveOptions.params["mode"]`):
+- "memory": the paper's problem. Algorithm 6 minimizes eq. (2), sum of the checkpoints' bytes + the
+  largest segment, with no budget; the solution is returned when its simulated peak fits the budget.
+- "budget" (default): the least recomputation whose simulated peak fits the budget. This extends the
+  paper by Lagrangian relaxation of the budget: with checkpoint weights w(v) = l(v) - mu * t(v) (t = the
+  vertex's compute cost, what recomputing it costs), Algorithm 6 minimizes
+  sum_R w(v) + max segment = (eq. 2 memory) - mu * (compute the checkpoints save), which for a given mu
+  is the cheapest checkpoint set on the lower convex hull of (memory, recomputation). mu = 0 is the
+  paper's memory optimum, a large mu keeps every vertex. Bisection over the break-even multipliers
+  l(v)/t(v) finds the largest mu whose schedule fits; every candidate is measured by the simulator and
+  the cheapest that fits is returned.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tasks.solve.acg.division import Segment, division_tree
+from tasks.solve.acg.forward import ForwardGraph, all_vertices, forward_graph, reforward_schedule
+from tasks.solve.acg.search import AcgSolution, DivisionSearch, acg_checkpoints
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import Simulation, default_schedule, simulate
+from tasks.solve.solution import Solution, SolveOptions, checked_solution
+
+MODES = ("budget", "memory")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint set, its schedule and the simulator's measure of it."""
+
+    checkpoints: int
+    schedule: list[tuple[str, int]]
+    simulation: Simulation
+    multiplier: float
+
+
+def evaluate(fg: ForwardGraph, checkpoints: int, multiplier: float = 0.0) -> Candidate:
+    schedule = reforward_schedule(fg, checkpoints)
+    return Candidate(checkpoints, schedule, simulate(fg.problem, schedule), multiplier)
+
+
+def memory_optimal(fg: ForwardGraph, root: Segment) -> AcgSolution:
+    """Algorithm 6 on `fg` with w = l: the checkpoints minimizing eq. (2)."""
+    return acg_checkpoints(fg.dag, search=DivisionSearch(fg.dag, root))
+
+
+def budgeted(fg: ForwardGraph, root: Segment, budget: int,
+             deadline: float | None = None) -> tuple[Candidate | None, list[Candidate]]:
+    """The cheapest candidate within `budget` found by the multiplier bisection (module docstring),
+    and every candidate evaluated (memory optimum first). None when even the memory optimum does not fit."""
+    tried = [evaluate(fg, memory_optimal(fg, root).checkpoints)]
+    if tried[0].simulation.peak_bytes > budget:
+        return None, tried
+    tried.append(evaluate(fg, all_vertices(fg), np.inf))
+    if tried[-1].simulation.peak_bytes <= budget:
+        return tried[-1], tried
+    cost = np.asarray(fg.dag.cost, dtype=float)
+    positive = fg.time > 0
+    breaks = np.unique(cost[positive] / fg.time[positive])
+    lo, hi = -1, len(breaks)          # breaks[lo] fits (lo = -1: mu = 0), breaks[hi] does not
+    seen = {tried[0].checkpoints, tried[1].checkpoints}
+    while hi - lo > 1 and (deadline is None or time.perf_counter() < deadline):
+        mid = (lo + hi) // 2
+        mu = float(breaks[mid])
+        search = DivisionSearch(fg.dag, root, cost - mu * fg.time)
+        checkpoints = acg_checkpoints(fg.dag, search=search).checkpoints
+        if checkpoints in seen:
+            fits = next(c for c in tried if c.checkpoints == checkpoints).simulation.peak_bytes <= budget
+        else:
+            seen.add(checkpoints)
+            tried.append(evaluate(fg, checkpoints, mu))
+            fits = tried[-1].simulation.peak_bytes <= budget
+        lo, hi = (mid, hi) if fits else (lo, mid)
+    fitting = [c for c in tried if c.simulation.peak_bytes <= budget]
+    return min(fitting, key=lambda c: (c.simulation.compute_cost, c.simulation.peak_bytes)), tried
+
+
+def acg(problem: Problem, budget: int, options: SolveOptions) -> Solution:
+    """Solver `acg` (module docstring); the schedule is `reforward_schedule` of the checkpoints. Parameter
+    `keep`: node ids that must be checkpoints (never recomputed)."""
+    start = time.perf_counter()
+    deadline = None if options.time_limit is None else start + options.time_limit
+    mode = options.params.get("mode", "budget")
+    if mode not in MODES:
+        raise ValueError(f"acg parameter mode={mode!r}; choose one of {', '.join(MODES)}.")
+    if problem.is_recomputable.all():
+        return checked_solution(problem, "acg", budget, default_schedule(problem), solve_seconds=time.perf_counter() - start,
+                                message="the graph has no backward pass, so no gradient checkpoint lowers its peak")
+    fg = forward_graph(problem, keep=options.params.get("keep", ()))
+    try:
+        root = division_tree(fg.dag, deadline)
+    except TimeoutError as exc:
+        return checked_solution(problem, "acg", budget, None, solve_seconds=time.perf_counter() - start,
+                                message=f"{exc} ({fg.dag.n} vertices); raise the time limit")
+    if mode == "memory":
+        found = memory_optimal(fg, root)
+        best = evaluate(fg, found.checkpoints)
+        message = (f"{found.checkpoints.bit_count()} checkpoints, eq. (2) memory {found.memory} B "
+                   f"(largest segment {found.max_segment} B)")
+    else:
+        best, tried = budgeted(fg, root, budget, deadline)
+        message = (f"{len(tried)} checkpoint sets simulated; the memory-optimal set (eq. 2) peaks at "
+                   f"{tried[0].simulation.peak_bytes} B"
+                   + ("" if best is None else f"; chose {best.checkpoints.bit_count()} checkpoints"))
+    return checked_solution(problem, "acg", budget, None if best is None else best.schedule,
+                            solve_seconds=time.perf_counter() - start, message=message)

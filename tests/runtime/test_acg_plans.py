@@ -1,0 +1,45 @@
+"""ACG plans (tasks/solve/acg) run through the runtime: the step equals eager PyTorch, and the measured
+peak is the simulator's prediction."""
+
+import pytest
+
+from runtime.plan import Plan
+from tasks.solve import solve
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+
+
+def acg_plan(graph, budget_fraction=None):
+    """The ACG plan of `graph` (unit node costs): memory-optimal, or budgeted at a fraction of the way
+    from the memory-optimal peak up to the checkpoint-all peak."""
+    problem = Problem.from_graph(graph)
+    peak = simulate(problem, default_schedule(problem)).peak_bytes
+    solution = solve(problem, "acg", peak, SolveOptions(params={"mode": "memory"}))
+    if budget_fraction is not None:
+        budget = int(solution.predicted_peak_bytes + budget_fraction * (peak - solution.predicted_peak_bytes))
+        solution = solve(problem, "acg", budget, SolveOptions())
+    assert solution.feasible, solution.message
+    return Plan.load(solution.to_plan(problem)), solution
+
+
+@pytest.mark.parametrize("name", ["resnet50", "densenet121", "inception_v3", "vgg16"])
+def test_memory_optimal_acg_plan_trains_like_eager(captured, helpers, name):
+    model, loss_fn, batch, graph = captured(name)
+    plan, solution = acg_plan(graph)
+    steps = plan.compute_steps()
+    assert len(steps) > len(graph.nodes)                          # segments are re-forwarded
+    assert max(steps.count(n) for n in set(steps)) == 2           # each at most once
+    result = helpers.train_plan(model, loss_fn, batch, plan, graph=graph)
+    helpers.assert_same_step(helpers.train_eager(model, loss_fn, batch), result)
+    assert result.peak == solution.predicted_peak_bytes == helpers.simulated_peak(graph, plan.schedule)
+
+
+def test_budgeted_acg_plan_trains_like_eager_within_its_budget(captured, helpers):
+    model, loss_fn, batch, graph = captured("densenet121")
+    memory_plan, memory_optimal = acg_plan(graph)
+    plan, solution = acg_plan(graph, budget_fraction=0.5)
+    assert solution.objective < memory_optimal.objective          # recomputes less than the memory optimum
+    result = helpers.train_plan(model, loss_fn, batch, plan, graph=graph)
+    helpers.assert_same_step(helpers.train_eager(model, loss_fn, batch), result)
+    assert result.peak == solution.predicted_peak_bytes <= solution.budget_bytes
