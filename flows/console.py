@@ -14,10 +14,14 @@ from rich.console import Console
 from rich.markup import escape
 
 
+WIDTH_OFF_TERMINAL = 160
+
 
 def console() -> Console:
-    """The console for results (stdout; its width follows `COLUMNS` at call time)."""
-    return Console(soft_wrap=True)
+    """The console for results (stdout). Its width follows `COLUMNS` at call time; off a terminal (logs,
+    pipes) without `COLUMNS` it is WIDTH_OFF_TERMINAL rather than rich's 80, so tables are not cut."""
+    width = None if "COLUMNS" in os.environ or sys.stdout.isatty() else WIDTH_OFF_TERMINAL
+    return Console(soft_wrap=True, width=width)
 
 
 def errors() -> Console:

@@ -59,9 +59,8 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list
         cache_dir=unmapped(config.cache_dir),
         alias=[c.alias for c in cases],
     )
-    outcomes = [
-        _validate_and_publish(case, future.result(), config, device, rerun) for case, future in zip(cases, solved)
-    ]
+    solutions = [future.result() for future in solved]   # no solver thread competes with the timed steps
+    outcomes = [_validate_and_publish(case, s, config, device, rerun) for case, s in zip(cases, solutions)]
     create_artifacts(outcomes, Path(config.cache_dir) / "reports")
     failed = [o for o in outcomes if o.status != "published"]
     if failed:

@@ -23,6 +23,15 @@ def sha256_hex(obj: Any) -> str:
     return hashlib.sha256(canonical(obj).encode()).hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_READABLE = 0o666 & ~_umask()
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """Write `obj` as indented JSON to `path` via a temporary file in the same folder and `os.replace`.
 
@@ -35,6 +44,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1, allow_nan=False)
             f.write("\n")
+        os.chmod(tmp, _READABLE)                 # mkstemp makes 0600; plans are shared files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -261,7 +261,7 @@ class PlanConfig(Section):
 class ValidateConfig(Section):
     """What a plan must satisfy before it is published."""
 
-    steps: int = Field(3, ge=1, description="Timed training steps of the plan and of eager PyTorch (median kept).")
+    steps: int = Field(10, ge=1, description="Timed training steps of the plan and of eager PyTorch (median kept).")
     warmup: int = Field(1, ge=0, description="Untimed steps before timing.")
     rtol: float = Field(1e-4, ge=0, description="Relative tolerance on loss, gradients and buffer updates.")
     atol: float = Field(1e-5, ge=0, description="Absolute tolerance on loss, gradients and buffer updates.")

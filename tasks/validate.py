@@ -129,8 +129,14 @@ def validate_plan(
         return loss
 
     planned_step = runtime.load(plan, plan_model, loss_fn)
-    eager, eager_peak, eager_ms = _measure(eager_model, eager_step, device, seed, settings)
-    planned, peak, step_ms = _measure(plan_model, lambda: planned_step(*batch), device, seed, settings)
+
+    def plan_step() -> torch.Tensor:
+        return planned_step(*batch)
+
+    eager, eager_peak = _first_steps(eager_model, eager_step, device, seed)
+    planned, peak = _first_steps(plan_model, plan_step, device, seed)
+    eager_ms, step_ms = _median_ms([(eager_model, eager_step), (plan_model, plan_step)], device,
+                                   settings.warmup, settings.steps)
 
     problems, worst, compared = compare_tensors(eager, planned, settings.rtol, settings.atol)
     budget = plan.provenance.get("budget_bytes")
@@ -157,10 +163,10 @@ def validate_plan(
     )
 
 
-def _measure(
-    model: nn.Module, step: Callable[[], torch.Tensor], device: str, seed: int, settings: ValidateConfig
-) -> tuple[dict[str, torch.Tensor | None], int, float]:
-    """State after one step from a fresh `model`, then the peak of a second step, then its median time."""
+def _first_steps(
+    model: nn.Module, step: Callable[[], torch.Tensor], device: str, seed: int
+) -> tuple[dict[str, torch.Tensor | None], int]:
+    """The state after one step from the fresh `model`, and the measured peak of a second step."""
     from runtime.meter import PeakMeter
 
     torch.manual_seed(seed)
@@ -169,21 +175,23 @@ def _measure(
     with PeakMeter(device) as meter:
         step()
     model.zero_grad(set_to_none=True)
-    return state, meter.peak_bytes, _median_ms(step, model, device, settings.warmup, settings.steps)
+    return state, meter.peak_bytes
 
 
-def _median_ms(step: Callable[[], Any], model: nn.Module, device: str, warmup: int, steps: int) -> float:
-    """Median wall time of `step` in milliseconds (CUDA synchronised), gradients cleared between steps."""
+def _median_ms(runs: list[tuple[nn.Module, Callable[[], Any]]], device: str, warmup: int, steps: int) -> list[float]:
+    """Median wall time (ms, CUDA synchronised) of each run's step, the runs taking turns step by step
+    so that a busy host slows them alike; gradients are cleared between steps."""
     cuda = device.startswith("cuda")
-    times = []
+    times: list[list[float]] = [[] for _ in runs]
     for i in range(warmup + steps):
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1000)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for (model, step), measured in zip(runs, times):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                measured.append((time.perf_counter() - start) * 1000)
+            model.zero_grad(set_to_none=True)
+    return [statistics.median(t) for t in times]

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         solver: Annotated[Optional[str], typer.Option(help="Only this solver.")] = None,
     ) -> None:
         """One row per published plan, newest first."""
-        from rich.table import Table
+        from rich.table import Column, Table
 
         from flows.console import console, exit_on_error
         from tasks.publish import read_index
@@ -29,8 +29,10 @@ def register(app: typer.Typer) -> None:
             rows = read_index(plans_dir, "(? IS NULL OR model = ?) AND (? IS NULL OR solver = ?)",
                               [model, model, solver, solver])
         mib = 2**20
-        table = Table("plan id", "alias", "solver", "budget MiB", "predicted MiB", "measured MiB", "eager MiB",
-                      "overhead", "device", "published", title=f"plans in {plans_dir}")
+        width = max((len(r["alias"]) for r in rows), default=5)
+        table = Table(Column("plan id", no_wrap=True), Column("alias", no_wrap=True, min_width=width), "solver",
+                      "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "device", "published",
+                      title=f"plans in {plans_dir}")
         for r in rows:
             table.add_row(r["plan_id"][:12], r["alias"], r["solver"], f"{r['budget_bytes'] / mib:.1f}",
                           f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",

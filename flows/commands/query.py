@@ -100,13 +100,14 @@ def emit(table, fmt: Format, output: Path | None = None, title: str | None = Non
         return
     rows = list(zip(*(column.to_pylist() for column in table.columns)))
     if fmt is Format.table:
-        from rich.console import Console
         from rich.table import Table
+
+        from flows.console import console
 
         view = Table(*table.column_names, title=title)
         for row in rows:
             view.add_row(*(_cell(v) for v in row))
-        Console().print(view)
+        console().print(view)
         return
     if fmt is Format.json:
         text = json.dumps([dict(zip(table.column_names, row)) for row in rows], default=_json_value, indent=1) + "\n"

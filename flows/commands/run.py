@@ -40,11 +40,12 @@ def register(app: typer.Typer) -> None:
 
 def outcome_table(outcomes: list[dict[str, Any]]):
     """The outcomes of a run as a rich table."""
-    from rich.table import Table
+    from rich.table import Column, Table
 
     mib = 2**20
-    table = Table("plan", "budget MiB", "predicted peak MiB", "measured peak MiB", "eager peak MiB",
-                  "overhead", "status", title="memplan plans")
+    width = max((len(o["alias"]) for o in outcomes), default=4)
+    table = Table(Column("plan", no_wrap=True, min_width=width), "budget MiB", "predicted peak MiB",
+                  "measured peak MiB", "eager peak MiB", "overhead", "status", title="memplan plans")
     for o in outcomes:
         def size(key: str) -> str:
             return "" if o[key] is None else f"{o[key] / mib:.1f}"
