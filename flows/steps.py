@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -102,98 +102,6 @@ def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: 
 # -- solve -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Solved:
-    """A solver's answer for one matrix cell, with the numbers the report needs."""
-
-    solver: str
-    status: str
-    feasible: bool
-    budget_bytes: int
-    checkpoint_all_peak_bytes: int
-    checkpoint_all_cost: float
-    predicted_peak_bytes: int | None
-    objective: float | None
-    gap: float | None
-    solve_seconds: float
-    backend: str | None
-    min_budget_lower_bound: int | None
-    smallest_feasible_budget: int | None
-    message: str
-    plan_path: str | None
-    profile_run_id: str
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def solve_case(graph_path: str, solver: str, budget: Budget, options: dict[str, Any], device: str, store: str,
-               plan_path: str) -> Solved:
-    """Solve one cell: build the `Problem` from the graph and its newest complete profile, resolve the
-    budget against the checkpoint-all peak (eager order, no recomputation), run the solver and, when it
-    finds a schedule, write the plan to `plan_path`."""
-    from runtime.graph import OpGraph
-    from runtime.plan import Plan
-    from tasks.solve import SOLVERS
-    from tasks.solve.problem import Problem
-    from tasks.solve.simulator import default_schedule, simulate
-    from tasks.solve.solution import SolveOptions, min_budget_lower_bound
-    from tasks.store import load_costs
-
-    graph = OpGraph.load(_existing(graph_path, "trace"))
-    costs = load_costs(graph.fingerprint, device, root=store)
-    problem = Problem.from_graph(graph, costs)
-    eager = simulate(problem, default_schedule(problem))
-    budget_bytes = budget.resolve(eager.peak_bytes)
-    solution = SOLVERS[solver](problem, budget_bytes, SolveOptions(**options))
-    lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
-    smallest = None
-    if solution.feasible:
-        plan = Plan.load(solution.to_plan(problem, device=device, profile_run_id=costs.run_id))
-        plan.predicted["time_ms"] = plan.predicted["compute_cost"]  # node costs are profiled milliseconds
-        plan.save(plan_path)
-    elif eager.peak_bytes > budget_bytes:
-        smallest = smallest_feasible_budget(problem, max(lower, budget_bytes), eager.peak_bytes)
-    return Solved(
-        solver=solver,
-        status=solution.status,
-        feasible=solution.feasible,
-        budget_bytes=budget_bytes,
-        checkpoint_all_peak_bytes=eager.peak_bytes,
-        checkpoint_all_cost=eager.compute_cost,
-        predicted_peak_bytes=solution.predicted_peak_bytes,
-        objective=solution.objective,
-        gap=solution.gap,
-        solve_seconds=solution.solve_seconds,
-        backend=solution.backend,
-        min_budget_lower_bound=lower,
-        smallest_feasible_budget=smallest,
-        message=solution.message,
-        plan_path=plan_path if solution.feasible else None,
-        profile_run_id=costs.run_id,
-    )
-
-
-PROBES = ("ap-greedy", "linearized-greedy")
-
-
-def smallest_feasible_budget(problem: Any, infeasible: int, feasible: int, rel_tol: float = 0.005) -> int:
-    """Bisection between a budget known infeasible and one known feasible (the checkpoint-all peak):
-    the smallest budget, within `rel_tol`, at which a fast greedy baseline (`PROBES`) finds a schedule."""
-    from tasks.solve import SOLVERS
-    from tasks.solve.solution import SolveOptions
-
-    probes = [SOLVERS[name] for name in PROBES if name in SOLVERS]
-    while probes and feasible - infeasible > rel_tol * feasible:
-        middle = (infeasible + feasible) // 2
-        found = [s.predicted_peak_bytes for s in (probe(problem, middle, SolveOptions()) for probe in probes) if s.feasible]
-        if found:
-            feasible = min(found)
-        else:
-            infeasible = middle
-    return feasible
-
-
 def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
     return content_key("solve", p["traced"]["fingerprint"], p["profile"]["run_id"], p["solver"], p["budget"],
                        p["options"], p["device"], source_hash("tasks/solve", "runtime/plan.py"))
@@ -206,7 +114,9 @@ def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, bud
     key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, options=options,
                                 device=device))
     plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
-    return solve_case(traced["path"], solver, budget, options, device, store, plan_path).to_json()
+    from tasks.solve.stage import solve_case
+
+    return solve_case(_existing(traced["path"], "trace"), solver, budget, options, device, store, plan_path).to_json()
 
 
 # -- validate ----------------------------------------------------------------------------------------

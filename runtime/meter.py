@@ -17,16 +17,23 @@ from torch.utils._pytree import tree_leaves
 
 
 class _StorageTracker(TorchDispatchMode):
-    """Counts the bytes of storages created by ATen ops while the mode is active, and their peak."""
+    """Counts the bytes of storages created by ATen ops while the mode is active, and their peak. While
+    active it also logs each allocation and release as (allocation number, +bytes / -bytes)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self.active = True
+        self.events: list[tuple[int, int]] = []
+        self.numbers: dict[int, int] = {}          # storage address -> allocation number, while live
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, key: int, number: int, nbytes: int) -> None:
         self.live -= nbytes
+        if self.numbers.get(key) == number:
+            del self.numbers[key]
+        if self.active:
+            self.events.append((number, -nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -37,9 +44,11 @@ class _StorageTracker(TorchDispatchMode):
                     storage = t.untyped_storage()
                     if storage._cdata not in seen:
                         seen.add(storage._cdata)
-                        nbytes = storage.nbytes()
+                        nbytes, number = storage.nbytes(), len(self.events)
                         self.live += nbytes
-                        weakref.finalize(storage, self._release, nbytes)
+                        self.numbers[storage._cdata] = number
+                        self.events.append((number, nbytes))
+                        weakref.finalize(storage, self._release, storage._cdata, number, nbytes)
             self.peak = max(self.peak, self.live)
         return out
 
@@ -47,7 +56,9 @@ class _StorageTracker(TorchDispatchMode):
 class PeakMeter:
     """`with PeakMeter(device) as m: ...` then `m.peak_bytes`: the peak of live tensor bytes allocated
     inside the block (tensors alive before it, such as parameters, are not counted). `m.end_bytes` is
-    what the block left allocated."""
+    what the block left allocated. On CPU, `m.peak_without(tensors)` is the peak with the storages of
+    `tensors` left out (tensors made in the block and still alive, e.g. the parameter gradients: the
+    rest is activation memory)."""
 
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
@@ -67,6 +78,18 @@ class PeakMeter:
         else:
             raise ValueError(f"PeakMeter supports cpu and cuda devices, not {self.device}.")
         return self
+
+    def peak_without(self, tensors) -> int:
+        """The block's peak without the storages of `tensors` (CPU only; module docstring)."""
+        if self._tracker is None:
+            raise ValueError(f"peak_without needs the CPU meter, not {self.device}.")
+        left_out = {self._tracker.numbers.get(t.untyped_storage()._cdata) for t in tensors}
+        live = peak = 0
+        for number, delta in self._tracker.events:
+            if number not in left_out:
+                live += delta
+                peak = max(peak, live)
+        return peak
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":

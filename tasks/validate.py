@@ -4,7 +4,10 @@ the budget, step time and overhead measured.
 What counts:
 - correctness: the loss, every parameter gradient and every buffer after one step of the plan equal
   those of one eager step from the same weights and batch: |plan - eager| <= atol + rtol * |eager|
-  elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other;
+  elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other. On CUDA
+  both steps run with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`: cuDNN and TF32
+  off), since eager cuDNN kernels round differently from the graph's ATen kernels by more than the
+  tolerance; the timed and metered steps keep the process's settings;
 - memory: `runtime.meter.PeakMeter` measures the peak of tensor bytes allocated during the step
   (activations, gradients, outputs, temporaries; not the parameters, buffers and batch that exist before
   it, the same split as the plan's `peak_bytes` vs `constant_bytes`). It must not exceed
@@ -24,6 +27,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from runtime.exact import exact_fp32
 from runtime.plan import Plan
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
@@ -170,7 +174,8 @@ def _first_steps(
     from runtime.meter import PeakMeter
 
     torch.manual_seed(seed)
-    state = step_state(model, step())
+    with exact_fp32(device):
+        state = step_state(model, step())
     model.zero_grad(set_to_none=True)
     with PeakMeter(device) as meter:
         step()

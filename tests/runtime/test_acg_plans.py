@@ -32,7 +32,8 @@ def test_memory_optimal_acg_plan_trains_like_eager(captured, helpers, name):
     assert max(steps.count(n) for n in set(steps)) == 2           # each at most once
     result = helpers.train_plan(model, loss_fn, batch, plan, graph=graph)
     helpers.assert_same_step(helpers.train_eager(model, loss_fn, batch), result)
-    assert result.peak == solution.predicted_peak_bytes == helpers.simulated_peak(graph, plan.schedule)
+    assert solution.predicted_peak_bytes == helpers.simulated_peak(graph, plan.schedule)
+    helpers.assert_peak_matches(result.peak, solution.predicted_peak_bytes)
 
 
 def test_budgeted_acg_plan_trains_like_eager_within_its_budget(captured, helpers):
@@ -42,4 +43,5 @@ def test_budgeted_acg_plan_trains_like_eager_within_its_budget(captured, helpers
     assert solution.objective < memory_optimal.objective          # recomputes less than the memory optimum
     result = helpers.train_plan(model, loss_fn, batch, plan, graph=graph)
     helpers.assert_same_step(helpers.train_eager(model, loss_fn, batch), result)
-    assert result.peak == solution.predicted_peak_bytes <= solution.budget_bytes
+    assert solution.predicted_peak_bytes <= solution.budget_bytes
+    helpers.assert_peak_matches(result.peak, solution.predicted_peak_bytes)

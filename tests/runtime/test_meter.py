@@ -60,3 +60,15 @@ def test_unknown_device_is_refused():
     with pytest.raises(ValueError, match="cpu and cuda"):
         with PeakMeter("meta"):
             pass
+
+
+def test_peak_without_leaves_out_the_storages_of_surviving_tensors():
+    with PeakMeter() as m:
+        a = torch.empty(1000)                               # 4000 B
+        b = torch.empty(2000)                               # 8000 B: 12000 live
+        del a                                               # 8000 live
+        c = torch.empty(500)                                # 2000 B: 10000 live
+    assert m.peak_bytes == 12000
+    assert m.peak_without([b]) == 4000                      # a alone, then c alone
+    assert m.peak_without([c]) == 12000
+    assert m.peak_without([b, c]) == 4000

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tasks.solve.acg.dag import TensorDag, bits
-from tasks.solve.acg.division import BRANCH, COMPLICATE, EDGE, LINEAR, Segment, division_tree, pieces, walk
+from tasks.solve.acg.division import COMPLICATE, EDGE, LINEAR, Segment, division_tree, pieces, walk
 from tasks.solve.acg.lcg import ChainPath, accessibility_shortest_path
 
 
