@@ -86,7 +86,7 @@ def main() -> None:
         for name, ts in times.items():
             ts = [t[k] for t in ts]
             med, best = statistics.median(ts), min(ts)
-            table.add_row(name, clock, f"{med * 1e3:.1f}", f"{best * 1e3:.1f}",
+            table.add_row(name, clock, f"{med * 1e3:.2f}", f"{best * 1e3:.2f}",
                           f"{med / statistics.median(base):.3f}", f"{best / min(base):.3f}")
     Console().print(table)
 

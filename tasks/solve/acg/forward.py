@@ -41,11 +41,6 @@ class ForwardGraph:
     target: int
 
     @cached_property
-    def vertex_of(self) -> dict[int, int]:
-        """Node id -> dag vertex."""
-        return {label: v for v, label in enumerate(self.dag.labels) if label != SOURCE}
-
-    @cached_property
     def time(self) -> np.ndarray:
         """Compute cost of each dag vertex (0 for the source): what recomputing it costs."""
         return np.array([0.0 if label == SOURCE else float(self.problem.cost[label]) for label in self.dag.labels])
@@ -132,11 +127,3 @@ def _closure(problem: Problem, wanted: list[int], segment_of: dict[int, int], se
 def all_vertices(fg: ForwardGraph) -> int:
     """The checkpoint set keeping every vertex (no recomputation)."""
     return (1 << fg.dag.n) - 1
-
-
-def checkpoint_nodes(fg: ForwardGraph, checkpoints: int) -> list[int]:
-    """Node ids of the checkpoints, the loss included, in default order."""
-    pos = fg.problem.position
-    return sorted(fg.nodes_of(checkpoints), key=lambda n: pos[n])
-
-

@@ -37,12 +37,11 @@ class Candidate:
     checkpoints: int
     schedule: list[tuple[str, int]]
     simulation: Simulation
-    multiplier: float
 
 
-def evaluate(fg: ForwardGraph, checkpoints: int, multiplier: float = 0.0) -> Candidate:
+def evaluate(fg: ForwardGraph, checkpoints: int) -> Candidate:
     schedule = reforward_schedule(fg, checkpoints)
-    return Candidate(checkpoints, schedule, simulate(fg.problem, schedule), multiplier)
+    return Candidate(checkpoints, schedule, simulate(fg.problem, schedule))
 
 
 def memory_optimal(fg: ForwardGraph, root: Segment) -> AcgSolution:
@@ -57,7 +56,7 @@ def budgeted(fg: ForwardGraph, root: Segment, budget: int,
     tried = [evaluate(fg, memory_optimal(fg, root).checkpoints)]
     if tried[0].simulation.peak_bytes > budget:
         return None, tried
-    tried.append(evaluate(fg, all_vertices(fg), np.inf))
+    tried.append(evaluate(fg, all_vertices(fg)))
     if tried[-1].simulation.peak_bytes <= budget:
         return tried[-1], tried
     cost = np.asarray(fg.dag.cost, dtype=float)
@@ -74,7 +73,7 @@ def budgeted(fg: ForwardGraph, root: Segment, budget: int,
             fits = next(c for c in tried if c.checkpoints == checkpoints).simulation.peak_bytes <= budget
         else:
             seen.add(checkpoints)
-            tried.append(evaluate(fg, checkpoints, mu))
+            tried.append(evaluate(fg, checkpoints))
             fits = tried[-1].simulation.peak_bytes <= budget
         lo, hi = (mid, hi) if fits else (lo, mid)
     fitting = [c for c in tried if c.simulation.peak_bytes <= budget]
