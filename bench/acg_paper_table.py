@@ -13,12 +13,9 @@ the meter's peak of the tensor bytes allocated during the step with the paramete
 without the meter. The step's loss and gradients are checked against eager PyTorch. Inception-v3 runs
 without its auxiliary classifier (its output does not reach the loss, so it would get no gradient).
 
-DenseNet-121 runs twice. `densenet121` is torchvision's: each layer concatenates all earlier features,
-cat(x0, y1, ..., y_l-1), so every concatenation reads every earlier layer's output and a dense block is
-one Complicate IS whose division makes every concatenation a checkpoint. `densenet121-chain` is the
-formulation of the paper's code (PyTorch 0.4): each layer returns cat(its input, its new features), a
-chain of concatenations with linear splitting vertices between layers. Both compute the same function
-with the same weights; the paper's Table 2 row was measured on the second.
+DenseNet-121 is torchvision's: each layer concatenates all earlier features. The capture chains these
+concatenations (docs/graph-format.md), which gives the graph of the paper's code, where each layer
+returns cat(its input, its new features).
 """
 
 from __future__ import annotations
@@ -54,7 +51,6 @@ PAPER = {
     "resnet50": (64, 224, 5323, 1973, 0.63, 0.31),
     "resnet101": (32, 224, 3934, 1024, 0.74, 0.35),
     "densenet121": (32, 224, 4027, 898, 0.78, 0.34),
-    "densenet121-chain": (32, 224, 4027, 898, 0.78, 0.34),
     "inception_v3": (32, 300, 3074, 881, 0.71, 0.29),
 }
 MB = 2**20
@@ -64,30 +60,10 @@ def cross_entropy(model, images, labels):
     return F.cross_entropy(model(images), labels)
 
 
-class ChainDenseBlock(torch.nn.Module):
-    """A torchvision dense block computed as the paper's code writes it: x = cat(x, layer(x))."""
-
-    def __init__(self, block: torch.nn.ModuleDict):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(block.values())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            new = layer.conv2(layer.relu2(layer.norm2(layer.conv1(layer.relu1(layer.norm1(x))))))
-            x = torch.cat([x, new], 1)
-        return x
-
-
 def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "inception_v3":
         return torchvision.models.inception_v3(aux_logits=False, init_weights=False)
-    if name == "densenet121-chain":
-        model = torchvision.models.densenet121()
-        for key, module in list(model.features.named_children()):
-            if key.startswith("denseblock"):
-                setattr(model.features, key, ChainDenseBlock(module))
-        return model
     return getattr(torchvision.models, name)()
 
 

@@ -6,6 +6,11 @@ graph inputs and module constants allocate nothing and belong to no producer: th
 each node that reads them. Each value is one storage, so its bytes are counted once. Ops that return nothing (metadata
 assertions such as `aten._assert_tensor_metadata`) are dropped: they compute no value and check
 shapes and dtypes that the fingerprint already fixes.
+
+Before folding, concatenations are chained (`_chain_concatenations`): a `cat` whose list extends the
+list of an earlier `cat` along the same dimension reads that result instead of the pieces again. The
+value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
+each piece is needed only until the next concatenation.
 """
 
 from __future__ import annotations
@@ -91,11 +96,32 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
         gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()
+    _chain_concatenations(gm.graph)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
     graph.program.batch_signature = batch_signature(model, batch)
     return graph
+
+
+def _chain_concatenations(graph: fx.Graph) -> None:
+    """Rewrite `cat([a, ..., k, l, ...], d)` as `cat([c, l, ...], d)` where `c = cat([a, ..., k], d)` is an
+    earlier node of the graph (the longest such prefix). Torchvision's DenseNet concatenates every earlier
+    feature map in each layer; chained, each concatenation reads only the previous one and the newest
+    features, which frees the pieces early and gives checkpointing solvers a chain to split."""
+    cat = torch.ops.aten.cat.default
+    seen: dict[tuple, fx.Node] = {}                # (dim, pieces) -> the earlier cat computing them
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not cat:
+            continue
+        pieces = tuple(n.args[0])
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        for cut in range(len(pieces) - 1, 0, -1):
+            prefix = seen.get((dim, pieces[:cut]))
+            if prefix is not None and prefix.meta["val"].dtype == n.meta["val"].dtype:
+                n.args = ([prefix, *pieces[cut:]], *n.args[1:])
+                break
+        seen.setdefault((dim, pieces), n)
 
 
 def _strip(fqn: str) -> str:

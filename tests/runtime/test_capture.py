@@ -167,3 +167,33 @@ def test_fingerprint_is_the_same_in_another_process(captured):
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          env={**os.environ, "PYTHONHASHSEED": "123"})
     assert out.stdout.strip().splitlines()[-1] == g.fingerprint
+
+
+class _DenseStack(torch.nn.Module):
+    """Each layer reads the concatenation of every earlier output, as torchvision's dense blocks do."""
+
+    def __init__(self, width=3, layers=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width * (i + 1), width) for i in range(layers))
+
+    def forward(self, x):
+        features = [x]
+        for layer in self.layers:
+            features.append(torch.relu(layer(torch.cat(features, 1))))
+        return torch.cat(features, 1)
+
+
+def test_concatenations_of_growing_lists_are_chained(helpers):
+    torch.manual_seed(0)
+    model, batch = _DenseStack(), (torch.randn(4, 3), torch.randint(0, 12, (4,)))
+    loss_fn = helpers.build("mlp")[1]
+    g = runtime.capture(model, loss_fn, batch)
+    cats = [n for n in g.nodes if n.targets[0] == "aten.cat.default" and n.phase != "backward"]
+    assert len(cats) == 4                                   # one per layer and the block output
+    for earlier, cat in zip(cats, cats[1:]):                # each reads the previous one and the newest piece
+        assert len(cat.inputs) == 2 and earlier.outputs[0] in cat.inputs, cat
+        newest = g.values[[v for v in cat.inputs if v != earlier.outputs[0]][0]]
+        assert newest.shape == (4, 3) and g.nodes[newest.producer].targets[0] == "aten.relu.default"
+    plan = runtime.default_plan(g)
+    helpers.assert_same_step(helpers.train_eager(model, loss_fn, batch),
+                             helpers.train_plan(model, loss_fn, batch, plan, graph=g))
