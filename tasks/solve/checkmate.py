@@ -21,7 +21,7 @@ from tasks.solve.checkmate_model import (CheckmateLayout, assignment_from_schedu
                                          expand_ranges)
 from tasks.solve.checkpoints import recompute_closure
 from tasks.solve.greedy import greedy_schedule
-from tasks.solve.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_milp
+from tasks.solve.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
@@ -64,26 +64,28 @@ def _infeasible(problem: Problem, solver: str, budget: int, lower: int, seconds:
                     message=why, **kw)
 
 
+def _below_lower_bound(problem: Problem, solver: str, budget: int, lower: int, start: float) -> Solution:
+    return _infeasible(problem, solver, budget, lower, time.perf_counter() - start,
+                       f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and workspace")
+
+
 def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> Solution:
-    """LP relaxation of eq. (9) (sec. 5.1) under (1 - eps) budget for each allowance eps, two-phase
-    rounding (Algorithm 2) at each threshold, best simulated schedule within the budget. The LP
-    objective at eps = 0 is a lower bound on the optimal cost."""
+    """LP relaxation of eq. (9) (sec. 5.1) under (1 - eps) budget for each allowance eps (sec. 5.3; each
+    LP re-solved from the previous basis), two-phase rounding (Algorithm 2) at each threshold, best
+    simulated schedule within the budget. The LP objective at eps = 0 is a lower bound on the optimal
+    cost."""
     start = time.perf_counter()
     deadline = None if options.time_limit is None else start + options.time_limit
     lower = min_budget_lower_bound(problem)
     if budget < lower:
-        return _infeasible(problem, "checkmate-approx", budget, lower, time.perf_counter() - start,
-                           f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and workspace")
-    formulation = options.params.get("formulation", "tight")
-    best, bound, size, why = None, None, (None, None), "no rounding fits the budget"
-    for eps in options.params.get("allowances", ALLOWANCES):
-        model, L = build_model(problem, budget * (1.0 - eps), formulation)
-        size = (model.num_variables, model.num_constraints)
-        if deadline is not None and time.perf_counter() >= deadline:
-            why = "time limit reached"
-            break
-        lp = solve_milp(model, MilpOptions(backend="highs", relax=True, time_limit=_remaining(deadline),
-                                           threads=options.threads))
+        return _below_lower_bound(problem, "checkmate-approx", budget, lower, start)
+    allowances = options.params.get("allowances", ALLOWANCES)
+    model, L = build_model(problem, budget, options.params.get("formulation", "tight"))
+    size = (model.num_variables, model.num_constraints)
+    best, bound, why = None, None, "no rounding fits the budget"
+    lps = solve_lp_sweep(model, [1.0 - eps for eps in allowances],
+                         MilpOptions(time_limit=_remaining(deadline), threads=options.threads))
+    for eps, lp in zip(allowances, lps):
         if lp.status == "infeasible":
             if eps == 0.0:
                 return _infeasible(problem, "checkmate-approx", budget, max(lower, budget + 1),
@@ -91,7 +93,8 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
                                    num_variables=size[0], num_constraints=size[1], backend="highs")
             break
         if lp.x is None:
-            why = f"the LP relaxation stopped without a solution ({lp.message})"
+            why = ("time limit reached" if lp.status == "time_limit" else
+                   f"the LP relaxation stopped without a solution ({lp.message})")
             break
         if eps == 0.0 and lp.status == "optimal":
             bound = lp.objective
@@ -104,6 +107,8 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
             if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
                 best = (schedule, sim)
                 log.info("checkmate-approx eps=%.2f p=%.1f: cost %.6g peak %d", eps, p, sim.compute_cost, sim.peak_bytes)
+    if best is None and deadline is not None and time.perf_counter() >= deadline:
+        why = "time limit reached"
     return checked_solution(problem, "checkmate-approx", budget, best[0] if best else None,
                             status="feasible", bound=bound, solve_seconds=time.perf_counter() - start,
                             backend="highs", num_variables=size[0], num_constraints=size[1],
@@ -122,8 +127,7 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     deadline = None if options.time_limit is None else start + options.time_limit
     lower = min_budget_lower_bound(problem)
     if budget < lower:
-        return _infeasible(problem, "checkmate", budget, lower, time.perf_counter() - start,
-                           f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and workspace")
+        return _below_lower_bound(problem, "checkmate", budget, lower, start)
     floor = float(problem.cost.sum())
     incumbent = options.mip_start
     warm = options.params.get("warm_start", "greedy")

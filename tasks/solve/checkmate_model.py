@@ -205,10 +205,9 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight") -> 
     # eq. 9 with workspace: U[t,k] + W_k R[t,k] <= budget (U <= budget is a column bound); memory is
     # measured in units of the budget so that coefficients stay near 1
     busy = work[k] > 0
-    if busy.any():
-        r0 = rows.block(int(busy.sum()), -np.inf, 1.0) + np.arange(int(busy.sum()))
-        rows.add(r0, L.u(t[busy], k[busy]), 1.0)
-        rows.add(r0, L.r(t[busy], k[busy]), work[k[busy]] / L.unit)
+    budget_rows = rows.block(int(busy.sum()), -np.inf, 1.0) + np.arange(int(busy.sum()))
+    rows.add(budget_rows, L.u(t[busy], k[busy]), 1.0)
+    rows.add(budget_rows, L.r(t[busy], k[busy]), work[k[busy]] / L.unit)
 
     # FREE linearization; the F variable (tf, e) has hazards R[tf, fk], S[tf+1, fv], R[tf, j > fk]
     fcol = L.f(tf, e)
@@ -252,7 +251,8 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight") -> 
     integrality[:L.f_base] = True
     if formulation == "paper":
         integrality[L.f_base:L.u_base] = True
-    return MilpModel(c, A, lo, hi, col_lo, col_hi, integrality, objective_scale=cost_unit), L
+    return MilpModel(c, A, lo, hi, col_lo, col_hi, integrality, objective_scale=cost_unit,
+                     budget_rows=budget_rows, budget_cols=np.arange(L.u_base, N)), L
 
 
 def schedule_from_solution(L: CheckmateLayout, x: np.ndarray) -> list[tuple[str, int]]:

@@ -3,8 +3,9 @@
 `solve_milp(model, options)` minimizes `c @ x + offset` subject to `row_lower <= A @ x <= row_upper`,
 `col_lower <= x <= col_upper` and integrality. `backend="auto"` tries Gurobi, and falls back to HiGHS
 with one log line when gurobipy is missing or its license is size-limited (the PyPI license raises
-error 10010 above 2000 variables or constraints). Progress (incumbent, bound, gap over time) is logged
-to the `memplan.solve` logger while solving and returned with the result.
+error 10010 above 2000 variables or constraints). `solve_lp_sweep(model, scales, options)` solves the
+LP relaxation under a sequence of budgets with HiGHS, each from the previous basis. Progress (incumbent,
+bound, gap over time) is logged to the `memplan.solve` logger while solving and returned with the result.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Iterator, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -29,7 +31,9 @@ _LOGGED: set[str] = set()
 class MilpModel:
     """min c @ x + offset s.t. row_lower <= A x <= row_upper, col_lower <= x <= col_upper,
     x[j] integer where integrality[j]. The solver sees c as given; objectives, bounds and progress
-    are reported multiplied by `objective_scale` (build models with costs near 1 for numerics)."""
+    are reported multiplied by `objective_scale` (build models with costs near 1 for numerics).
+    `budget_rows` and `budget_cols` index the rows and columns whose upper bound is the memory budget
+    (`solve_lp_sweep` scales them)."""
 
     c: np.ndarray
     A: sp.csr_matrix
@@ -40,6 +44,8 @@ class MilpModel:
     integrality: np.ndarray
     offset: float = 0.0
     objective_scale: float = 1.0
+    budget_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    budget_cols: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_variables(self) -> int:
@@ -146,13 +152,12 @@ def solve_milp(model: MilpModel, options: MilpOptions) -> MilpResult:
 
 # -- HiGHS ---------------------------------------------------------------------------------------
 
-def _solve_highs(model: MilpModel, options: MilpOptions) -> MilpResult:
+def _highs(model: MilpModel, options: MilpOptions):
+    """A HiGHS instance holding `model` (its LP relaxation when `options.relax`), options set."""
     import highspy
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", not options.quiet)
-    if options.time_limit is not None:
-        h.setOptionValue("time_limit", float(options.time_limit))
     h.setOptionValue("mip_rel_gap", float(options.gap))
     if options.threads is not None:
         h.setOptionValue("threads", int(options.threads))
@@ -161,17 +166,66 @@ def _solve_highs(model: MilpModel, options: MilpOptions) -> MilpResult:
     A = model.A.tocsc()
     A.sort_indices()
     integrality = np.zeros(model.num_variables, np.int32) if options.relax else model.integrality.astype(np.int32)
-    inf = highspy.kHighsInf
     status = h.passModel(
         model.num_variables, model.num_constraints, A.nnz, int(highspy.MatrixFormat.kColwise),
         int(highspy.ObjSense.kMinimize), float(model.offset), model.c.astype(np.float64),
-        np.nan_to_num(model.col_lower, neginf=-inf, posinf=inf), np.nan_to_num(model.col_upper, neginf=-inf, posinf=inf),
-        np.nan_to_num(model.row_lower, neginf=-inf, posinf=inf), np.nan_to_num(model.row_upper, neginf=-inf, posinf=inf),
-        A.indptr.astype(np.int32), A.indices.astype(np.int32), A.data.astype(np.float64), integrality)
+        _highs_inf(model.col_lower), _highs_inf(model.col_upper), _highs_inf(model.row_lower),
+        _highs_inf(model.row_upper), A.indptr.astype(np.int32), A.indices.astype(np.int32),
+        A.data.astype(np.float64), integrality)
     if status == highspy.HighsStatus.kError:
         raise ValueError("HiGHS rejected the model (inconsistent bounds or matrix); this is a model-building bug.")
+    return h
+
+
+def _highs_inf(a: np.ndarray) -> np.ndarray:
+    import highspy
+
+    return np.nan_to_num(a, neginf=-highspy.kHighsInf, posinf=highspy.kHighsInf)
+
+
+def _run_highs(h, model: MilpModel, relax: bool, time_limit: float | None,
+               progress: list[Progress] | None = None) -> MilpResult:
+    """Run `h` (within `time_limit` seconds) and read its result; `progress` holds what callbacks logged."""
+    import highspy
+
+    progress = [] if progress is None else progress
+    h.setOptionValue("time_limit", float("inf") if time_limit is None else float(time_limit))
+    start = time.perf_counter()
+    h.run()
+    seconds = time.perf_counter() - start
+    ms = h.getModelStatus()
+    info = h.getInfo()
+    inf = highspy.kHighsInf
+    scale = model.objective_scale
+    has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
+    x = np.array(h.getSolution().col_value) if has_solution else None
+    objective = info.objective_function_value * scale if has_solution else None
+    if relax:
+        bound = objective if ms == highspy.HighsModelStatus.kOptimal else None
+    else:
+        bound = info.mip_dual_bound * scale if abs(info.mip_dual_bound) < inf else None
+    M = highspy.HighsModelStatus
+    if ms == M.kOptimal:
+        status = "optimal"
+    elif ms in (M.kInfeasible, M.kUnboundedOrInfeasible):
+        status, x, objective = "infeasible", None, None
+    elif ms in (M.kTimeLimit, M.kIterationLimit, M.kSolutionLimit, M.kInterrupt):
+        status = "time_limit"
+    else:
+        status = "failed"
+    if objective is not None and (not progress or (progress[-1].incumbent, progress[-1].bound) != (objective, bound)):
+        progress.append(Progress(seconds, objective, bound))
+    return MilpResult(status, x, objective, bound, "highs", model.num_variables, model.num_constraints,
+                      model.num_nonzeros, seconds, progress, h.modelStatusToString(ms))
+
+
+def _solve_highs(model: MilpModel, options: MilpOptions) -> MilpResult:
+    import highspy
+
+    h = _highs(model, options)
     progress: list[Progress] = []
     scale = model.objective_scale
+    inf = highspy.kHighsInf
     start = time.perf_counter()
 
     def record(event) -> None:
@@ -190,30 +244,25 @@ def _solve_highs(model: MilpModel, options: MilpOptions) -> MilpResult:
         if options.mip_start is not None:
             h.setSolution(model.num_variables, np.arange(model.num_variables, dtype=np.int32),
                           np.asarray(options.mip_start, dtype=np.float64))
-    h.run()
-    seconds = time.perf_counter() - start
-    ms = h.getModelStatus()
-    info = h.getInfo()
-    has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
-    x = np.array(h.getSolution().col_value) if has_solution else None
-    objective = info.objective_function_value * scale if has_solution else None
-    if options.relax:
-        bound = objective if ms == highspy.HighsModelStatus.kOptimal else None
-    else:
-        bound = info.mip_dual_bound * scale if abs(info.mip_dual_bound) < inf else None
-    M = highspy.HighsModelStatus
-    if ms == M.kOptimal:
-        status = "optimal"
-    elif ms in (M.kInfeasible, M.kUnboundedOrInfeasible):
-        status, x, objective = "infeasible", None, None
-    elif ms in (M.kTimeLimit, M.kIterationLimit, M.kSolutionLimit, M.kInterrupt):
-        status = "time_limit"
-    else:
-        status = "failed"
-    if objective is not None and (not progress or (progress[-1].incumbent, progress[-1].bound) != (objective, bound)):
-        progress.append(Progress(seconds, objective, bound))
-    return MilpResult(status, x, objective, bound, "highs", model.num_variables, model.num_constraints,
-                      model.num_nonzeros, seconds, progress, h.modelStatusToString(ms))
+    return _run_highs(h, model, options.relax, options.time_limit, progress)
+
+
+def solve_lp_sweep(model: MilpModel, scales: Sequence[float], options: MilpOptions) -> Iterator[MilpResult]:
+    """The LP relaxation of `model` with the upper bounds of its budget rows and columns multiplied by
+    each of `scales` in turn, by HiGHS. Each LP starts from the previous one's basis: a smaller budget
+    leaves it dual feasible, so the dual simplex re-solves it in a fraction of the first LP's time.
+    `options.time_limit` bounds the whole sweep (it stops early when the time is up); `options.relax`
+    is implied."""
+    h = _highs(model, MilpOptions(**{**options.__dict__, "relax": True, "mip_start": None}))
+    rows, cols = model.budget_rows.astype(np.int32), model.budget_cols.astype(np.int32)
+    deadline = None if options.time_limit is None else time.perf_counter() + options.time_limit
+    for scale in scales:
+        h.changeRowsBounds(len(rows), rows, _highs_inf(model.row_lower[rows]), _highs_inf(model.row_upper[rows] * scale))
+        h.changeColsBounds(len(cols), cols, _highs_inf(model.col_lower[cols]), _highs_inf(model.col_upper[cols] * scale))
+        remaining = None if deadline is None else deadline - time.perf_counter()
+        if remaining is not None and remaining <= 0:
+            return
+        yield _run_highs(h, model, True, remaining)
 
 
 # -- Gurobi --------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from tasks.solve.milp import MilpModel, MilpOptions, _gurobi_unavailable, relative_gap, solve_milp
+from tasks.solve.milp import MilpModel, MilpOptions, _gurobi_unavailable, relative_gap, solve_lp_sweep, solve_milp
 
 WEIGHTS = np.array([12, 7, 11, 8, 9, 6, 5, 14])
 VALUES = np.array([24, 13, 23, 15, 16, 11, 9, 30])
@@ -89,3 +89,35 @@ def test_relative_gap():
     assert relative_gap(105.0, 100.0) == pytest.approx(5 / 105)
     assert relative_gap(0.0, 0.0) == 0.0
     assert relative_gap(None, 1.0) is None and relative_gap(1.0, None) is None
+
+
+def _fractional_knapsack(capacity: float) -> float:
+    """The LP optimum of the knapsack in closed form: items by value density, the last one split."""
+    total, room = 0.0, capacity
+    for i in np.argsort(-VALUES / WEIGHTS, kind="stable"):
+        take = min(1.0, room / WEIGHTS[i])
+        total, room = total + take * VALUES[i], room - take * WEIGHTS[i]
+        if room <= 0:
+            break
+    return total
+
+
+def test_lp_sweep_solves_each_scaled_budget_like_a_fresh_lp():
+    model = _knapsack()
+    model.budget_rows = np.array([0])                          # the capacity row is the budget
+    scales = [1.0, 0.7, 0.4, 0.1]
+    results = list(solve_lp_sweep(model, scales, MilpOptions()))
+    assert [r.status for r in results] == ["optimal"] * len(scales)
+    for scale, result in zip(scales, results):
+        assert result.objective == pytest.approx(-_fractional_knapsack(scale * CAPACITY), rel=1e-9)
+        assert WEIGHTS @ result.x <= scale * CAPACITY + 1e-9
+
+
+def test_lp_sweep_reports_infeasible_budgets_and_stops_at_its_time_limit():
+    model = _knapsack()
+    model.col_lower = np.full(len(VALUES), 0.25)               # every item at least a quarter in
+    model.budget_rows = np.array([0])
+    needed = 0.25 * WEIGHTS.sum() / CAPACITY
+    statuses = [r.status for r in solve_lp_sweep(model, [1.0, needed * 0.9], MilpOptions())]
+    assert statuses == ["optimal", "infeasible"]
+    assert list(solve_lp_sweep(model, [1.0, 0.5], MilpOptions(time_limit=0.0))) == []
