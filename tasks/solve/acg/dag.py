@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Hashable, Iterable, Iterator, Sequence
+from typing import Hashable, Iterable, Iterator
 
 import networkx as nx
 
@@ -136,6 +136,13 @@ class TensorDag:
     def labels_of(self, mask: int) -> list[Hashable]:
         return [self.labels[v] for v in bits(mask)]
 
+    def neighbours(self, mask: int) -> int:
+        """The vertices adjacent (either direction) to a vertex of `mask`."""
+        found = 0
+        for v in bits(mask):
+            found |= self.neighbour_mask[v]
+        return found
+
     def components(self, mask: int) -> list[int]:
         """Weakly connected components of the subgraph induced by `mask`, ordered by lowest vertex."""
         found = []
@@ -144,20 +151,9 @@ class TensorDag:
             comp = rest & -rest
             frontier = comp
             while frontier:
-                grown = 0
-                for v in bits(frontier):
-                    grown |= self.neighbour_mask[v]
-                frontier = grown & mask & ~comp
+                frontier = self.neighbours(frontier) & mask & ~comp
                 comp |= frontier
             found.append(comp)
             rest &= ~comp
         return found
 
-
-def chain_dag(costs: Sequence[int]) -> TensorDag:
-    """The linear computation graph v_0 -> v_1 -> ... -> v_{N-1} with the given costs (paper Fig. 2a)."""
-    graph = nx.DiGraph()
-    for i, c in enumerate(costs):
-        graph.add_node(i, cost=int(c))
-    graph.add_edges_from((i, i + 1) for i in range(len(costs) - 1))
-    return TensorDag.from_networkx(graph)

@@ -122,20 +122,10 @@ def _closed_branches(dag: TensorDag, between: int, leaking: int) -> int:
     """The union of the branches (weakly connected components) of `between` free of `leaking`
     vertices (those with a neighbour outside `between` and the pair). A component of the other
     vertices that touches no leaking vertex is a whole branch."""
-    closed, rest = 0, between & ~leaking
-    while rest:
-        comp = frontier = rest & -rest
-        touched = 0
-        while frontier:
-            grown = 0
-            for v in bits(frontier):
-                grown |= dag.neighbour_mask[v]
-            touched |= grown & leaking
-            frontier = grown & rest & ~comp
-            comp |= frontier
-        if not touched:
+    closed = 0
+    for comp in dag.components(between & ~leaking):
+        if not dag.neighbours(comp) & leaking:
             closed |= comp
-        rest &= ~comp
     return closed
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from tasks.solve.acg.dag import TensorDag
 from tasks.solve.acg.division import pieces
+from tasks.solve.checkpoints import recompute_closure
 from tasks.solve.problem import Problem, ProblemError
 
 SOURCE = "source"
@@ -95,7 +96,8 @@ def reforward_schedule(fg: ForwardGraph, checkpoints: int) -> list[tuple[str, in
     order = problem.order.tolist()
     backward = [n for n in order if not problem.is_recomputable[n]]
     needed = {int(problem.value_producer[v]) for n in backward for v in problem.node_inputs[n]}
-    reforward = [_closure(problem, [n for n in fg.nodes_of(interior) if n in needed], segment_of, s)
+    value_segment = np.array([segment_of.get(int(p), -1) for p in problem.value_producer])
+    reforward = [recompute_closure(problem, [n for n in fg.nodes_of(interior) if n in needed], value_segment != s)
                  for s, interior in enumerate(segments)]
     schedule = [("compute", n) for n in order if problem.is_recomputable[n]]
     done: set[int] = set()
@@ -107,21 +109,6 @@ def reforward_schedule(fg: ForwardGraph, checkpoints: int) -> list[tuple[str, in
                 schedule.extend(("compute", n) for n in reforward[s])
         schedule.append(("compute", node))
     return schedule
-
-
-def _closure(problem: Problem, wanted: list[int], segment_of: dict[int, int], segment: int) -> list[int]:
-    """`wanted` and the nodes of the same segment they read, transitively, in default-order position."""
-    marked = set(wanted)
-    stack = list(wanted)
-    while stack:
-        node = stack.pop()
-        for v in problem.node_inputs[node]:
-            p = int(problem.value_producer[v])
-            if p >= 0 and segment_of.get(p) == segment and p not in marked:
-                marked.add(p)
-                stack.append(p)
-    pos = problem.position
-    return sorted(marked, key=lambda n: pos[n])
 
 
 def all_vertices(fg: ForwardGraph) -> int:
