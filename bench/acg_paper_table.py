@@ -102,7 +102,7 @@ def measure(name: str, divisor: int, warmup: int, steps: int) -> dict:
     problem = Problem.from_graph(graph)
     peak = simulate(problem, default_schedule(problem)).peak_bytes
     solution = solve(problem, "acg", peak, SolveOptions(params={"mode": "memory"}))
-    plan = Plan.load(solution.to_plan(problem))
+    plan = solution.to_plan(problem)
 
     eager_model, plan_model = copy.deepcopy(model), copy.deepcopy(model)
     step = runtime.load(plan, plan_model, cross_entropy, graph=graph)

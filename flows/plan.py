@@ -25,12 +25,14 @@ class PipelineFailed(MemplanError):
 
 
 @flow(name="plan", description="Trace, profile, solve, validate and publish the plans of a pipeline.toml.")
-def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list[dict[str, Any]]:
-    """Run the pipeline of `config_path`; `refresh` re-runs every stage instead of using its cache.
+def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
+              config: PipelineConfig | None = None) -> list[dict[str, Any]]:
+    """Run the pipeline of `config_path` (already parsed as `config` when given: the TOML is read once per
+    run); `refresh` re-runs every stage instead of using its cache.
 
     Returns one `Outcome` (as JSON) per matrix cell; raises `PipelineFailed` after publishing what passed
     when any cell has no validated plan."""
-    config = load_config(config_path)
+    config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     cases = expand_matrix(config)
@@ -53,7 +55,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False) -> list
         profile=[profiled[c.model.name, c.batch_size] for c in cases],
         solver=[c.plan.solver for c in cases],
         budget=[c.budget for c in cases],
-        options=[c.plan.solver_options() for c in cases],
+        settings=[c.plan.solve_settings() for c in cases],
         device=unmapped(device),
         store=unmapped(config.store),
         cache_dir=unmapped(config.cache_dir),
@@ -85,6 +87,7 @@ def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineCo
     )
     measured = dict(measured_peak_bytes=validation["measured_peak_bytes"],
                     eager_peak_bytes=validation["eager_peak_bytes"], overhead=validation["overhead"],
+                    arena_peak_bytes=validation.get("arena_peak_bytes"),
                     predicted_overhead=solved["objective"] / solved["checkpoint_all_cost"] - 1)
     if not validation["passed"]:
         message = Validation.from_json(validation).explain(case.alias)
@@ -112,16 +115,17 @@ def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
     return text + "."
 
 
-def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False) -> list[dict[str, Any]]:
-    """Validate `config_path`, then run `plan_flow` with Prefect's results stored under
-    `<cache_dir>/prefect` (JSON records; caching survives across runs)."""
+def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
+             config: PipelineConfig | None = None) -> list[dict[str, Any]]:
+    """Validate `config_path` (or take its parsed `config`), then run `plan_flow` with Prefect's results
+    stored under `<cache_dir>/prefect` (JSON records; caching survives across runs)."""
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
-    config = load_config(config_path)
+    config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     resolve_device(config.device)
     for model in config.models:
         check_model(model)
     storage = Path(config.cache_dir).resolve() / "prefect"
     with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage}):
-        return plan_flow(str(config_path), refresh)
+        return plan_flow(str(config_path), refresh, config)

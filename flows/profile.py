@@ -10,15 +10,17 @@ from typing import Any
 from prefect import flow
 
 from flows.steps import profile_step, trace_step
-from tasks.config import load_config
+from tasks.config import PipelineConfig, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
 
 
 @flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.")
-def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False) -> list[dict[str, Any]]:
-    """Profile every (model, batch size) of `config_path`; a new run is measured each time unless `reuse`,
-    which keeps a cached profile of an unchanged graph. Traces are always re-used when unchanged."""
-    config = load_config(config_path)
+def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False,
+                 config: PipelineConfig | None = None) -> list[dict[str, Any]]:
+    """Profile every (model, batch size) of `config_path` (parsed once: `config` when given); a new run is
+    measured each time unless `reuse`, which keeps a cached profile of an unchanged graph. Traces are
+    always re-used when unchanged."""
+    config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     measure = profile_step.with_options(retries=config.profile.retries, refresh_cache=not reuse)
@@ -31,14 +33,16 @@ def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False) -> lis
     return runs
 
 
-def run_profile(config_path: str | Path = "pipeline.toml", reuse: bool = False) -> list[dict[str, Any]]:
-    """Validate `config_path`, then run `profile_flow` with Prefect's results under `<cache_dir>/prefect`."""
+def run_profile(config_path: str | Path = "pipeline.toml", reuse: bool = False,
+                config: PipelineConfig | None = None) -> list[dict[str, Any]]:
+    """Validate `config_path` (or take its parsed `config`), then run `profile_flow` with Prefect's results
+    under `<cache_dir>/prefect`."""
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
-    config = load_config(config_path)
+    config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     resolve_device(config.device)
     for model in config.models:
         check_model(model)
     with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: Path(config.cache_dir).resolve() / "prefect"}):
-        return profile_flow(str(config_path), reuse)
+        return profile_flow(str(config_path), reuse, config)

@@ -15,7 +15,8 @@ MIB = 2**20
 @dataclass(frozen=True)
 class Outcome:
     """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget) or
-    rejected (failed validation); `message` says why for the last two."""
+    rejected (failed validation); `message` says why for the last two. `arena_peak_bytes`: the measured
+    peak in arena mode, for plans with addresses."""
 
     alias: str
     model: str
@@ -30,6 +31,7 @@ class Outcome:
     eager_peak_bytes: int | None = None
     predicted_overhead: float | None = None
     overhead: float | None = None
+    arena_peak_bytes: int | None = None
     plan_id: str | None = None
     message: str = ""
 

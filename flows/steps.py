@@ -104,19 +104,25 @@ def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: 
 
 def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
     return content_key("solve", p["traced"]["fingerprint"], p["profile"]["run_id"], p["solver"], p["budget"],
-                       p["options"], p["device"], source_hash("tasks/solve", "runtime/plan.py"))
+                       p["settings"], p["device"],
+                       source_hash("tasks/solve", "tasks/solve_stage.py", "tasks/problems.py", "runtime/plan.py",
+                                   "runtime/variants.py"))
 
 
 @task(name="solve", cache_key_fn=_solve_key, task_run_name="solve {alias}", **PERSISTED, **HOOKS)
-def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, budget: Budget, options: dict[str, Any],
+def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, budget: Budget, settings: dict[str, Any],
                device: str, store: str, cache_dir: str, alias: str) -> dict[str, Any]:
-    """Solve one matrix cell; the plan lands in `cache_dir/solutions/`."""
-    key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, options=options,
+    """Solve one matrix cell with `settings` (`PlanConfig.solve_settings()`); the plan lands in
+    `cache_dir/solutions/`."""
+    key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, settings=settings,
                                 device=device))
     plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
-    from tasks.solve.stage import solve_case
+    from tasks.solve.solution import SolveOptions
+    from tasks.solve_stage import solve_case
 
-    return solve_case(_existing(traced["path"], "trace"), solver, budget, options, device, store, plan_path).to_json()
+    options = SolveOptions(**{k: v for k, v in settings.items() if k != "addresses"})
+    return solve_case(_existing(traced["path"], "trace"), solver, budget, options, device, store, plan_path,
+                      settings["addresses"]).to_json()
 
 
 # -- validate ----------------------------------------------------------------------------------------

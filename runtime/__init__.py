@@ -14,7 +14,9 @@ _EXPORTS = {
     "default_plan": "runtime.plan",
     "capture": "runtime.capture",
     "node_function": "runtime.capture",
+    "variant_function": "runtime.capture",
     "load": "runtime.executor",
+    "ArenaFallbackWarning": "runtime.arena",
 }
 
 __all__ = sorted(_EXPORTS)

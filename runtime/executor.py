@@ -9,11 +9,16 @@ since validation refuses a read after a free).
 Random nodes that the plan recomputes replay the generator: the state is saved before their first
 compute and set for each recomputation (then restored), so a recomputed dropout draws the same mask
 and the generator ends the step where eager PyTorch leaves it.
+
+A compute step naming a non-default `impl` emits the variant's code (`runtime.variant_ops`); variant
+values (e.g. masks) have their own environment keyed by value id, newest copy first like graph values.
+With `arena=True`, copies with addresses live in one arena per step (`runtime.arena`).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -21,9 +26,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import fx, nn
 
+from runtime.arena import ArenaFallbackWarning, ArenaReport, emit_out_call, keep_alive, new_arena, plan_arena
 from runtime.capture import Program, batch_signature, capture
 from runtime.graph import OpGraph
 from runtime.plan import Plan
+from runtime.variant_ops import emit_variant, head_node
+from runtime.variants import GraphVariants
 
 
 def _rng_state(device: str) -> torch.Tensor:
@@ -46,32 +54,47 @@ def _replay_rng(state: torch.Tensor, device: str) -> torch.Tensor:
     return current
 
 
-def compile_plan(graph: OpGraph, plan: Plan) -> fx.GraphModule:
+def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = None, *,
+                 arena: bool = False) -> tuple[fx.GraphModule, ArenaReport | None]:
     """The plan's schedule as one FX GraphModule `f(*params, *buffers, *batch) -> outputs` (the joint
-    graph's output order: buffer updates, loss, gradients)."""
+    graph's output order: buffer updates, loss, gradients), and with `arena` the arena report
+    (runtime.arena). `variants` are the graph's (`plan.validate(graph)`, which runs when they are None)."""
+    variants = plan.validate(graph) if variants is None else variants
     program: Program = graph.program
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {ph: g.placeholder(ph.name) for ph in program.placeholders}
+    variant_values: dict[int, fx.Node] = {}               # variant value id -> its newest copy
+    device = str(program.placeholders[0].meta["val"].device)
+    placements, report = plan_arena(graph, plan, variants, device) if arena else ({}, None)
+    arena_node = g.call_function(new_arena, (report.arena_bytes, device)) if placements else None
     counts = Counter(plan.compute_steps())
     replayed = {n for n, c in counts.items() if c > 1 and n in program.random_devices}
     saved: dict[int, fx.Node] = {}
-    for step in plan.schedule:
+    for i, step in enumerate(plan.schedule):
         if "compute" not in step:
             continue
         n = step["compute"]
         previous = None
         if n in replayed:
-            device = program.random_devices[n]
+            device_n = program.random_devices[n]
             if n in saved:
-                previous = g.call_function(_replay_rng, (saved[n], device))
+                previous = g.call_function(_replay_rng, (saved[n], device_n))
             else:
-                saved[n] = g.call_function(_rng_state, (device,))
-        for m in program.groups[n]:
-            env[m] = g.node_copy(m, env.__getitem__)
+                saved[n] = g.call_function(_rng_state, (device_n,))
+        spec = variants.spec(n, step.get("impl"))
+        if spec is not None:
+            variant_values.update(emit_variant(g, graph, variants, spec, env, env.__getitem__, variant_values))
+        else:
+            head = head_node(graph, n) if i in placements else None
+            for m in program.groups[n]:
+                env[m] = (emit_out_call(g, m, env.__getitem__, placements[i], arena_node, device) if m is head
+                          else g.node_copy(m, env.__getitem__))
         if previous is not None:
             g.call_function(_set_rng_state, (previous, program.random_devices[n]))
+    if arena_node is not None:
+        g.call_function(keep_alive, (arena_node,))
     g.output(tuple(env[o] for o in program.outputs))
-    return fx.GraphModule(program.gm, g)
+    return fx.GraphModule(program.gm, g), report
 
 
 @dataclass(eq=False)
@@ -97,13 +120,21 @@ def _accumulate_grad(p: torch.Tensor, g: torch.Tensor) -> None:
 class TrainStep:
     """`step(*batch)`: one training step under a plan. Returns the loss, accumulates gradients into
     `p.grad` and updates buffers in place. The first call for a batch shape captures the model and
-    checks the plan against the captured graph; later calls reuse the compiled program."""
+    checks the plan against the captured graph; later calls reuse the compiled program. With `arena`, value
+    copies live at the plan's addresses in one arena per step (runtime.arena); `arena_report[signature]`
+    says what each compiled batch signature placed."""
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
-                 graph: OpGraph | None = None):
+                 graph: OpGraph | None = None, arena: bool = False):
+        if arena and not plan.addresses and plan.v1_offsets is None:
+            raise ValueError("arena=True needs a plan with addresses (value copy -> arena offset), and this plan has "
+                             "none. Plan with addresses (solve option addresses = 'greedy', or "
+                             "tasks.solve.addresses.greedy_addresses), or load it without arena=True.")
         self.plan = plan
         self.model = model
         self.loss_fn = loss_fn
+        self.arena = arena
+        self.arena_report: dict[tuple, ArenaReport] = {}
         self._graph = graph
         self._compiled: dict[tuple, _Compiled] = {}
 
@@ -119,7 +150,7 @@ class TrainStep:
         graph = self._graph
         if graph is None or graph.program is None or graph.program.batch_signature != key:
             graph = capture(self.model, self.loss_fn, batch)
-        self.plan.validate(graph)
+        variants = self.plan.validate(graph)
         program: Program = graph.program
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
@@ -129,8 +160,13 @@ class TrainStep:
                 raise ValueError(f"the graph passed to runtime.load has {inputs[name].kind} {name!r} of shape "
                                  f"{list(inputs[name].shape)}, which this model lacks or shapes differently: it "
                                  f"was captured from another model. Pass a graph of this model, or none.")
+        fn, report = compile_plan(graph, self.plan, variants, arena=self.arena)
+        if report is not None:
+            self.arena_report[key] = report
+            if report.fallback:
+                warnings.warn(report.warning(), ArenaFallbackWarning, stacklevel=3)
         compiled = _Compiled(
-            fn=compile_plan(graph, self.plan),
+            fn=fn,
             params=[params[name] for name in program.params],
             buffers=[buffers[name] for name in program.buffers],
             mutated=[buffers[name] for name in program.mutated_buffers],
@@ -152,9 +188,10 @@ class TrainStep:
 
 
 def load(plan_or_path: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module,
-         loss_fn: Callable[..., torch.Tensor], graph: OpGraph | None = None) -> TrainStep:
+         loss_fn: Callable[..., torch.Tensor], graph: OpGraph | None = None, arena: bool = False) -> TrainStep:
     """A training step running `model` and `loss_fn(model, *batch)` under the plan (a `Plan`, its JSON
     dict or a plan file). `graph`, a graph captured from the same model and batch shapes, saves the
-    capture on the first call."""
+    capture on the first call. `arena=True` places value copies at the plan's addresses (runtime.arena);
+    otherwise addresses are ignored."""
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
-    return TrainStep(plan, model, loss_fn, graph)
+    return TrainStep(plan, model, loss_fn, graph, arena)

@@ -1,5 +1,6 @@
 """The plan (`memplan-plan` JSON, docs/plan-format.md): a schedule of compute/free steps over an operator
-graph, optional memory offsets, predictions and provenance. Torch-free.
+graph (each compute naming its implementation variant), optional addresses for value copies,
+predictions and provenance. Torch-free.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ from typing import Any, Iterable, Mapping
 
 from runtime.graph import OpGraph
 from runtime.jsonio import read_json, sha256_hex, write_json_atomic
+from runtime.variants import DEFAULT, GraphVariants, graph_variants
 
 FORMAT = "memplan-plan"
-VERSION = 1
-PREDICTED_KEYS = ("peak_bytes", "constant_bytes", "compute_cost", "time_ms")
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+PREDICTED_KEYS = ("peak_bytes", "constant_bytes", "compute_cost", "time_ms", "arena_bytes")
+
+Copy = tuple[int, int]
+"""A value copy: (index of the schedule step computing it, value id)."""
 
 
 class PlanError(ValueError):
@@ -31,7 +37,8 @@ def memplan_version() -> str:
 
 def normalize_step(step: Any, where: str = "step") -> dict[str, Any]:
     """One schedule step as its JSON dict: `{"compute": N}`, `{"compute": N, "impl": name}` or
-    `{"free": X}`. Accepts those dicts or the tuples `("compute", N[, impl])` / `("free", X)`."""
+    `{"free": X}`. Accepts those dicts or the tuples `("compute", N[, impl])` / `("free", X)`; the
+    default implementation is written without `impl`."""
     if isinstance(step, (tuple, list)) and step and step[0] in ("compute", "free"):
         if step[0] == "compute" and len(step) in (2, 3):
             step = {"compute": step[1]} if len(step) == 2 or step[2] is None else {"compute": step[1], "impl": step[2]}
@@ -45,7 +52,7 @@ def normalize_step(step: Any, where: str = "step") -> dict[str, Any]:
             if isinstance(ref, int) and not isinstance(ref, bool) and ref >= 0 and (impl is None or isinstance(impl, str)):
                 if "free" in step:
                     return {"free": ref}
-                return {"compute": ref} if impl is None else {"compute": ref, "impl": impl}
+                return {"compute": ref} if impl in (None, DEFAULT) else {"compute": ref, "impl": impl}
     raise PlanError(
         f"{where} is {step!r:.120}; a step is {{\"compute\": node_id}} (optionally with \"impl\": name) or "
         f"{{\"free\": value_id}} with a non-negative integer id.")
@@ -55,16 +62,19 @@ def normalize_step(step: Any, where: str = "step") -> dict[str, Any]:
 class Plan:
     """A schedule for the operator graph with fingerprint `fingerprint`.
 
-    `schedule` holds normalized step dicts; `offsets` maps value id to a byte offset (OLLA address
-    assignment; carried for allocators, not used by the executor); `predicted` holds the simulator's
-    numbers; `provenance` says who made the plan and how.
+    `schedule` holds normalized step dicts; `addresses` maps a value copy (step computing it, value id)
+    to its byte offset in the arena (OLLA's address assignment; `runtime.load(..., arena=True)` places
+    the copy there); `predicted` holds the simulator's numbers; `provenance` says who made the plan and
+    how.
     """
 
     fingerprint: str
     schedule: list[dict[str, Any]]
-    offsets: dict[int, int] | None = None
+    addresses: dict[Copy, int] | None = None
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    v1_offsets: dict[int, int] | None = field(default=None, repr=False)
+    """A version-1 plan's per-value offsets, turned into `addresses` by `validate(graph)`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.fingerprint, str) or not self.fingerprint:
@@ -72,10 +82,8 @@ class Plan:
         if not isinstance(self.schedule, Iterable) or isinstance(self.schedule, (str, bytes, Mapping)):
             raise PlanError("plan key 'schedule' must be a list of steps.")
         self.schedule = [normalize_step(s, f"schedule[{i}]") for i, s in enumerate(self.schedule)]
-        if self.offsets is not None:
-            if not isinstance(self.offsets, Mapping):
-                raise PlanError("plan key 'offsets' must be an object mapping value ids to byte offsets.")
-            self.offsets = {_id_key(k): _offset(k, v) for k, v in self.offsets.items()}
+        if self.addresses is not None:
+            self.addresses = _addresses(self.addresses, self.schedule)
         if not isinstance(self.predicted, Mapping):
             raise PlanError("plan key 'predicted' must be an object.")
         for key, val in self.predicted.items():
@@ -91,10 +99,13 @@ class Plan:
     # -- serialization ---------------------------------------------------------------------------
 
     def _body(self) -> dict[str, Any]:
+        if self.v1_offsets is not None:
+            raise PlanError("this version-1 plan's offsets are keyed by value; call plan.validate(graph) to turn "
+                            "them into copy addresses before writing it as version 2.")
         body: dict[str, Any] = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
                                 "schedule": self.schedule}
-        if self.offsets is not None:
-            body["offsets"] = {str(k): v for k, v in sorted(self.offsets.items())}
+        if self.addresses is not None:
+            body["addresses"] = [[step, value, offset] for (step, value), offset in sorted(self.addresses.items())]
         body["predicted"] = self.predicted
         body["provenance"] = self.provenance
         return body
@@ -122,20 +133,25 @@ class Plan:
             raise PlanError(f"{source}: expected a JSON object, got {type(data).__name__}.")
         if data.get("format") != FORMAT:
             raise PlanError(f"{source}: key 'format' is {data.get('format')!r}, expected {FORMAT!r}.")
-        if data.get("version") != VERSION:
+        version = data.get("version")
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise PlanError(
-                f"{source}: plan format version {data.get('version')!r} is not supported (this memplan "
-                f"reads version {VERSION}); regenerate the plan with this memplan version.")
-        unknown = set(data) - {"format", "version", "fingerprint", "schedule", "offsets", "predicted",
+                f"{source}: plan format version {version!r} is not supported (this memplan reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}); regenerate the plan with this memplan version.")
+        where = "offsets" if version == 1 else "addresses"
+        unknown = set(data) - {"format", "version", "fingerprint", "schedule", where, "predicted",
                                "provenance", "checksum"}
         if unknown:
-            raise PlanError(f"{source}: unknown keys {sorted(unknown)}; see docs/plan-format.md.")
+            raise PlanError(f"{source}: unknown keys {sorted(unknown)} for plan version {version}; see "
+                            f"docs/plan-format.md.")
         for key in ("fingerprint", "schedule"):
             if key not in data:
                 raise PlanError(f"{source}: required key {key!r} is missing.")
         try:
-            plan = cls(data["fingerprint"], data["schedule"], data.get("offsets"),
+            plan = cls(data["fingerprint"], data["schedule"], data.get("addresses"),
                        data.get("predicted", {}), data.get("provenance", {}))
+            if version == 1 and data.get("offsets") is not None:
+                plan.v1_offsets = _v1_offsets(data["offsets"])
         except PlanError as exc:
             raise PlanError(f"{source}: {exc}") from None
         if "checksum" in data or need_checksum:
@@ -153,41 +169,60 @@ class Plan:
         """Node ids of the compute steps, in order."""
         return [s["compute"] for s in self.schedule if "compute" in s]
 
-    def validate(self, graph: OpGraph) -> None:
+    def impls(self) -> set[str]:
+        """Implementation variants the schedule names besides the default."""
+        return {s["impl"] for s in self.schedule if s.get("impl", "default") != "default"}
+
+    def validate(self, graph: OpGraph, variants: GraphVariants | None = None) -> GraphVariants:
         """Refuse the plan unless it was made for `graph` and every compute finds its inputs resident:
-        graph inputs always are; a value is resident once computed, until an explicit free; freeing a
-        value that is not resident or is a graph input is an error; graph outputs must be resident at
-        the end."""
+        graph inputs always are; a value is resident once computed (by a variant that allocates it),
+        until an explicit free; freeing a value that is not resident or is a graph input is an error;
+        graph outputs must be resident at the end; each compute's `impl` is a variant the node offers;
+        each address names a value that its step allocates and that does not outlive the step (the
+        final copy of a graph output). Returns the graph's variants."""
         if self.fingerprint != graph.fingerprint:
             raise PlanError(
                 f"plan fingerprint {self.fingerprint} does not match the graph being executed "
                 f"(fingerprint {graph.fingerprint}): the plan was made for another model, loss, input "
                 f"shape or dtype. Make a plan for this graph.")
-        n_nodes, n_values = len(graph.nodes), len(graph.values)
+        variants = graph_variants(graph) if variants is None else variants
+        n_nodes = len(graph.nodes)
+        n_values = len(graph.values) + len(variants.values)
+        name = lambda v: graph.values[v].name if v < len(graph.values) else variants.value_of[v].name  # noqa: E731
+        producer = lambda v: graph.values[v].producer if v < len(graph.values) else variants.value_of[v].producer  # noqa: E731
         resident = {v.id for v in graph.values if v.producer is None}
         freed_at: dict[int, int] = {}
+        allocated: dict[int, tuple[int, ...]] = {}
+        last_copy: dict[int, int] = {}
         for i, step in enumerate(self.schedule):
             if "compute" in step:
                 n = step["compute"]
                 if n >= n_nodes:
                     raise PlanError(f"schedule[{i}] computes node {n}, which does not exist (0..{n_nodes - 1}).")
-                for v in graph.nodes[n].inputs:
+                try:
+                    inputs, outputs = variants.io(graph, n, step.get("impl"))
+                except KeyError as exc:
+                    raise PlanError(f"schedule[{i}]: {exc.args[0]}") from None
+                for v in inputs:
                     if v not in resident:
                         why = (f"it was freed at schedule[{freed_at[v]}]" if v in freed_at
-                               else f"its producer node {graph.values[v].producer} has not been computed")
+                               else f"its producer node {producer(v)} has not been computed by a variant "
+                                    f"that allocates it")
                         raise PlanError(
                             f"schedule[{i}] computes node {n} ({graph.nodes[n].name}), which reads value {v} "
-                            f"({graph.values[v].name}), but {why}. Compute the producer first.")
-                resident.update(graph.nodes[n].outputs)
+                            f"({name(v)}), but {why}. Compute the producer first.")
+                resident.update(outputs)
+                allocated[i] = outputs
+                last_copy.update((v, i) for v in outputs)
             else:
                 x = step["free"]
                 if x >= n_values:
                     raise PlanError(f"schedule[{i}] frees value {x}, which does not exist (0..{n_values - 1}).")
-                if graph.values[x].producer is None:
+                if producer(x) is None:
                     raise PlanError(f"schedule[{i}] frees value {x} ({graph.values[x].kind} "
                                     f"{graph.values[x].name}); graph inputs are always resident.")
                 if x not in resident:
-                    raise PlanError(f"schedule[{i}] frees value {x} ({graph.values[x].name}), which is not resident.")
+                    raise PlanError(f"schedule[{i}] frees value {x} ({name(x)}), which is not resident.")
                 resident.discard(x)
                 freed_at[x] = i
         missing = [v for v in graph.outputs if v not in resident]
@@ -195,10 +230,18 @@ class Plan:
             raise PlanError(
                 f"graph outputs {missing[:10]} ({', '.join(graph.values[v].name for v in missing[:3])}...) are "
                 f"not resident at the end of the schedule; every output must be computed and not freed after.")
-        if self.offsets is not None:
-            bad = [k for k in self.offsets if k >= n_values]
-            if bad:
-                raise PlanError(f"plan offsets name values {bad[:10]} that do not exist (0..{n_values - 1}).")
+        if self.v1_offsets is not None:
+            self.addresses = _resolve_v1_offsets(self.v1_offsets, allocated)
+            self.v1_offsets = None
+        for step, value in self.addresses or {}:
+            if value not in allocated.get(step, ()):
+                raise PlanError(f"plan addresses name value {value} at schedule[{step}], but that step does not "
+                                f"allocate it; an address is keyed by the compute step that allocates the copy.")
+            if value in graph.outputs and last_copy[value] == step:
+                raise PlanError(f"plan addresses place value {value} ({name(value)}) at schedule[{step}], its "
+                                f"final copy as a graph output, which outlives the step and so cannot live in the "
+                                f"step's arena; drop that address.")
+        return variants
 
 
 def default_plan(graph: OpGraph) -> Plan:
@@ -212,15 +255,57 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _id_key(k: Any) -> int:
-    if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
-        return k
-    if isinstance(k, str) and k.isdigit():
-        return int(k)
-    raise PlanError(f"plan offsets key {k!r} is not a value id (a non-negative integer).")
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _offset(k: Any, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise PlanError(f"plan offsets[{k!r}] = {v!r}; offsets are non-negative integers (bytes).")
-    return v
+def _addresses(addresses: Any, schedule: list[dict[str, Any]]) -> dict[Copy, int]:
+    """`{(step, value): offset}` from a mapping or from the JSON list of `[step, value, offset]`."""
+    items = addresses.items() if isinstance(addresses, Mapping) else addresses
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise PlanError("plan key 'addresses' must be a list of [step, value, offset] triples.")
+    out: dict[Copy, int] = {}
+    for entry in items:
+        flat = (*entry[0], entry[1]) if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple) \
+            else tuple(entry) if isinstance(entry, (list, tuple)) else ()
+        if len(flat) != 3 or not all(_is_index(x) for x in flat):
+            raise PlanError(f"plan addresses entry {entry!r:.80} is not [step, value, offset] with non-negative "
+                            f"integers.")
+        step, value, offset = flat
+        if step >= len(schedule) or "compute" not in schedule[step]:
+            raise PlanError(f"plan addresses entry {list(flat)} names schedule[{step}], which is not a compute step.")
+        if (step, value) in out:
+            raise PlanError(f"plan addresses give copy (step {step}, value {value}) twice.")
+        out[step, value] = offset
+    return out
+
+
+def _resolve_v1_offsets(offsets: dict[int, int], allocated: dict[int, tuple[int, ...]]) -> dict[Copy, int]:
+    """Version-1 offsets as addresses of each value's one copy (its only compute step)."""
+    steps: dict[int, list[int]] = {}
+    for step, values in allocated.items():
+        for v in values:
+            steps.setdefault(v, []).append(step)
+    out = {}
+    for value, offset in offsets.items():
+        found = steps.get(value, [])
+        if len(found) != 1:
+            raise PlanError(f"version-1 plan offsets place value {value}, which the schedule computes "
+                            f"{len(found)} times; a per-value offset can place only a value computed once. "
+                            f"Regenerate the plan (version 2 keys addresses by compute step).")
+        out[found[0], value] = offset
+    return out
+
+
+def _v1_offsets(offsets: Any) -> dict[int, int]:
+    """Version-1 `offsets`: value id -> byte offset."""
+    if not isinstance(offsets, Mapping):
+        raise PlanError("plan key 'offsets' (version 1) must be an object mapping value ids to byte offsets.")
+    out = {}
+    for k, v in offsets.items():
+        key = int(k) if isinstance(k, str) and k.isdigit() else k
+        if not _is_index(key) or not _is_index(v):
+            raise PlanError(f"plan offsets[{k!r}] = {v!r:.40}: version-1 offsets map value ids to byte offsets, "
+                            f"both non-negative integers.")
+        out[key] = v
+    return out

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
+
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 NAMED_LOSSES = ("cross_entropy", "mse", "causal_lm", "sum")
 TRANSFORMERS_AUTO_CLASSES = (
@@ -95,6 +97,29 @@ def parse_budget(value: Any) -> Budget:
             if nbytes > 0:
                 return Budget(bytes=nbytes)
     raise ValueError(_budget_help(value))
+
+
+def parse_budget_text(text: str) -> Budget:
+    """A budget written on the command line, read as the TOML value it would be in pipeline.toml:
+    `2000000000` (bytes), `0.8` (fraction), `80%` or `1.5GiB` (a string without quotes)."""
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return parse_budget(value)
+
+
+def parse_option_text(assignment: str) -> tuple[str, Any]:
+    """`KEY=VALUE` from the command line: VALUE read as a TOML value (`mode=memory` and `mode="memory"`
+    are the same string, `keep=[1, 2]` a list, `gap=0.1` a float)."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"option {assignment!r} is not KEY=VALUE (e.g. --option mode=memory).")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return key.strip(), value
 
 
 def _budget_help(value: Any) -> str:
@@ -231,11 +256,17 @@ class PlanConfig(Section):
         "peak (0.6 or '60%')."
     )
     backend: Literal["highs", "gurobi", "auto"] = Field(
-        "highs", description="MILP backend (MILP solvers only); 'auto' takes Gurobi when a full license is found."
+        DEFAULT_BACKEND, description="MILP backend (MILP solvers only); 'auto' takes Gurobi when the license "
+        "present covers the model (the pip license covers up to 2000 variables and constraints), else HiGHS."
     )
-    time_limit_s: float = Field(300.0, gt=0, description="Wall-clock limit of one solve, seconds.")
-    gap: float = Field(0.01, ge=0, lt=1, description="Relative MIP gap at which a MILP solve stops.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Solver-specific settings (`SolveOptions.params`).")
+    time_limit_s: float = Field(DEFAULT_TIME_LIMIT_S, gt=0, description="Wall-clock limit of one solve, seconds.")
+    gap: float = Field(DEFAULT_GAP, ge=0, lt=1, description="Relative MIP gap at which a MILP solve stops.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="The solver's own options (`memplan solve --help` and docs/solvers.md "
+        "list them per solver).")
+    addresses: Literal["none", "greedy"] = Field(
+        "none", description="Plan an arena address for every value copy: 'greedy' (largest first, best gap) or "
+        "'none'. Plans with addresses run in arena mode with runtime.load(..., arena=True).")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")
@@ -253,9 +284,23 @@ class PlanConfig(Section):
             raise ValueError(f"unknown solver {solver!r}; registered solvers: {', '.join(sorted(registered))}")
         return solver
 
-    def solver_options(self) -> dict[str, Any]:
-        """Keyword arguments of the `tasks.solve.solution.SolveOptions` handed to the solver."""
-        return {"backend": self.backend, "time_limit": self.time_limit_s, "gap": self.gap, "params": dict(self.options)}
+    @field_validator("options")
+    @classmethod
+    def _typed_options(cls, options: dict[str, Any], info) -> dict[str, Any]:
+        solver = info.data.get("solver")
+        registered = (info.context or {}).get("solvers")
+        if solver is None or (registered is not None and solver not in registered):
+            return options
+        from tasks.solve import SOLVERS, parse_options
+
+        if solver in SOLVERS:
+            parse_options(SOLVERS[solver], options, where="")
+        return options
+
+    def solve_settings(self) -> dict[str, Any]:
+        """What the solve stage needs, as JSON: the `SolveOptions` keywords and `addresses`."""
+        return {"backend": self.backend, "time_limit": self.time_limit_s, "gap": self.gap,
+                "params": dict(self.options), "addresses": self.addresses}
 
 
 class ValidateConfig(Section):
@@ -396,7 +441,7 @@ def _describe(exc: ValidationError, source: str) -> str:
     for err in exc.errors():
         path = _key_path(err["loc"])
         if err["type"] == "value_error":
-            message = str(err["ctx"]["error"])
+            message = str(err["ctx"]["error"]).rstrip(".")
         elif err["type"] == "extra_forbidden":
             section = _section_at(err["loc"][:-1])
             where = _key_path(err["loc"][:-1]) or "the top level"

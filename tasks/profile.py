@@ -9,6 +9,10 @@ interquartile range. In the first round one more call runs under `runtime.meter.
     output_bytes    = bytes the call left allocated (its outputs),
     workspace_bytes = max(0, peak bytes during the call - output_bytes)
 (inputs exist before the call, so the meter never counts them). Columns: docs/profile-schema.md.
+
+Every implementation variant the graph offers (`runtime.variants`) is measured the same way, right after
+its node's default (`runtime.variant_function`), into a row with `impl` = the variant's name. It reads the
+default's graph values and the variant values (e.g. masks) that earlier variants made in the same round.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tasks.store import new_run_id, write_run
 from tasks.store_schema import DEFAULT_IMPL, SCHEMA_VERSION
 
 NodeFunction = Callable[[Any, int], Callable[..., tuple]]
+VariantFunction = Callable[[Any, int, str], Callable[..., tuple]]
 
 
 @dataclass(frozen=True)
@@ -144,12 +149,15 @@ def _time_calls(fn: Callable, args: list, device: torch.device, settings: Profil
     return times
 
 
-def _last_reads(graph) -> dict[int, int]:
-    """Value id -> index of the last node reading it."""
+def _last_reads(graph, specs: list) -> dict[int, int]:
+    """Value id -> id of the last node reading it, in its default implementation or a variant in `specs`."""
     last = {}
     for node in graph.nodes:
         for v in node.inputs:
             last[v] = node.id
+        for spec in specs[node.id]:
+            for v in spec.inputs:
+                last[v] = node.id
     return last
 
 
@@ -174,72 +182,91 @@ def _progress(enabled: bool):
 
 def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSettings = ProfileSettings(), *,
                   model: str | None = None, node_function: NodeFunction | None = None,
-                  progress: bool = True) -> list[dict[str, Any]]:
-    """Measure every node of `graph` on `device`; return the rows of one run (not yet written).
+                  variant_function: VariantFunction | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """Measure every node of `graph` on `device`, in its default implementation and in every variant the
+    graph offers (`runtime.variants`: one row per node and `impl`); return the rows of one run (not yet
+    written).
 
-    `node_function(graph, node_id)` gives the callable of a node; it defaults to `runtime.node_function`,
-    which needs a graph made by `runtime.capture` on the same device. `model` names the model in the
-    store (default: the graph's `meta["model"]`).
+    `node_function(graph, node_id)` gives the callable of a node, `variant_function(graph, node_id, impl)`
+    that of a variant; they default to `runtime.node_function` / `runtime.variant_function`, which need a
+    graph made by `runtime.capture` on the same device. `model` names the model in the store (default: the
+    graph's `meta["model"]`).
     """
+    from runtime.variants import graph_variants
+
     if node_function is None:
         from runtime import node_function
+    if variant_function is None:
+        from runtime import variant_function
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     model = model or graph.meta.get("model")
     if not model:
         raise ValueError("Name the model being profiled (model=...): the graph's meta has no 'model'.")
-    functions = [node_function(graph, node.id) for node in graph.nodes]
-    times: list[list[float]] = [[] for _ in graph.nodes]
-    memory: list[tuple[int, int]] = []
+    variants = graph_variants(graph)
+    specs = [list(variants.specs.get(node.id, {}).values()) for node in graph.nodes]
+    functions = [[(DEFAULT_IMPL, node.inputs, node.outputs, node_function(graph, node.id))] +
+                 [(s.name, s.inputs, s.outputs, variant_function(graph, node.id, s.name)) for s in specs[node.id]]
+                 for node in graph.nodes]
+    times: dict[tuple[int, str], list[float]] = {}
+    memory: dict[tuple[int, str], tuple[int, int]] = {}
     with torch.no_grad(), _threads(settings.threads), _progress(progress) as bar:
         run = _run_columns(graph, device, settings, model)
         task = bar.add_task(f"profiling {model} on {run['device']}", total=settings.rounds * len(graph.nodes))
         for round_ in range(settings.rounds):
-            _run_round(graph, functions, device, settings, times, memory if round_ == 0 else None,
-                       lambda: bar.advance(task))
+            _run_round(graph, functions, _last_reads(graph, specs), device, settings, times,
+                       memory if round_ == 0 else None, lambda: bar.advance(task))
     created = datetime.now(timezone.utc)
     rows = []
-    for node, samples, (output, workspace) in zip(graph.nodes, times, memory):
-        q25, q75 = np.percentile(samples, [25, 75])
-        rows.append({
-            **run, "created_at": created, "node_id": node.id, "node_name": node.name,
-            "op": node.targets[0] if node.targets else None, "targets": list(node.targets), "phase": node.phase,
-            "impl": DEFAULT_IMPL, "time_ms": statistics.median(samples), "time_ms_min": min(samples),
-            "time_ms_iqr": float(q75 - q25), "input_bytes": sum(graph.values[v].bytes for v in set(node.inputs)),
-            "output_bytes": output, "workspace_bytes": workspace,
-        })
+    for node in graph.nodes:
+        for impl, inputs, _, _ in functions[node.id]:
+            samples = times[node.id, impl]
+            output, workspace = memory[node.id, impl]
+            q25, q75 = np.percentile(samples, [25, 75])
+            rows.append({
+                **run, "created_at": created, "node_id": node.id, "node_name": node.name,
+                "op": node.targets[0] if node.targets else None, "targets": list(node.targets), "phase": node.phase,
+                "impl": impl, "time_ms": statistics.median(samples), "time_ms_min": min(samples),
+                "time_ms_iqr": float(q75 - q25),
+                "input_bytes": sum(variants.bytes_of(graph, v) for v in set(inputs)),
+                "output_bytes": output, "workspace_bytes": workspace,
+            })
     return rows
 
 
-def _run_round(graph, functions: list, device: torch.device, settings: ProfileSettings,
-               times: list[list[float]], memory: list[tuple[int, int]] | None, advance: Callable) -> None:
-    """One pass over the graph in node order: time every node, append its samples to `times`, and when
-    `memory` is given append its (output_bytes, workspace_bytes) from one metered call. The outputs of
-    each node feed the later ones; a value is dropped after its last reader."""
+def _run_round(graph, functions: list, last: dict[int, int], device: torch.device, settings: ProfileSettings,
+               times: dict, memory: dict | None, advance: Callable) -> None:
+    """One pass over the graph in node order: time every implementation of every node, append its samples
+    to `times[node, impl]`, and when `memory` is given set its (output_bytes, workspace_bytes) from one
+    metered call. The default's outputs feed the later nodes, a variant's variant values (e.g. a mask) the
+    later variants; a value is dropped after its last reader (`last`)."""
     from runtime.meter import PeakMeter
 
     live = graph_inputs(graph, device, settings.seed)
-    last = _last_reads(graph)
-    for node, fn in zip(graph.nodes, functions):
-        args = [live[v] for v in node.inputs]
-        try:
-            times[node.id] += _time_calls(fn, args, device, settings)
-            if memory is None:
-                outputs = fn(*args)
-            else:
-                with PeakMeter(device) as meter:
+    for node, implementations in zip(graph.nodes, functions):
+        for impl, inputs, outputs_ids, fn in implementations:
+            args = [live[v] for v in inputs]
+            where = node.name if impl == DEFAULT_IMPL else f"{node.name}, variant {impl}"
+            try:
+                times.setdefault((node.id, impl), []).extend(_time_calls(fn, args, device, settings))
+                if memory is None:
                     outputs = fn(*args)
-                memory.append((meter.end_bytes, max(0, meter.peak_bytes - meter.end_bytes)))
-        except Exception as exc:
-            raise RuntimeError(f"Profiling node {node.id} ({node.name}, {', '.join(node.targets)}) failed on "
-                               f"{device}: {exc}. Profile a graph captured on the same device.") from exc
-        if len(outputs) != len(node.outputs):
-            raise RuntimeError(f"Node {node.id} ({node.name}) returned {len(outputs)} tensors but the graph "
-                               f"lists {len(node.outputs)} outputs; the node function does not match the graph.")
-        live.update(zip(node.outputs, outputs))
-        del outputs
-        for v in set(node.inputs) | set(node.outputs):
+                else:
+                    with PeakMeter(device) as meter:
+                        outputs = fn(*args)
+                    memory[node.id, impl] = (meter.end_bytes, max(0, meter.peak_bytes - meter.end_bytes))
+            except Exception as exc:
+                raise RuntimeError(f"Profiling node {node.id} ({where}, {', '.join(node.targets)}) failed on "
+                                   f"{device}: {exc}. Profile a graph captured on the same device.") from exc
+            if len(outputs) != len(outputs_ids):
+                raise RuntimeError(f"Node {node.id} ({where}) returned {len(outputs)} tensors but the graph "
+                                   f"lists {len(outputs_ids)} outputs; the node function does not match the graph.")
+            fresh = zip(outputs_ids, outputs) if impl == DEFAULT_IMPL else \
+                ((v, t) for v, t in zip(outputs_ids, outputs) if v >= len(graph.values))
+            live.update(fresh)
+            del args, outputs
+        for v in {v for _, inputs, outputs_ids, _ in implementations for v in (*inputs, *outputs_ids)}:
             if last.get(v, -1) <= node.id:
                 live.pop(v, None)
         advance()
@@ -266,8 +293,11 @@ def _run_columns(graph, device: torch.device, settings: ProfileSettings, model: 
 
 def profile_graph(graph, device: str | torch.device = "cpu", settings: ProfileSettings = ProfileSettings(), *,
                   model: str | None = None, root: str | Path | None = None,
-                  node_function: NodeFunction | None = None, progress: bool = True) -> ProfileRun:
-    """Measure every node of `graph` on `device` (see `measure_graph`) and write the run to the store."""
-    rows = measure_graph(graph, device, settings, model=model, node_function=node_function, progress=progress)
+                  node_function: NodeFunction | None = None, variant_function: VariantFunction | None = None,
+                  progress: bool = True) -> ProfileRun:
+    """Measure every node of `graph` on `device`, and its variants (see `measure_graph`), and write the run
+    to the store."""
+    rows = measure_graph(graph, device, settings, model=model, node_function=node_function,
+                         variant_function=variant_function, progress=progress)
     path = write_run(rows, root)
     return ProfileRun(rows[0]["run_id"], path, len(rows), graph.fingerprint, rows[0]["device"])

@@ -13,7 +13,10 @@ What counts:
   it, the same split as the plan's `peak_bytes` vs `constant_bytes`). It must not exceed
   `budget_bytes * (1 + peak_rtol)`;
 - time: median over `steps` timed steps after `warmup` untimed ones, for the plan and for eager;
-  overhead = plan time / eager time - 1.
+  overhead = plan time / eager time - 1;
+- arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
+  eager the same way; its measured peak, step time and the bytes it could not place (ops without an
+  in-place out= kernel) are recorded. The budget applies to the plan's normal run.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
+from runtime.arena import ArenaFallbackWarning
 from runtime.exact import exact_fp32
 from runtime.plan import Plan
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
@@ -56,6 +61,9 @@ class Validation:
     eager_loss: float
     max_abs_error: float
     tensors_compared: int
+    arena_peak_bytes: int | None = None
+    arena_step_ms: float | None = None
+    arena_bytes_not_placed: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,12 +145,30 @@ def validate_plan(
     def plan_step() -> torch.Tensor:
         return planned_step(*batch)
 
+    runs = [(eager_model, eager_step), (plan_model, plan_step)]
+    arena = {}
+    if plan.addresses:
+        arena_model = copy.deepcopy(base)
+        arena_step = runtime.load(plan, arena_model, loss_fn, arena=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
+            arena_step.compile(*batch)
+        runs.append((arena_model, lambda: arena_step(*batch)))
+
     eager, eager_peak = _first_steps(eager_model, eager_step, device, seed)
     planned, peak = _first_steps(plan_model, plan_step, device, seed)
-    eager_ms, step_ms = _median_ms([(eager_model, eager_step), (plan_model, plan_step)], device,
-                                   settings.warmup, settings.steps)
+    times = _median_ms(runs, device, settings.warmup, settings.steps)
+    eager_ms, step_ms = times[:2]
 
     problems, worst, compared = compare_tensors(eager, planned, settings.rtol, settings.atol)
+    if plan.addresses:
+        in_arena, arena_peak = _first_steps(arena_model, runs[2][1], device, seed)
+        mismatches, arena_worst, _ = compare_tensors(eager, in_arena, settings.rtol, settings.atol)
+        problems += [f"arena mode: {m}" for m in mismatches]
+        worst = max(worst, arena_worst)
+        report, = arena_step.arena_report.values()
+        arena = dict(arena_peak_bytes=int(arena_peak), arena_step_ms=times[2],
+                     arena_bytes_not_placed=report.bytes_not_placed)
     budget = plan.provenance.get("budget_bytes")
     if budget is None:
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
@@ -164,6 +190,7 @@ def validate_plan(
         eager_loss=float(eager["loss"]),
         max_abs_error=worst,
         tensors_compared=compared,
+        **arena,
     )
 
 

@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
 
             loaded = load_config(config)
             with stage_progress(2 * sum(len(m.batch_sizes) for m in loaded.models), "starting Prefect"):
-                runs = run_profile(config, reuse)
+                runs = run_profile(config, reuse, loaded)
             table = Table("model", "batch", "nodes", "device", "run id", "file", title=f"profile runs in {loaded.store}")
             for run in runs:
                 table.add_row(run["model"], str(run["batch_size"]), str(run["nodes"]), run["device"], run["run_id"],

@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
             stages = 2 * graphs + 3 * len(expand_matrix(loaded))
             try:
                 with stage_progress(stages, "starting Prefect"):
-                    outcomes = run_plan(config, refresh)
+                    outcomes = run_plan(config, refresh, loaded)
             except PipelineFailed as failed:
                 console().print(outcome_table(failed.outcomes))
                 raise

@@ -7,23 +7,41 @@ from typing import Annotated, Optional
 
 import typer
 
+from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
+
+
+def solvers_help() -> str:
+    """The registry as help text: each solver, its summary and its options."""
+    from tasks.solve import SOLVERS, describe_options
+
+    lines = ["Solvers and their options (--option KEY=VALUE):", ""]
+    for spec in SOLVERS.values():
+        lines.append(f"  {spec.name}: {spec.summary}")
+        for o in describe_options(spec):
+            lines.append(f"      {o.name} ({o.type}, default {o.default!r}): {o.help}")
+    return "\n".join(lines)
+
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(epilog=solvers_help(), context_settings={"help_option_names": ["--help", "-h"]})
     def solve(
         graph: Annotated[Path, typer.Option(help="A memplan-graph JSON (costs from the profile store) or a "
                                                  "node-link benchmark graph.")],
-        solver: Annotated[str, typer.Option(help="Solver name: checkmate, checkmate-approx, checkpoint-all, "
-                                                  "chen-sqrt-n, chen-greedy, griewank-log-n, ap-sqrt-n, ap-greedy, "
-                                                  "linearized-sqrt-n, linearized-greedy, ...")],
-        budget: Annotated[str, typer.Option(help="Memory budget: bytes (2000000000, '1.5 GiB') or a fraction of "
-                                                  "the checkpoint-all peak ('80%', 0.8).")],
-        time_limit: Annotated[Optional[float], typer.Option(help="Seconds for MILP solvers (incumbent kept).")] = None,
-        gap: Annotated[float, typer.Option(help="Relative optimality gap at which MILP solvers stop.")] = 1e-4,
-        backend: Annotated[str, typer.Option(help="MILP backend: auto (Gurobi if fully licensed), highs, gurobi.")] = "auto",
+        solver: Annotated[str, typer.Option(help="Solver name (listed below).")],
+        budget: Annotated[str, typer.Option(help="Memory budget, as in pipeline.toml: bytes (2000000000), a size "
+                                                  "('1.5 GiB'), or a fraction of the checkpoint-all peak (0.8, '80%').")],
+        option: Annotated[Optional[list[str]], typer.Option(
+            "--option", help="A solver option KEY=VALUE (VALUE as in TOML: mode=memory, keep=[1,2]); repeatable.")] = None,
+        time_limit: Annotated[float, typer.Option(help="Seconds for the solve (incumbent kept).")] = DEFAULT_TIME_LIMIT_S,
+        gap: Annotated[float, typer.Option(help="Relative optimality gap at which MILP solvers stop.")] = DEFAULT_GAP,
+        backend: Annotated[str, typer.Option(help="MILP backend: auto (Gurobi when its license covers the model, "
+                                                  "else HiGHS), highs, gurobi.")] = DEFAULT_BACKEND,
         threads: Annotated[Optional[int], typer.Option(help="Solver threads (default: the backend's choice).")] = None,
+        addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none or greedy.")] = "none",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
+        store: Annotated[Optional[Path], typer.Option(help="Profile store folder (default: $MEMPLAN_PROFILES_DB "
+                                                           "or the repository's profiles_db).")] = None,
         json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (the solve report).")] = False,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
         progress: Annotated[bool, typer.Option(help="Log solver progress (incumbent, bound, gap) on stderr.")] = True,
@@ -35,42 +53,45 @@ def register(app: typer.Typer) -> None:
         from flows.console import console, errors, exit_on_error
 
         with exit_on_error():
-            from runtime.plan import Plan
-            from tasks.config import parse_budget
-            from tasks.solve import SOLVERS, solve as run_solver
+            from tasks.config import parse_budget_text, parse_option_text
+            from tasks.problems import load_problem
+            from tasks.solve import SOLVERS, OptionError, parse_options
             from tasks.solve.milp import BACKENDS
-            from tasks.solve.simulator import default_schedule, simulate
             from tasks.solve.solution import SolveOptions
+            from tasks.solve_stage import solve_loaded
 
             if solver not in SOLVERS:
                 raise typer.BadParameter(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}.",
                                          param_hint="--solver")
+            if backend not in BACKENDS:
+                raise typer.BadParameter(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.",
+                                         param_hint="--backend")
+            if addresses not in ("none", "greedy"):
+                raise typer.BadParameter(f"{addresses!r}; choose none or greedy.", param_hint="--addresses")
+            try:
+                budget_spec = parse_budget_text(budget)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--budget") from None
+            try:
+                params = parse_options(SOLVERS[solver], dict(parse_option_text(o) for o in option or []), "--option")
+            except (OptionError, ValueError) as exc:
+                raise typer.BadParameter(str(exc), param_hint="--option") from None
             if progress:
                 handler = logging.StreamHandler()
                 handler.setFormatter(logging.Formatter("%(message)s"))
                 logging.getLogger("memplan.solve").addHandler(handler)
                 logging.getLogger("memplan.solve").setLevel(logging.INFO)
-            problem, costs = _load_problem(graph, device)
-            eager = simulate(problem, default_schedule(problem))
+            loaded = load_problem(graph, device=device, store=store)
+            options = SolveOptions(time_limit=time_limit, gap=gap, backend=backend, threads=threads, params=params)
             try:
-                budget_bytes = parse_budget(_budget_value(budget)).resolve(eager.peak_bytes)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc), param_hint="--budget") from None
-            if backend not in BACKENDS:
-                raise typer.BadParameter(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.",
-                                         param_hint="--backend")
-            try:
-                solution = run_solver(problem, solver, budget_bytes, SolveOptions(
-                    time_limit=time_limit, gap=gap, backend=backend, threads=threads))
+                solution, eager = solve_loaded(loaded, solver, budget_spec, options, addresses)
             except RuntimeError as exc:          # a requested backend that cannot run this model
-                errors().print(f"error: {exc}", style="red")
+                errors().print(f"error: {exc}", style="red", markup=False)
                 raise typer.Exit(1) from None
             report = {**solution.report(), "checkpoint_all_peak_bytes": eager.peak_bytes,
                       "checkpoint_all_cost": eager.compute_cost, "graph": str(graph)}
             if out is not None and solution.feasible:
-                plan = Plan.load(solution.to_plan(problem, device=costs.device if costs else None,
-                                                  profile_run_id=costs.run_id if costs else None))
-                plan.save(out)
+                solution.to_plan(loaded.problem, device=loaded.device, profile_run_id=loaded.profile_run_id).save(out)
                 report["plan"] = str(out)
             if json_output:
                 typer.echo(json.dumps(report))
@@ -78,40 +99,8 @@ def register(app: typer.Typer) -> None:
                 _print_report(console(), report)
             if out is not None and not solution.feasible:
                 errors().print(f"error: no plan written to {out}: {solver} found no schedule within "
-                               f"{budget_bytes} bytes ({solution.status}).", style="red")
+                               f"{solution.budget_bytes} bytes ({solution.status}).", style="red", markup=False)
                 raise typer.Exit(1)
-
-
-def _budget_value(text: str) -> int | float | str:
-    """`2000000000` -> bytes, `0.8` -> fraction, anything else ('80%', '1.5 GiB') as text."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
-
-
-def _load_problem(path: Path, device: str | None):
-    """The Problem of a graph file, with the profile store's costs for a memplan graph."""
-    import json
-
-    from tasks.solve.problem import Problem, ProblemError
-
-    try:
-        head = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ProblemError(f"cannot read graph file {path}: {exc}. Pass a memplan-graph JSON or a node-link "
-                           f"benchmark graph.") from None
-    if isinstance(head, dict) and head.get("format") == "memplan-graph":
-        from runtime.graph import OpGraph
-        from tasks.store import load_costs
-
-        graph = OpGraph.from_json(head, source=f"graph file {path}")
-        costs = load_costs(graph.fingerprint, device)
-        return Problem.from_graph(graph, costs), costs
-    return Problem.from_node_link(path), None
 
 
 def _print_report(console, report: dict) -> None:

@@ -1,38 +1,50 @@
-"""Solvers for memory-constrained schedules (torch-free).
+"""Solvers for memory-constrained schedules (torch-free), chosen by name from one registry.
 
-`SOLVERS[name](problem, budget_bytes, options) -> Solution`; every returned schedule has been checked
-by the simulator (tasks/solve/simulator.py), the single definition of memory.
+`SOLVERS[name]` is a `SolverSpec`: the solver function `(problem, budget_bytes, SolveOptions) ->
+Solution`, a one-line summary, the dataclass of its typed options (one `help` per field) and whether
+it chooses implementation variants. Recompute-only solvers see the problem without variants. Every
+returned schedule has been checked by the simulator (tasks/solve/simulator.py), the single definition
+of memory.
+
+Adding a solver: write `my_solver(problem, budget, options) -> Solution` in its own module (returning
+`checked_solution(...)`), and add one `SolverSpec` line below; tests/solve/example_solver.py is the
+checked example (tests/solve/test_example_solver.py runs it through `memplan solve`, `memplan run` and
+`runtime.load`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from tasks.solve import baselines, checkmate, greedy
-from tasks.solve.acg.solver import acg
+from tasks.solve.acg.solver import AcgOptions, acg
+from tasks.solve.options import OptionError, SolverSpec, describe_options, parse_options
 from tasks.solve.problem import Problem
 from tasks.solve.solution import Solution, SolveOptions
 
-Solver = Callable[[Problem, int, SolveOptions], Solution]
-
-SOLVERS: dict[str, Solver] = {
-    "checkpoint-all": baselines.checkpoint_all,
-    "chen-sqrt-n": baselines.chen_sqrt_n,
-    "chen-greedy": baselines.chen_greedy,
-    "griewank-log-n": baselines.griewank_log_n,
-    "ap-sqrt-n": baselines.ap_sqrt_n,
-    "ap-greedy": baselines.ap_greedy,
-    "linearized-sqrt-n": baselines.linearized_sqrt_n,
-    "linearized-greedy": baselines.linearized_greedy,
-    "remat-greedy": greedy.remat_greedy,
-    "checkmate-approx": checkmate.checkmate_approx,
-    "checkmate": checkmate.checkmate,
-    "acg": acg,
-}
+SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
+    SolverSpec("checkpoint-all", baselines.checkpoint_all, "every node once in the default order, no recomputation."),
+    SolverSpec("chen-sqrt-n", baselines.chen_sqrt_n, "Chen et al.'s sqrt(n) segments (linear graphs only)."),
+    SolverSpec("chen-greedy", baselines.chen_greedy, "Chen et al.'s greedy segments for the budget (linear graphs only)."),
+    SolverSpec("griewank-log-n", baselines.griewank_log_n, "Griewank's revolve, log(n) memory (linear graphs only)."),
+    SolverSpec("ap-sqrt-n", baselines.ap_sqrt_n, "sqrt(n) checkpoints among the forward graph's articulation points."),
+    SolverSpec("ap-greedy", baselines.ap_greedy, "greedy checkpoints among the articulation points for the budget."),
+    SolverSpec("linearized-sqrt-n", baselines.linearized_sqrt_n, "sqrt(n) checkpoints on the topological order."),
+    SolverSpec("linearized-greedy", baselines.linearized_greedy, "greedy checkpoints on the topological order."),
+    SolverSpec("remat-greedy", greedy.remat_greedy, "greedy: keep the values whose recomputation is dearest per byte."),
+    SolverSpec("checkmate-approx", checkmate.checkmate_approx, "Checkmate's LP relaxation + two-phase rounding.",
+               checkmate.CheckmateApproxOptions),
+    SolverSpec("checkmate", checkmate.checkmate, "Checkmate's optimal rematerialization MILP (eq. 9).",
+               checkmate.CheckmateOptions),
+    SolverSpec("acg", acg, "optimal gradient checkpoints on the division tree of the graph (Feng & Huang).",
+               AcgOptions),
+)}
 
 
 def solve(problem: Problem, solver: str, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
-    """Run the solver named `solver`; raises KeyError listing the known names for an unknown one."""
+    """Run the solver named `solver`; raises KeyError listing the known names for an unknown one and
+    OptionError for options it does not take."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    return SOLVERS[solver](problem, int(budget_bytes), options or SolveOptions())
+    return SOLVERS[solver](problem, budget_bytes, options)
+
+
+__all__ = ["SOLVERS", "OptionError", "SolverSpec", "describe_options", "parse_options", "solve"]

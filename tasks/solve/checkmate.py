@@ -1,19 +1,15 @@
 """Checkmate solvers (Jain et al. 2020): the optimal MILP (`checkmate`, eq. 9) and the LP relaxation with
 two-phase rounding (`checkmate-approx`, sec. 5, Algorithm 2). The model itself is in checkmate_model.py.
 
-Solver parameters (`SolveOptions.params`):
-- `formulation`: "tight" (default) or "paper" FREE linearization (see checkmate_model).
-- `warm_start` (checkmate): "greedy" (default), "approx" or "none": the heuristic whose schedule is
-  the MIP start; `SolveOptions.mip_start` (a schedule) takes precedence.
-- `allowances` (checkmate-approx): budget allowances eps, the LP is solved under (1 - eps) * budget
-  (sec. 5.3); default (0, 0.05, 0.1, 0.2, 0.3).
-- `thresholds` (checkmate-approx): rounding thresholds p, S_int = [S* > p]; default 0.1 .. 0.9.
+Solver options: `CheckmateOptions` and `CheckmateApproxOptions` (typed, one line of help per field).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -30,6 +26,31 @@ log = logging.getLogger("memplan.solve")
 
 ALLOWANCES = (0.0, 0.05, 0.1, 0.2, 0.3)
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+Formulation = Literal["tight", "paper"]
+
+
+@dataclass(frozen=True)
+class CheckmateApproxOptions:
+    """Options of `checkmate-approx`."""
+
+    formulation: Formulation = field(default="tight", metadata={
+        "help": "FREE linearization: 'tight' (ours, fewer rows) or 'paper' (eq. 7a-7c)."})
+    allowances: tuple[float, ...] = field(default=ALLOWANCES, metadata={
+        "help": "budget allowances eps: the LP is solved under (1 - eps) * budget (sec. 5.3)."})
+    thresholds: tuple[float, ...] = field(default=THRESHOLDS, metadata={
+        "help": "rounding thresholds p of two-phase rounding: S_int = [S* > p] (Algorithm 2)."})
+
+
+@dataclass(frozen=True)
+class CheckmateOptions:
+    """Options of `checkmate`."""
+
+    formulation: Formulation = field(default="tight", metadata={
+        "help": "FREE linearization: 'tight' (ours, fewer rows) or 'paper' (eq. 7a-7c)."})
+    warm_start: Literal["greedy", "approx", "none"] = field(default="greedy", metadata={
+        "help": "heuristic whose schedule starts the MILP: remat-greedy, checkmate-approx or none."})
+    allowances: tuple[float, ...] = field(default=(0.0, 0.1, 0.2), metadata={
+        "help": "budget allowances of the checkmate-approx warm start (warm_start = 'approx')."})
 
 
 def two_phase_rounding(problem: Problem, L: CheckmateLayout, s_star: np.ndarray, threshold: float) -> list[tuple[str, int]]:
@@ -79,8 +100,9 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
     lower = min_budget_lower_bound(problem)
     if budget < lower:
         return _below_lower_bound(problem, "checkmate-approx", budget, lower, start)
-    allowances = options.params.get("allowances", ALLOWANCES)
-    model, L = build_model(problem, budget, options.params.get("formulation", "tight"))
+    opts: CheckmateApproxOptions = options.params
+    allowances = opts.allowances
+    model, L = build_model(problem, budget, opts.formulation)
     size = (model.num_variables, model.num_constraints)
     best, bound, why = None, None, "no rounding fits the budget"
     lps = solve_lp_sweep(model, [1.0 - eps for eps in allowances],
@@ -99,7 +121,7 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
         if eps == 0.0 and lp.status == "optimal":
             bound = lp.objective
         s_star = _s_matrix(L, lp.x)
-        for p in options.params.get("thresholds", THRESHOLDS):
+        for p in opts.thresholds:
             if deadline is not None and time.perf_counter() >= deadline:
                 break
             schedule = two_phase_rounding(problem, L, s_star, p)
@@ -129,20 +151,19 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     if budget < lower:
         return _below_lower_bound(problem, "checkmate", budget, lower, start)
     floor = float(problem.cost.sum())
+    opts: CheckmateOptions = options.params
     incumbent = options.mip_start
-    warm = options.params.get("warm_start", "greedy")
+    warm = opts.warm_start
     if incumbent is None and warm == "greedy":
         incumbent = greedy_schedule(problem, budget, deadline)
     elif incumbent is None and warm == "approx":
         approx = checkmate_approx(problem, budget, SolveOptions(
             time_limit=_remaining(deadline), threads=options.threads,
-            params={**options.params, "allowances": options.params.get("allowances", (0.0, 0.1, 0.2))}))
+            params=CheckmateApproxOptions(formulation=opts.formulation, allowances=opts.allowances)))
         if approx.status == "infeasible":
             approx.solver, approx.solve_seconds = "checkmate", time.perf_counter() - start
             return approx
         incumbent = approx.schedule
-    elif warm not in ("greedy", "approx", "none"):
-        raise ValueError(f"checkmate parameter warm_start={warm!r}; choose greedy, approx or none.")
     progress = []
     if incumbent is not None:
         cost = simulate(problem, incumbent).compute_cost
@@ -151,8 +172,7 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
             return checked_solution(problem, "checkmate", budget, incumbent, status="optimal", bound=floor,
                                     solve_seconds=time.perf_counter() - start, progress=progress,
                                     message=f"the {warm} start is within the gap of sum of costs; MILP skipped")
-    formulation = options.params.get("formulation", "tight")
-    model, L = build_model(problem, budget, formulation)
+    model, L = build_model(problem, budget, opts.formulation)
     mip_start = _feasible_start(problem, model, L, incumbent, budget)
     offset = time.perf_counter() - start
     result = solve_milp(model, MilpOptions(backend=options.backend, time_limit=_remaining(deadline),

@@ -1,13 +1,21 @@
-"""MILP backends: a model as sparse matrices, solved by HiGHS (default) or Gurobi (full license only).
+"""MILP backends: a model as sparse matrices, solved by HiGHS or Gurobi.
 
 `solve_milp(model, options)` minimizes `c @ x + offset` subject to `row_lower <= A @ x <= row_upper`,
-`col_lower <= x <= col_upper` and integrality. `backend="auto"` tries Gurobi, and falls back to HiGHS
-with one log line when gurobipy is missing or its license is size-limited (the PyPI license raises
-error 10010 above 2000 variables or constraints). `solve_lp_sweep(model, scales, options)` solves the
-LP relaxation under a sequence of budgets with HiGHS, each from the previous basis. Progress (incumbent,
-bound, gap over time) is logged to the `memplan.solve` logger while solving and returned with the result.
-"""
+`col_lower <= x <= col_upper` and integrality. `result.backend` names the backend that ran.
 
+Backends: "highs" always uses HiGHS; "gurobi" always uses Gurobi and raises RuntimeError when it
+cannot take the model; "auto" (the default) uses Gurobi whenever the license present allows the
+model, else HiGHS (logging why, once). `gurobi_license()` probes the license once per process:
+"full" (no size limit), "size-limited" (the restricted license pip installs with gurobipy: at most
+2000 variables and at most 2000 linear constraints, each checked on its own, any number of nonzeros;
+a larger model fails with error 10010 at optimize) or "unavailable" (gurobipy missing or no license).
+Gurobi sees a ranged row (finite `row_lower < row_upper`) as two constraints, so the size is counted
+as Gurobi builds it (`gurobi_size`).
+
+`solve_lp_sweep(model, scales, options)` solves the LP relaxation under a sequence of budgets with
+HiGHS, each from the previous basis. Progress (incumbent, bound, gap over time) is logged to the
+`memplan.solve` logger while solving and returned with the result.
+"""
 from __future__ import annotations
 
 import logging
@@ -23,7 +31,8 @@ import scipy.sparse as sp
 log = logging.getLogger("memplan.solve")
 
 BACKENDS = ("auto", "highs", "gurobi")
-GUROBI_SIZE_LIMITED = 10010
+GUROBI_SIZE_LIMITED = 10010  # Gurobi's error number for a model too large for the license
+GUROBI_SIZE_LIMIT = 2000  # variables, and separately linear constraints, a size-limited license allows
 _LOGGED: set[str] = set()
 
 
@@ -137,16 +146,14 @@ def solve_milp(model: MilpModel, options: MilpOptions) -> MilpResult:
     """Solve `model` with the backend `options.backend` names (module docstring)."""
     if options.backend not in BACKENDS:
         raise ValueError(f"backend {options.backend!r} is unknown; choose one of {', '.join(BACKENDS)}.")
-    if options.backend == "gurobi" or (options.backend == "auto" and _gurobi_unavailable() is None):
+    if options.backend != "highs" and _gurobi_takes(model, options.backend):
         try:
             return _solve_gurobi(model, options)
-        except _GurobiUnavailable as exc:
+        except _GurobiUnavailable as exc:  # the probe said yes, but the license said no: trust the latter
             if options.backend == "gurobi":
-                raise RuntimeError(f"backend 'gurobi' requested but {exc}; use --backend highs or install a "
-                                   f"full Gurobi license.") from None
-            _log_once(f"gurobi unavailable ({exc}); solving with highs")
-    elif options.backend == "auto":
-        _log_once(f"gurobi unavailable ({_gurobi_unavailable()}); solving with highs")
+                raise RuntimeError(f"backend 'gurobi' requested but {exc}; use backend 'highs' or 'auto', "
+                                   f"or install a full Gurobi license.") from None
+            _log_once(f"gurobi failed ({exc}); solving with highs")
     return _solve_highs(model, options)
 
 
@@ -277,23 +284,72 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
+@dataclass(frozen=True)
+class GurobiLicense:
+    """What Gurobi allows here: `kind` is "full", "size-limited" (`GUROBI_SIZE_LIMIT` variables and
+    as many linear constraints) or "unavailable"; `reason` says why when it is not "full"."""
+
+    kind: str
+    reason: str = ""
+
+
 @lru_cache(maxsize=1)
-def _gurobi_unavailable() -> str | None:
-    """Why Gurobi cannot take every model (not installed, no license, size-limited), None when it can.
-    Probed once with an empty model just above the PyPI license's 2000-variable limit."""
+def gurobi_license() -> GurobiLicense:
+    """Probe the Gurobi license once: an empty model one variable above the size limit optimizes
+    under a full license and fails with error 10010 under a size-limited one."""
     try:
         import gurobipy as gp
     except ImportError:
-        return "gurobipy is not installed"
+        return GurobiLicense("unavailable", "gurobipy is not installed")
     try:
         with gp.Env(params={"OutputFlag": 0}) as env, gp.Model(env=env) as m:
-            m.addMVar(2001)
+            m.addMVar(GUROBI_SIZE_LIMIT + 1)
             m.optimize()
     except gp.GurobiError as exc:
         if exc.errno == GUROBI_SIZE_LIMITED:
-            return f"the Gurobi license is size-limited (error {exc.errno})"
-        return f"no usable Gurobi license (error {exc.errno}: {exc})"
-    return None
+            return GurobiLicense("size-limited", f"the Gurobi license is size-limited to {GUROBI_SIZE_LIMIT} "
+                                                 f"variables and {GUROBI_SIZE_LIMIT} linear constraints")
+        return GurobiLicense("unavailable", f"no usable Gurobi license (error {exc.errno}: {exc})")
+    return GurobiLicense("full")
+
+
+def _gurobi_rows(model: MilpModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Masks of the rows Gurobi gets as "=", "<" and ">" constraints (a ranged row is one "<" and one ">")."""
+    lo, up = model.row_lower, model.row_upper
+    eq = lo == up
+    return eq, ~eq & np.isfinite(up), ~eq & np.isfinite(lo)
+
+
+def gurobi_size(model: MilpModel) -> tuple[int, int]:
+    """(variables, linear constraints) of `model` as Gurobi builds it."""
+    return model.num_variables, int(sum(mask.sum() for mask in _gurobi_rows(model)))
+
+
+def _gurobi_takes(model: MilpModel, backend: str) -> bool:
+    """Whether `backend` ("auto" or "gurobi") should run Gurobi on `model`. "auto" logs why not (once
+    per reason); "gurobi" raises RuntimeError instead."""
+    lic = gurobi_license()
+    if lic.kind == "full":
+        return True
+    nvars, ncons = gurobi_size(model)
+    if lic.kind == "size-limited" and nvars <= GUROBI_SIZE_LIMIT and ncons <= GUROBI_SIZE_LIMIT:
+        return True
+    size = f"{nvars} variables and {ncons} linear constraints"
+    if backend == "gurobi":
+        if lic.kind == "unavailable":
+            raise RuntimeError(f"backend 'gurobi' requested but {lic.reason}; use backend 'highs' or 'auto', "
+                               f"or install gurobipy with a Gurobi license.")
+        raise RuntimeError(
+            f"backend 'gurobi' requested, but the model has {size} and {lic.reason} (the license pip "
+            f"installs with gurobipy), so Gurobi would refuse it (error {GUROBI_SIZE_LIMITED}). Use backend "
+            f"'highs', or 'auto' (Gurobi for models within the limit, HiGHS above it), or install a full "
+            f"Gurobi license (academic or commercial, found through GRB_LICENSE_FILE).")
+    if lic.kind == "unavailable":
+        _log_once(f"gurobi unavailable ({lic.reason}); solving with highs")
+    else:
+        _log_once(f"model has {size}, above the size-limited Gurobi license's {GUROBI_SIZE_LIMIT} variables "
+                  f"and {GUROBI_SIZE_LIMIT} linear constraints; solving with highs")
+    return False
 
 
 def _solve_gurobi(model: MilpModel, options: MilpOptions) -> MilpResult:
@@ -310,9 +366,7 @@ def _solve_gurobi(model: MilpModel, options: MilpOptions) -> MilpResult:
         m.ObjCon = model.offset
         lo, up = model.row_lower, model.row_upper
         A = model.A.tocsr()
-        eq = lo == up
-        upper = ~eq & np.isfinite(up)
-        lower = ~eq & np.isfinite(lo)
+        eq, upper, lower = _gurobi_rows(model)
         for mask, sense, rhs in ((eq, "=", up), (upper, "<", up), (lower, ">", lo)):
             if mask.any():
                 m.addMConstr(A[mask], x, sense, rhs[mask])

@@ -1,16 +1,18 @@
 """The rematerialization problem every solver sees: numbers and integer ids, no torch.
 
 A `Problem` is an operator graph (nodes reading and allocating values) plus a compute cost and a
-workspace per node. It is built from the project's operator graph and its profiled costs
-(`Problem.from_graph`) or from the node-link JSON of the public benchmarks (`Problem.from_node_link`).
-Memory is defined by `tasks.solve.simulator.simulate`, never here.
+workspace per node, and per node its implementation variants (`Variant`: another cost, workspace and
+set of values read and allocated; MONeT's operator implementations). It is built from the project's
+operator graph, its variants (`runtime.variants`) and its profiled costs (`Problem.from_graph`) or from
+the node-link JSON of the public benchmarks (`Problem.from_node_link`). Memory is defined by
+`tasks.solve.simulator.simulate`, never here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -18,10 +20,23 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 PHASES = ("forward", "loss", "backward")
+DEFAULT_IMPL = "default"
 
 
 class ProblemError(ValueError):
     """A graph or cost table that cannot be turned into a consistent `Problem`."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One implementation of a node: compute cost, workspace bytes, values read and values allocated.
+    A node's default variant is its entry in the problem's per-node arrays."""
+
+    name: str
+    cost: float
+    workspace: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,6 +50,9 @@ class Problem:
     `outputs`: graph output values, resident from their last computation to the end.
     `order`: the default (eager) execution order, a topological order of the nodes.
     `fingerprint`: of the operator graph this problem came from, None for benchmark graphs.
+    `variants[i]`: node i's non-default implementation variants (empty: none anywhere). The last
+    `num_variant_values` values are allocated only by variants (e.g. a mask); a schedule of default
+    steps never allocates them. `cost_unit` is "ms" when costs are profiled milliseconds.
     """
 
     name: str
@@ -49,9 +67,42 @@ class Problem:
     order: np.ndarray
     fingerprint: str | None = None
     node_names: tuple[str, ...] = ()
+    variants: tuple[tuple[Variant, ...], ...] = ()
+    num_variant_values: int = 0
+    cost_unit: str | None = None
 
     def __post_init__(self) -> None:
         _check(self)
+
+    # -- implementation variants -----------------------------------------------------------------
+
+    @property
+    def has_variants(self) -> bool:
+        return any(self.variants)
+
+    def impls(self, node: int) -> tuple[str, ...]:
+        """Implementation names of `node`, the default first."""
+        return (DEFAULT_IMPL, *(v.name for v in (self.variants[node] if self.variants else ())))
+
+    def variant(self, node: int, impl: str | None = None) -> Variant:
+        """Node `node` run as `impl` (None or "default": the node as listed). KeyError names the choices."""
+        if impl is None or impl == DEFAULT_IMPL:
+            return Variant(DEFAULT_IMPL, float(self.cost[node]), int(self.workspace[node]),
+                           self.node_inputs[node], self.node_outputs[node])
+        for v in self.variants[node] if self.variants else ():
+            if v.name == impl:
+                return v
+        raise KeyError(f"{self.node_label(node)} has no implementation variant {impl!r}; it offers "
+                       f"{', '.join(self.impls(node))}.")
+
+    def without_variants(self) -> "Problem":
+        """The same problem with default implementations only (what recompute-only solvers see); value
+        ids are unchanged, since variant-only values come last."""
+        if not self.variants and not self.num_variant_values:
+            return self
+        keep = self.num_values - self.num_variant_values
+        return replace(self, value_bytes=self.value_bytes[:keep], value_producer=self.value_producer[:keep],
+                       variants=(), num_variant_values=0)
 
     # -- sizes and derived tables ----------------------------------------------------------------
 
@@ -108,9 +159,13 @@ class Problem:
     # -- loaders ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_graph(cls, graph: Any, costs: Mapping[int, Sequence[float]] | None = None) -> "Problem":
+    def from_graph(cls, graph: Any, costs: Mapping[int, Sequence[float]] | None = None,
+                   variants: Any = None) -> "Problem":
         """Problem of a `runtime.graph.OpGraph`; `costs[node_id] = (time, workspace_bytes)` from the
-        profile store. Without `costs`, every node costs 1 and needs no workspace."""
+        profile store (a `tasks.store.CostTable`, whose `.variants[node][impl]` prices the variants).
+        Without `costs`, every node costs 1 and each workspace is the variant's analytic one (0 for the
+        default). `variants` is a `runtime.variants.GraphVariants` of the graph (None: no variants). With
+        costs, a variant the profile did not measure is left out (it has no price)."""
         n = len(graph.nodes)
         if costs is None:
             cost, workspace = np.ones(n), np.zeros(n, dtype=np.int64)
@@ -126,6 +181,16 @@ class Problem:
                 raise ProblemError("each cost entry must be a pair (time, workspace_bytes).")
             cost = np.array([float(p[0]) for p in pairs])
             workspace = np.array([int(p[1]) for p in pairs], dtype=np.int64)
+        extra = [] if variants is None else list(variants.values)
+        offered: list[tuple[Variant, ...]] = []
+        for node in graph.nodes:
+            specs = [] if variants is None else variants.specs.get(node.id, {}).values()
+            measured = getattr(costs, "variants", {}).get(node.id, {}) if costs is not None else {}
+            offered.append(tuple(
+                Variant(s.name, *((1.0, s.workspace) if costs is None else
+                                  (float(measured[s.name].time_ms), int(measured[s.name].workspace_bytes))),
+                        s.inputs, s.outputs)
+                for s in specs if costs is None or s.name in measured))
         return cls(
             name=str(graph.meta.get("model", "graph")),
             cost=cost,
@@ -133,13 +198,16 @@ class Problem:
             phase=tuple(node.phase for node in graph.nodes),
             node_inputs=tuple(tuple(dict.fromkeys(node.inputs)) for node in graph.nodes),
             node_outputs=tuple(tuple(node.outputs) for node in graph.nodes),
-            value_bytes=np.array([v.bytes for v in graph.values], dtype=np.int64),
-            value_producer=np.array([-1 if v.producer is None else v.producer for v in graph.values],
+            value_bytes=np.array([v.bytes for v in [*graph.values, *extra]], dtype=np.int64),
+            value_producer=np.array([-1 if v.producer is None else v.producer for v in [*graph.values, *extra]],
                                     dtype=np.int64),
             outputs=tuple(graph.outputs),
             order=np.arange(n, dtype=np.int64),
             fingerprint=graph.fingerprint,
             node_names=tuple(node.name for node in graph.nodes),
+            variants=tuple(offered) if any(offered) else (),
+            num_variant_values=len(extra),
+            cost_unit=None if costs is None else "ms",
         )
 
     @classmethod
@@ -213,19 +281,6 @@ class Problem:
             node_names=tuple(str(x) for x in (range(n) if names is None else names)),
         )
 
-    @classmethod
-    def load(cls, path: str | os.PathLike, costs: Mapping[int, Sequence[float]] | None = None) -> "Problem":
-        """A memplan-graph JSON (via `runtime.graph.OpGraph`, with `costs`) or a node-link benchmark."""
-        from runtime.graph import OpGraph
-
-        try:
-            head = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ProblemError(f"cannot read graph file {path}: {exc}.") from None
-        if isinstance(head, dict) and head.get("format") == "memplan-graph":
-            return cls.from_graph(OpGraph.load(path), costs)
-        return cls.from_node_link(path)
-
 
 def _columns(nodes: list, keys: tuple[str, ...], path: Path) -> tuple[list, ...]:
     for i, node in enumerate(nodes):
@@ -256,13 +311,29 @@ def _check(p: Problem) -> None:
         raise ProblemError(f"problem {p.name!r}: costs, workspaces and value bytes must be finite and non-negative.")
     if any(ph not in PHASES for ph in p.phase):
         raise ProblemError(f"problem {p.name!r}: phases must be one of {PHASES}.")
+    base = nv - p.num_variant_values
+    if p.variants and len(p.variants) != n or not 0 <= p.num_variant_values <= nv:
+        raise ProblemError(f"problem {p.name!r}: variants must list {n} nodes and num_variant_values lie in 0..{nv}.")
     for node, outs in enumerate(p.node_outputs):
         for v in outs:
-            if not 0 <= v < nv or p.value_producer[v] != node:
+            if not 0 <= v < base or p.value_producer[v] != node:
                 raise ProblemError(f"problem {p.name!r}: node {node} lists output value {v}, whose producer "
-                                   f"is not that node.")
-    if np.any(p.value_producer >= n) or sum(map(len, p.node_outputs)) != int((p.value_producer >= 0).sum()):
+                                   f"is not that node (or it is a variant-only value).")
+    if np.any(p.value_producer >= n) or sum(map(len, p.node_outputs)) != int((p.value_producer[:base] >= 0).sum()):
         raise ProblemError(f"problem {p.name!r}: every produced value must be listed by its producer node.")
+    for node, offered in enumerate(p.variants):
+        names = [v.name for v in offered]
+        if DEFAULT_IMPL in names or len(set(names)) != len(names):
+            raise ProblemError(f"problem {p.name!r}: {p.node_label(node)} has variant names {names}; each must be "
+                               f"unique and not {DEFAULT_IMPL!r}.")
+        for v in offered:
+            if not (np.isfinite(v.cost) and v.cost >= 0 and v.workspace >= 0) or \
+                    any(not 0 <= x < nv for x in (*v.inputs, *v.outputs)) or \
+                    any(p.value_producer[x] != node for x in v.outputs):
+                raise ProblemError(f"problem {p.name!r}: variant {v.name!r} of {p.node_label(node)} needs a finite "
+                                   f"non-negative cost and workspace, existing values, and outputs produced by the node.")
+    if np.any(p.value_producer[base:] < 0):
+        raise ProblemError(f"problem {p.name!r}: variant-only values must name their producer node.")
     if sorted(p.order.tolist()) != list(range(n)):
         raise ProblemError(f"problem {p.name!r}: order must be a permutation of the node ids 0..{n - 1}.")
     pos = np.empty(n, dtype=np.int64)

@@ -8,18 +8,24 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   is computed again (a copy never read lives during its own step only); an explicit free can only
   come after that last read, so it releases nothing earlier;
 - the final copy of a graph output stays live to the end;
-- live memory during a compute step = live copies + the node's workspace; the peak is its maximum.
+- live memory during a compute step = live copies + the node's workspace; the peak is its maximum;
+- a compute step runs the implementation variant its `impl` names (default: the node as listed): the
+  variant's inputs, outputs, workspace and cost are charged;
+- with addresses (copy (step, value) -> byte offset), `arena_bytes` is the extent they span and
+  `arena_peak_bytes` = arena_bytes + max over compute steps of (unplaced live copies + workspace): the
+  arena is one allocation for the whole step, copies without an address are allocated as usual.
+  `check_addresses` refuses two copies live at the same step whose byte ranges overlap.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from runtime.plan import PlanError, normalize_step
-from tasks.solve.problem import Problem
+from tasks.solve.problem import DEFAULT_IMPL, Problem
 
 
 class InvalidSchedule(ValueError):
@@ -27,11 +33,17 @@ class InvalidSchedule(ValueError):
     missing at the end."""
 
 
+class AddressConflict(InvalidSchedule):
+    """Two value copies live at the same step whose addresses overlap, or an address that names no copy."""
+
+
 @dataclass(frozen=True)
 class Simulation:
     """`timeline[i]`: live bytes during step i (a compute step includes the node's workspace; a free
     step shows what stays live after it). `peak_step` is the first compute step reaching the peak.
-    Copy c of value `copy_value[c]` is live during steps `copy_start[c]..copy_end[c]`."""
+    Copy c of value `copy_value[c]` is live during steps `copy_start[c]..copy_end[c]` (`copy_start` is
+    the step computing it, so (copy_start[c], copy_value[c]) is the copy's key in plan addresses).
+    `arena_bytes` / `arena_peak_bytes` are set when the schedule was simulated with addresses."""
 
     peak_bytes: int
     peak_step: int
@@ -42,11 +54,27 @@ class Simulation:
     copy_value: np.ndarray
     copy_start: np.ndarray
     copy_end: np.ndarray
+    copy_bytes: np.ndarray
+    workspace: np.ndarray
+    is_compute: np.ndarray
+    arena_bytes: int | None = None
+    arena_peak_bytes: int | None = None
 
     def live_values(self, step: int) -> np.ndarray:
         """Values with a copy live during `step`."""
         live = (self.copy_start <= step) & (self.copy_end >= step)
         return np.unique(self.copy_value[live])
+
+    def copy_index(self) -> dict[tuple[int, int], int]:
+        """(step computing it, value) -> copy index."""
+        return {(int(s), int(v)): c for c, (s, v) in enumerate(zip(self.copy_start, self.copy_value))}
+
+    def live_timeline(self, copies: np.ndarray) -> np.ndarray:
+        """Bytes of the copies selected by the boolean mask `copies` live during each step."""
+        delta = np.zeros(len(self.timeline) + 1, dtype=np.int64)
+        np.add.at(delta, self.copy_start[copies], self.copy_bytes[copies])
+        np.add.at(delta, self.copy_end[copies] + 1, -self.copy_bytes[copies])
+        return np.cumsum(delta[:-1])
 
 
 def normalize_schedule(schedule: Iterable[Any]) -> list[dict[str, Any]]:
@@ -57,8 +85,10 @@ def normalize_schedule(schedule: Iterable[Any]) -> list[dict[str, Any]]:
         raise InvalidSchedule(str(exc)) from None
 
 
-def simulate(problem: Problem, schedule: Iterable[Any]) -> Simulation:
-    """Peak, memory timeline and compute cost of `schedule` on `problem` (module docstring)."""
+def simulate(problem: Problem, schedule: Iterable[Any],
+             addresses: Mapping[tuple[int, int], int] | None = None) -> Simulation:
+    """Peak, memory timeline and compute cost of `schedule` on `problem`, and with `addresses` the arena
+    they need (module docstring); addresses are checked by `check_addresses`."""
     steps = normalize_schedule(schedule)
     n, nv = problem.num_nodes, problem.num_values
     producer = problem.value_producer
@@ -75,24 +105,36 @@ def simulate(problem: Problem, schedule: Iterable[Any]) -> Simulation:
             node = step["compute"]
             if node >= n:
                 raise InvalidSchedule(f"schedule[{i}] computes node {node}, which does not exist (0..{n - 1}).")
-            for v in problem.node_inputs[node]:
+            impl = step.get("impl")
+            if impl is None or impl == DEFAULT_IMPL:
+                inputs, outputs = problem.node_inputs[node], problem.node_outputs[node]
+                node_workspace, node_cost = problem.workspace[node], problem.cost[node]
+            else:
+                try:
+                    variant = problem.variant(node, impl)
+                except KeyError as exc:
+                    raise InvalidSchedule(f"schedule[{i}]: {exc.args[0]}") from None
+                inputs, outputs = variant.inputs, variant.outputs
+                node_workspace, node_cost = variant.workspace, variant.cost
+            for v in inputs:
                 if producer[v] < 0:
                     continue
                 c = current[v]
                 if c < 0:
                     why = (f"it was freed at schedule[{freed_at[v]}]" if v in freed_at
-                           else f"its producer {problem.node_label(int(producer[v]))} has not been computed")
+                           else f"its producer {problem.node_label(int(producer[v]))} has not been computed "
+                                f"by a variant that allocates it ({', '.join(_allocating(problem, v))})")
                     raise InvalidSchedule(f"schedule[{i}] computes {problem.node_label(node)}, which reads "
                                           f"value {v}, but {why}.")
                 copy_end[c] = i
-            for v in problem.node_outputs[node]:
+            for v in outputs:
                 current[v] = len(copy_value)
                 copy_value.append(v)
                 copy_start.append(i)
                 copy_end.append(i)
-            workspace[i] = problem.workspace[node]
+            workspace[i] = node_workspace
             is_compute[i] = True
-            cost += float(problem.cost[node])
+            cost += float(node_cost)
         else:
             v = step["free"]
             if v >= nv:
@@ -118,7 +160,7 @@ def simulate(problem: Problem, schedule: Iterable[Any]) -> Simulation:
     timeline = np.cumsum(delta[:-1]) + workspace
     compute_live = np.where(is_compute, timeline, -1)
     peak_step = int(np.argmax(compute_live)) if is_compute.any() else -1
-    return Simulation(
+    sim = Simulation(
         peak_bytes=int(compute_live[peak_step]) if peak_step >= 0 else 0,
         peak_step=peak_step,
         compute_cost=cost,
@@ -128,7 +170,54 @@ def simulate(problem: Problem, schedule: Iterable[Any]) -> Simulation:
         copy_value=values,
         copy_start=starts,
         copy_end=ends,
+        copy_bytes=nbytes,
+        workspace=workspace,
+        is_compute=is_compute,
     )
+    if addresses is None:
+        return sim
+    placed, offsets = check_addresses(problem, sim, addresses)
+    arena = int((offsets[placed] + nbytes[placed]).max(initial=0))
+    unplaced = np.where(is_compute, sim.live_timeline(~placed) + workspace, 0)
+    return replace(sim, arena_bytes=arena, arena_peak_bytes=arena + int(unplaced.max(initial=0)))
+
+
+def check_addresses(problem: Problem, sim: Simulation,
+                    addresses: Mapping[tuple[int, int], int]) -> tuple[np.ndarray, np.ndarray]:
+    """Refuse (AddressConflict) an address that names no copy of the schedule, one for the final copy of a
+    graph output (it outlives the step, so it cannot live in the step's arena), or two copies live at a
+    common step whose byte ranges [offset, offset + bytes) overlap. Returns (placed mask, offset per copy)."""
+    index = sim.copy_index()
+    placed = np.zeros(len(sim.copy_value), dtype=bool)
+    offsets = np.zeros(len(sim.copy_value), dtype=np.int64)
+    final = set(np.flatnonzero(sim.copy_end == len(sim.timeline) - 1).tolist())
+    for (step, value), offset in addresses.items():
+        c = index.get((int(step), int(value)))
+        if c is None:
+            raise AddressConflict(f"address for value {value} at schedule[{step}]: that step does not allocate "
+                                  f"the value, so there is no such copy.")
+        if c in final and problem.is_output[value]:
+            raise AddressConflict(f"address for value {value} at schedule[{step}]: it is the final copy of a "
+                                  f"graph output, which outlives the step and cannot live in its arena.")
+        placed[c], offsets[c] = True, int(offset)
+    ids = np.flatnonzero(placed & (sim.copy_bytes > 0))
+    start, end = sim.copy_start[ids], sim.copy_end[ids]
+    lo, hi = offsets[ids], offsets[ids] + sim.copy_bytes[ids]
+    for k in range(len(ids)):
+        clash = (start[k + 1:] <= end[k]) & (end[k + 1:] >= start[k]) & (lo[k + 1:] < hi[k]) & (hi[k + 1:] > lo[k])
+        if clash.any():
+            j = k + 1 + int(np.argmax(clash))
+            a, b = ids[k], ids[j]
+            raise AddressConflict(
+                f"value {sim.copy_value[a]} (computed at schedule[{sim.copy_start[a]}], bytes {lo[k]}..{hi[k]}) and "
+                f"value {sim.copy_value[b]} (computed at schedule[{sim.copy_start[b]}], bytes {lo[j]}..{hi[j]}) "
+                f"are live together from schedule[{max(start[k], start[j])}] but their addresses overlap.")
+    return placed, offsets
+
+
+def _allocating(problem: Problem, value: int) -> list[str]:
+    node = int(problem.value_producer[value])
+    return [impl for impl in problem.impls(node) if value in problem.variant(node, impl).outputs]
 
 
 def default_schedule(problem: Problem) -> list[tuple[str, int]]:

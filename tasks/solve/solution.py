@@ -9,23 +9,32 @@ from typing import Any
 
 import numpy as np
 
+from runtime.plan import Plan, memplan_version
 from tasks.solve.milp import Progress, relative_gap
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import Simulation, simulate
 
 
+DEFAULT_BACKEND = "auto"
+DEFAULT_GAP = 0.01
+DEFAULT_TIME_LIMIT_S = 300.0
+"""The one set of solve defaults: `SolveOptions`, `[[plans]]` in pipeline.toml and `memplan solve`."""
+
+
 @dataclass
 class SolveOptions:
-    """`time_limit` (seconds), relative `gap` and `threads` bound the MILP solvers; `backend` picks the
-    MILP backend ("auto", "highs", "gurobi"); `mip_start` is a schedule to start from; `params` holds
-    solver-specific settings, documented by each solver."""
+    """`time_limit` (seconds; None: none), relative `gap` and `threads` bound the MILP solvers; `backend`
+    picks the MILP backend ("auto": Gurobi when the license present covers the model, else HiGHS;
+    "highs"; "gurobi"); `mip_start` is a schedule to start from; `params` holds the solver's own typed
+    options (its options dataclass, or a mapping the registry checks against it; see
+    `tasks.solve.SOLVERS[name].options`)."""
 
-    time_limit: float | None = None
-    gap: float = 1e-4
-    backend: str = "auto"
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S
+    gap: float = DEFAULT_GAP
+    backend: str = DEFAULT_BACKEND
     threads: int | None = None
     mip_start: list | None = None
-    params: dict[str, Any] = field(default_factory=dict)
+    params: Any = None
 
 
 @dataclass
@@ -34,13 +43,16 @@ class Solution:
     within the budget, optimality not proved), "infeasible" (proved: no schedule the solver considers
     fits; `min_budget_lower_bound` is a lower bound on the smallest feasible budget), "no_solution"
     (time limit or heuristic failure without a schedule within budget). `objective` is the schedule's
-    total compute cost, `bound` a lower bound on the optimal cost."""
+    total compute cost, `bound` a lower bound on the optimal cost. Schedule steps are
+    `("compute", node[, impl])` / `("free", value)`; `addresses` (optional) maps a value copy (step
+    computing it, value) to its arena offset, and `simulation` then carries the arena size."""
 
     solver: str
     budget_bytes: int
     status: str
-    schedule: list[tuple[str, int]] | None = None
+    schedule: list[tuple] | None = None
     simulation: Simulation | None = None
+    addresses: dict[tuple[int, int], int] | None = None
     bound: float | None = None
     solve_seconds: float = 0.0
     backend: str | None = None
@@ -75,6 +87,7 @@ class Solution:
             "status": self.status,
             "objective": self.objective,
             "predicted_peak_bytes": self.predicted_peak_bytes,
+            "arena_bytes": None if self.simulation is None else self.simulation.arena_bytes,
             "bound": self.bound,
             "gap": self.gap,
             "solve_seconds": round(self.solve_seconds, 3),
@@ -85,38 +98,43 @@ class Solution:
             "message": self.message,
         }
 
-    def to_plan(self, problem: Problem, *, device: str | None = None, profile_run_id: str | None = None) -> dict:
-        """The runtime plan JSON dict of this solution (docs/plan-format.md)."""
-        from runtime.plan import Plan, memplan_version
-
+    def to_plan(self, problem: Problem, *, device: str | None = None, profile_run_id: str | None = None) -> Plan:
+        """The runtime plan of this solution (docs/plan-format.md). Every prediction is the simulator's;
+        `time_ms` is the compute cost when the problem's costs are profiled milliseconds, else null."""
         if self.schedule is None or self.simulation is None:
             raise ValueError(f"solver {self.solver} found no schedule within {self.budget_bytes} bytes "
                              f"(status {self.status}); there is no plan to write.")
-        plan = Plan(
+        sim = self.simulation
+        predicted = {"peak_bytes": sim.peak_bytes, "constant_bytes": sim.constant_bytes,
+                     "compute_cost": sim.compute_cost,
+                     "time_ms": sim.compute_cost if problem.cost_unit == "ms" else None}
+        if self.addresses is not None:
+            predicted["arena_bytes"] = sim.arena_bytes
+        return Plan(
             fingerprint=problem.fingerprint or f"benchmark:{problem.name}",
             schedule=list(self.schedule),
-            predicted={"peak_bytes": self.simulation.peak_bytes, "constant_bytes": self.simulation.constant_bytes,
-                       "compute_cost": self.simulation.compute_cost, "time_ms": None},
+            addresses=self.addresses,
+            predicted=predicted,
             provenance={"solver": self.solver, "budget_bytes": self.budget_bytes, "backend": self.backend,
                         "gap": self.gap, "profile_run_id": profile_run_id, "device": device,
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "memplan_version": memplan_version()},
         )
-        return plan.to_json()
 
 
-def checked_solution(problem: Problem, solver: str, budget: int, schedule: list | None, **kw: Any) -> Solution:
-    """A Solution whose schedule has been run through the simulator; a schedule above the budget is
-    dropped (status "no_solution", the message gives its peak)."""
+def checked_solution(problem: Problem, solver: str, budget: int, schedule: list | None,
+                     addresses: dict[tuple[int, int], int] | None = None, **kw: Any) -> Solution:
+    """A Solution whose schedule (and addresses, when given) has been run through the simulator; a
+    schedule above the budget is dropped (status "no_solution", the message gives its peak)."""
     if schedule is None:
         kw.pop("status", None)
         return Solution(solver, budget, "no_solution", **kw)
-    sim = simulate(problem, schedule)
+    sim = simulate(problem, schedule, addresses)
     if sim.peak_bytes > budget:
         kw["message"] = (kw.get("message", "") + f" schedule peak {sim.peak_bytes} exceeds the budget {budget}").strip()
         kw.pop("status", None)
         return Solution(solver, budget, "no_solution", **kw)
-    return Solution(solver, budget, kw.pop("status", "feasible"), schedule, sim, **kw)
+    return Solution(solver, budget, kw.pop("status", "feasible"), schedule, sim, addresses, **kw)
 
 
 def min_budget_lower_bound(problem: Problem) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tasks.solve.solution import SolveOptions
+
 from tasks.config import (
     Budget,
     ConfigError,
@@ -27,7 +29,10 @@ def test_defaults_fill_every_optional_section(config_data):
     assert config.validation.rtol == 1e-4 and config.validation.peak_rtol == 0.05
     assert config.publish.dir == "plans"
     assert config.models[1].batch_sizes == [8]
-    assert config.plans[0].solver_options() == {"backend": "highs", "time_limit": 300.0, "gap": 0.01, "params": {}}
+    shared = SolveOptions()
+    assert (shared.backend, shared.gap, shared.time_limit) == ("auto", 0.01, 300.0)
+    assert config.plans[0].solve_settings() == {"backend": shared.backend, "time_limit": shared.time_limit,
+                                                "gap": shared.gap, "params": {}, "addresses": "none"}
 
 
 @pytest.mark.parametrize(

@@ -76,14 +76,6 @@ inputs = [{ shape = [8] }, { shape = [], dtype = "int64", high = 4 }]
 '''
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def write_project(folder: Path, checkmate_budgets: str = '["90%"]', extra_models: str = "",
                   checkmate_models: str = '["mlp"]') -> Path:
     folder.mkdir(parents=True, exist_ok=True)

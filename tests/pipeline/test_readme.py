@@ -28,7 +28,7 @@ def test_readme_snippet_trains_three_steps_with_a_plan(tmp_path, monkeypatch):
     budget = int(0.93 * simulate(problem, default_schedule(problem)).peak_bytes)
     solution = solve(problem, "ap-greedy", budget)
     assert solution.feasible
-    Plan.load(solution.to_plan(problem)).save(tmp_path / plan_path)
+    solution.to_plan(problem).save(tmp_path / plan_path)
     monkeypatch.chdir(tmp_path)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -11,6 +11,7 @@ from torch import nn
 
 import runtime
 from runtime.graph import Node, OpGraph, Value
+from runtime.variants import graph_variants
 from tasks.profile import ProfileSettings, measure_graph, profile_graph
 from tasks.solve.problem import Problem
 from tasks.store import connect, load_costs
@@ -44,7 +45,11 @@ class MatmulAndRelu(nn.Module):
 
 
 def test_every_node_gets_one_row_with_the_graph_output_bytes(cnn_graph):
-    rows = measure_graph(cnn_graph, "cpu", FAST, model="cnn", progress=False)
+    measured = measure_graph(cnn_graph, "cpu", FAST, model="cnn", progress=False)
+    variants = graph_variants(cnn_graph)
+    assert sorted((r["node_id"], r["impl"]) for r in measured) == sorted(
+        (n.id, impl) for n in cnn_graph.nodes for impl in variants.names(n.id))      # one row per variant
+    rows = [r for r in measured if r["impl"] == "default"]
     assert [r["node_id"] for r in rows] == [n.id for n in cnn_graph.nodes]
     for row, node in zip(rows, cnn_graph.nodes):
         assert row["output_bytes"] == sum(cnn_graph.values[v].bytes for v in node.outputs)
@@ -104,10 +109,12 @@ def test_workspace_is_the_peak_of_temporaries_beyond_the_outputs():
 
 def test_profile_graph_writes_a_run_that_planners_read(store, cnn_graph):
     run = profile_graph(cnn_graph, "cpu", FAST, model="cnn", progress=False)
-    assert run.path.parent == store / "device=cpu" / "model=cnn" and run.rows == len(cnn_graph.nodes)
+    offered = sum(len(names) for names in graph_variants(cnn_graph).specs.values())
+    assert run.path.parent == store / "device=cpu" / "model=cnn" and run.rows == len(cnn_graph.nodes) + offered
     costs = load_costs(cnn_graph.fingerprint, "cpu")
     assert costs.run_id == run.run_id
-    stored = connect().execute("SELECT node_id, time_ms, workspace_bytes FROM profiles ORDER BY node_id").fetchall()
+    stored = connect().execute("SELECT node_id, time_ms, workspace_bytes FROM profiles WHERE impl = 'default' "
+                               "ORDER BY node_id").fetchall()
     assert [(i, *costs[i]) for i in costs] == stored
     problem = Problem.from_graph(cnn_graph, costs)
     assert np.array_equal(problem.cost, [t for _, t, _ in stored])

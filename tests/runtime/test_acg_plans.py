@@ -20,7 +20,7 @@ def acg_plan(graph, budget_fraction=None):
         budget = int(solution.predicted_peak_bytes + budget_fraction * (peak - solution.predicted_peak_bytes))
         solution = solve(problem, "acg", budget, SolveOptions())
     assert solution.feasible, solution.message
-    return Plan.load(solution.to_plan(problem)), solution
+    return solution.to_plan(problem), solution
 
 
 @pytest.mark.parametrize("name", ["resnet50", "densenet121", "inception_v3", "vgg16"])

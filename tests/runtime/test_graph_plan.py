@@ -76,21 +76,64 @@ def test_default_plan_is_eager_order_and_valid(tmp_path):
 
 def test_plan_accepts_tuple_steps_and_recomputation():
     g = chain_graph()
-    plan = Plan(g.fingerprint, [("compute", 0), ("compute", 1), ("free", 2), ("compute", 1, "fast"),
+    plan = Plan(g.fingerprint, [("compute", 0), ("compute", 1), ("free", 2), ("compute", 1, "default"),
                                 ("compute", 2), ("compute", 3)])
-    assert plan.schedule[2] == {"free": 2} and plan.schedule[3] == {"compute": 1, "impl": "fast"}
+    assert plan.schedule[2] == {"free": 2} and plan.schedule[3] == {"compute": 1}  # default impl is implicit
     plan.validate(g)
+    fast = Plan(g.fingerprint, [("compute", 0), ("compute", 1, "fast"), ("compute", 2), ("compute", 3)])
+    with pytest.raises(PlanError, match=r"schedule\[1\]: node 1 has no implementation variant 'fast'; it offers default"):
+        fast.validate(g)
 
 
-def test_plan_json_keeps_offsets_and_predictions(tmp_path):
+def test_plan_json_keeps_addresses_and_predictions(tmp_path):
     g = chain_graph()
-    plan = Plan(g.fingerprint, default_plan(g).schedule, offsets={1: 0, 2: 100},
-                predicted={"peak_bytes": 200, "time_ms": None}, provenance={"solver": "olla"})
+    schedule = [("compute", 0), ("compute", 1), ("compute", 2), ("compute", 1), ("compute", 3)]
+    plan = Plan(g.fingerprint, schedule, addresses={(0, 1): 0, (1, 2): 128, (3, 2): 256},
+                predicted={"peak_bytes": 200, "time_ms": None, "arena_bytes": 356}, provenance={"solver": "olla"})
+    plan.validate(g)
     plan.save(tmp_path / "p.json")
     raw = json.loads((tmp_path / "p.json").read_text())
-    assert raw["offsets"] == {"1": 0, "2": 100}
+    assert raw["version"] == 2 and raw["addresses"] == [[0, 1, 0], [1, 2, 128], [3, 2, 256]]
     again = Plan.load(tmp_path / "p.json")
-    assert again.offsets == {1: 0, 2: 100} and again.predicted == {"peak_bytes": 200, "time_ms": None}
+    assert again.addresses == {(0, 1): 0, (1, 2): 128, (3, 2): 256}            # two copies of value 2
+    assert again.predicted == {"peak_bytes": 200, "time_ms": None, "arena_bytes": 356}
+
+
+@pytest.mark.parametrize("addresses, message", [
+    ({(1, 1): 0}, r"name value 1 at schedule\[1\], but that step does not allocate it"),
+    ({(3, 4): 0}, r"final copy as a graph output"),
+])
+def test_addresses_must_name_copies_inside_the_step(addresses, message):
+    g = chain_graph()
+    with pytest.raises(PlanError, match=message):
+        Plan(g.fingerprint, default_plan(g).schedule, addresses=addresses).validate(g)
+
+
+def _v1_file(tmp_path, schedule, offsets=None):
+    """A plan file as memplan 0.1 wrote it (format version 1)."""
+    from runtime.jsonio import sha256_hex
+
+    body = {"format": "memplan-plan", "version": 1, "fingerprint": chain_graph().fingerprint, "schedule": schedule}
+    if offsets is not None:
+        body["offsets"] = offsets
+    body |= {"predicted": {"peak_bytes": 200, "constant_bytes": 40, "compute_cost": 4.0, "time_ms": None},
+             "provenance": {"solver": "checkmate", "memplan_version": "0.1.0"}}
+    (tmp_path / "v1.json").write_text(json.dumps({**body, "checksum": sha256_hex(body)}))
+    return tmp_path / "v1.json"
+
+
+def test_version_1_plans_load_and_their_offsets_become_addresses(tmp_path):
+    g = chain_graph()
+    plan = Plan.load(_v1_file(tmp_path, [{"compute": i} for i in range(4)], {"1": 0, "2": 128}))
+    assert plan.schedule == default_plan(g).schedule
+    plan.validate(g)
+    assert plan.addresses == {(0, 1): 0, (1, 2): 128}
+    plan.save(tmp_path / "v2.json")
+    assert json.loads((tmp_path / "v2.json").read_text())["version"] == 2
+    twice = Plan.load(_v1_file(tmp_path, [{"compute": 0}, {"compute": 1}, {"compute": 1}, {"compute": 2},
+                                          {"compute": 3}], {"2": 0}))
+    with pytest.raises(PlanError, match="computes 2 times"):
+        twice.validate(g)
 
 
 @pytest.mark.parametrize("schedule, message", [
@@ -147,7 +190,10 @@ def test_tampered_plan_file_is_refused(tmp_path):
     (lambda d: d.pop("fingerprint"), "required key 'fingerprint' is missing"),
     (lambda d: d.update(schedule=[{"compute": -1}]), r"schedule\[0\] is \{'compute': -1\}"),
     (lambda d: d.update(schedule=[{"run": 0}]), r"schedule\[0\]"),
-    (lambda d: d.update(offsets={"a": 1}), "offsets key 'a'"),
+    (lambda d: d.update(offsets={"1": 0}), r"unknown keys \['offsets'\] for plan version 2"),
+    (lambda d: d.update(addresses=[[0, 1]]), r"addresses entry \[0, 1\] is not \[step, value, offset\]"),
+    (lambda d: d.update(addresses=[[9, 1, 0]]), r"names schedule\[9\], which is not a compute step"),
+    (lambda d: d.update(addresses=[[0, 1, 0], [0, 1, 64]]), r"copy \(step 0, value 1\) twice"),
     (lambda d: d.update(predicted={"peak": 1}), r"predicted\['peak'\]"),
     (lambda d: d.update(extra=1), r"unknown keys \['extra'\]"),
 ])
@@ -165,6 +211,7 @@ def test_missing_plan_file_names_the_path(tmp_path):
 
 
 def test_graph_and_plan_modules_do_not_import_torch():
-    code = ("import sys, runtime, runtime.graph, runtime.plan; from runtime import Plan, OpGraph, default_plan; "
+    code = ("import sys, runtime, runtime.graph, runtime.plan, runtime.variants; "
+            "from runtime import Plan, OpGraph, default_plan; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

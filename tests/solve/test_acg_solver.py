@@ -135,7 +135,7 @@ def test_time_limit_while_dividing_is_reported():
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="mode='fast'; choose one of budget, memory"):
+    with pytest.raises(ValueError, match="options.mode = 'fast': Input should be 'budget' or 'memory'"):
         solve(diamond_problem(), "acg", 10**6, SolveOptions(params={"mode": "fast"}))
 
 

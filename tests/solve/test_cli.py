@@ -1,4 +1,5 @@
 import json
+import re
 from datetime import datetime, timezone
 
 from typer.testing import CliRunner
@@ -75,3 +76,61 @@ def test_bad_solver_and_budget_are_usage_errors(benchmark_paths):
     backend = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "checkmate", "--budget", "0.8",
                                        "--backend", "cplex"])
     assert backend.exit_code == 2 and "unknown backend 'cplex'" in backend.output
+
+
+def _flat(text: str) -> str:
+    """CLI output without rich's box drawing and line wrapping."""
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", text).split())
+
+
+def _vgg(benchmark_paths):
+    return next(p for p in benchmark_paths if p.name.startswith("VGG16") and "train" in p.name)
+
+
+def test_solver_options_come_from_the_command_line(tmp_path, benchmark_paths):
+    base = ["solve", "--graph", str(_vgg(benchmark_paths)), "--solver", "acg", "--budget", "100%", "--json",
+            "--no-progress"]
+    memory = json.loads(CliRunner().invoke(app, base + ["--option", "mode=memory"]).stdout)
+    budget = json.loads(CliRunner().invoke(app, base + ["--option", 'mode="budget"']).stdout)
+    assert "eq. (2) memory" in memory["message"] and "checkpoint sets simulated" in budget["message"]
+    bad = CliRunner().invoke(app, base + ["--option", "mode=fast"])
+    assert bad.exit_code == 2 and "mode = 'fast'" in _flat(bad.output) and "'budget' | 'memory'" in _flat(bad.output)
+    unknown = CliRunner().invoke(app, base + ["--option", "speed=1"])
+    assert unknown.exit_code == 2 and "has no option 'speed'" in _flat(unknown.output)
+
+
+def test_budget_text_reads_like_pipeline_toml(benchmark_paths):
+    def budget(text):
+        args = ["solve", "--graph", str(_vgg(benchmark_paths)), "--solver", "checkpoint-all", "--budget", text,
+                "--json", "--no-progress"]
+        return json.loads(CliRunner().invoke(app, args).stdout)["budget_bytes"]
+
+    assert budget("0.8") == budget("80%") == budget('"80%"')
+    assert budget("123456789") == 123456789 and budget("1.5GiB") == budget("1.5 GiB") == int(1.5 * 2**30)
+    bad = CliRunner().invoke(app, ["solve", "--graph", str(_vgg(benchmark_paths)), "--solver", "acg", "--budget", "1.5"])
+    assert bad.exit_code == 2 and "budget 1.5 is not understood" in _flat(bad.output)
+
+
+def test_greedy_addresses_are_written_and_reported(tmp_path, benchmark_paths):
+    out = tmp_path / "plan.json"
+    args = ["solve", "--graph", str(_vgg(benchmark_paths)), "--solver", "checkmate", "--budget", "90%",
+            "--addresses", "greedy", "--json", "--out", str(out), "--no-progress"]
+    report = json.loads(CliRunner().invoke(app, args).stdout)
+    plan = Plan.load(out)
+    problem = Problem.from_node_link(_vgg(benchmark_paths))
+    sim = simulate(problem, plan.schedule, plan.addresses)       # checked: no live copies overlap
+    assert plan.addresses and report["arena_bytes"] == plan.predicted["arena_bytes"] == sim.arena_bytes
+
+
+def test_cli_and_pipeline_share_the_solve_defaults():
+    import typer
+
+    from tasks.config import PlanConfig
+    from tasks.solve.solution import SolveOptions
+
+    params = {p.name: p.default for p in typer.main.get_command(app).commands["solve"].params}
+    shared = SolveOptions()
+    fields = PlanConfig.model_fields
+    assert params["backend"] == shared.backend == fields["backend"].default == "auto"
+    assert params["gap"] == shared.gap == fields["gap"].default
+    assert params["time_limit"] == shared.time_limit == fields["time_limit_s"].default

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from tasks.solve.milp import MilpModel, MilpOptions, _gurobi_unavailable, relative_gap, solve_lp_sweep, solve_milp
+import tasks.solve.milp as milp
+from tasks.solve.milp import (GUROBI_SIZE_LIMIT, MilpModel, MilpOptions, gurobi_license, gurobi_size, relative_gap,
+                              solve_lp_sweep, solve_milp)
 
 WEIGHTS = np.array([12, 7, 11, 8, 9, 6, 5, 14])
 VALUES = np.array([24, 13, 23, 15, 16, 11, 9, 30])
@@ -60,24 +62,62 @@ def test_mip_start_is_the_first_incumbent():
     assert result.objective == -_brute_force()
 
 
-def test_gurobi_only_with_a_full_license():
-    reason = _gurobi_unavailable()
-    auto = solve_milp(_knapsack(), MilpOptions(backend="auto"))
-    assert auto.objective == -_brute_force() and auto.backend == ("gurobi" if reason is None else "highs")
-    if reason == "gurobipy is not installed":
-        with pytest.raises(RuntimeError, match="gurobipy is not installed"):
-            solve_milp(_knapsack(), MilpOptions(backend="gurobi"))
-        return
-    small = solve_milp(_knapsack(), MilpOptions(backend="gurobi"))
-    assert small.backend == "gurobi" and small.objective == -_brute_force()
-    n = 2500
-    large = MilpModel(c=-np.ones(n), A=sp.csr_matrix(np.ones((1, n))), row_lower=np.array([-np.inf]),
-                      row_upper=np.array([3.0]), col_lower=np.zeros(n), col_upper=np.ones(n),
-                      integrality=np.ones(n, bool))
-    if reason is not None and "size-limited" in reason:
-        with pytest.raises(RuntimeError, match="size-limited"):
-            solve_milp(large, MilpOptions(backend="gurobi"))
-    assert solve_milp(large, MilpOptions(backend="auto")).objective == -3.0
+def _licensed_gurobi() -> str:
+    """The license kind, skipping the test when gurobipy is missing or has no license."""
+    pytest.importorskip("gurobipy")
+    kind = gurobi_license().kind
+    if kind == "unavailable":
+        pytest.skip(gurobi_license().reason)
+    return kind
+
+
+def _pairs(n_pairs: int, ranged: bool = False) -> tuple[MilpModel, float]:
+    """2 * n_pairs binaries, x[2i] + x[2i+1] <= 1, maximizing sum_j (j + 1) x[j]: the optimum takes
+    the odd-indexed one of each pair, -(2 + 4 + ... + 2 n_pairs) in closed form. `ranged` makes each
+    row 0 <= ... <= 1 (two Gurobi constraints)."""
+    n = 2 * n_pairs
+    A = sp.kron(sp.eye(n_pairs), np.ones((1, 2)), format="csr")
+    lower = np.zeros(n_pairs) if ranged else np.full(n_pairs, -np.inf)
+    model = MilpModel(c=-np.arange(1.0, n + 1), A=A, row_lower=lower, row_upper=np.ones(n_pairs),
+                      col_lower=np.zeros(n), col_upper=np.ones(n), integrality=np.ones(n, bool))
+    return model, -float(n_pairs * (n_pairs + 1))
+
+
+def test_auto_solves_a_small_model_with_gurobi():
+    _licensed_gurobi()
+    for backend in ("auto", "gurobi"):
+        result = solve_milp(_knapsack(), MilpOptions(backend=backend))
+        assert result.backend == "gurobi" and result.status == "optimal"
+        assert result.objective == pytest.approx(-_brute_force()) and WEIGHTS @ np.round(result.x) <= CAPACITY
+
+
+def test_the_size_limit_is_checked_on_variables_and_constraints_as_gurobi_builds_them():
+    at_limit, optimum = _pairs(GUROBI_SIZE_LIMIT // 2)
+    assert gurobi_size(at_limit) == (GUROBI_SIZE_LIMIT, GUROBI_SIZE_LIMIT // 2)
+    ranged, _ = _pairs(GUROBI_SIZE_LIMIT // 2 + 1, ranged=True)
+    assert gurobi_size(ranged) == (GUROBI_SIZE_LIMIT + 2, GUROBI_SIZE_LIMIT + 2)
+    if _licensed_gurobi() == "size-limited":  # exactly at the limit is allowed
+        result = solve_milp(at_limit, MilpOptions(backend="auto"))
+        assert result.backend == "gurobi" and result.objective == pytest.approx(optimum)
+
+
+def test_auto_takes_highs_above_the_license_limit(caplog, monkeypatch):
+    model, optimum = _pairs(1500)                              # 3000 variables, 1500 constraints
+    monkeypatch.setattr(milp, "_LOGGED", set())
+    with caplog.at_level("INFO", logger="memplan.solve"):
+        result = solve_milp(model, MilpOptions(backend="auto"))
+    assert result.status == "optimal" and result.objective == pytest.approx(optimum)
+    assert result.backend == ("gurobi" if gurobi_license().kind == "full" else "highs")
+    if gurobi_license().kind == "size-limited":
+        assert any("3000 variables" in r.message and str(GUROBI_SIZE_LIMIT) in r.message for r in caplog.records)
+
+
+def test_forcing_gurobi_above_the_license_limit_raises():
+    if _licensed_gurobi() != "size-limited":
+        pytest.skip("the Gurobi license is not size-limited")
+    model, _ = _pairs(1500)
+    with pytest.raises(RuntimeError, match=r"3000 variables.*size-limited to 2000.*backend 'highs'.*full Gurobi"):
+        solve_milp(model, MilpOptions(backend="gurobi"))
 
 
 def test_unknown_backend_is_refused():
@@ -121,3 +161,11 @@ def test_lp_sweep_reports_infeasible_budgets_and_stops_at_its_time_limit():
     statuses = [r.status for r in solve_lp_sweep(model, [1.0, needed * 0.9], MilpOptions())]
     assert statuses == ["optimal", "infeasible"]
     assert list(solve_lp_sweep(model, [1.0, 0.5], MilpOptions(time_limit=0.0))) == []
+
+
+def test_without_gurobi_auto_takes_highs_and_gurobi_raises(monkeypatch):
+    missing = milp.GurobiLicense("unavailable", "gurobipy is not installed")
+    monkeypatch.setattr(milp, "gurobi_license", lambda: missing)
+    assert solve_milp(_knapsack(), MilpOptions(backend="auto")).backend == "highs"
+    with pytest.raises(RuntimeError, match="gurobipy is not installed"):
+        solve_milp(_knapsack(), MilpOptions(backend="gurobi"))

@@ -96,10 +96,27 @@ def test_bad_sizes_and_costs_rejected():
 
 
 def test_load_dispatches_on_format(tmp_path, benchmark_paths):
+    from datetime import datetime, timezone
+
+    from tasks.problems import load_problem
+    from tasks.store import ProfileNotFoundError, new_run_id, write_run
+    from tasks.store_schema import SCHEMA_VERSION
+
     graph = _tiny_opgraph()
     graph.save(tmp_path / "g.json")
-    assert Problem.load(tmp_path / "g.json").fingerprint == graph.fingerprint
+    with pytest.raises(ProfileNotFoundError, match="No complete profile"):
+        load_problem(tmp_path / "g.json", store=tmp_path / "db")
+    run_id = new_run_id()
+    write_run([dict(schema_version=SCHEMA_VERSION, run_id=run_id, created_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
+                    fingerprint=graph.fingerprint, model="tiny", graph_nodes=len(graph.nodes), device="cpu",
+                    device_type="cpu", node_id=n.id, impl="default", time_ms=0.5 + n.id, output_bytes=8,
+                    workspace_bytes=2 * n.id) for n in graph.nodes], tmp_path / "db")
+    loaded = load_problem(tmp_path / "g.json", store=tmp_path / "db")
+    assert loaded.problem.fingerprint == graph.fingerprint and loaded.profile_run_id == run_id
+    assert loaded.problem.cost_unit == "ms" and loaded.problem.cost.tolist() == [0.5 + n.id for n in graph.nodes]
+    assert loaded.problem.workspace.tolist() == [2 * n.id for n in graph.nodes]
     resnet = next(p for p in benchmark_paths if p.name.startswith("ResNet50") and "train" in p.name)
-    p = Problem.load(resnet)
+    p = load_problem(resnet).problem
+    assert p.cost_unit is None
     assert p.num_nodes == 353 and sum(map(len, p.node_inputs)) == 751
     assert np.array_equal(p.order, np.arange(353))

@@ -1,6 +1,6 @@
 """The `acg` solver: optimal gradient checkpoints on arbitrary computation graphs (Feng & Huang 2021).
 
-Modes (`SolveOptions.params["mode"]`):
+Modes (`AcgOptions.mode`):
 - "memory": the paper's problem. Algorithm 6 minimizes eq. (2), sum of the checkpoints' bytes + the
   largest segment, with no budget; the solution is returned when its simulated peak fits the budget.
 - "budget" (default): the least recomputation whose simulated peak fits the budget. This extends the
@@ -16,7 +16,8 @@ Modes (`SolveOptions.params["mode"]`):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -27,7 +28,15 @@ from tasks.solve.problem import Problem
 from tasks.solve.simulator import Simulation, default_schedule, simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution
 
-MODES = ("budget", "memory")
+@dataclass(frozen=True)
+class AcgOptions:
+    """Options of `acg`."""
+
+    mode: Literal["budget", "memory"] = field(default="budget", metadata={
+        "help": "'budget': least recomputation whose simulated peak fits (Lagrangian search); "
+                "'memory': the paper's memory optimum, eq. (2)."})
+    keep: tuple[int, ...] = field(default=(), metadata={
+        "help": "node ids that must be checkpoints (never recomputed)."})
 
 
 @dataclass(frozen=True)
@@ -81,17 +90,15 @@ def budgeted(fg: ForwardGraph, root: Segment, budget: int,
 
 
 def acg(problem: Problem, budget: int, options: SolveOptions) -> Solution:
-    """Solver `acg` (module docstring); the schedule is `reforward_schedule` of the checkpoints. Parameter
-    `keep`: node ids that must be checkpoints (never recomputed)."""
+    """Solver `acg` (module docstring); the schedule is `reforward_schedule` of the checkpoints."""
     start = time.perf_counter()
     deadline = None if options.time_limit is None else start + options.time_limit
-    mode = options.params.get("mode", "budget")
-    if mode not in MODES:
-        raise ValueError(f"acg parameter mode={mode!r}; choose one of {', '.join(MODES)}.")
+    opts: AcgOptions = options.params
+    mode = opts.mode
     if problem.is_recomputable.all():
         return checked_solution(problem, "acg", budget, default_schedule(problem), solve_seconds=time.perf_counter() - start,
                                 message="the graph has no backward pass, so no gradient checkpoint lowers its peak")
-    fg = forward_graph(problem, keep=options.params.get("keep", ()))
+    fg = forward_graph(problem, keep=opts.keep)
     try:
         root = division_tree(fg.dag, deadline)
     except TimeoutError as exc:

@@ -1,0 +1,50 @@
+"""The one problem loader: a graph file (and, for a memplan graph, its newest complete profile) as the
+`Problem` the solvers see. `memplan solve` and the pipeline's solve stage both load through here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.graph import OpGraph
+from runtime.variants import graph_variants
+from tasks.solve.problem import Problem, ProblemError
+from tasks.store import CostTable, load_costs
+
+
+@dataclass(frozen=True)
+class LoadedProblem:
+    """A problem with where it came from: `graph` and `costs` are None for a node-link benchmark."""
+
+    problem: Problem
+    graph: OpGraph | None
+    costs: CostTable | None
+
+    @property
+    def device(self) -> str | None:
+        return None if self.costs is None else self.costs.device
+
+    @property
+    def profile_run_id(self) -> str | None:
+        return None if self.costs is None else self.costs.run_id
+
+
+def load_problem(path: str | os.PathLike, *, device: str | None = None,
+                 store: str | os.PathLike | None = None) -> LoadedProblem:
+    """The problem of a memplan-graph JSON, priced by the newest complete profile of that graph in
+    `store` (on `device` if given; `tasks.store.ProfileNotFoundError` says what to profile), with every
+    implementation variant the graph offers and the profile measured; or of a node-link benchmark graph
+    (shared/benchmarks/README.md)."""
+    path = Path(path)
+    try:
+        head = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ProblemError(f"cannot read graph file {path}: {exc}. Pass a memplan-graph JSON (from `memplan "
+                           f"trace`) or a node-link benchmark graph.") from None
+    if isinstance(head, dict) and head.get("format") == "memplan-graph":
+        graph = OpGraph.from_json(head, source=f"graph file {path}")
+        costs = load_costs(graph.fingerprint, device, root=store)
+        return LoadedProblem(Problem.from_graph(graph, costs, graph_variants(graph)), graph, costs)
+    return LoadedProblem(Problem.from_node_link(path), None, None)

@@ -1,0 +1,51 @@
+"""Profiling implementation variants: a row per (node, variant), measured like the default rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import runtime
+from runtime.variants import graph_variants
+from tasks.profile import ProfileSettings, profile_graph
+from tasks.solve.problem import Problem
+from tasks.store import connect, load_costs
+
+FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """Conv -> ReLU -> conv -> ReLU6 -> linear, cross-entropy: both rules of the `mask` variant."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU6(),
+                        nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    batch = (torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
+    return runtime.capture(net, lambda m, x, y: F.cross_entropy(m(x), y), batch)
+
+
+def test_mask_variants_get_rows_that_planners_price(store, graph):
+    run = profile_graph(graph, "cpu", FAST, model="tiny", progress=False)
+    variants = graph_variants(graph)
+    rows = connect().execute("SELECT node_id, impl, input_bytes, output_bytes, workspace_bytes FROM profiles").fetchall()
+    by = {(n, impl): (i, o, w) for n, impl, i, o, w in rows}
+    assert run.rows == len(rows) == len(graph.nodes) + sum(map(len, variants.specs.values()))
+    assert {k for k in by if k[1] == "mask"} == {(n, "mask") for n in variants.specs}
+
+    relu = next(n.id for n in graph.nodes if n.targets[0] == "aten.relu.default")
+    mask = variants.specs[relu]["mask"].outputs[-1]
+    out = graph.nodes[relu].outputs[0]
+    backward = next(n for n, s in variants.specs.items() if mask in s["mask"].inputs and n != relu)
+    assert graph.nodes[backward].targets[0] == "aten.threshold_backward.default"
+    assert by[relu, "mask"][1] == by[relu, "default"][1] + variants.bytes_of(graph, mask)
+    assert by[backward, "mask"][0] < by[backward, "default"][0]          # reads a 1-byte mask, not the output
+    assert by[backward, "default"][0] - by[backward, "mask"][0] == graph.values[out].bytes - variants.bytes_of(graph, mask)
+
+    hardtanh = next(n.id for n in graph.nodes if n.targets[0] == "aten.hardtanh.default")
+    assert by[hardtanh, "mask"][2] == variants.specs[hardtanh]["mask"].workspace > 0   # the ge temporary
+
+    costs = load_costs(graph.fingerprint, "cpu")
+    problem = Problem.from_graph(graph, costs, variants)
+    assert problem.variant(backward, "mask").cost == costs.variants[backward]["mask"].time_ms > 0

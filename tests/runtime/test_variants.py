@@ -1,0 +1,135 @@
+"""Implementation variants in the executor: the `mask` variant of ReLU / hardtanh trains exactly like eager
+PyTorch, its measured peak is the simulated one, and inconsistent variant plans are refused."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import runtime
+from runtime.plan import Plan, PlanError
+from runtime.variant_ops import VariantError
+from runtime.variants import graph_variants
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import simulate
+
+_CAPTURES = {}
+
+
+def small_cnn(name):
+    """(model, loss_fn, batch, graph) of a torchvision model, 10 classes, batch 2x3x32x32; captured once."""
+    if name not in _CAPTURES:
+        import torchvision
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)(num_classes=10)
+        loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+        batch = (torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,)))
+        _CAPTURES[name] = (model, loss_fn, batch, runtime.capture(model, loss_fn, batch))
+    return _CAPTURES[name]
+
+
+def mask_schedule(graph):
+    """The default order, every node that offers `mask` run as `mask`."""
+    variants = graph_variants(graph)
+    return [{"compute": n.id, "impl": "mask"} if "mask" in variants.specs.get(n.id, {}) else {"compute": n.id}
+            for n in graph.nodes]
+
+
+def assert_equal_step(a, b):
+    assert torch.equal(a.loss, b.loss)
+    assert a.grads.keys() == b.grads.keys() and a.buffers.keys() == b.buffers.keys()
+    for k in a.grads:
+        assert torch.equal(a.grads[k], b.grads[k]), k
+    for k in a.buffers:
+        assert torch.equal(a.buffers[k], b.buffers[k]), k
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_mask_plan_trains_exactly_like_eager_at_the_simulated_peak(helpers, name):
+    model, loss_fn, batch, g = small_cnn(name)
+    variants = graph_variants(g)
+    schedule = mask_schedule(g)
+    assert sum(1 for s in schedule if "impl" in s) >= 2 * len(variants.values)   # forward and backward
+    result = helpers.train_plan(model, loss_fn, batch, Plan(g.fingerprint, schedule), graph=g)
+    assert_equal_step(helpers.train_eager(model, loss_fn, batch), result)
+    problem = Problem.from_graph(g, None, variants)
+    masked, default = simulate(problem, schedule), simulate(problem, runtime.default_plan(g).schedule)
+    helpers.assert_peak_matches(result.peak, masked.peak_bytes)
+    if name == "mobilenet_v2":      # ReLU6 saves a clone of its input for the backward: the mask replaces it
+        assert masked.peak_bytes < default.peak_bytes
+    # resnet18 gains nothing: each ReLU output is also the next convolution's saved input, so the mask only
+    # adds memory (and at 32x32 the peak is the end of the backward, on its 45 MB of gradients)
+
+
+def test_backward_mask_without_the_forward_mask_is_refused():
+    model, loss_fn, batch, g = small_cnn("resnet18")
+    variants = graph_variants(g)
+    schedule = [dict(s) for s in mask_schedule(g)]
+    for s in schedule:
+        if g.nodes[s["compute"]].phase != "backward":
+            s.pop("impl", None)
+    plan = Plan(g.fingerprint, schedule)
+    with pytest.raises(PlanError, match="has not been computed by a variant that allocates it"):
+        plan.validate(g, variants)
+    with pytest.raises(PlanError, match="has not been computed by a variant that allocates it"):
+        runtime.load(plan, copy.deepcopy(model), loss_fn, graph=g)(*batch)
+
+
+class TinyReLU6(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.l2(F.relu6(self.l1(x)) + F.relu(self.l1(x)))
+
+
+def tiny_graph():
+    torch.manual_seed(0)
+    model = TinyReLU6()
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batch = (torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    return model, loss_fn, batch, runtime.capture(model, loss_fn, batch)
+
+
+def same(a, b):
+    """Bit-equal values, NaNs in the same places."""
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    return True
+
+
+def test_variant_function_computes_the_variant_values():
+    model, loss_fn, batch, g = tiny_graph()
+    variants = graph_variants(g)
+    by_target = {g.nodes[n].targets[0]: n for n in variants.specs}
+    x = torch.tensor([-2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 6.0, 7.0, float("nan")]).repeat(6, 2)[:, :16]
+    grad = torch.randn(6, 16)
+    relu = by_target["aten.relu.default"]
+    out, mask = runtime.variant_function(g, relu, "mask")(x)
+    assert same(out, torch.relu(x)) and same(mask, torch.relu(x) <= 0)
+    (result,) = runtime.variant_function(g, by_target["aten.threshold_backward.default"], "mask")(grad, mask)
+    assert same(result, torch.ops.aten.threshold_backward(grad, out, 0))
+    # ATen's CPU hardtanh_backward is not consistent on NaN (0 in its vectorized loop, grad in its scalar
+    # tail), so the hardtanh check uses finite inputs
+    x = torch.nan_to_num(x, nan=3.0)
+    hardtanh = by_target["aten.hardtanh.default"]
+    out, mask = runtime.variant_function(g, hardtanh, "mask")(x)
+    assert same(out, F.hardtanh(x, 0.0, 6.0)) and same(mask, (x <= 0) | (x >= 6))
+    backward = by_target["aten.hardtanh_backward.default"]
+    assert variants.specs[backward]["mask"].inputs[1] == variants.specs[hardtanh]["mask"].outputs[-1]
+    (result,) = runtime.variant_function(g, backward, "mask")(grad, mask)
+    assert same(result, torch.ops.aten.hardtanh_backward(grad, x, 0.0, 6.0))
+    assert runtime.variant_function(g, backward, "default").code == runtime.node_function(g, backward).code
+
+
+def test_hardtanh_backward_with_other_bounds_than_its_forward_is_refused():
+    model, loss_fn, batch, g = tiny_graph()
+    variants = graph_variants(g)
+    backward = next(n for n in variants.specs if g.nodes[n].targets[0] == "aten.hardtanh_backward.default")
+    head = next(m for m in g.program.groups[backward] if m.name == g.nodes[backward].name)
+    head.args = (*head.args[:2], -1.0, 6.0)              # as if the backward clipped at other bounds
+    plan = Plan(g.fingerprint, mask_schedule(g))
+    with pytest.raises(VariantError, match=r"min/max \(-1.0, 6.0\).*min/max \(0, 6\)"):
+        runtime.load(plan, copy.deepcopy(model), loss_fn, graph=g)(*batch)
