@@ -17,6 +17,7 @@ from __future__ import annotations
 from tasks.solve import baselines, checkmate, greedy
 from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.options import OptionError, SolverSpec, describe_options, parse_options
+from tasks.solve.portfolio import CHEAP, best_known
 from tasks.solve.problem import Problem
 from tasks.solve.solution import Solution, SolveOptions
 
@@ -31,20 +32,26 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
     SolverSpec("linearized-greedy", baselines.linearized_greedy, "greedy checkpoints on the topological order."),
     SolverSpec("remat-greedy", greedy.remat_greedy, "greedy: keep the values whose recomputation is dearest per byte."),
     SolverSpec("checkmate-approx", checkmate.checkmate_approx, "Checkmate's LP relaxation + two-phase rounding.",
-               checkmate.CheckmateApproxOptions),
+               checkmate.CheckmateApproxOptions, portfolio=True),
     SolverSpec("checkmate", checkmate.checkmate, "Checkmate's optimal rematerialization MILP (eq. 9).",
-               checkmate.CheckmateOptions),
+               checkmate.CheckmateOptions, portfolio=True),
     SolverSpec("acg", acg, "optimal gradient checkpoints on the division tree of the graph (Feng & Huang).",
                AcgOptions),
 )}
 
 
 def solve(problem: Problem, solver: str, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
-    """Run the solver named `solver`; raises KeyError listing the known names for an unknown one and
-    OptionError for options it does not take."""
+    """Run the solver named `solver`; a portfolio solver's answer is never worse than the cheap solvers'
+    (tasks.solve.portfolio) unless `options.portfolio` is False. Raises KeyError listing the known names
+    for an unknown solver and OptionError for options it does not take."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    return SOLVERS[solver](problem, budget_bytes, options)
+    spec, options = SOLVERS[solver], options or SolveOptions()
+    solution = spec(problem, budget_bytes, options)
+    if spec.portfolio and options.portfolio:
+        seen = problem if spec.variants else problem.without_variants()
+        solution = best_known(seen, int(budget_bytes), solution, options, {name: SOLVERS[name] for name in CHEAP})
+    return solution
 
 
 __all__ = ["SOLVERS", "OptionError", "SolverSpec", "describe_options", "parse_options", "solve"]

@@ -1,6 +1,6 @@
 """`python -m tasks.solve > docs/solvers.md`: the solver catalogue, generated from the registry."""
 
-from tasks.solve import SOLVERS, describe_options
+from tasks.solve import CHEAP, SOLVERS, describe_options
 
 
 def catalogue() -> str:
@@ -12,7 +12,9 @@ def catalogue() -> str:
              "the shared `backend`, `time_limit_s` and `gap` (docs/config.md).", ""]
     for spec in SOLVERS.values():
         lines += [f"## `{spec.name}`", "", spec.summary[0].upper() + spec.summary[1:]
-                  + (" Chooses implementation variants." if spec.variants else ""), ""]
+                  + (" Chooses implementation variants." if spec.variants else "")
+                  + (f" Never returns a schedule costlier than {', '.join(CHEAP)} find at the same budget (the "
+                     f"report's `source` names the winner)." if spec.portfolio else ""), ""]
         options = describe_options(spec)
         if options:
             lines += ["| option | type | default | meaning |", "|---|---|---|---|"]

@@ -92,8 +92,9 @@ def _fixed(problem: Problem, name: str, budget: int, kept: list[int], start: flo
 
 def _greedy(problem: Problem, name: str, budget: int, candidates: list[int], start: float,
             time_limit: float | None) -> Solution:
-    """Search b over a geometric grid (and both retention rules of the fill); cheapest fitting schedule
-    found before the time limit."""
+    """Search b over a geometric grid; cheapest fitting schedule found before the time limit. Each
+    segment is recomputed once for the backward pass and kept until its last use (Chen et al. 2016, as
+    torch.utils.checkpoint does), so no node runs more than twice: at most one extra forward."""
     sizes = problem.node_bytes[forward_nodes(problem)].astype(float)
     lo, hi = max(sizes.min(initial=1.0), 1.0), max(sizes.sum(), 2.0)
     best, tried, stopped = None, set(), ""
@@ -105,13 +106,10 @@ def _greedy(problem: Problem, name: str, budget: int, candidates: list[int], sta
         if kept in tried:
             continue
         tried.add(kept)
-        for retain in (True, False):      # dropping recomputed values costs more: only when needed
-            schedule = schedule_from_checkpoints(problem, _values(problem, list(kept)), retain_recomputed=retain)
-            sim = simulate(problem, schedule)
-            if sim.peak_bytes <= budget:
-                if best is None or sim.compute_cost < best[1].compute_cost:
-                    best = (schedule, sim, len(kept), b)
-                break
+        schedule = schedule_from_checkpoints(problem, _values(problem, list(kept)))
+        sim = simulate(problem, schedule)
+        if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
+            best = (schedule, sim, len(kept), b)
     if best is None:
         return Solution(name, budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no segment size b of {len(tried)} checkpoint sets tried{stopped} fits the budget")

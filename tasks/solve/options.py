@@ -34,14 +34,16 @@ class OptionInfo:
 @dataclass(frozen=True)
 class SolverSpec:
     """A registered solver: `run(problem, budget_bytes, options) -> Solution`, a one-line `summary`, the
-    dataclass of its `options` (None: it takes none) and whether it chooses implementation `variants`
-    (otherwise it sees `problem.without_variants()`). Calling the spec checks the options first."""
+    dataclass of its `options` (None: it takes none), whether it chooses implementation `variants`
+    (otherwise it sees `problem.without_variants()`) and whether its answers are checked against the
+    cheap solvers' (`portfolio`, for the MILP/LP solvers). Calling the spec checks the options first."""
 
     name: str
     run: Callable[[Problem, int, SolveOptions], Solution]
     summary: str
     options: type | None = None
     variants: bool = False
+    portfolio: bool = False
 
     def __call__(self, problem: Problem, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
         options = options or SolveOptions()

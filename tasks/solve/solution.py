@@ -27,7 +27,8 @@ class SolveOptions:
     picks the MILP backend ("auto": Gurobi when the license present covers the model, else HiGHS;
     "highs"; "gurobi"); `mip_start` is a schedule to start from; `params` holds the solver's own typed
     options (its options dataclass, or a mapping the registry checks against it; see
-    `tasks.solve.SOLVERS[name].options`)."""
+    `tasks.solve.SOLVERS[name].options`). `portfolio`: a MILP/LP solver also returns no schedule worse
+    than the cheap solvers' at the same budget (tasks.solve.portfolio; False tests the solver alone)."""
 
     time_limit: float | None = DEFAULT_TIME_LIMIT_S
     gap: float = DEFAULT_GAP
@@ -35,6 +36,7 @@ class SolveOptions:
     threads: int | None = None
     mip_start: list | None = None
     params: Any = None
+    portfolio: bool = True
 
 
 @dataclass
@@ -45,7 +47,8 @@ class Solution:
     (time limit or heuristic failure without a schedule within budget). `objective` is the schedule's
     total compute cost, `bound` a lower bound on the optimal cost. Schedule steps are
     `("compute", node[, impl])` / `("free", value)`; `addresses` (optional) maps a value copy (step
-    computing it, value) to its arena offset, and `simulation` then carries the arena size."""
+    computing it, value) to its arena offset, and `simulation` then carries the arena size. `source`
+    names the solver whose schedule this is when it is not `solver` itself (tasks.solve.portfolio)."""
 
     solver: str
     budget_bytes: int
@@ -61,6 +64,7 @@ class Solution:
     min_budget_lower_bound: int | None = None
     progress: list[Progress] = field(default_factory=list)
     message: str = ""
+    source: str | None = None
 
     @property
     def feasible(self) -> bool:
@@ -92,6 +96,7 @@ class Solution:
             "gap": self.gap,
             "solve_seconds": round(self.solve_seconds, 3),
             "backend": self.backend,
+            "source": self.source or self.solver,
             "num_variables": self.num_variables,
             "num_constraints": self.num_constraints,
             "min_budget_lower_bound": self.min_budget_lower_bound,
@@ -115,7 +120,8 @@ class Solution:
             schedule=list(self.schedule),
             addresses=self.addresses,
             predicted=predicted,
-            provenance={"solver": self.solver, "budget_bytes": self.budget_bytes, "backend": self.backend,
+            provenance={"solver": self.solver, "schedule_from": self.source or self.solver,
+                        "budget_bytes": self.budget_bytes, "backend": self.backend,
                         "gap": self.gap, "profile_run_id": profile_run_id, "device": device,
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "memplan_version": memplan_version()},

@@ -57,3 +57,32 @@ def test_step_state_holds_loss_gradients_and_buffers():
                           "buffer:num_batches_tracked"}
     assert torch.equal(state["grad:bias"], model.bias.grad) and state["grad:bias"] is not model.bias.grad
     assert int(state["buffer:num_batches_tracked"]) == 1
+
+
+def test_a_plan_with_addresses_is_validated_in_arena_mode_too():
+    """Arena mode runs on its own copy of the model, compared with eager before any timed step moves its
+    BatchNorm statistics; it reports its peak and places every copy of the in-place nodes."""
+    import numpy as np
+
+    import runtime
+    from runtime.arena import in_place_nodes
+    from runtime.plan import Plan
+    from tasks.config import ModelConfig, ValidateConfig
+    from tasks.models import build_batch, build_loss, build_model
+    from tasks.solve.addresses import greedy_addresses
+    from tasks.solve.problem import Problem
+    from tasks.solve.simulator import default_schedule, simulate
+    from tasks.validate import validate_plan
+
+    spec = ModelConfig(name="r18", torchvision="resnet18", kwargs={"num_classes": 4},
+                       inputs=[{"shape": [3, 32, 32]}, {"shape": [], "dtype": "int64", "high": 4}])
+    graph = runtime.capture(build_model(spec, 0), build_loss(spec), build_batch(spec, 2, 0, "cpu"))
+    problem = Problem.from_graph(graph)
+    schedule = default_schedule(problem)
+    nodes = in_place_nodes(graph, "cpu")
+    addresses = greedy_addresses(problem, simulate(problem, schedule), np.array([n in nodes for _, n in schedule]))
+    plan = Plan(graph.fingerprint, schedule, addresses, provenance={"budget_bytes": 10**9})
+    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, warmup=1))
+    assert validation.passed, validation.reasons
+    assert validation.arena_bytes_not_placed == 0 and validation.arena_step_ms > 0
+    assert validation.arena_peak_bytes == simulate(problem, schedule, addresses).arena_peak_bytes

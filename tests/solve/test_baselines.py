@@ -18,7 +18,7 @@ def test_every_heuristic_on_every_benchmark_graph(benchmark_paths, fraction):
         problem = Problem.from_node_link(path)
         budget = int(fraction * simulate(problem, default_schedule(problem)).peak_bytes)
         for name in HEURISTICS:
-            sol = solve(problem, name, budget, SolveOptions(time_limit=2))
+            sol = solve(problem, name, budget, SolveOptions(time_limit=2, portfolio=False))
             if sol.feasible:
                 again = simulate(problem, sol.schedule)
                 assert again.peak_bytes == sol.predicted_peak_bytes <= budget, (path.name, name)
@@ -74,3 +74,28 @@ def test_remat_greedy_respects_the_budget_and_the_optimum(linear):
             assert sol.predicted_peak_bytes <= budget and sol.objective >= best
         else:
             assert sol.status == "no_solution" and sol.message
+
+
+SEGMENT_BASELINES = ["chen-sqrt-n", "chen-greedy", "ap-sqrt-n", "ap-greedy", "linearized-sqrt-n", "linearized-greedy"]
+
+
+@pytest.mark.parametrize("fraction", [0.95, 0.8, 0.6, 0.4])
+def test_segment_baselines_cost_at_most_one_extra_forward(benchmark_paths, fraction):
+    """Each segment is recomputed once and kept until its backward is done (torch.utils.checkpoint's
+    rule): no node runs more than twice and backward nodes run once, whatever the budget."""
+    from collections import Counter
+
+    for path in benchmark_paths:
+        if "train" not in path.name:
+            continue
+        problem = Problem.from_node_link(path)
+        budget = int(fraction * simulate(problem, default_schedule(problem)).peak_bytes)
+        forward_cost = problem.cost[problem.is_recomputable].sum()
+        for name in SEGMENT_BASELINES:
+            sol = solve(problem, name, budget, SolveOptions(time_limit=5))
+            if not sol.feasible:
+                continue
+            runs = Counter(node for kind, node, *_ in sol.schedule if kind == "compute")
+            assert max(runs.values()) <= 2, (path.name, name)
+            assert all(runs[n] == 1 for n in range(problem.num_nodes) if not problem.is_recomputable[n]), (path.name, name)
+            assert sol.objective <= problem.cost.sum() + forward_cost + 1e-9, (path.name, name)

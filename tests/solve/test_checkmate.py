@@ -125,7 +125,8 @@ def test_time_limit_returns_the_incumbent_with_its_gap(benchmark_paths):
     warm = solve(problem, "checkmate", budget, SolveOptions(time_limit=3, mip_start=start.schedule))
     assert warm.status == "feasible" and warm.predicted_peak_bytes <= budget
     assert warm.objective <= start.objective and warm.bound >= problem.cost.sum() and warm.gap > 0
-    cold = solve(problem, "checkmate", budget, SolveOptions(time_limit=2, params={"warm_start": "none"}))
+    cold = solve(problem, "checkmate", budget, SolveOptions(time_limit=2, params={"warm_start": "none"},
+                                                            portfolio=False))
     assert cold.status == "no_solution" and cold.schedule is None and "time limit" in cold.message.lower()
 
 
@@ -136,3 +137,21 @@ def test_warm_start_within_gap_skips_the_milp(benchmark_paths):
     sol = solve(problem, "checkmate", budget, SolveOptions(gap=0.02))
     assert sol.status == "optimal" and sol.num_variables is None
     assert sol.objective <= 1.02 * problem.cost.sum() and sol.bound == problem.cost.sum()
+
+
+def test_expensive_solvers_are_never_worse_than_the_cheap_ones(benchmark_paths):
+    """With no time to solve its LP, checkmate-approx returns the best cheap schedule (status time_limit,
+    source named); checkmate's answer is never costlier than any cheap solver's."""
+    from tasks.solve.portfolio import CHEAP
+
+    path = next(p for p in benchmark_paths if p.name.startswith("ResNet50") and "train" in p.name)
+    problem = Problem.from_node_link(path)
+    budget = int(0.8 * simulate(problem, default_schedule(problem)).peak_bytes)
+    cheap = {name: solve(problem, name, budget, SolveOptions(time_limit=30)) for name in CHEAP}
+    best = min(s.objective for s in cheap.values() if s.feasible)
+    alone = solve(problem, "checkmate-approx", budget, SolveOptions(time_limit=0.5, portfolio=False))
+    assert not alone.feasible and alone.status == "no_solution"
+    sol = solve(problem, "checkmate-approx", budget, SolveOptions(time_limit=0.5))
+    assert sol.status == "time_limit" and sol.objective == best and sol.source in CHEAP
+    assert cheap[sol.source].objective == best and sol.report()["source"] == sol.source
+    assert simulate(problem, sol.schedule).peak_bytes == sol.predicted_peak_bytes <= budget

@@ -1,0 +1,165 @@
+"""memplan against what users already have: peak memory and step time, measured side by side in one run.
+
+    .venv/bin/python bench/peers.py [--workloads gpt2 resnet50 mobilenet_v2] [--rounds 6] [--threads 1]
+
+Per workload (random weights, CPU): eager PyTorch; the PyTorch checkpointing a user writes by hand
+(transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's top-level
+children); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the smallest
+fraction `ap-greedy` reaches. Every memplan plan is solved on unit node costs, run with `runtime.load`
+(gradients compared with eager) and measured with `runtime.meter.PeakMeter`; step times are medians of
+interleaved rounds. The verdict lists each PyTorch point and the memplan plans that dominate it (no more
+peak at no more time), and each memplan plan a PyTorch point dominates.
+Not yet here: torch.compile's `activation_memory_budget` (needs a meter that sees compiled code) and a
+Llama-style decoder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from torch.utils.checkpoint import checkpoint_sequential
+
+import runtime
+from runtime.meter import PeakMeter
+from tasks.solve import solve
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+
+SOLVERS = ("ap-greedy", "acg", "linearized-greedy", "checkmate-approx")
+FRACTIONS = (0.9, 0.7, 0.5)
+
+
+def workload(name: str):
+    """(model, loss_fn, batch, hand-checkpointed step or None, its label)."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=256, vocab_size=2048,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+        loss_fn = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
+        batch = (torch.randint(0, 2048, (4, 256)),)
+        hand = copy.deepcopy(model)
+        hand.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model, loss_fn, batch, (hand, lambda: loss_fn(hand, *batch).backward()), "checkpoint per block"
+    import torchvision
+
+    model = getattr(torchvision.models, name)(num_classes=10)
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batch = (torch.randn(8, 3, 128, 128), torch.randint(0, 10, (8,)))
+    hand = copy.deepcopy(model)
+    features = hand.features if hasattr(hand, "features") else \
+        torch.nn.Sequential(*[m for n, m in hand.named_children() if n != "fc"])
+    head = hand.fc if hasattr(hand, "fc") else hand.classifier
+
+    def sequential_step():
+        x = checkpoint_sequential(features, 4, batch[0], use_reentrant=False)
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        F.cross_entropy(head(x), batch[1]).backward()
+
+    return model, loss_fn, batch, (hand, sequential_step), "checkpoint_sequential(4)"
+
+
+def peak_and_grads(model, step):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with PeakMeter("cpu") as meter:
+        step()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return meter.peak_bytes, grads
+
+
+def median_ms(runs: dict, rounds: int) -> dict[str, float]:
+    times = {k: [] for k in runs}
+    for i in range(rounds + 1):                       # the first round warms up
+        for k, (model, step) in runs.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            step()
+            if i:
+                times[k].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench(name: str, rounds: int) -> tuple[list[dict], str]:
+    model, loss_fn, batch, (hand, hand_step), hand_label = workload(name)
+    graph = runtime.capture(model, loss_fn, batch)
+    problem = Problem.from_graph(graph)
+    full = simulate(problem, default_schedule(problem)).peak_bytes
+    smallest = min((s.predicted_peak_bytes for f in (0.5, 0.4, 0.3, 0.25, 0.2) if
+                    (s := solve(problem, "ap-greedy", int(f * full), SolveOptions(time_limit=60))).feasible), default=full)
+    runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step)}
+    points = {"eager": {"kind": "pytorch"}, hand_label: {"kind": "pytorch"}}
+    for fraction in (*FRACTIONS, smallest / full):
+        for solver in SOLVERS:
+            start = time.perf_counter()
+            sol = solve(problem, solver, int(fraction * full), SolveOptions(time_limit=120))
+            if not sol.feasible:
+                continue
+            label = f"{solver} @ {fraction:.2f}"
+            planned = copy.deepcopy(model)
+            step = runtime.load(sol.to_plan(problem), planned, loss_fn, graph=graph)
+            runs[label] = (planned, lambda step=step: step(*batch))
+            points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start,
+                             "source": sol.source or solver, "predicted": sol.predicted_peak_bytes}
+    eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
+    for label, (m, step) in runs.items():
+        peak, grads = peak_and_grads(m, step)
+        points[label] |= {"peak": peak / eager_peak,
+                          "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
+    for label, ms in median_ms(runs, rounds).items():
+        points[label]["ms"] = ms
+    eager_ms = points["eager"]["ms"]
+    rows = [{"label": k, **v, "time": v["ms"] / eager_ms} for k, v in points.items()]
+    return rows, verdict(rows)
+
+
+def dominates(a: dict, b: dict) -> bool:
+    return a["peak"] <= b["peak"] and a["time"] <= b["time"] and (a["peak"], a["time"]) != (b["peak"], b["time"])
+
+
+def verdict(rows: list[dict]) -> str:
+    torch_points = [r for r in rows if r["kind"] == "pytorch" and r["label"] != "eager"]
+    ours = [r for r in rows if r["kind"] == "memplan"]
+    lines = []
+    for p in torch_points:
+        winners = [r["label"] for r in ours if dominates(r, p)]
+        lines.append(f"{p['label']} ({p['peak']:.3f}x peak, {p['time']:.3f}x time) is dominated by: "
+                     + (", ".join(winners) or "no memplan plan"))
+    beaten = [r["label"] for r in ours if any(dominates(p, r) for p in torch_points)]
+    lines.append("memplan plans dominated by a PyTorch point: " + (", ".join(beaten) or "none"))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="+", default=["gpt2", "resnet50", "mobilenet_v2"])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    console = Console(width=200)
+    for name in args.workloads:
+        rows, text = bench(name, args.rounds)
+        table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "solve s", "schedule from",
+                      title=f"{name}: CPU, {args.threads} thread(s), median of {args.rounds} interleaved rounds")
+        for r in sorted(rows, key=lambda r: r["peak"]):
+            table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.0f}", f"{r['err']:.2g}",
+                          f"{r['solve_s']:.1f}" if "solve_s" in r else "", r.get("source", ""))
+        console.print(table)
+        console.print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""No answer worse than a known one: the expensive solvers' results checked against the cheap solvers'.
+
+A MILP or LP solver (Checkmate, its LP rounding) may stop at its time limit with a poor incumbent or none,
+and LP rounding may round to a schedule a greedy beats. `best_known` runs the cheap solvers at the same
+budget and returns the cheapest feasible schedule by predicted cost, keeping the expensive solver's
+bound and saying which solver's schedule won (`Solution.source`). When the expensive solver found
+nothing because of its time limit, the status is `time_limit` (a plan, optimality unknown).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, Mapping
+
+from tasks.solve.problem import Problem
+from tasks.solve.solution import Solution, SolveOptions
+
+CHEAP = ("ap-greedy", "linearized-greedy", "acg", "remat-greedy")
+"""The solvers every portfolio solve consults (seconds on graphs of thousands of nodes)."""
+
+CHEAP_TIME_LIMIT_S = 30.0
+"""Each cheap solver's own limit: they finish in seconds, so the expensive solver's limit does not cut them."""
+
+
+def best_known(problem: Problem, budget: int, solution: Solution, options: SolveOptions,
+               cheap: Mapping[str, Callable[[Problem, int, SolveOptions], Solution]]) -> Solution:
+    """`solution`, or the cheapest feasible schedule of the `cheap` solvers at `budget` when it costs less
+    (or `solution` has none); the answer keeps `solution`'s solver name, bound and model size."""
+    start = time.perf_counter()
+    found = [s for s in (run(problem, budget, SolveOptions(time_limit=CHEAP_TIME_LIMIT_S, threads=options.threads))
+                         for run in cheap.values()) if s.feasible]
+    best = min(found, key=lambda s: (s.objective, s.predicted_peak_bytes), default=None)
+    seconds = solution.solve_seconds + time.perf_counter() - start
+    if best is None or (solution.feasible and solution.objective <= best.objective):
+        return replace(solution, solve_seconds=seconds)
+    why = (f"{solution.solver} found no schedule ({solution.status}: {solution.message})" if not solution.feasible
+           else f"{best.solver}'s schedule costs {best.objective:.6g}, {solution.solver}'s {solution.objective:.6g}")
+    status = ("time_limit" if solution.status in ("no_solution", "time_limit") else
+              "optimal" if solution.bound is not None and best.objective <= solution.bound * (1 + 1e-9) else "feasible")
+    return replace(solution, status=status, schedule=best.schedule, simulation=best.simulation, addresses=None,
+                   source=best.solver, solve_seconds=seconds, message=f"{why}: returned {best.solver}'s schedule")
