@@ -108,7 +108,7 @@ def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
     )
     if solved["smallest_feasible_budget"] is not None:
         text += f", and the smallest feasible budget found (greedy checkpointing) is {solved['smallest_feasible_budget']:,} B"
-    if solved["status"] == "no_solution":
+    if "time limit" in solved["message"].lower():
         text += f"; raise time_limit_s (now {case.plan.time_limit_s:g} s) or the budget"
     else:
         text += "; raise the budget"

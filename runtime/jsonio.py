@@ -29,7 +29,8 @@ def _umask() -> int:
     return mask
 
 
-_READABLE = 0o666 & ~_umask()
+READABLE = 0o666 & ~_umask()
+"""Mode of the files memplan shares (plans, index rows): what the umask allows, not mkstemp's 0600."""
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
@@ -44,7 +45,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1, allow_nan=False)
             f.write("\n")
-        os.chmod(tmp, _READABLE)                 # mkstemp makes 0600; plans are shared files
+        os.chmod(tmp, READABLE)                  # mkstemp makes 0600; plans are shared files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -75,12 +75,16 @@ class Budget:
         return int(self.bytes)
 
 
+MAX_BUDGET_BYTES = 2**63 - 1
+"""The largest budget in bytes: plans and the plans index store budgets as signed 64-bit integers."""
+
+
 def parse_budget(value: Any) -> Budget:
     """Parse `2000000000` (bytes), `0.6` or `"60%"` (fraction of checkpoint-all), `"1.5 GiB"`."""
     if isinstance(value, bool):
         raise ValueError(_budget_help(value))
     if isinstance(value, int):
-        if value <= 0:
+        if not 0 < value <= MAX_BUDGET_BYTES:
             raise ValueError(_budget_help(value))
         return Budget(bytes=value)
     if isinstance(value, float):
@@ -93,9 +97,9 @@ def parse_budget(value: Any) -> Budget:
             if 0.0 < fraction <= 1.0:
                 return Budget(fraction=fraction)
         elif (m := _BYTES.match(value)) and m.group(2).lower() in _UNITS:
-            nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-            if nbytes > 0:
-                return Budget(bytes=nbytes)
+            nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if 0 < nbytes <= MAX_BUDGET_BYTES:
+                return Budget(bytes=int(nbytes))
     raise ValueError(_budget_help(value))
 
 
@@ -126,7 +130,8 @@ def _budget_help(value: Any) -> str:
     return (
         f"budget {value!r} is not understood; write an integer number of bytes (2000000000), a size "
         f"with a unit ('1.5 GiB', '512 MiB'; units {', '.join(_UNITS)}), or a fraction of the "
-        "checkpoint-all peak as a float in (0, 1] (0.6) or a percentage ('60%')"
+        "checkpoint-all peak as a float in (0, 1] (0.6) or a percentage ('60%'); byte budgets lie in "
+        f"1..{MAX_BUDGET_BYTES}"
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runtime.jsonio import sha256_hex, write_json_atomic
+from runtime.jsonio import READABLE, sha256_hex, write_json_atomic
 from runtime.plan import Plan
 from tasks.config import MemplanError
 
@@ -61,6 +62,10 @@ _PLAN_ID = re.compile(r"^[0-9a-f]{64}$")
 
 class PublishError(MemplanError):
     """A plan that cannot be published or found in `plans/`."""
+
+
+class PlansIndexWarning(UserWarning):
+    """A file of the plans index was skipped (unreadable or foreign)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ def publish(
         write_json_atomic(target, plan.to_json())
         changed = True
     index_file = plans_dir / "index" / f"{pid}.parquet"
-    if not index_file.exists():
+    if _index_problem(index_file) is not None:           # missing, or unreadable: (re)write the row
         row = _index_row(plan, pid, alias, validation, target.name, model=model, batch_size=batch_size, budget=budget)
         _write_row(index_file, row)
         changed = True
@@ -181,6 +186,7 @@ def _write_row(path: Path, row: IndexRow) -> None:
     os.close(fd)
     try:
         pq.write_table(table, tmp)
+        os.chmod(tmp, READABLE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -199,20 +205,42 @@ def _symlink_atomic(target: str, link: Path) -> None:
         raise
 
 
-def index_glob(plans_dir: str | os.PathLike) -> str:
-    """The glob DuckDB reads for the plans index."""
-    return str(Path(plans_dir) / "index" / "*.parquet")
+def _index_problem(path: Path) -> str | None:
+    """Why the index file `path` cannot be read as an index row, or None when it can."""
+    try:
+        names = pq.read_schema(path).names
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, pa.ArrowException) as exc:
+        return f"unreadable or truncated Parquet ({exc})"
+    return None if "plan_id" in names else "not a memplan plans index row (no plan_id column)"
+
+
+def index_files(plans_dir: str | os.PathLike) -> list[Path]:
+    """The readable index files of `plans_dir`; an unreadable one is skipped with a `PlansIndexWarning`
+    (publishing its plan again rewrites it)."""
+    good = []
+    for path in sorted((Path(plans_dir) / "index").glob("*.parquet")):
+        problem = _index_problem(path)
+        if problem is None:
+            good.append(path)
+        else:
+            warnings.warn(f"Skipping plans index file {path}: {problem}. Publishing its plan again rewrites it; "
+                          f"or delete the file.", PlansIndexWarning, stacklevel=2)
+    return good
 
 
 def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] | None = None) -> list[dict[str, Any]]:
-    """Index rows (newest first) via DuckDB; `where` is an optional SQL condition with `?` parameters."""
+    """Index rows (newest first) via DuckDB; `where` is an optional SQL condition with `?` parameters.
+    Unreadable index files are skipped with a warning (`index_files`)."""
     import duckdb
 
-    if not any((Path(plans_dir) / "index").glob("*.parquet")):
+    files = [str(p) for p in index_files(plans_dir)]
+    if not files:
         return []
     sql = f"SELECT * FROM read_parquet(?, union_by_name = true) {'WHERE ' + where if where else ''} ORDER BY published_at DESC, alias"
     with duckdb.connect() as con:
-        cursor = con.execute(sql, [index_glob(plans_dir), *(params or [])])
+        cursor = con.execute(sql, [files, *(params or [])])
         columns = [d[0] for d in cursor.description]
         return [dict(zip(columns, row)) for row in cursor.fetchall()]
 

@@ -22,10 +22,11 @@ def register(app: typer.Typer) -> None:
         """One row per published plan, newest first."""
         from rich.table import Column, Table
 
+        from flows.commands.query import reporting_store_warnings
         from flows.console import console, exit_on_error
         from tasks.publish import read_index
 
-        with exit_on_error():
+        with exit_on_error(), reporting_store_warnings():
             rows = read_index(plans_dir, "(? IS NULL OR model = ?) AND (? IS NULL OR solver = ?)",
                               [model, model, solver, solver])
         mib = 2**20
@@ -48,11 +49,12 @@ def register(app: typer.Typer) -> None:
         """A plan's provenance, predictions, schedule summary and index row."""
         from rich.table import Table
 
+        from flows.commands.query import reporting_store_warnings
         from flows.console import console, exit_on_error
         from runtime.plan import Plan
         from tasks.publish import plan_id, read_index, resolve
 
-        with exit_on_error():
+        with exit_on_error(), reporting_store_warnings():
             path = resolve(plans_dir, name)
             plan = Plan.load(path)
             pid = plan_id(plan)

@@ -46,11 +46,13 @@ def _err(message: str) -> None:
 
 @contextmanager
 def reporting_store_warnings() -> Iterator[None]:
-    """Print the store's warnings about skipped files on stderr, one line each."""
+    """Print the warnings about skipped files (profile store, plans index) on stderr, one line each."""
+    from tasks.publish import PlansIndexWarning
     from tasks.store import ProfileStoreWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileStoreWarning)
+        warnings.simplefilter("always", PlansIndexWarning)
         try:
             yield
         finally:
@@ -101,12 +103,15 @@ def emit(table, fmt: Format, output: Path | None = None, title: str | None = Non
     rows = list(zip(*(column.to_pylist() for column in table.columns)))
     if fmt is Format.table:
         from rich.table import Table
+        from rich.text import Text
 
         from flows.console import console
 
-        view = Table(*table.column_names, title=title)
+        view = Table(title=None if title is None else Text(title))
+        for name in table.column_names:            # data is Text, never markup: "[red]" prints as typed
+            view.add_column(Text(name))
         for row in rows:
-            view.add_row(*(_cell(v) for v in row))
+            view.add_row(*(Text(_cell(v)) for v in row))
         console().print(view)
         return
     if fmt is Format.json:
@@ -140,13 +145,13 @@ def register(app: typer.Typer) -> None:
         """
         import duckdb
 
-        from tasks.publish import INDEX_SCHEMA
+        from tasks.publish import INDEX_SCHEMA, index_files
         from tasks.store import query as run_query
 
         check_output(fmt, output)
         try:
             with reporting_store_warnings():
-                index = sorted((plans / "index").glob("*.parquet"))
+                index = index_files(plans)
                 table = run_query(sql, store, {"plans": (index, INDEX_SCHEMA)})
         except duckdb.Error as exc:
             _err(f"DuckDB: {exc}")

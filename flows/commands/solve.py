@@ -97,9 +97,10 @@ def register(app: typer.Typer) -> None:
                 typer.echo(json.dumps(report))
             else:
                 _print_report(console(), report)
-            if out is not None and not solution.feasible:
-                errors().print(f"error: no plan written to {out}: {solver} found no schedule within "
-                               f"{solution.budget_bytes} bytes ({solution.status}).", style="red", markup=False)
+            if not solution.feasible:
+                written = f"no plan written to {out}: " if out is not None else ""
+                errors().print(f"error: {written}{solver} found no schedule within {solution.budget_bytes} bytes "
+                               f"({solution.status}).", style="red", markup=False)
                 raise typer.Exit(1)
 
 

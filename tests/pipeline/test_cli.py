@@ -97,3 +97,26 @@ def test_trace_command_writes_the_graph(tmp_path):
     from runtime.graph import OpGraph
 
     assert OpGraph.load(graph).fingerprint[:16] in result.output
+
+
+def test_a_corrupt_index_file_is_skipped_with_a_warning_and_rewritten_by_the_next_publish(tmp_path, make_plan,
+                                                                                          make_validation):
+    import os
+    import stat
+
+    from tasks.publish import plan_id, publish
+
+    plan, args = make_plan(), dict(alias="toy-b4-checkmate-200B", model="toy", batch_size=4, budget="200B")
+    publish(plan, make_validation(), tmp_path, **args)
+    row = tmp_path / "index" / f"{plan_id(plan)}.parquet"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(row.stat().st_mode) == 0o666 & ~umask                # readable like the plans
+    row.write_bytes(b"PAR1 truncated")
+    listed = runner.invoke(app, ["plans", "list", "--dir", str(tmp_path)])
+    assert listed.exit_code == 0 and "Skipping plans index file" in listed.output and "Traceback" not in listed.output
+    shown = runner.invoke(app, ["plans", "show", "toy-b4-checkmate-200B", "--dir", str(tmp_path)])
+    assert shown.exit_code == 0 and "index.measured_peak_bytes" not in shown.output
+    assert publish(plan, make_validation(), tmp_path, **args).changed                 # the row is rewritten
+    again = runner.invoke(app, ["plans", "list", "--dir", str(tmp_path)])
+    assert again.exit_code == 0 and "Skipping" not in again.output and plan_id(plan)[:12] in again.output

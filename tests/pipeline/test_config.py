@@ -46,13 +46,15 @@ def test_defaults_fill_every_optional_section(config_data):
         (0.6, Budget(fraction=0.6)),
         ("60%", Budget(fraction=0.6)),
         (1.0, Budget(fraction=1.0)),
+        (2**63 - 1, Budget(bytes=2**63 - 1)),
     ],
 )
 def test_budget_forms(text, expected):
     assert parse_budget(text) == expected
 
 
-@pytest.mark.parametrize("text", [0, -5, 1.5, 0.0, "150%", "0%", "3 parsecs", "GiB", True, None])
+@pytest.mark.parametrize("text", [0, -5, 1.5, 0.0, "150%", "0%", "3 parsecs", "GiB", True, None,
+                                  "1e30 B", 2**63, "8 EiB", "9.3e18 B"])
 def test_bad_budgets_are_refused(text):
     with pytest.raises(ValueError, match="not understood"):
         parse_budget(text)

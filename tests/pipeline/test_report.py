@@ -56,3 +56,6 @@ def test_no_plan_messages_say_what_to_change():
     )
     proved = solved | {"status": "infeasible", "message": "", "smallest_feasible_budget": None}
     assert infeasible_message(case, proved).endswith("no schedule fits below 300 B; raise the budget.")
+    greedy = solved | {"message": "no segment size b of 12 checkpoint sets tried fits the budget"}
+    assert "time_limit_s" not in infeasible_message(case, greedy)         # no time limit stopped it
+    assert infeasible_message(case, greedy).endswith("raise the budget.")

@@ -143,3 +143,12 @@ def test_documented_example_queries_run(cli, filled):
     slowest, by_op = outputs[0], outputs[1]
     assert [r["ms"] for r in slowest] == [3.0, 2.0, 2.0, 1.0, 1.0]
     assert by_op == [{"op": "aten.mm.default", "nodes": 5, "max_workspace": 2, "total_workspace": 4, "total_ms": 9.0}]
+
+
+@pytest.mark.parametrize("text", ["[bold]x[/bold]", "[/]", "[red", "a[0] = [1, 2]"])
+def test_query_tables_print_data_not_markup(cli, filled, text):
+    """Brackets in values and column names are data: printed as typed, never styled or refused."""
+    sql = f"SELECT '{text}' AS \"{text}\""
+    result = cli("query", sql)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(text) == 2

@@ -134,3 +134,12 @@ def test_cli_and_pipeline_share_the_solve_defaults():
     assert params["backend"] == shared.backend == fields["backend"].default == "auto"
     assert params["gap"] == shared.gap == fields["gap"].default
     assert params["time_limit"] == shared.time_limit == fields["time_limit_s"].default
+
+
+def test_no_schedule_exits_1_in_every_mode_and_still_prints_the_report(benchmark_paths):
+    args = ["solve", "--graph", str(_vgg(benchmark_paths)), "--solver", "ap-greedy", "--budget", "0.1", "--no-progress"]
+    as_json = CliRunner().invoke(app, args + ["--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["feasible"] is False
+    assert "found no schedule" in _flat(as_json.stderr)
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 1 and "feasible" in table.stdout
