@@ -2,9 +2,9 @@
 
 Each step allocates one `uint8` arena of `arena_bytes` at its start and keeps it to its end. A compute
 step whose allocating (head) op has an ATen `out=` overload with a kernel for the device's backend
-(CPU, CUDA) runs through it: a result with an address
-is written into the view `arena[off:off + bytes].view(dtype).as_strided(shape, stride)` (layout of the
-captured result), a result without one (e.g. a gradient, which outlives the step) into a fresh tensor of
+(CPU, CUDA) runs through it: a result with an address is written into the view
+`arena[off:off + bytes].view(dtype).as_strided(shape, stride)` (layout of the captured result), a result
+without one (e.g. a gradient, which outlives the step) into a fresh tensor of
 that layout. Copies with an address whose step cannot do that (no out= overload, a result that is not a
 tensor, a non-default implementation variant) are allocated as usual: they are the step's fallback
 copies, reported in an `ArenaReport` and one `ArenaFallbackWarning` per compile.
@@ -163,7 +163,7 @@ def plan_arena(graph: OpGraph, plan: Plan, variants: GraphVariants,
         found = out_overload(head.target, key) if impl == DEFAULT else None
         if found is None or not all(isinstance(t, torch.Tensor) for t in results):
             target = str(head.target) if impl == DEFAULT else f"{head.target}[{impl}]"
-            report.fallback += [(i, v, variants.bytes_of(graph, v), target) for v in addressed]
+            report.fallback += [(i, v, variants.value(graph, v).bytes, target) for v in addressed]
             continue
         slots = tuple((addresses[i, v], graph.values[v].bytes) if (i, v) in addresses else None
                       for v in _results(graph, n, head))

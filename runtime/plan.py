@@ -171,7 +171,7 @@ class Plan:
 
     def impls(self) -> set[str]:
         """Implementation variants the schedule names besides the default."""
-        return {s["impl"] for s in self.schedule if s.get("impl", "default") != "default"}
+        return {s["impl"] for s in self.schedule if "impl" in s}      # normalized steps omit the default
 
     def validate(self, graph: OpGraph, variants: GraphVariants | None = None) -> GraphVariants:
         """Refuse the plan unless it was made for `graph` and every compute finds its inputs resident:
@@ -188,8 +188,6 @@ class Plan:
         variants = graph_variants(graph) if variants is None else variants
         n_nodes = len(graph.nodes)
         n_values = len(graph.values) + len(variants.values)
-        name = lambda v: graph.values[v].name if v < len(graph.values) else variants.value_of[v].name  # noqa: E731
-        producer = lambda v: graph.values[v].producer if v < len(graph.values) else variants.value_of[v].producer  # noqa: E731
         resident = {v.id for v in graph.values if v.producer is None}
         freed_at: dict[int, int] = {}
         allocated: dict[int, tuple[int, ...]] = {}
@@ -206,11 +204,11 @@ class Plan:
                 for v in inputs:
                     if v not in resident:
                         why = (f"it was freed at schedule[{freed_at[v]}]" if v in freed_at
-                               else f"its producer node {producer(v)} has not been computed by a variant "
-                                    f"that allocates it")
+                               else f"its producer node {variants.value(graph, v).producer} has not been "
+                                    f"computed by a variant that allocates it")
                         raise PlanError(
                             f"schedule[{i}] computes node {n} ({graph.nodes[n].name}), which reads value {v} "
-                            f"({name(v)}), but {why}. Compute the producer first.")
+                            f"({variants.value(graph, v).name}), but {why}. Compute the producer first.")
                 resident.update(outputs)
                 allocated[i] = outputs
                 last_copy.update((v, i) for v in outputs)
@@ -218,11 +216,12 @@ class Plan:
                 x = step["free"]
                 if x >= n_values:
                     raise PlanError(f"schedule[{i}] frees value {x}, which does not exist (0..{n_values - 1}).")
-                if producer(x) is None:
+                if variants.value(graph, x).producer is None:
                     raise PlanError(f"schedule[{i}] frees value {x} ({graph.values[x].kind} "
                                     f"{graph.values[x].name}); graph inputs are always resident.")
                 if x not in resident:
-                    raise PlanError(f"schedule[{i}] frees value {x} ({name(x)}), which is not resident.")
+                    raise PlanError(f"schedule[{i}] frees value {x} ({variants.value(graph, x).name}), which is not "
+                                    f"resident.")
                 resident.discard(x)
                 freed_at[x] = i
         missing = [v for v in graph.outputs if v not in resident]
@@ -238,9 +237,9 @@ class Plan:
                 raise PlanError(f"plan addresses name value {value} at schedule[{step}], but that step does not "
                                 f"allocate it; an address is keyed by the compute step that allocates the copy.")
             if value in graph.outputs and last_copy[value] == step:
-                raise PlanError(f"plan addresses place value {value} ({name(value)}) at schedule[{step}], its "
-                                f"final copy as a graph output, which outlives the step and so cannot live in the "
-                                f"step's arena; drop that address.")
+                raise PlanError(f"plan addresses place value {value} ({graph.values[value].name}) at "
+                                f"schedule[{step}], its final copy as a graph output, which outlives the step and so "
+                                f"cannot live in the step's arena; drop that address.")
         return variants
 
 
@@ -261,13 +260,13 @@ def _is_index(x: Any) -> bool:
 
 def _addresses(addresses: Any, schedule: list[dict[str, Any]]) -> dict[Copy, int]:
     """`{(step, value): offset}` from a mapping or from the JSON list of `[step, value, offset]`."""
-    items = addresses.items() if isinstance(addresses, Mapping) else addresses
-    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+    if isinstance(addresses, Mapping):
+        addresses = [(*key, offset) if isinstance(key, tuple) else (key, offset) for key, offset in addresses.items()]
+    if isinstance(addresses, (str, bytes)) or not isinstance(addresses, Iterable):
         raise PlanError("plan key 'addresses' must be a list of [step, value, offset] triples.")
     out: dict[Copy, int] = {}
-    for entry in items:
-        flat = (*entry[0], entry[1]) if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple) \
-            else tuple(entry) if isinstance(entry, (list, tuple)) else ()
+    for entry in addresses:
+        flat = tuple(entry) if isinstance(entry, (list, tuple)) else ()
         if len(flat) != 3 or not all(_is_index(x) for x in flat):
             raise PlanError(f"plan addresses entry {entry!r:.80} is not [step, value, offset] with non-negative "
                             f"integers.")

@@ -114,7 +114,7 @@ def _check_backward(step: VariantStep) -> None:
             raise VariantError(f"node {step.spec.node} ({head.name}) runs threshold_backward with threshold "
                                f"{_arg(head, 2)}, but the ReLU mask marks out <= 0; run it as the default variant.")
         return
-    forward = head_node(step.graph, step.variants.value_of[_mask_input(step)].producer)
+    forward = head_node(step.graph, step.variants.value(step.graph, _mask_input(step)).producer)
     ours, theirs = (_arg(head, 2), _arg(head, 3)), (_arg(forward, 1), _arg(forward, 2))
     if ours != theirs:
         raise VariantError(

@@ -25,25 +25,12 @@ Rules shipped (`RULES`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable
 
-from runtime.graph import OpGraph
+from runtime.graph import OpGraph, Value
 
 DEFAULT = "default"
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True)
-class VariantValue:
-    """A value only variants allocate (e.g. a mask): id >= len(graph.values)."""
-
-    id: int
-    bytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    name: str
-    producer: int
 
 
 @dataclass(frozen=True)
@@ -61,16 +48,12 @@ class VariantSpec:
 
 @dataclass(frozen=True)
 class GraphVariants:
-    """The variants a graph offers. `values` are the variant values; `specs[node]` the node's
-    non-default variants, by name."""
+    """The variants a graph offers. `values` are the variant values (activations whose ids follow the
+    graph's); `specs[node]` the node's non-default variants, by name."""
 
     num_graph_values: int
-    values: tuple[VariantValue, ...]
+    values: tuple[Value, ...]
     specs: dict[int, dict[str, VariantSpec]]
-
-    @cached_property
-    def value_of(self) -> dict[int, VariantValue]:
-        return {v.id: v for v in self.values}
 
     def names(self, node: int) -> tuple[str, ...]:
         """Implementation names of `node`, the default first."""
@@ -93,8 +76,9 @@ class GraphVariants:
             return tuple(dict.fromkeys(graph.nodes[node].inputs)), tuple(graph.nodes[node].outputs)
         return spec.inputs, spec.outputs
 
-    def bytes_of(self, graph: OpGraph, value: int) -> int:
-        return graph.values[value].bytes if value < self.num_graph_values else self.value_of[value].bytes
+    def value(self, graph: OpGraph, value: int) -> Value:
+        """Value `value`: one of the graph's, or a variant value."""
+        return graph.values[value] if value < self.num_graph_values else self.values[value - self.num_graph_values]
 
 
 class _Builder:
@@ -102,12 +86,12 @@ class _Builder:
 
     def __init__(self, graph: OpGraph):
         self.graph = graph
-        self.values: list[VariantValue] = []
+        self.values: list[Value] = []
         self.specs: dict[int, dict[str, VariantSpec]] = {}
 
     def new_value(self, nbytes: int, shape: tuple[int, ...], dtype: str, name: str, producer: int) -> int:
         vid = len(self.graph.values) + len(self.values)
-        self.values.append(VariantValue(vid, nbytes, shape, dtype, name, producer))
+        self.values.append(Value(vid, nbytes, shape, dtype, "activation", name, producer))
         return vid
 
     def add(self, spec: VariantSpec) -> None:

@@ -106,11 +106,7 @@ def parse_budget(value: Any) -> Budget:
 def parse_budget_text(text: str) -> Budget:
     """A budget written on the command line, read as the TOML value it would be in pipeline.toml:
     `2000000000` (bytes), `0.8` (fraction), `80%` or `1.5GiB` (a string without quotes)."""
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    return parse_budget(value)
+    return parse_budget(_toml_value(text))
 
 
 def parse_option_text(assignment: str) -> tuple[str, Any]:
@@ -119,11 +115,15 @@ def parse_option_text(assignment: str) -> tuple[str, Any]:
     key, sep, text = assignment.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"option {assignment!r} is not KEY=VALUE (e.g. --option mode=memory).")
+    return key.strip(), _toml_value(text.strip())
+
+
+def _toml_value(text: str) -> Any:
+    """`text` read as a TOML value (`0.8`, `[1, 2]`, `"x"`); text that is not one stays the string."""
     try:
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
+        return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        value = text.strip()
-    return key.strip(), value
+        return text
 
 
 def _budget_help(value: Any) -> str:

@@ -229,7 +229,7 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
                 "op": node.targets[0] if node.targets else None, "targets": list(node.targets), "phase": node.phase,
                 "impl": impl, "time_ms": statistics.median(samples), "time_ms_min": min(samples),
                 "time_ms_iqr": float(q75 - q25),
-                "input_bytes": sum(variants.bytes_of(graph, v) for v in set(inputs)),
+                "input_bytes": sum(variants.value(graph, v).bytes for v in set(inputs)),
                 "output_bytes": output, "workspace_bytes": workspace,
             })
     return rows

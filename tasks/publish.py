@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-import warnings
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,6 +27,7 @@ import pyarrow.parquet as pq
 from runtime.jsonio import READABLE, sha256_hex, write_json_atomic
 from runtime.plan import Plan
 from tasks.config import MemplanError
+from tasks.store import readable_files
 
 if TYPE_CHECKING:
     from tasks.validate import Validation
@@ -219,15 +219,8 @@ def _index_problem(path: Path) -> str | None:
 def index_files(plans_dir: str | os.PathLike) -> list[Path]:
     """The readable index files of `plans_dir`; an unreadable one is skipped with a `PlansIndexWarning`
     (publishing its plan again rewrites it)."""
-    good = []
-    for path in sorted((Path(plans_dir) / "index").glob("*.parquet")):
-        problem = _index_problem(path)
-        if problem is None:
-            good.append(path)
-        else:
-            warnings.warn(f"Skipping plans index file {path}: {problem}. Publishing its plan again rewrites it; "
-                          f"or delete the file.", PlansIndexWarning, stacklevel=2)
-    return good
+    return readable_files((Path(plans_dir) / "index").glob("*.parquet"), _index_problem, PlansIndexWarning,
+                          "plans index file ", "Publishing its plan again rewrites it; or delete the file.")
 
 
 def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] | None = None) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ same way.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +19,7 @@ from tasks.solve import SOLVERS, solve
 from tasks.solve.addresses import greedy_addresses
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import Simulation, default_schedule, normalize_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from tasks.solve.solution import Solution, SolveOptions, min_budget_lower_bound
 
 Addresses = Literal["none", "greedy"]
 PROBES = ("ap-greedy", "linearized-greedy")
@@ -59,11 +59,9 @@ def solve_loaded(loaded: LoadedProblem, solver: str, budget: Budget, options: So
     problem = loaded.problem
     eager = simulate(problem, default_schedule(problem))
     solution = solve(problem, solver, budget.resolve(eager.peak_bytes), options)
-    if addresses == "greedy" and solution.feasible:
+    if addresses == "greedy" and solution.feasible:            # addresses leave the live peak as it is
         placed = greedy_addresses(problem, solution.simulation, in_place_steps(loaded, solution.schedule))
-        placed_solution = checked_solution(problem, solution.solver, solution.budget_bytes, solution.schedule,
-                                           placed, status=solution.status)
-        solution.simulation, solution.addresses = placed_solution.simulation, placed
+        solution = replace(solution, simulation=simulate(problem, solution.schedule, placed), addresses=placed)
     return solution, eager
 
 

@@ -14,7 +14,7 @@ import os
 import re
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -146,16 +146,23 @@ def _problem(path: Path, profile: bool = True) -> str | None:
     return None
 
 
-def _readable(paths, base: Path, profile: bool = True) -> list[Path]:
+def readable_files(paths, problem: Callable[[Path], str | None], warning: type[Warning], what: str,
+                   fix: str) -> list[Path]:
+    """The `paths` (sorted) that `problem` finds nothing wrong with; each other one is skipped with a
+    `warning` naming it (`what` it is), the problem and the `fix`."""
     good = []
     for path in sorted(paths):
-        problem = _problem(path, profile)
-        if problem is None:
+        why = problem(path)
+        if why is None:
             good.append(path)
         else:
-            warnings.warn(f"Skipping {path}: {problem}. Delete or move the file out of {base} to silence "
-                          f"this warning.", ProfileStoreWarning, stacklevel=3)
+            warnings.warn(f"Skipping {what}{path}: {why}. {fix}", warning, stacklevel=3)
     return good
+
+
+def _readable(paths, base: Path, profile: bool = True) -> list[Path]:
+    return readable_files(paths, lambda p: _problem(p, profile), ProfileStoreWarning, "",
+                          f"Delete or move the file out of {base} to silence this warning.")
 
 
 def run_files(root: str | os.PathLike | None = None) -> list[Path]:

@@ -49,8 +49,8 @@ def solve(problem: Problem, solver: str, budget_bytes: int, options: SolveOption
     spec, options = SOLVERS[solver], options or SolveOptions()
     solution = spec(problem, budget_bytes, options)
     if spec.portfolio and options.portfolio:
-        seen = problem if spec.variants else problem.without_variants()
-        solution = best_known(seen, int(budget_bytes), solution, options, {name: SOLVERS[name] for name in CHEAP})
+        solution = best_known(spec.problem_for(problem), int(budget_bytes), solution, options,
+                              {name: SOLVERS[name] for name in CHEAP})
     return solution
 
 

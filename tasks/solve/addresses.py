@@ -23,10 +23,8 @@ ALIGNMENT = 64
 def placeable(problem: Problem, sim: Simulation, steps: np.ndarray | None = None) -> np.ndarray:
     """Copies that may get an address: non-empty, not the final copy of a graph output, and computed at
     a step that `steps` (a boolean mask over schedule steps; None: all) allows."""
-    last = len(sim.timeline) - 1
-    outlives = (sim.copy_end == last) & problem.is_output[sim.copy_value]
     allowed = np.ones(len(sim.copy_value), dtype=bool) if steps is None else np.asarray(steps)[sim.copy_start]
-    return (sim.copy_bytes > 0) & ~outlives & allowed
+    return (sim.copy_bytes > 0) & ~sim.outlives_step(problem) & allowed
 
 
 def greedy_addresses(problem: Problem, sim: Simulation, steps: np.ndarray | None = None,

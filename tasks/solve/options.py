@@ -48,8 +48,11 @@ class SolverSpec:
     def __call__(self, problem: Problem, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
         options = options or SolveOptions()
         params = parse_options(self, options.params)
-        seen = problem if self.variants else problem.without_variants()
-        return self.run(seen, int(budget_bytes), replace(options, params=params))
+        return self.run(self.problem_for(problem), int(budget_bytes), replace(options, params=params))
+
+    def problem_for(self, problem: Problem) -> Problem:
+        """What the solver sees: the problem, without variants unless it chooses them."""
+        return problem if self.variants else problem.without_variants()
 
 
 def parse_options(spec: SolverSpec, values: Any, where: str = "options") -> Any:

@@ -27,6 +27,8 @@ def best_known(problem: Problem, budget: int, solution: Solution, options: Solve
                cheap: Mapping[str, Callable[[Problem, int, SolveOptions], Solution]]) -> Solution:
     """`solution`, or the cheapest feasible schedule of the `cheap` solvers at `budget` when it costs less
     (or `solution` has none); the answer keeps `solution`'s solver name, bound and model size."""
+    if solution.gap is not None and solution.gap <= 0.0:      # proved optimal: nothing cheaper exists
+        return solution
     start = time.perf_counter()
     found = [s for s in (run(problem, budget, SolveOptions(time_limit=CHEAP_TIME_LIMIT_S, threads=options.threads))
                          for run in cheap.values()) if s.feasible]

@@ -71,10 +71,20 @@ class Simulation:
 
     def live_timeline(self, copies: np.ndarray) -> np.ndarray:
         """Bytes of the copies selected by the boolean mask `copies` live during each step."""
-        delta = np.zeros(len(self.timeline) + 1, dtype=np.int64)
-        np.add.at(delta, self.copy_start[copies], self.copy_bytes[copies])
-        np.add.at(delta, self.copy_end[copies] + 1, -self.copy_bytes[copies])
-        return np.cumsum(delta[:-1])
+        return _live_bytes(self.copy_start[copies], self.copy_end[copies], self.copy_bytes[copies],
+                           len(self.timeline))
+
+    def outlives_step(self, problem: Problem) -> np.ndarray:
+        """Copies that outlive the step: the final copies of graph outputs (no arena address for them)."""
+        return (self.copy_end == len(self.timeline) - 1) & problem.is_output[self.copy_value]
+
+
+def _live_bytes(starts: np.ndarray, ends: np.ndarray, nbytes: np.ndarray, steps: int) -> np.ndarray:
+    """Per step, the bytes of the copies live then (copy c from step starts[c] through ends[c])."""
+    delta = np.zeros(steps + 1, dtype=np.int64)
+    np.add.at(delta, starts, nbytes)
+    np.add.at(delta, ends + 1, -nbytes)
+    return np.cumsum(delta[:-1])
 
 
 def normalize_schedule(schedule: Iterable[Any]) -> list[dict[str, Any]]:
@@ -154,10 +164,7 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     ends = np.asarray(copy_end, dtype=np.int64)
     ends[current[list(problem.outputs)]] = len(steps) - 1
     nbytes = problem.value_bytes[values]
-    delta = np.zeros(len(steps) + 1, dtype=np.int64)
-    np.add.at(delta, starts, nbytes)
-    np.add.at(delta, ends + 1, -nbytes)
-    timeline = np.cumsum(delta[:-1]) + workspace
+    timeline = _live_bytes(starts, ends, nbytes, len(steps)) + workspace
     compute_live = np.where(is_compute, timeline, -1)
     peak_step = int(np.argmax(compute_live)) if is_compute.any() else -1
     sim = Simulation(
@@ -190,13 +197,13 @@ def check_addresses(problem: Problem, sim: Simulation,
     index = sim.copy_index()
     placed = np.zeros(len(sim.copy_value), dtype=bool)
     offsets = np.zeros(len(sim.copy_value), dtype=np.int64)
-    final = set(np.flatnonzero(sim.copy_end == len(sim.timeline) - 1).tolist())
+    outlives = sim.outlives_step(problem)
     for (step, value), offset in addresses.items():
         c = index.get((int(step), int(value)))
         if c is None:
             raise AddressConflict(f"address for value {value} at schedule[{step}]: that step does not allocate "
                                   f"the value, so there is no such copy.")
-        if c in final and problem.is_output[value]:
+        if outlives[c]:
             raise AddressConflict(f"address for value {value} at schedule[{step}]: it is the final copy of a "
                                   f"graph output, which outlives the step and cannot live in its arena.")
         placed[c], offsets[c] = True, int(offset)

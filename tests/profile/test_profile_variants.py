@@ -39,9 +39,9 @@ def test_mask_variants_get_rows_that_planners_price(store, graph):
     out = graph.nodes[relu].outputs[0]
     backward = next(n for n, s in variants.specs.items() if mask in s["mask"].inputs and n != relu)
     assert graph.nodes[backward].targets[0] == "aten.threshold_backward.default"
-    assert by[relu, "mask"][1] == by[relu, "default"][1] + variants.bytes_of(graph, mask)
+    assert by[relu, "mask"][1] == by[relu, "default"][1] + variants.value(graph, mask).bytes
     assert by[backward, "mask"][0] < by[backward, "default"][0]          # reads a 1-byte mask, not the output
-    assert by[backward, "default"][0] - by[backward, "mask"][0] == graph.values[out].bytes - variants.bytes_of(graph, mask)
+    assert by[backward, "default"][0] - by[backward, "mask"][0] == graph.values[out].bytes - variants.value(graph, mask).bytes
 
     hardtanh = next(n.id for n in graph.nodes if n.targets[0] == "aten.hardtanh.default")
     assert by[hardtanh, "mask"][2] == variants.specs[hardtanh]["mask"].workspace > 0   # the ge temporary
