@@ -100,7 +100,7 @@ def bench(name: str, rounds: int) -> tuple[list[dict], str]:
     graph = runtime.capture(model, loss_fn, batch)
     problem = Problem.from_graph(graph)
     full = simulate(problem, default_schedule(problem)).peak_bytes
-    smallest = min((s.predicted_peak_bytes for f in (0.5, 0.4, 0.3, 0.25, 0.2) if
+    smallest = min((s.predicted_peak_bytes for f in (*FRACTIONS, 0.4, 0.3, 0.25, 0.2) if
                     (s := solve(problem, "ap-greedy", int(f * full), SolveOptions(time_limit=60))).feasible), default=full)
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step)}
     points = {"eager": {"kind": "pytorch"}, hand_label: {"kind": "pytorch"}}
