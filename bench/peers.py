@@ -1,13 +1,13 @@
 """memplan against what users already have: peak memory and step time, measured side by side in one run.
 
-    .venv/bin/python bench/peers.py [--workloads gpt2 resnet50 mobilenet_v2] [--rounds 6] [--threads 1]
+    .venv/bin/python bench/peers.py [--workloads gpt2 resnet50 mobilenet_v2] [--solvers ...] [--rounds 6] [--threads 1]
 
 Per workload (random weights, CPU): eager PyTorch; the PyTorch checkpointing a user writes by hand
 (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's top-level
 children); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the smallest
-fraction `ap-greedy` reaches. Every memplan plan is solved on unit node costs, run with `runtime.load`
-(gradients compared with eager) and measured with `runtime.meter.PeakMeter`; step times are medians of
-interleaved rounds. The verdict lists each PyTorch point and the memplan plans that dominate it (no more
+fraction `ap-greedy` or `hierarchical` reaches. Every memplan plan is solved on node costs profiled in the
+same run (`tasks.profile.measure_graph`), run with `runtime.load` (gradients compared with eager) and
+measured with `runtime.meter.PeakMeter`; step times are medians of interleaved rounds. The verdict lists each PyTorch point and the memplan plans that dominate it (no more
 peak at no more time), and each memplan plan a PyTorch point dominates.
 Not yet here: torch.compile's `activation_memory_budget` (needs a meter that sees compiled code) and a
 Llama-style decoder.
@@ -28,12 +28,13 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import runtime
 from runtime.meter import PeakMeter
+from tasks.profile import ProfileSettings, measure_graph
 from tasks.solve import solve
-from tasks.solve.problem import Problem
+from tasks.solve.problem import DEFAULT_IMPL, Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
 
-SOLVERS = ("ap-greedy", "acg", "linearized-greedy", "checkmate-approx")
+SOLVERS = ("hierarchical", "ap-greedy", "acg", "linearized-greedy")
 FRACTIONS = (0.9, 0.7, 0.5)
 
 
@@ -95,17 +96,25 @@ def median_ms(runs: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench(name: str, rounds: int) -> tuple[list[dict], str]:
+def profiled_problem(graph, name: str) -> Problem:
+    """The graph's problem priced by one profile of every node on this CPU."""
+    rows = measure_graph(graph, "cpu", ProfileSettings(rounds=1), model=name, progress=False)
+    return Problem.from_graph(graph, {r["node_id"]: (r["time_ms"], r["workspace_bytes"]) for r in rows
+                                      if r["impl"] == DEFAULT_IMPL})
+
+
+def bench(name: str, rounds: int, solvers: list[str]) -> tuple[list[dict], str]:
     model, loss_fn, batch, (hand, hand_step), hand_label = workload(name)
     graph = runtime.capture(model, loss_fn, batch)
-    problem = Problem.from_graph(graph)
+    problem = profiled_problem(graph, name)
     full = simulate(problem, default_schedule(problem)).peak_bytes
-    smallest = min((s.predicted_peak_bytes for f in (*FRACTIONS, 0.4, 0.3, 0.25, 0.2) if
-                    (s := solve(problem, "ap-greedy", int(f * full), SolveOptions(time_limit=60))).feasible), default=full)
+    smallest = min((s.predicted_peak_bytes for f in (*FRACTIONS, 0.4, 0.3, 0.25, 0.22, 0.2) for solver in
+                    ("ap-greedy", "hierarchical") if
+                    (s := solve(problem, solver, int(f * full), SolveOptions(time_limit=120))).feasible), default=full)
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step)}
     points = {"eager": {"kind": "pytorch"}, hand_label: {"kind": "pytorch"}}
     for fraction in (*FRACTIONS, smallest / full):
-        for solver in SOLVERS:
+        for solver in solvers:
             start = time.perf_counter()
             sol = solve(problem, solver, int(fraction * full), SolveOptions(time_limit=120))
             if not sol.feasible:
@@ -148,13 +157,14 @@ def verdict(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["gpt2", "resnet50", "mobilenet_v2"])
+    ap.add_argument("--solvers", nargs="+", default=list(SOLVERS))
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=200)
     for name in args.workloads:
-        rows, text = bench(name, args.rounds)
+        rows, text = bench(name, args.rounds, args.solvers)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "solve s", "schedule from",
                       title=f"{name}: CPU, {args.threads} thread(s), median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: r["peak"]):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from tasks.solve import baselines, checkmate, greedy
 from tasks.solve.acg.solver import AcgOptions, acg
+from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
 from tasks.solve.options import OptionError, SolverSpec, describe_options, parse_options
 from tasks.solve.portfolio import CHEAP, best_known
 from tasks.solve.problem import Problem
@@ -37,6 +38,8 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
                checkmate.CheckmateOptions, portfolio=True),
     SolverSpec("acg", acg, "optimal gradient checkpoints on the division tree of the graph (Feng & Huang).",
                AcgOptions),
+    SolverSpec("hierarchical", hierarchical, "chain of blocks, exact per-block ladders, chain dynamic program (Rockmate).",
+               HierarchicalOptions, portfolio=True),
 )}
 
 

@@ -14,6 +14,8 @@ positions. The model is value-level so that multi-output nodes and graph outputs
   U[t,k] = U[t,k-1] - sum_v M_v FREE[t,v,k-1] + M_k R[t,k]              (eq. 3-4)
   U[t,k] + W_k R[t,k] <= budget                                         (eq. 9, W = workspace)
 - eq. 1b: R[t,j] <= R[t,i] + S[t,v] for v produced by i, read by j; eq. 1c: S[t,v] <= R[t-1,i] + S[t-1,v].
+- optional retention limit (Rockmate's block ILP, Zhao et al. 2023): sum_v M_v S[t*,v] <= B_ret, the
+  bytes retained into stage t* (a block's first backward stage: what it holds while the other blocks run).
 - FREE linearization, `formulation="paper"`: eq. 7a-7c with num_hazards(t,v,k) = (1 - R[t,k])
   + S[t+1,v] + sum_{users j > k} R[t,j] and FREE binary. `formulation="tight"`: FREE <= 1 - h for each
   hazard h separately and FREE continuous in [0,1]; (7b) is dropped, since freeing less never helps a
@@ -161,8 +163,10 @@ class _Rows:
         return A, np.concatenate(self.lo), np.concatenate(self.hi)
 
 
-def build_model(problem: Problem, budget: float, formulation: str = "tight") -> tuple[MilpModel, CheckmateLayout]:
-    """The MILP of eq. (9) for `problem` under `budget` bytes (module docstring)."""
+def build_model(problem: Problem, budget: float, formulation: str = "tight",
+                retained: tuple[int, float] | None = None) -> tuple[MilpModel, CheckmateLayout]:
+    """The MILP of eq. (9) for `problem` under `budget` bytes; `retained = (t*, B_ret)` adds the retention
+    limit sum_v M_v S[t*,v] <= B_ret (module docstring)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"formulation {formulation!r} is unknown; choose one of {', '.join(FORMULATIONS)}.")
     L = layout(problem)
@@ -208,6 +212,13 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight") -> 
     budget_rows = rows.block(int(busy.sum()), -np.inf, 1.0) + np.arange(int(busy.sum()))
     rows.add(budget_rows, L.u(t[busy], k[busy]), 1.0)
     rows.add(budget_rows, L.r(t[busy], k[busy]), work[k[busy]] / L.unit)
+
+    if retained is not None:
+        stage, limit = retained
+        held = np.flatnonzero(st == stage)
+        scale = max(float(limit), float(L.mb[sv[held]].min(initial=1.0)), 1.0)   # coefficients near 1
+        r0 = rows.block(1, -np.inf, float(limit) / scale)
+        rows.add(np.full(len(held), r0), L.s(st[held], sv[held]), L.mb[sv[held]] / scale)
 
     # FREE linearization; the F variable (tf, e) has hazards R[tf, fk], S[tf+1, fv], R[tf, j > fk]
     fcol = L.f(tf, e)

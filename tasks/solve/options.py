@@ -96,9 +96,12 @@ def type_name(tp: Any) -> str:
     """A readable type: `'budget' | 'memory'`, `list of float`, `int`."""
     origin = get_origin(tp)
     if origin is Literal:
-        return " | ".join(repr(a) for a in get_args(tp))
+        return " or ".join(repr(a) for a in get_args(tp))
+    args = get_args(tp)
+    if origin is tuple and args[-1:] != (Ellipsis,):
+        return "[" + ", ".join(type_name(a) for a in args) + "]"
     if origin in (tuple, list):
-        return f"list of {type_name(get_args(tp)[0])}"
+        return f"list of {type_name(args[0])}"
     return getattr(tp, "__name__", str(tp))
 
 

@@ -1,0 +1,199 @@
+"""The chain of blocks of a training step (Rockmate, Zhao et al. 2023, sec. 3.1), each a small problem.
+
+The forward graph is cut at its articulation points (Checkmate appendix B.1): a value crossing a cut
+is the output of the cut node only. Values that would join far-apart parts of the chain (a mask or
+position table read by every layer, a U-Net skip) are taken out of the structure analysis first: a
+forward value whose forward readers span more than a quarter of the forward pass is *pinned*, computed
+once and kept for the whole step (its bytes still count everywhere). The segments between cuts are
+merged in order into blocks of about `block_size` forward nodes. Each backward node joins the earliest
+block it reads from: a backward predecessor's block, or for a forward value the last block whose forward
+reads it (a block's input belongs to that block), so the gradient flows from the last block to the first.
+
+`Block.problem` is the block alone: its forward nodes, then its backward nodes, in the default order
+(local ids); values made outside the block are its inputs, and what other blocks read (or the step
+returns) are its outputs. Blocks with equal `key` (structure, value bytes, op names) are the same
+problem up to costs, which are averaged over the instances (`blocks_by_key`): repeated layers are
+solved once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, replace
+
+import networkx as nx
+import numpy as np
+
+from tasks.solve.problem import Problem
+
+PIN_SPAN = 0.25
+"""A forward value whose readers span more than this fraction of the forward pass is pinned."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """Block `index` of the chain: global `nodes` (forward first, `num_forward` of them, then backward)
+    and its local `problem` whose node i is `nodes[i]` and value j is global `values[j]`."""
+
+    index: int
+    nodes: np.ndarray
+    num_forward: int
+    values: np.ndarray
+    problem: Problem
+    key: str
+
+
+@dataclass(frozen=True)
+class BlockChain:
+    """Blocks in forward order; `block_of[node]` is each node's block; `pinned` the pinned values."""
+
+    blocks: tuple[Block, ...]
+    block_of: np.ndarray
+    pinned: frozenset[int]
+
+    def external_bytes(self, problem: Problem) -> np.ndarray:
+        """`E[i]`: bytes made by later blocks and live during block i's backward: graph outputs (parameter
+        gradients, updated buffers) and values a block <= i reads (the incoming gradient)."""
+        k = len(self.blocks)
+        made = np.where(problem.value_producer >= 0, self.block_of[np.maximum(problem.value_producer, 0)], -1)
+        first_reader = np.full(problem.num_values, k, dtype=np.int64)
+        for node, inputs in enumerate(problem.node_inputs):
+            for v in inputs:
+                first_reader[v] = min(first_reader[v], self.block_of[node])
+        needed_below = np.where(problem.is_output, -1, first_reader)      # live in every block below `made`
+        delta = np.zeros(k + 1, dtype=np.int64)
+        live = (made >= 0) & (needed_below < made)
+        # value v is live during the backward of blocks max(needed_below, 0) .. made - 1
+        np.add.at(delta, np.maximum(needed_below[live], 0), problem.value_bytes[live])
+        np.add.at(delta, made[live], -problem.value_bytes[live])
+        return np.cumsum(delta[:-1])
+
+
+def _forward(problem: Problem) -> list[int]:
+    return [int(v) for v in problem.order if problem.is_recomputable[v]]
+
+
+def pinned_values(problem: Problem) -> set[int]:
+    """Forward values read across more than PIN_SPAN of the forward pass (module docstring)."""
+    fwd = _forward(problem)
+    rank = {node: i for i, node in enumerate(fwd)}
+    span = PIN_SPAN * len(fwd)
+    pinned = set()
+    for v in np.flatnonzero(problem.value_producer >= 0):
+        p = int(problem.value_producer[v])
+        if p in rank:
+            readers = [rank[u] for u in problem.value_users[v] if u in rank]
+            if readers and max(readers) - rank[p] > span:
+                pinned.add(int(v))
+    return pinned
+
+
+def segments(problem: Problem, pinned: set[int]) -> list[list[int]]:
+    """Forward nodes in order, cut after each articulation point of the forward graph without the
+    pinned values' edges."""
+    fwd = _forward(problem)
+    graph = nx.Graph()
+    graph.add_nodes_from(fwd)
+    for node in fwd:
+        for v in problem.node_inputs[node]:
+            p = int(problem.value_producer[v])
+            if p >= 0 and problem.is_recomputable[p] and v not in pinned:
+                graph.add_edge(p, node)
+    cuts = set(nx.articulation_points(graph))
+    out, current = [], []
+    for node in fwd:
+        current.append(node)
+        if node in cuts:
+            out.append(current)
+            current = []
+    if current:
+        out.append(current)
+    return out
+
+
+def merge(parts: list[list[int]], block_size: int) -> list[list[int]]:
+    """Consecutive segments joined while the block stays within `block_size` forward nodes (a segment
+    larger than that is a block of its own)."""
+    blocks: list[list[int]] = []
+    for part in parts:
+        if blocks and len(blocks[-1]) + len(part) <= block_size:
+            blocks[-1].extend(part)
+        else:
+            blocks.append(list(part))
+    return blocks
+
+
+def block_chain(problem: Problem, block_size: int) -> BlockChain:
+    """The chain of blocks of `problem` (module docstring)."""
+    pinned = pinned_values(problem)
+    forward_blocks = merge(segments(problem, pinned), block_size)
+    k = len(forward_blocks)
+    block_of = np.full(problem.num_nodes, -1, dtype=np.int64)
+    for i, nodes in enumerate(forward_blocks):
+        block_of[nodes] = i
+    home = block_of[np.maximum(problem.value_producer, 0)].copy()     # forward value -> last forward block reading it
+    for node, inputs in enumerate(problem.node_inputs):
+        if block_of[node] >= 0:
+            for v in inputs:
+                home[v] = max(home[v], block_of[node])
+    for node in problem.order.tolist():
+        if block_of[node] < 0:
+            sources = [home[v] if problem.is_recomputable[p] else block_of[p] for v in problem.node_inputs[node]
+                       if (p := problem.value_producer[v]) >= 0 and v not in pinned]
+            block_of[node] = min(sources, default=k - 1)
+    backward: list[list[int]] = [[] for _ in range(k)]
+    for node in problem.order.tolist():
+        if not problem.is_recomputable[node]:
+            backward[block_of[node]].append(node)
+    readers: list[set[int]] = [set() for _ in range(problem.num_values)]
+    for node, inputs in enumerate(problem.node_inputs):
+        for v in inputs:
+            readers[v].add(int(block_of[node]))
+    blocks = tuple(_block(problem, i, forward_blocks[i], backward[i], block_of, readers) for i in range(k))
+    return BlockChain(blocks, block_of, frozenset(pinned))
+
+
+def _block(problem: Problem, index: int, forward: list[int], backward: list[int], block_of: np.ndarray,
+           readers: list[set[int]]) -> Block:
+    nodes = np.array(forward + backward, dtype=np.int64)
+    local_of: dict[int, int] = {}
+    for node in nodes.tolist():
+        for v in (*problem.node_inputs[node], *problem.node_outputs[node]):
+            local_of.setdefault(v, len(local_of))
+    values = np.fromiter(local_of, dtype=np.int64, count=len(local_of))
+    local_node = {int(g): i for i, g in enumerate(nodes)}
+    producer = np.array([local_node.get(int(problem.value_producer[v]), -1) for v in values], dtype=np.int64)
+    outputs = tuple(local_of[v] for v in values.tolist()
+                    if producer[local_of[v]] >= 0 and (problem.is_output[v] or readers[v] - {index}))
+    names = tuple(re.sub(r"_\d+$", "", problem.node_names[n]) if problem.node_names else "" for n in nodes.tolist())
+    sub = Problem(
+        name=f"{problem.name}[block {index}]",
+        cost=problem.cost[nodes].astype(float),
+        workspace=problem.workspace[nodes].astype(np.int64),
+        phase=tuple(problem.phase[n] for n in nodes.tolist()),
+        node_inputs=tuple(tuple(local_of[v] for v in problem.node_inputs[n]) for n in nodes.tolist()),
+        node_outputs=tuple(tuple(local_of[v] for v in problem.node_outputs[n]) for n in nodes.tolist()),
+        value_bytes=problem.value_bytes[values].astype(np.int64),
+        value_producer=producer,
+        outputs=outputs,
+        order=np.arange(len(nodes), dtype=np.int64),
+        node_names=names,
+        cost_unit=problem.cost_unit,
+    )
+    text = repr((len(forward), names, sub.node_inputs, sub.node_outputs, sub.value_bytes.tolist(),
+                 producer.tolist(), outputs, sub.workspace.tolist()))
+    return Block(index, nodes, len(forward), values, sub, hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+def blocks_by_key(chain: BlockChain) -> dict[str, tuple[Block, Problem]]:
+    """One representative per distinct block key, with the instances' mean node costs."""
+    groups: dict[str, list[Block]] = {}
+    for block in chain.blocks:
+        groups.setdefault(block.key, []).append(block)
+    out = {}
+    for key, members in groups.items():
+        first = members[0]
+        mean = np.mean([b.problem.cost for b in members], axis=0)
+        out[key] = (first, replace(first.problem, cost=mean))
+    return out

@@ -1,0 +1,104 @@
+"""A block's options: schedules of the block alone for a ladder of budgets (Rockmate sec. 3.2).
+
+A block's schedule runs in two parts: its forward part while the chain goes forward, and its backward
+part (with its recomputations) when the gradient reaches it. What the block costs the rest of the chain
+is the bytes it retains between the two (`BlockOption.retained`), so the ladder bounds that with
+Checkmate's MILP plus a retention limit (`checkmate_model.build_model(retained=...)`): each rung is
+(fraction of the freely retained bytes, fraction of the block's own peak). Every rung is started from
+the cheapest option found so far that fits it (at first: no recomputation, and the schedule that
+retains nothing: forward, then forward again and backward), so the rungs are ordered loose to tight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tasks.solve.checkmate_model import assignment_from_schedule, build_model, schedule_from_solution
+from tasks.solve.milp import MilpOptions, solve_milp
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import Simulation, default_schedule, simulate
+from tasks.solve.solution import min_budget_lower_bound
+
+RUNGS = ((1.0, 1.0), (0.6, 1.0), (0.35, 1.0), (0.15, 1.0), (0.0, 1.0), (1.0, 0.8), (0.35, 0.8), (0.0, 0.8),
+         (1.0, 0.6), (0.0, 0.6))
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """A schedule of one block (local node ids) with its first `split` steps run going forward.
+    Memory is the block's own (its inputs are not counted): peaks of each part and the bytes
+    retained across the split."""
+
+    schedule: tuple[int, ...]
+    split: int
+    forward_peak: int
+    backward_peak: int
+    retained: int
+
+    def cost(self, node_cost: np.ndarray) -> float:
+        return float(node_cost[list(self.schedule)].sum())
+
+
+def option(problem: Problem, num_forward: int, schedule: list) -> BlockOption:
+    """The option of a frontier-advancing block schedule: the forward part ends with the first
+    computation of the last forward node."""
+    nodes = tuple(int(step[1]) for step in schedule)
+    split = nodes.index(num_forward - 1) + 1 if num_forward else 0
+    sim = simulate(problem, [("compute", n) for n in nodes])
+    return BlockOption(nodes, split, _max(sim, 0, split), _max(sim, split, len(nodes)),
+                       _retained(problem, sim, split))
+
+
+def _max(sim: Simulation, lo: int, hi: int) -> int:
+    return int(sim.timeline[lo:hi].max(initial=0))
+
+
+def _retained(problem: Problem, sim: Simulation, split: int) -> int:
+    """Bytes held across the split: copies made before it and read after it, and the forward part's
+    outputs (other blocks read them before this block's backward part runs, even where the backward
+    part computes them again)."""
+    before = sim.copy_start < split
+    held = before & (sim.copy_end >= split)
+    outputs = before & problem.is_output[sim.copy_value]
+    return int(problem.value_bytes[np.unique(sim.copy_value[held | outputs])].sum())
+
+
+def recompute_block(problem: Problem, num_forward: int) -> list[tuple[str, int]]:
+    """Forward, then the whole block again: retains only what other blocks need."""
+    return [("compute", n) for n in range(num_forward)] + default_schedule(problem)
+
+
+def ladder(problem: Problem, num_forward: int, rungs=RUNGS, *, time_limit: float, deadline: float | None = None,
+           gap: float, backend: str = "auto", threads: int | None = None) -> tuple[list[BlockOption], bool]:
+    """The block's options for `rungs` (module docstring), without duplicate schedules, the
+    no-recomputation and retain-nothing schedules included; each MILP gets `time_limit` seconds and
+    none starts after `deadline` (perf_counter). Also says whether every rung was solved."""
+    full = option(problem, num_forward, default_schedule(problem))
+    bare = option(problem, num_forward, recompute_block(problem, num_forward))
+    found = {full.schedule: full, bare.schedule: bare}
+    if num_forward == problem.num_nodes:                     # no backward part: nothing to choose
+        return [full], True
+    natural = max(full.forward_peak, full.backward_peak)
+    lower = min_budget_lower_bound(problem)
+    complete = True
+    for keep, peak in rungs:
+        left = time_limit if deadline is None else min(time_limit, deadline - time.perf_counter())
+        if left <= 0:
+            complete = False
+            break
+        budget = max(int(peak * natural), lower)
+        limit = bare.retained + keep * max(full.retained - bare.retained, 0)
+        model, L = build_model(problem, budget, retained=(num_forward, limit))
+        fits = [o for o in found.values() if max(o.forward_peak, o.backward_peak) <= budget and o.retained <= limit]
+        start = None if not fits else assignment_from_schedule(
+            problem, L, [("compute", n) for n in min(fits, key=lambda o: o.cost(problem.cost)).schedule])
+        result = solve_milp(model, MilpOptions(backend=backend, time_limit=left, gap=gap, threads=threads,
+                                               mip_start=start))
+        if result.x is not None:
+            schedule = tuple(s[1] for s in schedule_from_solution(L, result.x))
+            if schedule not in found:
+                found[schedule] = option(problem, num_forward, [("compute", n) for n in schedule])
+    return list(found.values()), complete

@@ -1,0 +1,107 @@
+"""`hierarchical`: Rockmate's plan (Zhao et al. 2023) on the project's simulator.
+
+1. Cut the step into a chain of blocks (blocks.py); identical blocks are one problem.
+2. Solve each distinct block for a ladder of retention and peak limits with the exact inner solver
+   (ladder.py; `inner = "checkmate"`: Checkmate's MILP, each solve bounded by `inner_time_limit`).
+3. Pick one option per block by the chain dynamic program (chain.py) and compose the schedule: every
+   block's forward part in order, then every backward part in reverse. The program's memory model is
+   an estimate; the simulator judges each composed schedule, and the program is re-run for a few
+   working budgets around the target to return the cheapest schedule that fits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import Field
+
+from tasks.solve.hierarchical.blocks import BlockChain, block_chain, blocks_by_key
+from tasks.solve.hierarchical.chain import Choice, chain_dp
+from tasks.solve.hierarchical.ladder import RUNGS, BlockOption, ladder
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import Solution, SolveOptions, checked_solution
+
+WORKING_BUDGETS = np.geomspace(0.8, 1.25, 13)
+"""Budgets the chain program is run at, as fractions of the target (1.0 among them: the program's
+estimate bounds the simulated peak, so a composition that fits by the estimate is always found)."""
+
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+_LADDERS: dict[tuple, list[BlockOption]] = {}
+"""Block ladders by (block key, node costs, settings): a pipeline or benchmark solving one graph at
+several budgets solves each block once."""
+
+
+@dataclass(frozen=True)
+class HierarchicalOptions:
+    """Options of `hierarchical`."""
+
+    inner: Literal["checkmate"] = field(default="checkmate", metadata={
+        "help": "exact solver of each block's ladder: 'checkmate' (MILP with a retention limit)."})
+    block_size: Annotated[int, Field(ge=1)] = field(default=24, metadata={
+        "help": "forward nodes per block: segments between articulation points are merged up to this size."})
+    inner_time_limit: Annotated[float, Field(gt=0.0)] = field(default=5.0, metadata={
+        "help": "seconds per block MILP (its best schedule so far is used when it stops)."})
+    rungs: tuple[tuple[Fraction, Fraction], ...] = field(default=RUNGS, metadata={
+        "help": "ladder rungs (retained fraction, peak fraction) solved for every distinct block."})
+
+
+def _block_ladder(problem: Problem, num_forward: int, key: str, opts: HierarchicalOptions,
+                  options: SolveOptions, deadline: float | None) -> list[BlockOption]:
+    """The block's ladder, from the cache when a complete one was solved before."""
+    digest = hashlib.sha256(problem.cost.tobytes()).hexdigest()
+    cache_key = (key, digest, opts.inner, opts.rungs, opts.inner_time_limit, options.gap, options.backend)
+    if cache_key in _LADDERS:
+        return _LADDERS[cache_key]
+    found, complete = ladder(problem, num_forward, opts.rungs, time_limit=opts.inner_time_limit, deadline=deadline,
+                             gap=options.gap, backend=options.backend, threads=options.threads)
+    if complete:
+        _LADDERS[cache_key] = found
+    return found
+
+
+def compose(chain: BlockChain, picked: list[BlockOption]) -> list[tuple[str, int]]:
+    """Forward parts in block order, then backward parts in reverse block order, as global nodes."""
+    steps = [int(b.nodes[n]) for b, o in zip(chain.blocks, picked) for n in o.schedule[:o.split]]
+    steps += [int(b.nodes[n]) for b, o in reversed(list(zip(chain.blocks, picked))) for n in o.schedule[o.split:]]
+    return [("compute", n) for n in steps]
+
+
+def hierarchical(problem: Problem, budget: int, options: SolveOptions) -> Solution:
+    """Block chain, per-block ladders, chain dynamic program (module docstring)."""
+    start = time.perf_counter()
+    deadline = None if options.time_limit is None else start + options.time_limit
+    opts: HierarchicalOptions = options.params
+    if not problem.is_recomputable.any():
+        return checked_solution(problem, "hierarchical", budget, default_schedule(problem), bound=float(problem.cost.sum()),
+                                solve_seconds=time.perf_counter() - start, message="no forward nodes to recompute")
+    chain = block_chain(problem, opts.block_size)
+    distinct = blocks_by_key(chain)
+    ladders = {key: _block_ladder(sub, block.num_forward, key, opts, options, deadline)
+               for key, (block, sub) in distinct.items()}
+    per_block = [ladders[b.key] for b in chain.blocks]
+    choices = [[Choice(o.cost(b.problem.cost), o.forward_peak, o.backward_peak, o.retained) for o in opts_]
+               for b, opts_ in zip(chain.blocks, per_block)]
+    external = chain.external_bytes(problem)
+    best = None
+    for factor in WORKING_BUDGETS:
+        picked = chain_dp(choices, external, factor * budget)
+        if picked is None:
+            continue
+        schedule = compose(chain, [per_block[i][o] for i, o in enumerate(picked)])
+        sim = simulate(problem, schedule)
+        if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
+            best = (schedule, sim, factor)
+    message = (f"{len(chain.blocks)} blocks ({len(distinct)} distinct), "
+               f"{sum(map(len, ladders.values()))} block options")
+    if best is None:
+        return Solution("hierarchical", budget, "no_solution", solve_seconds=time.perf_counter() - start,
+                        bound=float(problem.cost.sum()), message=message + "; no composition fits the budget")
+    return checked_solution(problem, "hierarchical", budget, best[0], bound=float(problem.cost.sum()),
+                            solve_seconds=time.perf_counter() - start,
+                            message=message + f"; chain program at {best[2]:.2f}x the budget")

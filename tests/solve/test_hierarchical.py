@@ -1,0 +1,174 @@
+"""Hierarchical planning (tasks/solve/hierarchical): the block chain, the retention-limited block MILP
+against a closed form, the chain program against a brute force, and the solver end to end."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks.solve import solve
+from tasks.solve.checkmate_model import build_model
+from tasks.solve.hierarchical.blocks import block_chain, pinned_values, segments
+from tasks.solve.hierarchical.chain import Choice, chain_dp, chain_peak
+from tasks.solve.hierarchical.ladder import ladder
+from tasks.solve.hierarchical.solver import compose
+from tasks.solve.milp import MilpOptions, solve_milp
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+
+
+def layered_step(layers: int, width: int = 3, mask: bool = False) -> Problem:
+    """A training step of `layers` identical residual layers (x -> `width` chained nodes -> add x), a
+    loss, and the mirrored backward: backward node of forward node f reads f's input and the gradient.
+    With `mask`, node 0 also feeds a small value read by the first node of every layer."""
+    fwd_edges, names, nbytes = [], [], []
+    node = 0
+    names.append("stem"); nbytes.append(8); node = 1                        # noqa: E702
+    m = None
+    if mask:
+        names.append("mask"); nbytes.append(1); fwd_edges.append((0, 1)); m = 1; node = 2  # noqa: E702
+    x = 0
+    for _ in range(layers):
+        prev = x
+        for j in range(width):
+            names.append(f"op{j}"); nbytes.append(8)                          # noqa: E702
+            fwd_edges.append((prev, node))
+            if j == 0 and m is not None:
+                fwd_edges.append((m, node))
+            prev, node = node, node + 1
+        names.append("add"); nbytes.append(8)                                 # noqa: E702
+        fwd_edges += [(prev, node), (x, node)]
+        x, node = node, node + 1
+    names.append("loss"); nbytes.append(1)                                    # noqa: E702
+    fwd_edges.append((x, node))
+    loss, node = node, node + 1
+    nf = node
+    reads = {t: [s for s, t2 in fwd_edges if t2 == t] for t in range(nf)}
+    edges, grad_of = list(fwd_edges), {loss: None}
+    for f in range(nf - 1, 0, -1):                                            # backward of f, reverse order
+        names.append(f"{names[f]}_backward"); nbytes.append(8)                # noqa: E702
+        edges += [(s, node) for s in reads[f]]
+        g = max((grad_of[u] for u in range(f + 1, nf) if f in reads[u] and grad_of.get(u) is not None), default=None)
+        if g is not None:
+            edges.append((g, node))
+        grad_of[f], node = node, node + 1
+    return Problem.from_edges([1.0] * node, nbytes, edges, backward=[i >= nf for i in range(node)],
+                              names=names, name=f"layers{layers}")
+
+
+def test_blocks_partition_the_step_and_repeated_layers_share_a_key():
+    problem = layered_step(6)
+    chain = block_chain(problem, block_size=4)
+    nodes = np.concatenate([b.nodes for b in chain.blocks])
+    assert sorted(nodes.tolist()) == list(range(problem.num_nodes))
+    for b in chain.blocks:                                          # forward first, in order
+        assert all(problem.is_recomputable[b.nodes[:b.num_forward]])
+        assert not any(problem.is_recomputable[b.nodes[b.num_forward:]])
+    for node in range(problem.num_nodes):                           # nothing reads a later block's forward value
+        if problem.is_recomputable[node]:
+            for v in problem.node_inputs[node]:
+                assert chain.block_of[problem.value_producer[v]] <= chain.block_of[node]
+    keys = [b.key for b in chain.blocks]
+    assert len(set(keys)) < len(keys)                               # the middle layers are one problem
+
+
+def test_a_value_read_by_every_layer_is_pinned_so_the_layers_separate():
+    problem = layered_step(6, mask=True)
+    assert pinned_values(problem) == {1}
+    assert len(segments(problem, set())) < len(segments(problem, {1})) - 2
+
+
+def test_composing_the_no_recomputation_options_runs_each_node_once():
+    problem = layered_step(5)
+    chain = block_chain(problem, block_size=4)
+    picked = [ladder(b.problem, b.num_forward, (), time_limit=1.0, gap=0.0)[0][0] for b in chain.blocks]
+    schedule = compose(chain, picked)
+    assert sorted(n for _, n in schedule) == list(range(problem.num_nodes))
+    assert simulate(problem, schedule).peak_bytes == simulate(problem, default_schedule(problem)).peak_bytes
+
+
+@pytest.mark.parametrize("kept", range(6))
+def test_retention_limited_checkmate_milp_matches_the_closed_form(linear, kept):
+    """Checkmate's linear graph, n = 4, no peak limit, at most `kept` unit values retained into the first
+    backward stage: every forward value is read in the backward, so each one not retained is computed
+    once more, and that suffices: cost (2n + 1) + (n + 1 - kept)."""
+    n = 4
+    problem = linear(n)
+    model, _ = build_model(problem, 10 ** 6, retained=(n + 1, kept))
+    result = solve_milp(model, MilpOptions(backend="highs", gap=0.0))
+    assert result.status == "optimal"
+    assert result.objective == pytest.approx(2 * n + 1 + n + 1 - kept)
+
+
+def test_ladder_options_report_what_the_simulator_measures():
+    problem = layered_step(3)
+    block = max(block_chain(problem, block_size=5).blocks, key=lambda b: len(b.nodes))
+    options, complete = ladder(block.problem, block.num_forward, time_limit=10.0, gap=0.0)
+    assert complete and len(options) >= 3
+    for o in options:
+        sim = simulate(block.problem, [("compute", n) for n in o.schedule])
+        assert max(o.forward_peak, o.backward_peak) == sim.peak_bytes
+        assert o.schedule[o.split - 1] == block.num_forward - 1 and block.num_forward - 1 not in o.schedule[:o.split - 1]
+    full, bare = options[0], options[1]
+    assert full.retained > bare.retained and bare.cost(block.problem.cost) > full.cost(block.problem.cost)
+
+
+choice = st.builds(Choice, st.integers(0, 9).map(float), st.integers(0, 40), st.integers(0, 40), st.integers(0, 30))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(choice, min_size=1, max_size=3), min_size=1, max_size=4),
+       st.lists(st.integers(0, 20), min_size=4, max_size=4), st.integers(0, 150))
+def test_chain_program_equals_brute_force(choices, external, budget):
+    external = np.array(external)
+    best = min((sum(choices[i][o].cost for i, o in enumerate(p)) for p in
+                itertools.product(*(range(len(c)) for c in choices)) if chain_peak(choices, external, p) <= budget),
+               default=None)
+    picked = chain_dp(choices, external, budget)
+    if best is None:
+        assert picked is None
+    else:
+        assert chain_peak(choices, external, picked) <= budget
+        assert sum(choices[i][o].cost for i, o in enumerate(picked)) == best
+
+
+def test_chain_estimate_bounds_the_simulated_peak():
+    problem = layered_step(8, mask=True)
+    chain = block_chain(problem, block_size=4)
+    per_block = [ladder(b.problem, b.num_forward, time_limit=5.0, gap=0.0)[0] for b in chain.blocks]
+    choices = [[Choice(o.cost(b.problem.cost), o.forward_peak, o.backward_peak, o.retained) for o in opts]
+               for b, opts in zip(chain.blocks, per_block)]
+    external = chain.external_bytes(problem)
+    full = simulate(problem, default_schedule(problem)).peak_bytes
+    seen = set()
+    for budget in np.linspace(0.2 * full, 1.1 * full, 25):
+        picked = chain_dp(choices, external, budget)
+        if picked is not None:
+            seen.add(tuple(picked))
+            sim = simulate(problem, compose(chain, [per_block[i][o] for i, o in enumerate(picked)]))
+            assert sim.peak_bytes <= chain_peak(choices, external, picked) <= budget
+    assert len(seen) >= 4
+
+
+def test_hierarchical_fits_budgets_the_segment_baselines_cannot():
+    problem = layered_step(8)
+    full = simulate(problem, default_schedule(problem)).peak_bytes
+    opts = SolveOptions(time_limit=60, portfolio=False, params={"block_size": 4, "inner_time_limit": 5.0})
+    plain = SolveOptions(time_limit=60)
+    tight = int(0.35 * full)
+    assert not any(solve(problem, s, tight, plain).feasible for s in ("ap-greedy", "linearized-greedy", "acg"))
+    assert solve(problem, "hierarchical", tight, opts).feasible
+    for fraction in (0.8, 0.6, 0.45):
+        budget = int(fraction * full)
+        ours = solve(problem, "hierarchical", budget, opts)
+        assert ours.objective <= solve(problem, "ap-greedy", budget, plain).objective
+
+
+def test_a_step_without_forward_nodes_runs_in_the_default_order():
+    problem = Problem.from_edges([1.0, 2.0], [4, 4], [(0, 1)], backward=[True, True])
+    sol = solve(problem, "hierarchical", 8, SolveOptions(portfolio=False))
+    assert sol.schedule == default_schedule(problem) and sol.objective == 3.0
+    assert not solve(problem, "hierarchical", 7, SolveOptions(portfolio=False)).feasible
