@@ -4,7 +4,8 @@ A MILP or LP solver (Checkmate, its LP rounding) may stop at its time limit with
 and LP rounding may round to a schedule a greedy beats. `best_known` runs the cheap solvers at the same
 budget and returns the cheapest feasible schedule by predicted cost, keeping the expensive solver's
 bound and saying which solver's schedule won (`Solution.source`). When the expensive solver found
-nothing because of its time limit, the status is `time_limit` (a plan, optimality unknown).
+nothing because of its time limit, the status is `time_limit` (a plan, optimality unknown); when it found
+nothing for another reason (a hierarchical composition that does not fit), the status is `feasible`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def best_known(problem: Problem, budget: int, solution: Solution, options: Solve
         return replace(solution, solve_seconds=seconds)
     why = (f"{solution.solver} found no schedule ({solution.status}: {solution.message})" if not solution.feasible
            else f"{best.solver}'s schedule costs {best.objective:.6g}, {solution.solver}'s {solution.objective:.6g}")
-    status = ("time_limit" if solution.status in ("no_solution", "time_limit") else
+    stopped = solution.status == "time_limit" or (solution.status == "no_solution" and "time limit" in solution.message)
+    status = ("time_limit" if stopped else
               "optimal" if solution.bound is not None and best.objective <= solution.bound * (1 + 1e-9) else "feasible")
     return replace(solution, status=status, schedule=best.schedule, simulation=best.simulation, addresses=None,
                    source=best.solver, solve_seconds=seconds, message=f"{why}: returned {best.solver}'s schedule")

@@ -172,3 +172,16 @@ def test_a_step_without_forward_nodes_runs_in_the_default_order():
     sol = solve(problem, "hierarchical", 8, SolveOptions(portfolio=False))
     assert sol.schedule == default_schedule(problem) and sol.objective == 3.0
     assert not solve(problem, "hierarchical", 7, SolveOptions(portfolio=False)).feasible
+
+
+def test_below_its_reach_the_portfolio_answers_with_a_cheap_solver_as_feasible():
+    """A budget only a cheap solver meets: the answer is that schedule, status feasible (no time limit
+    stopped anything), the source named."""
+    problem = layered_step(8)
+    full = simulate(problem, default_schedule(problem)).peak_bytes
+    params = {"block_size": 40, "inner_time_limit": 5.0, "rungs": [[1.0, 1.0]]}   # one block: no option lowers its peak
+    budget = int(0.8 * full)
+    alone = solve(problem, "hierarchical", budget, SolveOptions(time_limit=60, portfolio=False, params=params))
+    assert alone.status == "no_solution"
+    sol = solve(problem, "hierarchical", budget, SolveOptions(time_limit=60, params=params))
+    assert sol.feasible and sol.status == "feasible" and sol.source != "hierarchical"
