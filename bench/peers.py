@@ -7,8 +7,9 @@ Per workload (random weights, CPU): eager PyTorch; the PyTorch checkpointing a u
 children); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the smallest
 fraction `ap-greedy` or `hierarchical` reaches. Every memplan plan is solved on node costs profiled in the
 same run (`tasks.profile.measure_graph`), run with `runtime.load` (gradients compared with eager) and
-measured with `runtime.meter.PeakMeter`; step times are medians of interleaved rounds. The verdict lists each PyTorch point and the memplan plans that dominate it (no more
-peak at no more time), and each memplan plan a PyTorch point dominates.
+measured with `runtime.meter.PeakMeter`; step times are medians of interleaved rounds. The verdict lists
+each PyTorch point and the memplan plans that dominate it (no more peak at no more time), and each
+memplan plan a PyTorch point dominates.
 Not yet here: torch.compile's `activation_memory_budget` (needs a meter that sees compiled code) and a
 Llama-style decoder.
 """

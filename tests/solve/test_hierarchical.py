@@ -141,7 +141,7 @@ def test_chain_estimate_bounds_the_simulated_peak():
     per_block = [ladder(b.problem, b.num_forward, time_limit=5.0, gap=0.0)[0] for b in chain.blocks]
     choices = [[Choice(o.cost(b.problem.cost), o.forward_peak, o.backward_peak, o.retained) for o in opts]
                for b, opts in zip(chain.blocks, per_block)]
-    external = chain.external_bytes(problem)
+    external = chain.external
     full = simulate(problem, default_schedule(problem)).peak_bytes
     seen = set()
     for budget in np.linspace(0.2 * full, 1.1 * full, 25):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 import numpy as np
 
+from tasks.solve.baselines import forward_nodes
 from tasks.solve.problem import Problem
 
 PIN_SPAN = 0.25
@@ -33,50 +34,42 @@ PIN_SPAN = 0.25
 
 @dataclass(frozen=True)
 class Block:
-    """Block `index` of the chain: global `nodes` (forward first, `num_forward` of them, then backward)
-    and its local `problem` whose node i is `nodes[i]` and value j is global `values[j]`."""
+    """A block of the chain: global `nodes` (forward first, `num_forward` of them, then backward) and its
+    local `problem`, whose node i is `nodes[i]`."""
 
-    index: int
     nodes: np.ndarray
     num_forward: int
-    values: np.ndarray
     problem: Problem
     key: str
 
 
 @dataclass(frozen=True)
 class BlockChain:
-    """Blocks in forward order; `block_of[node]` is each node's block; `pinned` the pinned values."""
+    """Blocks in forward order; `block_of[node]` is each node's block; `external[i]` the bytes made by
+    later blocks and live during block i's backward: graph outputs (parameter gradients, updated
+    buffers) and values a block <= i reads (the incoming gradient)."""
 
     blocks: tuple[Block, ...]
     block_of: np.ndarray
-    pinned: frozenset[int]
-
-    def external_bytes(self, problem: Problem) -> np.ndarray:
-        """`E[i]`: bytes made by later blocks and live during block i's backward: graph outputs (parameter
-        gradients, updated buffers) and values a block <= i reads (the incoming gradient)."""
-        k = len(self.blocks)
-        made = np.where(problem.value_producer >= 0, self.block_of[np.maximum(problem.value_producer, 0)], -1)
-        first_reader = np.full(problem.num_values, k, dtype=np.int64)
-        for node, inputs in enumerate(problem.node_inputs):
-            for v in inputs:
-                first_reader[v] = min(first_reader[v], self.block_of[node])
-        needed_below = np.where(problem.is_output, -1, first_reader)      # live in every block below `made`
-        delta = np.zeros(k + 1, dtype=np.int64)
-        live = (made >= 0) & (needed_below < made)
-        # value v is live during the backward of blocks max(needed_below, 0) .. made - 1
-        np.add.at(delta, np.maximum(needed_below[live], 0), problem.value_bytes[live])
-        np.add.at(delta, made[live], -problem.value_bytes[live])
-        return np.cumsum(delta[:-1])
+    external: np.ndarray
 
 
-def _forward(problem: Problem) -> list[int]:
-    return [int(v) for v in problem.order if problem.is_recomputable[v]]
+def external_bytes(problem: Problem, block_of: np.ndarray, readers: list[set[int]], k: int) -> np.ndarray:
+    """`BlockChain.external`: value v made in block m is live during the backward of blocks
+    r..m-1, r its first reading block (0 for a graph output)."""
+    made = np.where(problem.value_producer >= 0, block_of[np.maximum(problem.value_producer, 0)], -1)
+    first_reader = np.array([min(r, default=k) for r in readers], dtype=np.int64)
+    needed_below = np.where(problem.is_output, 0, first_reader)
+    live = (made >= 0) & (needed_below < made)
+    delta = np.zeros(k + 1, dtype=np.int64)
+    np.add.at(delta, needed_below[live], problem.value_bytes[live])
+    np.add.at(delta, made[live], -problem.value_bytes[live])
+    return np.cumsum(delta[:-1])
 
 
 def pinned_values(problem: Problem) -> set[int]:
     """Forward values read across more than PIN_SPAN of the forward pass (module docstring)."""
-    fwd = _forward(problem)
+    fwd = forward_nodes(problem)
     rank = {node: i for i, node in enumerate(fwd)}
     span = PIN_SPAN * len(fwd)
     pinned = set()
@@ -92,7 +85,7 @@ def pinned_values(problem: Problem) -> set[int]:
 def segments(problem: Problem, pinned: set[int]) -> list[list[int]]:
     """Forward nodes in order, cut after each articulation point of the forward graph without the
     pinned values' edges."""
-    fwd = _forward(problem)
+    fwd = forward_nodes(problem)
     graph = nx.Graph()
     graph.add_nodes_from(fwd)
     for node in fwd:
@@ -150,12 +143,11 @@ def block_chain(problem: Problem, block_size: int) -> BlockChain:
     for node, inputs in enumerate(problem.node_inputs):
         for v in inputs:
             readers[v].add(int(block_of[node]))
-    blocks = tuple(_block(problem, i, forward_blocks[i], backward[i], block_of, readers) for i in range(k))
-    return BlockChain(blocks, block_of, frozenset(pinned))
+    blocks = tuple(_block(problem, i, forward_blocks[i], backward[i], readers) for i in range(k))
+    return BlockChain(blocks, block_of, external_bytes(problem, block_of, readers, k))
 
 
-def _block(problem: Problem, index: int, forward: list[int], backward: list[int], block_of: np.ndarray,
-           readers: list[set[int]]) -> Block:
+def _block(problem: Problem, index: int, forward: list[int], backward: list[int], readers: list[set[int]]) -> Block:
     nodes = np.array(forward + backward, dtype=np.int64)
     local_of: dict[int, int] = {}
     for node in nodes.tolist():
@@ -183,7 +175,7 @@ def _block(problem: Problem, index: int, forward: list[int], backward: list[int]
     )
     text = repr((len(forward), names, sub.node_inputs, sub.node_outputs, sub.value_bytes.tolist(),
                  producer.tolist(), outputs, sub.workspace.tolist()))
-    return Block(index, nodes, len(forward), values, sub, hashlib.sha256(text.encode()).hexdigest()[:16])
+    return Block(nodes, len(forward), sub, hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
 def blocks_by_key(chain: BlockChain) -> dict[str, tuple[Block, Problem]]:

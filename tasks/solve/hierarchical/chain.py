@@ -2,7 +2,7 @@
 
 The chain runs every block's forward part in order, then every block's backward part in reverse.
 Let A_i be the bytes retained by blocks 0..i-1 (the sum of their options' `retained`) and E_i the
-bytes made by later blocks and live during block i's backward (`BlockChain.external_bytes`). Choosing
+bytes made by later blocks and live during block i's backward (`BlockChain.external`). Choosing
 option o for block i is allowed when
     A_i + forward_peak(o) <= M   and   A_i + E_i + backward_peak(o) <= M,
 and costs cost_i(o). The program minimizes the total cost over A (states bucketed to M / BUCKETS

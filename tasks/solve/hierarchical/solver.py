@@ -87,7 +87,7 @@ def hierarchical(problem: Problem, budget: int, options: SolveOptions) -> Soluti
     per_block = [ladders[b.key] for b in chain.blocks]
     choices = [[Choice(o.cost(b.problem.cost), o.forward_peak, o.backward_peak, o.retained) for o in opts_]
                for b, opts_ in zip(chain.blocks, per_block)]
-    external = chain.external_bytes(problem)
+    external = chain.external
     best = None
     for factor in WORKING_BUDGETS:
         picked = chain_dp(choices, external, factor * budget)
