@@ -4,7 +4,8 @@ Writers write one Parquet file per profiling run under a temporary name that doe
 and rename it into place (`os.replace`), so readers never see half a file and any number of processes and
 hosts can write at once; nobody opens a DuckDB database file read-write. Readers list the finished files,
 skip (with a `ProfileStoreWarning` naming them) files that are truncated or are not memplan profiles, and
-build in-memory DuckDB views over the rest with absolute paths and `union_by_name`. Layout, columns and
+read the rest with pyarrow into in-memory tables that a sealed DuckDB connection (no file access, locked
+configuration) queries through views. Layout, columns and
 views: docs/profile-schema.md.
 """
 
@@ -35,6 +36,7 @@ from tasks.store_schema import (
 )
 
 ENV_VAR = "MEMPLAN_PROFILES_DB"
+NONNEGATIVE = ("time_ms", "output_bytes", "workspace_bytes")   # the costs planners read: finite, >= 0
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
 
 
@@ -146,6 +148,24 @@ def _problem(path: Path, profile: bool = True) -> str | None:
     return None
 
 
+def _bad_rows(table: pa.Table) -> str | None:
+    """Why the rows of a profile file cannot be costs (nulls in required columns, negative or non-finite
+    measurements), or None when they can."""
+    import pyarrow.compute as pc
+
+    for column in REQUIRED:
+        if table.column(column).null_count:
+            return f"null {column} in some rows"
+    for column in NONNEGATIVE:
+        if column in table.column_names and table.num_rows:
+            values = table.column(column)
+            if pa.types.is_floating(values.type) and not pc.all(pc.is_finite(values)).as_py():
+                return f"{column} holds NaN or infinite values"
+            if pc.min(values).as_py() < 0:
+                return f"{column} holds negative values (min {pc.min(values).as_py()})"
+    return None
+
+
 def readable_files(paths, problem: Callable[[Path], str | None], warning: type[Warning], what: str,
                    fix: str) -> list[Path]:
     """The `paths` (sorted) that `problem` finds nothing wrong with; each other one is skipped with a
@@ -171,10 +191,6 @@ def run_files(root: str | os.PathLike | None = None) -> list[Path]:
     return _readable((p for p in base.rglob("*.parquet") if p.is_file()), base)
 
 
-def _sql_string(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
 _GROUP = ("run_id", "fingerprint", "device")
 _RUN_VALUES = ", ".join(c if c in _GROUP else f"any_value({c}) AS {c}" for c in RUN_COLUMNS)
 VIEWS = {
@@ -193,40 +209,75 @@ VIEWS = {
 }
 
 
-def _parquet_view(con, name: str, files: list[Path], schema: pa.Schema) -> None:
-    if files:
-        paths = ", ".join(_sql_string(str(p)) for p in files)
-        con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{paths}], union_by_name = true)")
-    else:
-        con.register(f"_empty_{name}", schema.empty_table())
-        con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
+def _read_tables(files: list[Path], check_rows, base: Path) -> tuple[list[Path], list[pa.Table]]:
+    """Read `files` with pyarrow; a file that fails to read or whose rows `check_rows` rejects is skipped
+    with a `ProfileStoreWarning` like any other bad file."""
+    kept, tables = [], []
+    for path in files:
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowException) as exc:
+            why = f"unreadable or truncated Parquet ({exc})"
+        else:
+            why = check_rows(table)
+        if why is None:
+            kept.append(path)
+            tables.append(table)
+        else:
+            warnings.warn(f"Skipping {path}: {why}. Delete or move the file out of {base} to silence this warning.",
+                          ProfileStoreWarning, stacklevel=3)
+    return kept, tables
+
+
+def _union(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    """The rows of `tables` unioned by column name (missing columns read as NULL), or `schema`'s empty table."""
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")
+
+
+SEALED = {
+    "enable_external_access": False,       # no file, URL or extension is read or written by SQL
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+    "allow_persistent_secrets": False,
+    "temp_directory": "",                  # never spill to ./.tmp
+    "python_enable_replacements": False,   # no Python variable is visible as a table
+    "lock_configuration": True,            # and none of the above can be SET back
+}
+"""DuckDB settings of the store's connection: SQL over it can read the in-memory tables and nothing else."""
 
 
 def connect(root: str | os.PathLike | None = None,
             extra_views: Mapping[str, tuple[list[Path], pa.Schema]] | None = None):
-    """An in-memory DuckDB connection with the store's views, locked against file access.
+    """An in-memory DuckDB connection with the store's views that cannot touch any file.
+
+    The readable files are read here with pyarrow and handed to DuckDB as in-memory Arrow tables; the
+    connection is opened with external access disabled (no file, URL, extension, temp-directory spill or
+    persistent secret) and its configuration locked (`SEALED`), so SQL over it reads the tables and no
+    statement (COPY, EXPORT, ATTACH, INSTALL, SET, ...) can write anywhere.
 
     Views: `profiles` (every row of every readable run), `runs` (one row per run with `rows`, `nodes`
     and `complete`), `latest_runs` (newest complete run per fingerprint and device) and `latest_costs`
     (the rows of those runs); `extra_views` maps more view names to (Parquet files, schema when empty),
-    e.g. the plans index. After the views are built, file access is limited to those files and the
-    configuration is locked, so queries can read the store but write nothing.
+    e.g. the plans index.
     """
     import duckdb
 
-    files = run_files(root)
-    con = duckdb.connect(":memory:")
-    _parquet_view(con, "profiles", files, SCHEMA)
-    for name, sql in VIEWS.items():
-        con.execute(f"CREATE VIEW {name} AS {sql}")
+    base = store_root(root)
+    _, runs = _read_tables(run_files(root), _bad_rows, base)
+    tables = {"profiles": _union(runs, SCHEMA)}
     for name, (paths, schema) in (extra_views or {}).items():
         paths = [Path(p).resolve() for p in paths]
         readable = _readable(paths, paths[0].parent if paths else Path(), profile=False)
-        _parquet_view(con, name, readable, schema)
-        files += readable
-    con.execute(f"SET allowed_paths = [{', '.join(_sql_string(str(p)) for p in files)}]")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
+        tables[name] = _union(_read_tables(readable, lambda t: None, base)[1], schema)
+    con = duckdb.connect(":memory:", config=SEALED)
+    for name, table in tables.items():
+        con.register(f"_{name}_rows", table)
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_rows")
+    for name, sql in VIEWS.items():
+        con.execute(f"CREATE VIEW {name} AS {sql}")
     return con
 
 

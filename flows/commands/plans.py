@@ -7,7 +7,17 @@ from typing import Annotated, Optional
 
 import typer
 
-DirOption = Annotated[Path, typer.Option("--dir", help="Folder of published plans.")]
+from flows.locations import ConfigOption, locate
+
+DirOption = Annotated[Optional[Path], typer.Option(
+    "--dir", help="Folder of published plans [default: publish.dir of ./pipeline.toml, else ./plans].",
+    show_default=False)]
+
+
+def _plans_dir(config: Path | None, plans_dir: Path | None) -> Path:
+    where = locate(config, plans=plans_dir)
+    where.say(store=False)
+    return where.plans
 
 
 def register(app: typer.Typer) -> None:
@@ -15,7 +25,8 @@ def register(app: typer.Typer) -> None:
 
     @plans.command("list")
     def list_plans(
-        plans_dir: DirOption = Path("plans"),
+        plans_dir: DirOption = None,
+        config: ConfigOption = None,
         model: Annotated[Optional[str], typer.Option(help="Only this model.")] = None,
         solver: Annotated[Optional[str], typer.Option(help="Only this solver.")] = None,
     ) -> None:
@@ -26,6 +37,8 @@ def register(app: typer.Typer) -> None:
         from flows.console import console, exit_on_error
         from tasks.publish import read_index
 
+        with exit_on_error():
+            plans_dir = _plans_dir(config, plans_dir)
         with exit_on_error(), reporting_store_warnings():
             rows = read_index(plans_dir, "(? IS NULL OR model = ?) AND (? IS NULL OR solver = ?)",
                               [model, model, solver, solver])
@@ -44,7 +57,8 @@ def register(app: typer.Typer) -> None:
     @plans.command("show")
     def show(
         name: Annotated[str, typer.Argument(help="A plan id, an id prefix (8+ hex digits) or an alias.")],
-        plans_dir: DirOption = Path("plans"),
+        plans_dir: DirOption = None,
+        config: ConfigOption = None,
     ) -> None:
         """A plan's provenance, predictions, schedule summary and index row."""
         from rich.table import Table
@@ -54,6 +68,8 @@ def register(app: typer.Typer) -> None:
         from runtime.plan import Plan
         from tasks.publish import plan_id, read_index, resolve
 
+        with exit_on_error():
+            plans_dir = _plans_dir(config, plans_dir)
         with exit_on_error(), reporting_store_warnings():
             path = resolve(plans_dir, name)
             plan = Plan.load(path)

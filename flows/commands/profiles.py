@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from flows.locations import ConfigOption, locate
 from flows.commands.query import Format, FormatOption, OutputOption, StoreOption, check_output, emit, reporting_store_warnings
 
 LIST_SQL = """
@@ -29,16 +30,21 @@ def register(app: typer.Typer) -> None:
         fmt: FormatOption = Format.table,
         output: OutputOption = None,
         store: StoreOption = None,
+        config: ConfigOption = None,
     ) -> None:
         """Show the runs (device, model, when, rows, completeness), newest first."""
-        from tasks.store import connect, store_root
+        from flows.console import exit_on_error
+        from tasks.store import connect
 
         check_output(fmt, output)
+        with exit_on_error():
+            where = locate(config, store)
+        where.say(plans=False)
         with reporting_store_warnings():
-            con = connect(store)
+            con = connect(where.store)
         device_type = device.split(":")[0] if device else None
         params = [device, device, device_type, model, model, fingerprint, fingerprint]
         table = con.sql(LIST_SQL, params=params).to_arrow_table()
-        emit(table, fmt, output, title=f"Profiling runs in {store_root(store)}")
+        emit(table, fmt, output, title=f"Profiling runs in {where.store}")
 
     app.add_typer(profiles, name="profiles")

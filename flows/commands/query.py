@@ -19,6 +19,8 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
+from flows.locations import ConfigOption, locate
+
 
 class Format(str, Enum):
     table = "table"
@@ -30,11 +32,12 @@ class Format(str, Enum):
 FormatOption = Annotated[Format, typer.Option("--format", "-f", help="Output: table (rich), csv, json or parquet.")]
 OutputOption = Annotated[Optional[Path], typer.Option(
     "--output", "-o", help="Write to this file instead of stdout (required for parquet); written atomically.")]
-PlansOption = Annotated[Path, typer.Option(
-    "--plans", help="Folder of published plans; its index/*.parquet is the view `plans`.")]
+PlansOption = Annotated[Optional[Path], typer.Option(
+    "--plans", help="Folder of published plans; its index/*.parquet is the view `plans` "
+                    "[default: publish.dir of ./pipeline.toml, else ./plans].", show_default=False)]
 StoreOption = Annotated[Optional[Path], typer.Option(
-    "--store", help="Profile store folder [default: $MEMPLAN_PROFILES_DB or <repo>/profiles_db].",
-    show_default=False)]
+    "--store", help="Profile store folder [default: store of ./pipeline.toml, else $MEMPLAN_PROFILES_DB, "
+                    "else ./profiles_db].", show_default=False)]
 
 
 def _err(message: str) -> None:
@@ -136,7 +139,8 @@ def register(app: typer.Typer) -> None:
         fmt: FormatOption = Format.table,
         output: OutputOption = None,
         store: StoreOption = None,
-        plans: PlansOption = Path("plans"),
+        plans: PlansOption = None,
+        config: ConfigOption = None,
     ) -> None:
         """Query the profile store and the plans index with SQL (DuckDB, read-only).
 
@@ -145,14 +149,18 @@ def register(app: typer.Typer) -> None:
         """
         import duckdb
 
+        from flows.console import exit_on_error
         from tasks.publish import INDEX_SCHEMA, index_files
         from tasks.store import query as run_query
 
         check_output(fmt, output)
+        with exit_on_error():
+            where = locate(config, store, plans)
+        where.say()
         try:
             with reporting_store_warnings():
-                index = index_files(plans)
-                table = run_query(sql, store, {"plans": (index, INDEX_SCHEMA)})
+                index = index_files(where.plans)
+                table = run_query(sql, where.store, {"plans": (index, INDEX_SCHEMA)})
         except duckdb.Error as exc:
             _err(f"DuckDB: {exc}")
             raise typer.Exit(1)

@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from flows.commands.query import StoreOption
+from flows.locations import ConfigOption, locate
 from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
 
 
@@ -40,8 +42,8 @@ def register(app: typer.Typer) -> None:
         addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none or greedy.")] = "none",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
-        store: Annotated[Optional[Path], typer.Option(help="Profile store folder (default: $MEMPLAN_PROFILES_DB "
-                                                           "or the repository's profiles_db).")] = None,
+        store: StoreOption = None,
+        config: ConfigOption = None,
         json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (the solve report).")] = False,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
         progress: Annotated[bool, typer.Option(help="Log solver progress (incumbent, bound, gap) on stderr.")] = True,
@@ -81,7 +83,10 @@ def register(app: typer.Typer) -> None:
                 handler.setFormatter(logging.Formatter("%(message)s"))
                 logging.getLogger("memplan.solve").addHandler(handler)
                 logging.getLogger("memplan.solve").setLevel(logging.INFO)
-            loaded = load_problem(graph, device=device, store=store)
+            where = locate(config, store)
+            if progress and not json_output:
+                where.say(plans=False)
+            loaded = load_problem(graph, device=device, store=where.store)
             options = SolveOptions(time_limit=time_limit, gap=gap, backend=backend, threads=threads, params=params)
             try:
                 solution, eager = solve_loaded(loaded, solver, budget_spec, options, addresses)

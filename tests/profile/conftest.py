@@ -14,9 +14,11 @@ T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    """An empty store folder, also set as $MEMPLAN_PROFILES_DB so defaults resolve to it."""
+    """An empty store folder, also set as $MEMPLAN_PROFILES_DB so defaults resolve to it (from a working
+    folder without a pipeline.toml, whose store the commands would read first)."""
     root = tmp_path / "profiles_db"
     monkeypatch.setenv(ENV_VAR, str(root))
+    monkeypatch.chdir(tmp_path)
     return root
 
 

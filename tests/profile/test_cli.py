@@ -96,6 +96,7 @@ def test_profiles_list_shows_runs_newest_first_and_filters(cli, filled):
 
 
 def test_store_option_overrides_the_environment(cli, filled, tmp_path):
+    (tmp_path / "elsewhere").mkdir()
     result = cli("profiles", "list", "--store", str(tmp_path / "elsewhere"), "--format", "csv")
     assert result.exit_code == 0
     assert result.stdout.splitlines() == ["run_id,device,model,created_at,rows,complete,fingerprint"]

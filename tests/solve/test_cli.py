@@ -52,6 +52,7 @@ def test_json_report_and_plan_for_a_benchmark_graph(tmp_path, benchmark_paths):
 
 def test_memplan_graph_takes_costs_from_the_profile_store(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "profiles_db"))
+    monkeypatch.chdir(tmp_path)              # no ./pipeline.toml here, whose store would come first
     graph = _chain_graph()
     graph.save(tmp_path / "g.json")
     args = ["solve", "--graph", str(tmp_path / "g.json"), "--solver", "checkpoint-all", "--budget", "1.0", "--json"]
