@@ -24,7 +24,8 @@ class PipelineFailed(MemplanError):
         self.outcomes = outcomes
 
 
-@flow(name="plan", description="Trace, profile, solve, validate and publish the plans of a pipeline.toml.")
+@flow(name="plan", description="Trace, profile, solve, validate and publish the plans of a pipeline.toml.",
+      persist_result=False, result_serializer="json")
 def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
               config: PipelineConfig | None = None) -> list[dict[str, Any]]:
     """Run the pipeline of `config_path` (already parsed as `config` when given: the TOML is read once per
@@ -118,8 +119,9 @@ def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
 def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
              config: PipelineConfig | None = None) -> list[dict[str, Any]]:
     """Validate `config_path` (or take its parsed `config`), then run `plan_flow` with Prefect's results
-    stored under `<cache_dir>/prefect` (JSON records; caching survives across runs)."""
-    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+    stored under `<cache_dir>/prefect` (JSON records, failures included: no pickle; caching survives
+    across runs)."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_RESULTS_DEFAULT_SERIALIZER, temporary_settings
 
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
@@ -127,5 +129,5 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
     for model in config.models:
         check_model(model)
     storage = Path(config.cache_dir).resolve() / "prefect"
-    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage}):
+    with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_RESULTS_DEFAULT_SERIALIZER: "json"}):
         return plan_flow(str(config_path), refresh, config)

@@ -1,7 +1,8 @@
 """The pipeline stages as Prefect tasks: thin wrappers over the plain functions in `tasks/`.
 
-Each task is cached by a content hash of what determines its result (`cache_key_fn`), so re-running an
-unchanged pipeline re-uses traces, profiles, solutions and validations. Results are persisted by Prefect
+The trace runs every time; each later task is cached by a content hash of what determines its result
+(`cache_key_fn`: the graph's fingerprint, settings, sources), so re-running an unchanged pipeline re-uses
+profiles, solutions and validations, and a changed model never gets a stale one. Results are persisted by Prefect
 as JSON records (`result_serializer="json"`, never pickles) that point at the JSON graph and plan files
 and the Parquet profile runs the stages write; `flows.plan.run_plan` puts Prefect's result storage under
 `cache_dir/prefect`.
@@ -16,14 +17,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from flows.progress import stage_finished, stage_started
 from tasks.config import Budget, MemplanError, ModelConfig, ProfileConfig, ValidateConfig
-from tasks.trace import source_hash, trace_key
+from tasks.trace import source_hash
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
 HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
-_CAPTURED: dict[str, Any] = {}  # trace key -> captured OpGraph (with its FX program), this process only
+_CAPTURED: dict[str, Any] = {}  # fingerprint -> captured OpGraph (with its FX program), this process only
 
 
 class StaleCacheError(MemplanError):
@@ -56,17 +58,14 @@ def _existing(path: str, stage: str) -> Path:
 # -- trace -------------------------------------------------------------------------------------------
 
 
-def _trace_key(context: Any, p: Mapping[str, Any]) -> str:
-    return "trace-" + trace_key(p["model"], p["batch_size"], p["device"])
-
-
-@task(name="trace", cache_key_fn=_trace_key, task_run_name="trace {model.name} b{batch_size}", **PERSISTED, **HOOKS)
+@task(name="trace", cache_policy=NO_CACHE, task_run_name="trace {model.name} b{batch_size}", **HOOKS)
 def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str) -> dict[str, Any]:
-    """Capture the model's training step; the graph JSON lands in `cache_dir/graphs/`."""
+    """Capture the model's training step, every run (never cached: the fingerprint it yields keys every
+    later stage); the graph JSON lands in `cache_dir/graphs/`."""
     from tasks.trace import trace
 
     traced, graph = trace(model, batch_size, device, seed, cache_dir)
-    _CAPTURED[traced.key] = graph
+    _CAPTURED[traced.fingerprint] = graph
     return traced.to_json()
 
 
@@ -87,7 +86,7 @@ def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: 
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.trace import capture_model
 
-    graph = _CAPTURED.pop(traced["key"], None) or capture_model(model, traced["batch_size"], device, seed)
+    graph = _CAPTURED.pop(traced["fingerprint"], None) or capture_model(model, traced["batch_size"], device, seed)
     if graph.fingerprint != traced["fingerprint"]:
         raise MemplanError(
             f"re-capturing {model.name} at batch {traced['batch_size']} gave graph {graph.fingerprint[:12]}, "

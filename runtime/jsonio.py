@@ -58,11 +58,16 @@ def read_json(path: str | os.PathLike, what: str, error: type[Exception]) -> Any
     unreadable, truncated or malformed. `what` names the expected content ("plan", "graph")."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise error(f"cannot read {what} file {path}: {exc.strerror or exc}. Check the path.") from exc
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} file {path} is not text (byte {exc.object[exc.start]:#04x} at offset {exc.start} is "
+                    f"not UTF-8): it is binary or corrupt. Give the {what} JSON that memplan wrote.") from None
     try:
         return json.loads(text)
+    except RecursionError:
+        raise error(f"{what} file {path} nests JSON too deeply to be a memplan {what}.") from None
     except json.JSONDecodeError as exc:
         raise error(
             f"{what} file {path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "

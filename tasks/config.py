@@ -365,10 +365,11 @@ class PipelineConfig(Section):
         return self
 
     def relative_to(self, folder: str | Path) -> PipelineConfig:
-        """This config with the relative `store`, `cache_dir` and `publish.dir` taken inside `folder`."""
+        """This config with the relative `store`, `cache_dir` and `publish.dir` taken inside `folder`, as
+        absolute paths (cached results naming them stay valid from any working folder)."""
 
         def inside(path: str) -> str:
-            return path if Path(path).is_absolute() else str(Path(folder) / path)
+            return str(Path(folder).resolve() / Path(path).expanduser())
 
         publish = self.publish.model_copy(update={"dir": inside(self.publish.dir)})
         return self.model_copy(update={"store": inside(self.store), "cache_dir": inside(self.cache_dir), "publish": publish})
@@ -433,6 +434,13 @@ def load_config(path: str | Path = "pipeline.toml", solvers: list[str] | None = 
         raise ConfigError(
             f"{path}: no such file; pass the path of a pipeline.toml (see docs/config.md for the schema)"
         ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a folder; pass the pipeline.toml file itself (e.g. {path / 'pipeline.toml'})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}; check the path and its permissions") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          "TOML files are UTF-8: re-save it as UTF-8") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -8,7 +8,8 @@ Layout (every write is atomic: temporary dot-name, then `os.replace`):
     plans/index/<plan_id>.parquet one index row (INDEX_SCHEMA); DuckDB reads `plans/index/*.parquet`
 
 Publishing the same plan again changes nothing: the plan file, its index row and an alias that already
-points at it are left untouched.
+points at it are left untouched. Publishing is all or nothing: the index row is built before any file is
+written, and a failure after that removes what this call wrote.
 """
 
 from __future__ import annotations
@@ -127,20 +128,28 @@ def publish(
     plans_dir = Path(plans_dir)
     pid = plan_id(plan)
     target = plans_dir / f"{pid}.json"
-    changed = False
-    if not target.exists():
-        write_json_atomic(target, plan.to_json())
-        changed = True
     index_file = plans_dir / "index" / f"{pid}.parquet"
-    if _index_problem(index_file) is not None:           # missing, or unreadable: (re)write the row
-        row = _index_row(plan, pid, alias, validation, target.name, model=model, batch_size=batch_size, budget=budget)
-        _write_row(index_file, row)
-        changed = True
     alias_path = plans_dir / f"{alias}.json"
-    if not (alias_path.is_symlink() and os.readlink(alias_path) == target.name):
-        _symlink_atomic(target.name, alias_path)
-        changed = True
-    return Published(pid, str(target), str(alias_path), changed)
+    row = None
+    if _index_problem(index_file) is not None:           # missing, or unreadable: (re)write the row
+        row = _row_table(_index_row(plan, pid, alias, validation, target.name, model=model, batch_size=batch_size,
+                                    budget=budget))       # built before anything is written: all or nothing
+    written: list[Path] = []
+    try:
+        if not target.exists():
+            write_json_atomic(target, plan.to_json())
+            written.append(target)
+        if row is not None:
+            _write_row(index_file, row)
+            written.append(index_file)
+        if not (alias_path.is_symlink() and os.readlink(alias_path) == target.name):
+            _symlink_atomic(target.name, alias_path)
+            written.append(alias_path)
+    except BaseException:
+        for path in reversed(written):                  # a failure (disk full, Ctrl-C) leaves no partial plan
+            path.unlink(missing_ok=True)
+        raise
+    return Published(pid, str(target), str(alias_path), bool(written))
 
 
 def _index_row(
@@ -179,9 +188,17 @@ def _index_row(
     )
 
 
-def _write_row(path: Path, row: IndexRow) -> None:
+def _row_table(row: IndexRow) -> pa.Table:
+    try:
+        return pa.Table.from_pylist([asdict(row)], schema=INDEX_SCHEMA)
+    except (pa.ArrowException, OverflowError, TypeError) as exc:
+        raise PublishError(f"plan {row.plan_id[:12]} ({row.alias}) cannot be indexed: {exc}. Its index fields "
+                           f"(budget {row.budget_bytes!r} B, predicted peak {row.predicted_peak_bytes!r} B, ...) must "
+                           f"fit the plans index schema (64-bit integers); nothing was published.") from None
+
+
+def _write_row(path: Path, table: pa.Table) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist([asdict(row)], schema=INDEX_SCHEMA)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

@@ -1,8 +1,9 @@
 """Trace stage: capture a model's training step as an operator graph and keep it as JSON.
 
-A graph is stored under the content hash of everything that determines it (`trace_key`): the model
-entry (source, kwargs, loss, inputs), the batch size, the device type, the torch version and the source
-of `runtime/`. The same key always names the same file, so a trace is made once per key.
+Every run traces again (seconds for the models a pipeline plans; no key computed from the config can
+see an edited factory's source or what it imports) and stores the graph under its fingerprint: the
+same graph always lands in the same file, and every later stage is keyed on the fingerprint, so a
+changed model never meets a stale profile, plan or validation.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from tasks.config import ModelConfig
 class Traced:
     """A stored operator graph and the numbers a report needs about it."""
 
-    key: str
     path: str
     fingerprint: str
     model: str
@@ -53,22 +53,9 @@ def source_hash(*paths: str) -> str:
     return digest.hexdigest()
 
 
-def trace_key(spec: ModelConfig, batch_size: int, device: str) -> str:
-    """Content hash naming the graph of `spec` at `batch_size` on `device`'s type."""
-    import torch
-
-    parts = {
-        "model": spec.content_hash(batch_size),
-        "device_type": device.split(":")[0],
-        "torch": torch.__version__,
-        "runtime": source_hash("runtime"),
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-def graph_path(cache_dir: str | Path, spec: ModelConfig, batch_size: int, key: str) -> Path:
-    """Where the graph with trace key `key` lives: `<cache_dir>/graphs/<model>-b<batch>-<key16>.json`."""
-    return Path(cache_dir) / "graphs" / f"{spec.name}-b{batch_size}-{key[:16]}.json"
+def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str) -> Path:
+    """Where the graph with `fingerprint` lives: `<cache_dir>/graphs/<model>-b<batch>-<fingerprint16>.json`."""
+    return Path(cache_dir) / "graphs" / f"{model}-b{batch_size}-{fingerprint[:16]}.json"
 
 
 def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) -> OpGraph:
@@ -83,19 +70,18 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) ->
 
 
 def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path) -> tuple[Traced, OpGraph]:
-    """Capture the graph and write it to its content-addressed file; returns the record and the
-    captured graph (with its FX program)."""
-    key = trace_key(spec, batch_size, device)
-    path = graph_path(cache_dir, spec, batch_size, key)
+    """Capture the graph and write it to its fingerprint's file unless it is there; returns the record and
+    the captured graph (with its FX program)."""
     graph = capture_model(spec, batch_size, device, seed)
-    graph.save(path)
-    return describe(graph, key, path, spec.name, batch_size), graph
+    path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint)
+    if not path.exists():
+        graph.save(path)
+    return describe(graph, path, spec.name, batch_size), graph
 
 
-def describe(graph: OpGraph, key: str, path: str | Path, model: str, batch_size: int) -> Traced:
+def describe(graph: OpGraph, path: str | Path, model: str, batch_size: int) -> Traced:
     """The `Traced` record of a graph stored at `path`."""
     return Traced(
-        key=key,
         path=str(path),
         fingerprint=graph.fingerprint,
         model=model,

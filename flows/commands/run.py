@@ -17,25 +17,39 @@ def register(app: typer.Typer) -> None:
         refresh: Annotated[bool, typer.Option(help="Re-run every stage instead of re-using cached results.")] = False,
     ) -> None:
         """Trace, profile, solve, validate and publish every plan that pipeline.toml declares."""
-        from flows.console import console, exit_on_error, prepare
+        from flows.console import errors, exit_on_error, prepare
+        from flows.interrupt import MESSAGE, stopping_cleanly
 
         prepare(config)
-        with exit_on_error():
-            from flows.plan import PipelineFailed, run_plan
-            from flows.progress import stage_progress
-            from tasks.config import expand_matrix, load_config
+        try:
+            with exit_on_error():
+                from tasks.config import load_config
 
-            loaded = load_config(config)
-            graphs = sum(len(m.batch_sizes) for m in loaded.models)
-            stages = 2 * graphs + 3 * len(expand_matrix(loaded))
-            try:
-                with stage_progress(stages, "starting Prefect"):
-                    outcomes = run_plan(config, refresh, loaded)
-            except PipelineFailed as failed:
-                console().print(outcome_table(failed.outcomes))
-                raise
-            console().print(outcome_table(outcomes))
-            console().print(f"published {len(outcomes)} plans into {loaded.publish.dir}/")
+                loaded = load_config(config)
+                with stopping_cleanly(Path(loaded.cache_dir) / "run-stderr.log"):
+                    _run(config, refresh, loaded)
+        except KeyboardInterrupt:            # before the handlers are in place (or in-process callers)
+            errors().print(MESSAGE, markup=False, highlight=False)
+            raise typer.Exit(130) from None
+
+
+def _run(config: Path, refresh: bool, loaded) -> None:
+    """Run the plan flow and print its outcome table."""
+    from flows.console import console
+    from flows.plan import PipelineFailed, run_plan
+    from flows.progress import stage_progress
+    from tasks.config import expand_matrix
+
+    graphs = sum(len(m.batch_sizes) for m in loaded.models)
+    stages = 2 * graphs + 3 * len(expand_matrix(loaded))
+    try:
+        with stage_progress(stages, "starting Prefect"):
+            outcomes = run_plan(config, refresh, loaded)
+    except PipelineFailed as failed:
+        console().print(outcome_table(failed.outcomes))
+        raise
+    console().print(outcome_table(outcomes))
+    console().print(f"published {len(outcomes)} plans into {loaded.publish.dir}/")
 
 
 def outcome_table(outcomes: list[dict[str, Any]]):

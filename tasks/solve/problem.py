@@ -223,6 +223,8 @@ class Problem:
             raise ProblemError(f"cannot read node-link graph {path}: {exc}. Pass a benchmark graph JSON file.") from None
         if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("links"), list):
             raise ProblemError(f"{path}: not a node-link graph (expected an object with 'nodes' and 'links' lists).")
+        if not data["nodes"]:
+            raise ProblemError(f"{path}: the graph has no nodes; a benchmark graph needs at least one node.")
         if data["nodes"] and "cost_ram" in data["nodes"][0]:
             ids, cost, nbytes, backward, names = _columns(
                 data["nodes"], ("id", "cost_cpu", "cost_ram", "backward", "name"), path)
@@ -241,9 +243,10 @@ class Problem:
         if sorted(ids) != list(range(n)):
             raise ProblemError(f"{path}: node ids must be 0..{n - 1}, got {sorted(ids)[:5]}...")
         by_id = np.argsort(ids)
+        cost, nbytes = _numbers(cost, float, "cost", path), _numbers(nbytes, np.int64, "byte size", path)
         try:
             return cls.from_edges(
-                np.asarray(cost, dtype=float)[by_id], np.asarray(nbytes, dtype=np.int64)[by_id], edges,
+                cost[by_id], nbytes[by_id], edges,
                 order=order, backward=np.asarray(backward, dtype=bool)[by_id], terminal=terminal, name=path.stem,
                 names=[names[i] for i in by_id])
         except ProblemError as exc:
@@ -288,6 +291,19 @@ def _columns(nodes: list, keys: tuple[str, ...], path: Path) -> tuple[list, ...]
             raise ProblemError(f"{path}: nodes[{i}] lacks one of the keys {keys} of its layout "
                                f"(see shared/benchmarks/README.md).")
     return tuple([node[k] for node in nodes] for k in keys)
+
+
+def _numbers(values: list, dtype, what: str, path: Path) -> np.ndarray:
+    """`values` as a finite, non-negative array of `dtype`, or a `ProblemError` naming the first bad one."""
+    try:
+        array = np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError, OverflowError):
+        array = None
+    if array is None or array.ndim != 1 or not np.all(np.isfinite(array)) or np.any(array < 0):
+        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 2**63),
+                   values)
+        raise ProblemError(f"{path}: every node's {what} must be a non-negative number below 2^63, got {bad!r}.")
+    return array
 
 
 def _edges(links: list, src: str, dst: str, path: Path) -> list[tuple[int, int]]:

@@ -159,7 +159,7 @@ def test_prefect_results_are_json_records(project):
     folder, _ = project
     results = list((folder / ".cache" / "memplan" / "prefect").iterdir())
     kinds = {p.name.split("-")[0] for p in results}
-    assert {"trace", "profile", "solve", "validate"} <= kinds
+    assert {"profile", "solve", "validate"} <= kinds       # the trace runs every time (its fingerprint keys these)
     for path in results:
         record = json.loads(path.read_text())
         assert record["metadata"]["serializer"]["type"] == "json"

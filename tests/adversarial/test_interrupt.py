@@ -1,0 +1,79 @@
+"""Ctrl-C stops `memplan run` at once with one line and exit status 130, leaving no process behind; the
+processes of a run killed outright are ended by the next run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flows.interrupt import MESSAGE, OWNER, reap_orphans
+
+from .conftest import tiny_pipeline
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _start_run(folder: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """`memplan run` of the tiny pipeline in its own process group, once it has started Prefect's server;
+    returns the run and its process tree at that moment."""
+    tiny_pipeline(folder, factory="torch.nn:Linear")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(folder / "prefect-home")}
+    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run"], cwd=folder, env=env, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None:
+        children = psutil.Process(run.pid).children(recursive=True)
+        if any("uvicorn" in " ".join(_cmdline(c)) for c in children):
+            return run, [psutil.Process(run.pid), *children]
+        time.sleep(0.2)
+    run.kill()
+    pytest.fail(f"memplan run started no server within 120 s: {run.communicate()}")
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_ctrl_c_stops_the_run_within_seconds_with_one_line_and_no_process_left(tmp_path):
+    run, tree = _start_run(tmp_path)
+    stamp = f"{run.pid}:{tree[0].create_time():.2f}"
+    assert all(p.environ().get(OWNER) == stamp for p in tree[1:])    # what a later run reaps if this one is killed
+    sent = time.monotonic()
+    os.killpg(run.pid, signal.SIGINT)
+    out, err = run.communicate(timeout=10)
+    assert time.monotonic() - sent < 10
+    assert run.returncode == 130
+    assert err == MESSAGE + "\n" and out == ""
+    time.sleep(5)
+    assert _alive(tree) == []
+
+
+def test_the_next_run_ends_the_processes_of_a_killed_run_and_no_other(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_stamp = f"{dead.pid}:{psutil.Process(dead.pid).create_time():.2f}"
+    dead.wait()                                              # a run that was killed: its stamp names no process
+    me = psutil.Process()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    orphan = subprocess.Popen(sleeper, env={**os.environ, OWNER: dead_stamp})
+    owned = subprocess.Popen(sleeper, env={**os.environ, OWNER: f"{me.pid}:{me.create_time():.2f}"})
+    try:
+        time.sleep(0.5)
+        assert reap_orphans() == 1                           # what `memplan run` does first
+        assert orphan.wait(timeout=5) is not None and owned.poll() is None
+    finally:
+        orphan.kill()
+        owned.kill()
