@@ -333,7 +333,8 @@ class PipelineConfig(Section):
 
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     seed: int = Field(0, description="Seed of the random weights and batches.")
-    store: str = Field("profiles_db", description="Profile store folder (relative paths: from the file's folder).")
+    store: str = Field("profiles_db", description="Profile store: a folder (relative paths: from the file's folder) "
+                       "or an object-store URL such as 's3://bucket/prefix' (docs/fleet.md).")
     cache_dir: str = Field(".cache/memplan", description="Traced graphs, solutions, reports and Prefect results.")
     models: list[ModelConfig] = Field(description="The models to plan for ([[models]] tables).")
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="[profile] table.")
@@ -368,7 +369,7 @@ class PipelineConfig(Section):
         """This config with the relative `store`, `cache_dir` and `publish.dir` taken inside `folder`."""
 
         def inside(path: str) -> str:
-            return path if Path(path).is_absolute() else str(Path(folder) / path)
+            return path if Path(path).is_absolute() or "://" in path else str(Path(folder) / path)
 
         publish = self.publish.model_copy(update={"dir": inside(self.publish.dir)})
         return self.model_copy(update={"store": inside(self.store), "cache_dir": inside(self.cache_dir), "publish": publish})

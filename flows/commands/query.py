@@ -32,8 +32,9 @@ OutputOption = Annotated[Optional[Path], typer.Option(
     "--output", "-o", help="Write to this file instead of stdout (required for parquet); written atomically.")]
 PlansOption = Annotated[Path, typer.Option(
     "--plans", help="Folder of published plans; its index/*.parquet is the view `plans`.")]
-StoreOption = Annotated[Optional[Path], typer.Option(
-    "--store", help="Profile store folder [default: $MEMPLAN_PROFILES_DB or <repo>/profiles_db].",
+StoreOption = Annotated[Optional[str], typer.Option(
+    "--store", help="Profile store folder or URL (s3://bucket/prefix) [default: $MEMPLAN_PROFILES_DB or "
+    "<repo>/profiles_db].",
     show_default=False)]
 
 

@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none or greedy.")] = "none",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
-        store: Annotated[Optional[Path], typer.Option(help="Profile store folder (default: $MEMPLAN_PROFILES_DB "
+        store: Annotated[Optional[str], typer.Option(help="Profile store folder or URL (default: $MEMPLAN_PROFILES_DB "
                                                            "or the repository's profiles_db).")] = None,
         json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object (the solve report).")] = False,
         out: Annotated[Optional[Path], typer.Option(help="Write the plan JSON here.")] = None,
