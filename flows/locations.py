@@ -26,7 +26,7 @@ DEFAULT_CONFIG = Path("pipeline.toml")
 class Locations:
     """The folders a command reads and where each choice came from (said on stderr)."""
 
-    store: Path
+    store: Path | str      # a folder, or a store URL (s3://bucket/prefix) as given
     plans: Path
     store_from: str
     plans_from: str
@@ -40,16 +40,27 @@ class Locations:
         errors().print("reading " + ", ".join(parts), style="dim", markup=False, highlight=False)
 
 
-def _given(path: Path, option: str) -> Path:
-    from tasks.config import ConfigError
+def _store(location: str | Path) -> Path | str:
+    """A store location: a URL as given, a folder as an absolute path."""
+    from tasks.store import is_url
 
+    return str(location) if is_url(location) else Path(location).expanduser().resolve()
+
+
+def _given(path: Path | str, option: str) -> Path | str:
+    from tasks.config import ConfigError
+    from tasks.store import is_url
+
+    if is_url(path):
+        return str(path)
+    path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{option} {path}: no such folder; give an existing {option[2:]} folder, or leave "
                           f"{option} out to use the one of ./pipeline.toml (or --config).")
     return path.resolve()
 
 
-def locate(config: Path | None = None, store: Path | None = None, plans: Path | None = None) -> Locations:
+def locate(config: Path | None = None, store: str | Path | None = None, plans: Path | None = None) -> Locations:
     """The store and plans folders, following the order of this module's docstring."""
     from tasks.store import ENV_VAR
 
@@ -63,10 +74,10 @@ def locate(config: Path | None = None, store: Path | None = None, plans: Path | 
 
         path = config if config is not None else DEFAULT_CONFIG
         loaded = load_config(path)
-        found.setdefault("store", (Path(loaded.store).resolve(), f"store of {path}"))
+        found.setdefault("store", (_store(loaded.store), f"store of {path}"))
         found.setdefault("plans", (Path(loaded.publish.dir).resolve(), f"publish.dir of {path}"))
     if "store" not in found and os.environ.get(ENV_VAR):
-        found["store"] = (Path(os.environ[ENV_VAR]).expanduser().resolve(), f"${ENV_VAR}")
+        found["store"] = (_store(os.environ[ENV_VAR]), f"${ENV_VAR}")
     found.setdefault("store", (Path("profiles_db").resolve(), "no pipeline.toml here"))
     found.setdefault("plans", (Path("plans").resolve(), "no pipeline.toml here"))
     return Locations(found["store"][0], found["plans"][0], found["store"][1], found["plans"][1])

@@ -3,14 +3,15 @@ publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tes
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from prefect import flow, unmapped
 
 from flows.report import Outcome, create_artifacts
 from flows.steps import profile_step, publish_step, solve_step, trace_step, validate_step
-from tasks.config import Case, MemplanError, PipelineConfig, expand_matrix, load_config
+from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
 from tasks.validate import Validation
 
@@ -51,7 +52,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
         for m in config.models
         for b in m.batch_sizes
     }
-    solved = solve_step.with_options(**rerun).map(
+    cells = dict(
         traced=[traced[c.model.name, c.batch_size] for c in cases],
         profile=[profiled[c.model.name, c.batch_size] for c in cases],
         solver=[c.plan.solver for c in cases],
@@ -62,8 +63,17 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
         cache_dir=unmapped(config.cache_dir),
         alias=[c.alias for c in cases],
     )
-    solutions = [future.result() for future in solved]   # no solver thread competes with the timed steps
-    outcomes = [_validate_and_publish(case, s, config, device, rerun) for case, s in zip(cases, solutions)]
+    with cell_runner(config.run) as runner:
+        if runner is None:                                   # the flow's own thread pool
+            solved = solve_step.with_options(**rerun).map(**cells)
+        else:
+            solved = runner.map(solve_step.with_options(**rerun), cells)
+        solutions = [future.result() for future in solved]   # no solver competes with the timed steps
+        validating = {} if runner is None else {
+            case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
+            for case, s in zip(cases, solutions) if s["feasible"]}
+        outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias))
+                    for case, s in zip(cases, solutions)]
     create_artifacts(outcomes, Path(config.cache_dir) / "reports")
     failed = [o for o in outcomes if o.status != "published"]
     if failed:
@@ -75,17 +85,43 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     return [o.to_json() for o in outcomes]
 
 
+@contextmanager
+def cell_runner(run: RunConfig) -> Iterator[Any]:
+    """The task runner of the solve and validate cells: None for the flow's thread pool (`[run] task_runner
+    = "threads"`), else a started prefect-dask `DaskTaskRunner` on the scheduler at `dask_address` or on a
+    local cluster of `dask_workers` single-threaded processes bound to 127.0.0.1."""
+    if run.task_runner == "threads":
+        yield None
+        return
+    from prefect_dask import DaskTaskRunner
+
+    if run.dask_address:
+        runner = DaskTaskRunner(address=run.dask_address)
+    else:
+        runner = DaskTaskRunner(cluster_kwargs={"n_workers": run.dask_workers, "threads_per_worker": 1,
+                                                "processes": True, "host": "127.0.0.1", "dashboard_address": None})
+    with runner:
+        yield runner
+
+
+def _validate_parameters(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str) -> dict[str, Any]:
+    return dict(plan_path=solved["plan_path"], model=case.model, batch_size=case.batch_size, device=device,
+                seed=config.seed, settings=config.validation, alias=case.alias)
+
+
 def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str,
-                          rerun: dict[str, Any]) -> Outcome:
+                          rerun: dict[str, Any], validating: Any = None) -> Outcome:
+    """Validate (or wait for the validation already submitted as `validating`) and publish one cell."""
     common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
                   budget=case.budget.label, budget_bytes=solved["budget_bytes"],
                   checkpoint_all_peak_bytes=solved["checkpoint_all_peak_bytes"],
                   predicted_peak_bytes=solved["predicted_peak_bytes"])
     if not solved["feasible"]:
         return Outcome(**common, status="infeasible", message=infeasible_message(case, solved))
-    validation = validate_step.with_options(**rerun)(
-        solved["plan_path"], case.model, case.batch_size, device, config.seed, config.validation, case.alias
-    )
+    if validating is not None:
+        validation = validating.result()
+    else:
+        validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device))
     measured = dict(measured_peak_bytes=validation["measured_peak_bytes"],
                     eager_peak_bytes=validation["eager_peak_bytes"], overhead=validation["overhead"],
                     arena_peak_bytes=validation.get("arena_peak_bytes"),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
 
@@ -328,18 +328,128 @@ class PublishConfig(Section):
     dir: str = Field("plans", description="Folder of published plans, their aliases and the Parquet index.")
 
 
+def _cron(expression: str) -> str:
+    from prefect._vendor.croniter import croniter
+
+    if len(expression.split()) != 5 or not croniter.is_valid(expression):
+        raise ValueError(f"{expression!r} is not a cron expression; write five fields 'minute hour day month "
+                         f"weekday', e.g. '0 3 * * *' (03:00 daily)")
+    return expression
+
+
+Cron = Annotated[str, AfterValidator(_cron)]
+
+
+class DeviceClassConfig(Section):
+    """One GPU class of the fleet: a work queue its hosts' workers poll, and when to profile and plan."""
+
+    name: str = Field(description="The class (and its work queue) name, e.g. 'h100'.")
+    device: str | None = Field(None, description="The device key its hosts write into the profile store "
+                               "(`memplan query \"SELECT DISTINCT device FROM runs\"`); default: `name`.")
+    profile_cron: Cron = Field("0 3 * * *", description="When the `profile` flow runs (cron, in `timezone`).")
+    plan_cron: Cron | None = Field(None, description="When the `plan` flow runs (cron); none: planned on demand.")
+    timezone: str = Field("UTC", description="IANA time zone of the cron expressions.")
+    profile_parameters: dict[str, Any] = Field(
+        default_factory=dict, description="Extra parameters of the profile flow's runs, e.g. {reuse = true}.")
+    plan_parameters: dict[str, Any] = Field(
+        default_factory=dict, description="Extra parameters of the plan flow's runs, e.g. {refresh = true}.")
+
+    @field_validator("name")
+    @classmethod
+    def _queue_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            raise ValueError(f"name {name!r} must be letters, digits, '-', '_' or '.' (it names a work queue)")
+        return name
+
+    @field_validator("timezone")
+    @classmethod
+    def _timezone(cls, zone: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"time zone {zone!r} is unknown; use an IANA name such as 'UTC' or 'Europe/Paris'") from None
+        return zone
+
+    @field_validator("profile_parameters", "plan_parameters")
+    @classmethod
+    def _parameters(cls, parameters: dict[str, Any], info) -> dict[str, Any]:
+        allowed = {"profile_parameters": ("reuse",), "plan_parameters": ("refresh",)}[info.field_name]
+        unknown = sorted(set(parameters) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown flow parameter(s) {unknown}; allowed: {', '.join(allowed)} (config_path "
+                             f"is set by `memplan deploy`)")
+        return parameters
+
+    @property
+    def device_key(self) -> str:
+        return self.device or self.name
+
+    def max_age_s(self, now=None) -> float:
+        """The longest time between two scheduled profile runs (cron), the age at which a profile is late."""
+        from datetime import datetime, timezone
+        from zoneinfo import ZoneInfo
+
+        from prefect._vendor.croniter import croniter
+
+        start = (now or datetime.now(timezone.utc)).astimezone(ZoneInfo(self.timezone))
+        it = croniter(self.profile_cron, start)
+        times = [it.get_prev(datetime) for _ in range(8)]
+        return max((a - b).total_seconds() for a, b in zip(times, times[1:]))
+
+
+class DeployConfig(Section):
+    """Prefect deployments of the `profile` and `plan` flows on a fleet (`memplan deploy`, docs/fleet.md)."""
+
+    work_pool: str = Field("memplan", description="The process work pool the fleet's workers poll.")
+    directory: str | None = Field(None, description="The project folder on every worker host (holding this "
+                                  "pipeline.toml); default: this file's folder, so hosts share it (e.g. an NFS mount).")
+    classes: list[DeviceClassConfig] = Field(description="The GPU classes ([[deploy.classes]] tables), one work queue each.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> DeployConfig:
+        names = [c.name for c in self.classes]
+        if not names:
+            raise ValueError("'classes' is empty; declare at least one [[deploy.classes]] table")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"device class {duplicates[0]!r} is declared twice; class names must be unique")
+        return self
+
+
+class RunConfig(Section):
+    """How the `plan` flow runs its solve and validate cells."""
+
+    task_runner: Literal["threads", "dask"] = Field(
+        "threads", description="'threads': a thread pool in the flow's process; 'dask': a Dask cluster through "
+        "prefect-dask (`dask_address`, or a local cluster of `dask_workers` processes).")
+    dask_address: str | None = Field(None, description="Address of an existing Dask scheduler, e.g. "
+                                     "'tcp://10.0.0.5:8786'; none: start a local cluster for the run.")
+    dask_workers: int = Field(2, ge=1, description="Worker processes of the local Dask cluster (one thread each).")
+
+    @model_validator(mode="after")
+    def _dask_only(self) -> RunConfig:
+        if self.dask_address is not None and self.task_runner != "dask":
+            raise ValueError("dask_address applies with task_runner = 'dask' only")
+        return self
+
+
 class PipelineConfig(Section):
     """The whole `pipeline.toml`."""
 
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     seed: int = Field(0, description="Seed of the random weights and batches.")
-    store: str = Field("profiles_db", description="Profile store folder (relative paths: from the file's folder).")
+    store: str = Field("profiles_db", description="Profile store: a folder (relative paths: from the file's folder) "
+                       "or an object-store URL such as 's3://bucket/prefix' (docs/fleet.md).")
     cache_dir: str = Field(".cache/memplan", description="Traced graphs, solutions, reports and Prefect results.")
     models: list[ModelConfig] = Field(description="The models to plan for ([[models]] tables).")
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="[profile] table.")
     plans: list[PlanConfig] = Field(description="Solvers and budgets ([[plans]] tables).")
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate", description="[validate] table.")
     publish: PublishConfig = Field(default_factory=PublishConfig, description="[publish] table.")
+    run: RunConfig = Field(default_factory=RunConfig, description="[run] table.")
+    deploy: DeployConfig | None = Field(None, description="[deploy] table (fleets only: `memplan deploy`).")
 
     @field_validator("device")
     @classmethod
@@ -369,7 +479,7 @@ class PipelineConfig(Section):
         absolute paths (cached results naming them stay valid from any working folder)."""
 
         def inside(path: str) -> str:
-            return str(Path(folder).resolve() / Path(path).expanduser())
+            return path if "://" in path else str(Path(folder).resolve() / Path(path).expanduser())
 
         publish = self.publish.model_copy(update={"dir": inside(self.publish.dir)})
         return self.model_copy(update={"store": inside(self.store), "cache_dir": inside(self.cache_dir), "publish": publish})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import re
 import socket
@@ -37,6 +38,7 @@ import torch
 from tasks.store import new_run_id, write_run
 from tasks.store_schema import DEFAULT_IMPL, SCHEMA_VERSION
 
+DEVICE_KEY_VAR = "MEMPLAN_DEVICE_KEY"
 NodeFunction = Callable[[Any, int], Callable[..., tuple]]
 VariantFunction = Callable[[Any, int, str], Callable[..., tuple]]
 
@@ -86,7 +88,8 @@ def _cpu_name() -> str:
 
 def device_info(device: torch.device) -> dict[str, Any]:
     """Run columns describing the device: `device` is the store's key (`cpu`, or the GPU name as a slug,
-    e.g. `nvidia-h100-80gb-hbm3`), `device_type` is torch's (`cpu`, `cuda`)."""
+    e.g. `nvidia-h100-80gb-hbm3`; a host sets its own with $MEMPLAN_DEVICE_KEY, e.g. a fleet class whose
+    GPU name does not tell it apart), `device_type` is torch's (`cpu`, `cuda`)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         key = _slug(name)
@@ -94,6 +97,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
         name, key = _cpu_name(), "cpu"
     else:
         raise ValueError(f"Profiling supports cpu and cuda devices, not {device}.")
+    key = _slug(os.environ.get(DEVICE_KEY_VAR, "")) or key
     cudnn = torch.backends.cudnn.version() if device.type == "cuda" else None
     return {"device": key, "device_type": device.type, "device_name": name, "host": socket.gethostname(),
             "torch_version": torch.__version__, "cuda_version": torch.version.cuda if device.type == "cuda" else None,

@@ -1,11 +1,14 @@
 """The profile store: hive-partitioned Parquet files under `profiles_db/`, DuckDB views over them.
 
-Writers write one Parquet file per profiling run under a temporary name that does not end in `.parquet`
-and rename it into place (`os.replace`), so readers never see half a file and any number of processes and
-hosts can write at once; nobody opens a DuckDB database file read-write. Readers list the finished files,
+The store is a folder or an object-store URL (`s3://bucket/prefix`), reached through one pyarrow
+filesystem (`StoreLocation`). Writers write one Parquet file per profiling run so that readers never see
+half a file and any number of processes and hosts can write at once: in a local or mounted folder under a
+temporary name that does not end in `.parquet`, renamed into place (`os.replace`); in an object store as
+one PUT of the finished file under its final key (an object appears whole or not at all). Nobody opens a
+DuckDB database file read-write. Readers (`read_runs`) list the finished files, read them with pyarrow,
 skip (with a `ProfileStoreWarning` naming them) files that are truncated or are not memplan profiles, and
-read the rest with pyarrow into in-memory tables that a sealed DuckDB connection (no file access, locked
-configuration) queries through views. Layout, columns and
+hand DuckDB the rows as in-memory Arrow tables on a sealed connection (`connect`: no file or
+network access, locked configuration), so SQL never touches a file or the network. Layout, columns and
 views: docs/profile-schema.md.
 """
 
@@ -48,10 +51,98 @@ class ProfileNotFoundError(LookupError):
     """No complete profiling run exists for the requested graph fingerprint and device."""
 
 
-def store_root(root: str | os.PathLike | None = None) -> Path:
-    """The store folder: `root` if given, else `$MEMPLAN_PROFILES_DB`, else `<repo>/profiles_db` (absolute)."""
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether a store location is a URL (`s3://bucket/prefix`, `file:///abs/path`) rather than a folder."""
+    return "://" in str(location)
+
+
+def store_root(root: str | os.PathLike | None = None) -> Path | str:
+    """The store: `root` if given, else `$MEMPLAN_PROFILES_DB`, else `<repo>/profiles_db`; a folder as an
+    absolute `Path`, a URL as the string given."""
     chosen = root if root is not None else os.environ.get(ENV_VAR) or Path(__file__).resolve().parents[1] / "profiles_db"
-    return Path(chosen).expanduser().resolve()
+    return str(chosen) if is_url(chosen) else Path(chosen).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """The store as a pyarrow filesystem and a base path in it. Local folders (and `file://` URLs) use
+    the local filesystem; any other URL goes to `pyarrow.fs.FileSystem.from_uri` (`s3://bucket/prefix`,
+    with the endpoint and credentials from the URL's query, e.g. `?endpoint_override=host:port&scheme=http`,
+    or from the usual `AWS_*` environment variables)."""
+
+    root: Path | str      # as store_root gives it, for messages
+    fs: object            # pyarrow.fs.FileSystem
+    base: str             # the store's folder inside `fs`, without a trailing slash
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.root, Path)
+
+    def path(self, *parts: str) -> str:
+        return "/".join((self.base, *parts))
+
+    def shown(self, path: str) -> Path | str:
+        """`path` as users see it: a local `Path`, or a URL with the store's scheme."""
+        if self.local:
+            return Path(path)
+        scheme = str(self.root).split("://", 1)[0]
+        return f"{scheme}://{path}"
+
+    def parquet_files(self) -> list[str]:
+        """Every `*.parquet` file under the store (an absent store has none)."""
+        from pyarrow import fs as pafs
+
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.base, recursive=True, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(".parquet"))
+
+    def exists(self, path: str) -> bool:
+        from pyarrow import fs as pafs
+
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write `data` at `path` so that readers see the whole file or none of it (see the module doc)."""
+        if self.local:
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temp = target.with_name(f".{target.stem}.{os.getpid()}.partial")
+            try:
+                with open(temp, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(temp, target)
+            finally:
+                temp.unlink(missing_ok=True)
+        else:
+            with self.fs.open_output_stream(path) as stream:   # the object exists only once this closes
+                stream.write(data)
+
+    def read_table(self, path: str) -> pa.Table:
+        """One Parquet file, read as a plain file (no partition columns added from its path)."""
+        with self.fs.open_input_file(path) as handle:
+            return pq.read_table(handle)
+
+
+def locate(root: str | os.PathLike | None = None) -> StoreLocation:
+    """The `StoreLocation` of `root` (resolved like `store_root`)."""
+    from pyarrow import fs as pafs
+
+    where = store_root(root)
+    if isinstance(where, Path):
+        return StoreLocation(where, pafs.LocalFileSystem(), where.as_posix())
+    try:
+        fs, base = pafs.FileSystem.from_uri(where)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise ValueError(f"Profile store URL {where!r} cannot be opened: {exc}. Give a folder, or a URL such "
+                         f"as s3://bucket/prefix (endpoint in ?endpoint_override=host:port&scheme=http or "
+                         f"AWS_ENDPOINT_URL, credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY).") from None
+    if not is_url(where) or where.startswith("file://"):
+        return StoreLocation(Path(base), fs, base.rstrip("/"))
+    return StoreLocation(where, fs, base.rstrip("/"))
 
 
 def new_run_id() -> str:
@@ -106,37 +197,29 @@ def _as_run_table(rows: pa.Table | list[dict]) -> pa.Table:
     return table
 
 
-def write_run(rows: pa.Table | list[dict], root: str | os.PathLike | None = None) -> Path:
-    """Write one run atomically to `<root>/device=<d>/model=<m>/run-<id>.parquet`; return its path.
+def write_run(rows: pa.Table | list[dict], root: str | os.PathLike | None = None) -> Path | str:
+    """Write one run atomically to `<root>/device=<d>/model=<m>/run-<id>.parquet`; return its path (a URL
+    for an object store).
 
-    The file is written and fsynced under `.run-<id>.<pid>.partial` in the same folder (outside the
-    `*.parquet` glob), then renamed into place, so concurrent readers and writers never see partial files.
+    The file is built in memory and stored with `StoreLocation.put`: in a folder it is written and fsynced
+    under `.run-<id>.<pid>.partial` (outside the `*.parquet` glob) and renamed into place; in an object
+    store it is one PUT under the final key. Concurrent readers and writers never see partial files.
     """
     table = _as_run_table(rows)
     run_id = _single(table, "run_id")
-    folder = store_root(root) / partition_dir(_single(table, "device"), _single(table, "model"))
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / run_filename(run_id)
-    if final.exists():
-        raise FileExistsError(f"Profile run {run_id} already exists at {final}; run ids are unique per run.")
-    temp = folder / f".run-{run_id}.{os.getpid()}.partial"
-    try:
-        with open(temp, "wb") as handle:
-            pq.write_table(table, handle, compression="zstd")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, final)
-    finally:
-        temp.unlink(missing_ok=True)
-    return final
+    where = locate(root)
+    final = where.path(partition_dir(_single(table, "device"), _single(table, "model")), run_filename(run_id))
+    if where.exists(final):
+        raise FileExistsError(f"Profile run {run_id} already exists at {where.shown(final)}; run ids are "
+                              f"unique per run.")
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer, compression="zstd")
+    where.put(final, buffer.getvalue().to_pybytes())
+    return where.shown(final)
 
 
-def _problem(path: Path, profile: bool = True) -> str | None:
-    """Why `path` cannot be read (as a memplan profile file when `profile`), or None when it can."""
-    try:
-        schema = pq.read_schema(path)
-    except (OSError, pa.ArrowException) as exc:
-        return f"unreadable or truncated Parquet ({exc})"
+def _problem(schema: pa.Schema, profile: bool = True) -> str | None:
+    """Why a file with `schema` is not a memplan profile (when `profile`), or None when it is one."""
     if not profile:
         return None
     metadata = schema.metadata or {}
@@ -180,15 +263,46 @@ def readable_files(paths, problem: Callable[[Path], str | None], warning: type[W
     return good
 
 
-def _readable(paths, base: Path, profile: bool = True) -> list[Path]:
-    return readable_files(paths, lambda p: _problem(p, profile), ProfileStoreWarning, "",
-                          f"Delete or move the file out of {base} to silence this warning.")
+def _read_tables(where: StoreLocation, paths: list[str], profile: bool = True) -> list[tuple[str, pa.Table]]:
+    """(path, table) of each readable Parquet file among `paths` (sorted), each read whole; every other
+    one is skipped with a `ProfileStoreWarning` naming it."""
+    tables: dict[str, pa.Table] = {}
+
+    def problem(path: str) -> str | None:
+        try:
+            table = where.read_table(path)
+        except (OSError, pa.ArrowException) as exc:
+            return f"unreadable or truncated Parquet ({exc})"
+        why = _problem(table.schema, profile) or (_bad_rows(table) if profile else None)
+        if why is None:
+            tables[path] = table
+        return why
+
+    good = readable_files(paths, problem, ProfileStoreWarning, "", f"Delete or move the file out of "
+                          f"{where.root} to silence this warning.")
+    return [(p, tables[p]) for p in good]
 
 
-def run_files(root: str | os.PathLike | None = None) -> list[Path]:
+def read_runs(root: str | os.PathLike | None = None) -> tuple[list[Path | str], pa.Table]:
+    """The readable profile files of the store (sorted, as `StoreLocation.shown` names them) and all their
+    rows as one Arrow table (columns unioned by name; the empty `SCHEMA` table when there are none).
+    Other files are skipped with a `ProfileStoreWarning` naming them. This is the store's one reading path:
+    `connect` hands its table to DuckDB."""
+    where = locate(root)
+    paths = where.parquet_files()
+    read = _read_tables(where, paths)
+    return [where.shown(p) for p, _ in read], _union([t for _, t in read], SCHEMA)
+
+
+def _union(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")
+
+
+def run_files(root: str | os.PathLike | None = None) -> list[Path | str]:
     """The readable profile files in the store (absolute, sorted); others are skipped with a warning."""
-    base = store_root(root)
-    return _readable((p for p in base.rglob("*.parquet") if p.is_file()), base)
+    return read_runs(root)[0]
 
 
 _GROUP = ("run_id", "fingerprint", "device")
@@ -209,33 +323,6 @@ VIEWS = {
 }
 
 
-def _read_tables(files: list[Path], check_rows, base: Path) -> tuple[list[Path], list[pa.Table]]:
-    """Read `files` with pyarrow; a file that fails to read or whose rows `check_rows` rejects is skipped
-    with a `ProfileStoreWarning` like any other bad file."""
-    kept, tables = [], []
-    for path in files:
-        try:
-            table = pq.read_table(path)
-        except (OSError, pa.ArrowException) as exc:
-            why = f"unreadable or truncated Parquet ({exc})"
-        else:
-            why = check_rows(table)
-        if why is None:
-            kept.append(path)
-            tables.append(table)
-        else:
-            warnings.warn(f"Skipping {path}: {why}. Delete or move the file out of {base} to silence this warning.",
-                          ProfileStoreWarning, stacklevel=3)
-    return kept, tables
-
-
-def _union(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
-    """The rows of `tables` unioned by column name (missing columns read as NULL), or `schema`'s empty table."""
-    if not tables:
-        return schema.empty_table()
-    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")
-
-
 SEALED = {
     "enable_external_access": False,       # no file, URL or extension is read or written by SQL
     "autoinstall_known_extensions": False,
@@ -249,6 +336,11 @@ SEALED = {
 """DuckDB settings of the store's connection: SQL over it can read the in-memory tables and nothing else."""
 
 
+def _arrow_view(con, name: str, table: pa.Table) -> None:
+    con.register(f"_arrow_{name}", table)
+    con.execute(f"CREATE VIEW {name} AS SELECT * FROM _arrow_{name}")
+
+
 def connect(root: str | os.PathLike | None = None,
             extra_views: Mapping[str, tuple[list[Path], pa.Schema]] | None = None):
     """An in-memory DuckDB connection with the store's views that cannot touch any file.
@@ -260,24 +352,21 @@ def connect(root: str | os.PathLike | None = None,
 
     Views: `profiles` (every row of every readable run), `runs` (one row per run with `rows`, `nodes`
     and `complete`), `latest_runs` (newest complete run per fingerprint and device) and `latest_costs`
-    (the rows of those runs); `extra_views` maps more view names to (Parquet files, schema when empty),
-    e.g. the plans index.
+    (the rows of those runs); `extra_views` maps more view names to (local Parquet files, schema when
+    empty), e.g. the plans index. Every file is read with pyarrow (`read_runs`) and handed to DuckDB as an
+    in-memory Arrow table on a connection opened with `SEALED` settings (external access off, configuration
+    locked), so queries read the store (local or remote) but can open, write or fetch nothing.
     """
     import duckdb
 
-    base = store_root(root)
-    _, runs = _read_tables(run_files(root), _bad_rows, base)
-    tables = {"profiles": _union(runs, SCHEMA)}
-    for name, (paths, schema) in (extra_views or {}).items():
-        paths = [Path(p).resolve() for p in paths]
-        readable = _readable(paths, paths[0].parent if paths else Path(), profile=False)
-        tables[name] = _union(_read_tables(readable, lambda t: None, base)[1], schema)
     con = duckdb.connect(":memory:", config=SEALED)
-    for name, table in tables.items():
-        con.register(f"_{name}_rows", table)
-        con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}_rows")
+    _arrow_view(con, "profiles", read_runs(root)[1])
     for name, sql in VIEWS.items():
         con.execute(f"CREATE VIEW {name} AS {sql}")
+    for name, (paths, schema) in (extra_views or {}).items():
+        paths = [Path(p).resolve().as_posix() for p in paths]
+        folder = locate(Path(paths[0]).parent if paths else Path.cwd())
+        _arrow_view(con, name, _union([t for _, t in _read_tables(folder, paths, profile=False)], schema))
     return con
 
 

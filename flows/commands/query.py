@@ -35,9 +35,9 @@ OutputOption = Annotated[Optional[Path], typer.Option(
 PlansOption = Annotated[Optional[Path], typer.Option(
     "--plans", help="Folder of published plans; its index/*.parquet is the view `plans` "
                     "[default: publish.dir of ./pipeline.toml, else ./plans].", show_default=False)]
-StoreOption = Annotated[Optional[Path], typer.Option(
-    "--store", help="Profile store folder [default: store of ./pipeline.toml, else $MEMPLAN_PROFILES_DB, "
-                    "else ./profiles_db].", show_default=False)]
+StoreOption = Annotated[Optional[str], typer.Option(
+    "--store", help="Profile store folder or URL (s3://bucket/prefix) [default: store of ./pipeline.toml, "
+                    "else $MEMPLAN_PROFILES_DB, else ./profiles_db].", show_default=False)]
 
 
 def _err(message: str) -> None:
