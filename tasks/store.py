@@ -3,10 +3,9 @@
 Writers write one Parquet file per profiling run under a temporary name that does not end in `.parquet`
 and rename it into place (`os.replace`), so readers never see half a file and any number of processes and
 hosts can write at once; nobody opens a DuckDB database file read-write. Readers list the finished files,
-skip (with a `ProfileStoreWarning` naming them) files that are truncated or are not memplan profiles, and
-read the rest with pyarrow into in-memory tables that a sealed DuckDB connection (no file access, locked
-configuration) queries through views. Layout, columns and
-views: docs/profile-schema.md.
+skip (with a `ProfileStoreWarning` naming them) files that are truncated, are not memplan profiles or hold
+impossible costs, and read the rest with pyarrow into in-memory tables that a sealed DuckDB connection (no
+file access, locked configuration) queries through views. Layout, columns and views: docs/profile-schema.md.
 """
 
 from __future__ import annotations
@@ -209,10 +208,10 @@ VIEWS = {
 }
 
 
-def _read_tables(files: list[Path], check_rows, base: Path) -> tuple[list[Path], list[pa.Table]]:
-    """Read `files` with pyarrow; a file that fails to read or whose rows `check_rows` rejects is skipped
-    with a `ProfileStoreWarning` like any other bad file."""
-    kept, tables = [], []
+def _read_tables(files: list[Path], check_rows, base: Path) -> list[pa.Table]:
+    """Read `files` (under `base`) with pyarrow; a file that fails to read or whose rows `check_rows`
+    rejects is skipped with a `ProfileStoreWarning` like any other bad file."""
+    tables = []
     for path in files:
         try:
             table = pq.read_table(path)
@@ -221,12 +220,11 @@ def _read_tables(files: list[Path], check_rows, base: Path) -> tuple[list[Path],
         else:
             why = check_rows(table)
         if why is None:
-            kept.append(path)
             tables.append(table)
         else:
             warnings.warn(f"Skipping {path}: {why}. Delete or move the file out of {base} to silence this warning.",
                           ProfileStoreWarning, stacklevel=3)
-    return kept, tables
+    return tables
 
 
 def _union(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
@@ -266,12 +264,11 @@ def connect(root: str | os.PathLike | None = None,
     import duckdb
 
     base = store_root(root)
-    _, runs = _read_tables(run_files(root), _bad_rows, base)
-    tables = {"profiles": _union(runs, SCHEMA)}
+    tables = {"profiles": _union(_read_tables(run_files(root), _bad_rows, base), SCHEMA)}
     for name, (paths, schema) in (extra_views or {}).items():
         paths = [Path(p).resolve() for p in paths]
-        readable = _readable(paths, paths[0].parent if paths else Path(), profile=False)
-        tables[name] = _union(_read_tables(readable, lambda t: None, base)[1], schema)
+        folder = paths[0].parent if paths else Path()
+        tables[name] = _union(_read_tables(_readable(paths, folder, profile=False), lambda t: None, folder), schema)
     con = duckdb.connect(":memory:", config=SEALED)
     for name, table in tables.items():
         con.register(f"_{name}_rows", table)
