@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from flows.cli import app
 
 from .conftest import tiny_pipeline
 
+REPO = Path(__file__).resolve().parents[2]
 BENCHMARK = Path("/work/shared/benchmarks/graphs/MobileNet_512_224_224_3_test.json")
 runner = CliRunner()
 
@@ -67,8 +71,12 @@ def test_bad_benchmark_graphs(tmp_path, monkeypatch, change, fragment):
 
 
 def test_an_error_inside_a_stage_prints_memplan_s_message_once(tmp_path):
-    """A factory that raises fails the trace stage inside Prefect: one message, no Prefect traceback."""
+    """A factory that raises fails the trace stage inside Prefect: one message, no Prefect traceback
+    (a real `memplan run`, so that Prefect's logging is what a user sees)."""
     (tmp_path / "boom.py").write_text("def make(**kwargs):\n    raise RuntimeError('out of memory in the factory')\n")
-    result = runner.invoke(app, ["run", str(tiny_pipeline(tmp_path, factory="boom:make"))])
-    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
-    assert result.output.count("out of memory in the factory") == 1, result.output
+    config = tiny_pipeline(tmp_path, factory="boom:make")
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in output, output
+    assert output.count("out of memory in the factory") == 1, output
