@@ -55,12 +55,16 @@ def exit_on_error() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-def prepare(config_path: Path) -> None:
+def prepare(config_path: Path, debug: bool = False) -> None:
     """Make modules next to `config_path` importable (model factories) and set Prefect's defaults:
-    a patient ephemeral server, no analytics, warnings-only logs."""
+    a patient ephemeral server, no analytics, warnings-only logs; unless `debug`, nothing of Prefect's
+    on the terminal below CRITICAL (a failed stage's traceback stays in the Prefect logs of the run, and
+    memplan prints its message once)."""
     from tasks.models import allow_imports_from
 
     allow_imports_from(Path(config_path).parent)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    if not debug:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")

@@ -93,6 +93,11 @@ def check_output(fmt: Format, output: Path | None) -> None:
         raise typer.BadParameter("--format parquet needs --output FILE (Parquet is binary).")
     if fmt is Format.table and output is not None:
         raise typer.BadParameter("--output writes csv, json or parquet; choose one with --format.")
+    if output is not None and (output.is_dir() or not output.parent.is_dir()):
+        why = "is a folder; give a file name inside it" if output.is_dir() else \
+            f"is in folder {output.parent}, which does not exist; create it or write elsewhere"
+        _err(f"error: --output {output} {why}.")
+        raise typer.Exit(1)
 
 
 def emit(table, fmt: Format, output: Path | None = None, title: str | None = None) -> None:

@@ -15,12 +15,13 @@ def register(app: typer.Typer) -> None:
     def run(
         config: ConfigArgument = Path("pipeline.toml"),
         refresh: Annotated[bool, typer.Option(help="Re-run every stage instead of re-using cached results.")] = False,
+        debug: Annotated[bool, typer.Option(help="Show Prefect's logs and tracebacks of failed stages.")] = False,
     ) -> None:
         """Trace, profile, solve, validate and publish every plan that pipeline.toml declares."""
         from flows.console import errors, exit_on_error, prepare
         from flows.interrupt import MESSAGE, stopping_cleanly
 
-        prepare(config)
+        prepare(config, debug)
         try:
             with exit_on_error():
                 from tasks.config import load_config

@@ -68,6 +68,10 @@ def register(app: typer.Typer) -> None:
             if backend not in BACKENDS:
                 raise typer.BadParameter(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.",
                                          param_hint="--backend")
+            if out is not None and out.is_dir():
+                errors().print(f"error: --out {out} is a folder; give a file name for the plan.", style="red",
+                               markup=False)
+                raise typer.Exit(1)
             if addresses not in ("none", "greedy"):
                 raise typer.BadParameter(f"{addresses!r}; choose none or greedy.", param_hint="--addresses")
             try:

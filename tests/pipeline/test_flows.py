@@ -199,6 +199,8 @@ def test_failures_are_explained_and_only_valid_plans_are_published(tmp_path, har
     assert {r["alias"] for r in read_index(tmp_path / "plans")} == {"mlp-b256-checkmate-90pct", "mlp-b256-chen-sqrt-n-95pct"}
     assert not list(tmp_path.glob("plans/drift*")) and not list((tmp_path / "plans").rglob(".*"))
     assert not list((tmp_path / "profiles_db").rglob(".*"))
+    for record in (tmp_path / ".cache" / "memplan" / "prefect").iterdir():   # the failed flow's exception too
+        json.loads(record.read_text())                                    # JSON, never a base64 pickle
 
 
 def test_profile_flow_measures_a_new_run_each_time(project):
