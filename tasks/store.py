@@ -6,10 +6,10 @@ half a file and any number of processes and hosts can write at once: in a local 
 temporary name that does not end in `.parquet`, renamed into place (`os.replace`); in an object store as
 one PUT of the finished file under its final key (an object appears whole or not at all). Nobody opens a
 DuckDB database file read-write. Readers (`read_runs`) list the finished files, read them with pyarrow,
-skip (with a `ProfileStoreWarning` naming them) files that are truncated, are not memplan profiles or hold impossible costs, and
-hand DuckDB the rows as in-memory Arrow tables on a sealed connection (`connect`: no file or
-network access, locked configuration), so SQL never touches a file or the network. Layout, columns and
-views: docs/profile-schema.md.
+skip (with a `ProfileStoreWarning` naming them) files that are truncated, are not memplan profiles or
+hold impossible costs, and hand DuckDB the rows as in-memory Arrow tables on a sealed connection
+(`connect`: no file or network access, locked configuration), so SQL never touches a file or the network.
+Layout, columns and views: docs/profile-schema.md.
 """
 
 from __future__ import annotations
