@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tasks.solve.olla.lifetime import lifetime_order
+from tasks.solve.olla.lifetime import WINDOW, lifetime_order
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution
@@ -24,7 +24,11 @@ class OllaOptions:
     """Options of `olla`."""
 
     warm_start: bool = field(default=True, metadata={
-        "help": "start the lifetime ILP from the default (PyTorch) order; the result is never worse than it."})
+        "help": "start the whole-graph ILP from the default (PyTorch) order improved by the window search."})
+    window: int = field(default=WINDOW, metadata={
+        "help": "nodes per window of the local search with the lifetime ILP (0: whole-graph ILP only)."})
+    whole_graph: bool = field(default=True, metadata={
+        "help": "after the window search, run the whole-graph ILP of eq. 14 (bound, further gains) in the time left."})
 
 
 def olla(problem: Problem, budget: int, options: SolveOptions) -> Solution:
@@ -33,13 +37,15 @@ def olla(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     start = time.perf_counter()
     opts: OllaOptions = options.params
     found = lifetime_order(problem, time_limit=options.time_limit, gap=options.gap, backend=options.backend,
-                           threads=options.threads, warm_start=opts.warm_start)
+                           threads=options.threads, warm_start=opts.warm_start, window=opts.window,
+                           whole_graph=opts.whole_graph)
     eager = simulate(problem, default_schedule(problem)).peak_bytes
     bound = "-" if found.bound_bytes is None else f"{found.bound_bytes:.0f}"
     message = (f"peak {found.peak_bytes} B (default order {eager} B), lifetime ILP bound {bound} B, "
                f"whole-graph ILP {found.status}, order from {found.source}")
+    status = "optimal" if found.status == "optimal" else "feasible"
     return checked_solution(problem, "olla", budget, [("compute", v) for v in found.order],
-                            status="optimal" if found.status == "optimal" else "feasible",
+                            status=status,
                             bound=float(problem.cost.sum()), solve_seconds=time.perf_counter() - start,
                             backend=found.backend, num_variables=found.num_variables,
                             num_constraints=found.num_constraints, message=message)
