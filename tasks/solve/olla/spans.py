@@ -107,7 +107,8 @@ class Edges:
 def olla_edges(problem: Problem) -> Edges:
     """The edges of `problem` (module docstring): its produced values, then one control edge between
     each pair of consecutive random nodes in the default order."""
-    values = np.flatnonzero(problem.value_producer >= 0)
+    base = problem.num_values - problem.num_variant_values        # variant-only values: never allocated here
+    values = np.flatnonzero(problem.value_producer[:base] >= 0)
     users = problem.value_users
     random = sorted(problem.random_nodes, key=lambda v: int(problem.position[v]))
     control = list(zip(random, random[1:]))
