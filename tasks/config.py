@@ -269,9 +269,10 @@ class PlanConfig(Section):
     options: dict[str, Any] = Field(
         default_factory=dict, description="The solver's own options (`memplan solve --help` and docs/solvers.md "
         "list them per solver).")
-    addresses: Literal["none", "greedy"] = Field(
-        "none", description="Plan an arena address for every value copy: 'greedy' (largest first, best gap) or "
-        "'none'. Plans with addresses run in arena mode with runtime.load(..., arena=True).")
+    addresses: Literal["none", "greedy", "olla"] = Field(
+        "none", description="Plan an arena address for every value copy: 'greedy' (largest first, best gap), "
+        "'olla' (OLLA's location ILP, never above greedy's arena; within time_limit_s) or 'none'. Plans with "
+        "addresses run in arena mode with runtime.load(..., arena=True).")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")

@@ -46,5 +46,22 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
     if isinstance(head, dict) and head.get("format") == "memplan-graph":
         graph = OpGraph.from_json(head, source=f"graph file {path}")
         costs = load_costs(graph.fingerprint, device, root=store)
-        return LoadedProblem(Problem.from_graph(graph, costs, graph_variants(graph)), graph, costs)
+        problem = Problem.from_graph(graph, costs, graph_variants(graph), random_nodes(graph))
+        return LoadedProblem(problem, graph, costs)
     return LoadedProblem(Problem.from_node_link(path), None, None)
+
+
+def random_nodes(graph: OpGraph) -> list[int]:
+    """Nodes of a graph (loaded from JSON) running an ATen op tagged `nondeterministic_seeded`: they draw
+    from a random generator, as `runtime.capture` marks them in a captured program."""
+    import torch
+
+    found = []
+    for node in graph.nodes:
+        for target in node.targets:
+            packet, _, overload = target.removeprefix("aten.").partition(".")
+            op = getattr(getattr(torch.ops.aten, packet, None), overload, None) if target.startswith("aten.") else None
+            if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
+                found.append(node.id)
+                break
+    return found

@@ -17,11 +17,12 @@ from tasks.config import Budget
 from tasks.problems import LoadedProblem, load_problem
 from tasks.solve import SOLVERS, solve
 from tasks.solve.addresses import greedy_addresses
+from tasks.solve.olla import olla_addresses
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import Simulation, default_schedule, normalize_schedule, simulate
 from tasks.solve.solution import Solution, SolveOptions, min_budget_lower_bound
 
-Addresses = Literal["none", "greedy"]
+Addresses = Literal["none", "greedy", "olla"]
 PROBES = ("ap-greedy", "linearized-greedy")
 
 
@@ -54,13 +55,16 @@ class Solved:
 def solve_loaded(loaded: LoadedProblem, solver: str, budget: Budget, options: SolveOptions,
                  addresses: Addresses = "none") -> tuple[Solution, Simulation]:
     """Resolve `budget` against the checkpoint-all peak (default order, no recomputation), run the
-    solver, and with `addresses="greedy"` place the schedule's copies (largest first, best gap). Returns
-    the solution and the checkpoint-all simulation."""
+    solver, and with `addresses` "greedy" (largest first, best gap) or "olla" (OLLA's location ILP, within
+    the same time limit) place the schedule's copies. Returns the solution and the checkpoint-all simulation."""
     problem = loaded.problem
     eager = simulate(problem, default_schedule(problem))
     solution = solve(problem, solver, budget.resolve(eager.peak_bytes), options)
-    if addresses == "greedy" and solution.feasible:            # addresses leave the live peak as it is
-        placed = greedy_addresses(problem, solution.simulation, in_place_steps(loaded, solution.schedule))
+    if addresses != "none" and solution.feasible:              # addresses leave the live peak as it is
+        steps = in_place_steps(loaded, solution.schedule)
+        placed = greedy_addresses(problem, solution.simulation, steps) if addresses == "greedy" else \
+            olla_addresses(problem, solution.simulation, steps, time_limit=options.time_limit, gap=options.gap,
+                           backend=options.backend, threads=options.threads).addresses
         solution = replace(solution, simulation=simulate(problem, solution.schedule, placed), addresses=placed)
     return solution, eager
 

@@ -39,7 +39,8 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[str, typer.Option(help="MILP backend: auto (Gurobi when its license covers the model, "
                                                   "else HiGHS), highs, gurobi.")] = DEFAULT_BACKEND,
         threads: Annotated[Optional[int], typer.Option(help="Solver threads (default: the backend's choice).")] = None,
-        addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none or greedy.")] = "none",
+        addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none, greedy or olla "
+                                                          "(location ILP).")] = "none",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
         store: StoreOption = None,
@@ -72,8 +73,8 @@ def register(app: typer.Typer) -> None:
                 errors().print(f"error: --out {out} is a folder; give a file name for the plan.", style="red",
                                markup=False)
                 raise typer.Exit(1)
-            if addresses not in ("none", "greedy"):
-                raise typer.BadParameter(f"{addresses!r}; choose none or greedy.", param_hint="--addresses")
+            if addresses not in ("none", "greedy", "olla"):
+                raise typer.BadParameter(f"{addresses!r}; choose none, greedy or olla.", param_hint="--addresses")
             try:
                 budget_spec = parse_budget_text(budget)
             except ValueError as exc:

@@ -53,6 +53,8 @@ class Problem:
     `variants[i]`: node i's non-default implementation variants (empty: none anywhere). The last
     `num_variant_values` values are allocated only by variants (e.g. a mask); a schedule of default
     steps never allocates them. `cost_unit` is "ms" when costs are profiled milliseconds.
+    `random_nodes`: nodes drawing from a random generator. The runtime replays the generator only for
+    recomputations, so a solver that reorders nodes (OLLA) keeps these in their default relative order.
     """
 
     name: str
@@ -70,6 +72,7 @@ class Problem:
     variants: tuple[tuple[Variant, ...], ...] = ()
     num_variant_values: int = 0
     cost_unit: str | None = None
+    random_nodes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self)
@@ -160,11 +163,12 @@ class Problem:
 
     @classmethod
     def from_graph(cls, graph: Any, costs: Mapping[int, Sequence[float]] | None = None,
-                   variants: Any = None) -> "Problem":
+                   variants: Any = None, random_nodes: Iterable[int] | None = None) -> "Problem":
         """Problem of a `runtime.graph.OpGraph`; `costs[node_id] = (time, workspace_bytes)` from the
         profile store (a `tasks.store.CostTable`, whose `.variants[node][impl]` prices the variants).
         Without `costs`, every node costs 1 and each workspace is the variant's analytic one (0 for the
-        default). `variants` is a `runtime.variants.GraphVariants` of the graph (None: no variants). With
+        default). `variants` is a `runtime.variants.GraphVariants` of the graph (None: no variants);
+        `random_nodes` (None: those of the captured program, none for a graph loaded from JSON). With
         costs, a variant the profile did not measure is left out (it has no price)."""
         n = len(graph.nodes)
         if costs is None:
@@ -191,6 +195,8 @@ class Problem:
                                   (float(measured[s.name].time_ms), int(measured[s.name].workspace_bytes))),
                         s.inputs, s.outputs)
                 for s in specs if costs is None or s.name in measured))
+        if random_nodes is None:                 # a captured graph knows them; pass them for a loaded one
+            random_nodes = getattr(graph.program, "random_devices", {})
         return cls(
             name=str(graph.meta.get("model", "graph")),
             cost=cost,
@@ -208,6 +214,7 @@ class Problem:
             variants=tuple(offered) if any(offered) else (),
             num_variant_values=len(extra),
             cost_unit=None if costs is None else "ms",
+            random_nodes=tuple(sorted(int(v) for v in random_nodes)),
         )
 
     @classmethod
@@ -362,5 +369,7 @@ def _check(p: Problem) -> None:
             if producer >= 0 and pos[producer] >= pos[node]:
                 raise ProblemError(f"problem {p.name!r}: node {node} reads value {v} of node {producer}, "
                                    f"which comes later in the default order; the order must be topological.")
+    if any(not 0 <= v < n for v in p.random_nodes):
+        raise ProblemError(f"problem {p.name!r}: random_nodes must be node ids 0..{n - 1}.")
     if any(not 0 <= v < nv or p.value_producer[v] < 0 for v in p.outputs):
         raise ProblemError(f"problem {p.name!r}: graph outputs must be values produced by nodes.")
