@@ -30,7 +30,7 @@ cache_dir = "{cache}"
 [[models]]
 name = "gpt2-tiny"
 transformers = "gpt2"
-kwargs = {{ n_layer = 2, n_embd = 128, n_head = 4, n_positions = 128, vocab_size = 2048, bos_token_id = 0, eos_token_id = 0, resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0 }}
+kwargs = {{ n_layer = 1, n_embd = 128, n_head = 4, n_positions = 128, vocab_size = 2048, bos_token_id = 0, eos_token_id = 0, resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0 }}
 loss = "causal_lm"
 batch_sizes = [4]
 inputs = [{{ shape = [128], dtype = "int64", high = 2048 }}]
@@ -42,7 +42,7 @@ repeats = 3
 [[plans]]
 solver = "checkmate-approx"
 budgets = ["85%", "75%", "65%"]
-time_limit_s = 120
+time_limit_s = 60
 
 [[plans]]
 solver = "ap-greedy"
@@ -57,7 +57,7 @@ solver = "hierarchical"
 budgets = ["75%"]
 
 [validate]
-steps = 3
+steps = 2
 
 [run]
 task_runner = "{runner}"
