@@ -153,6 +153,7 @@ def _deploy(config: Path, api: str) -> dict[str, str]:
         return dict(deploy(config, load_config(config).deploy))
 
 
+@pytest.mark.fleet_e2e
 def test_two_hosts_profile_on_schedule_into_one_store(prefect_server, project, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
