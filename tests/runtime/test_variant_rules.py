@@ -5,7 +5,6 @@ against ATen's own backward."""
 import pytest
 import torch
 
-import runtime
 from runtime.plan import Plan
 from runtime.variant_ops import (batch_norm_backward_from_output, layer_norm_backward_from_output,
                                  max_pool_backward_from_windows, window_positions)
