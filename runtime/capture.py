@@ -97,6 +97,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()
     _chain_concatenations(gm.graph)
+    _split_convolution_backward(gm.graph)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
@@ -122,6 +123,42 @@ def _chain_concatenations(graph: fx.Graph) -> None:
                 n.args = ([prefix, *pieces[cut:]], *n.args[1:])
                 break
         seen.setdefault((dim, pieces), n)
+
+
+def _split_convolution_backward(graph: fx.Graph) -> None:
+    """Split each `convolution_backward` that computes both the input and the weight gradient into a
+    weight-gradient node followed by an input-gradient node (MONeT appendix D): the weight gradient
+    (`convolution_backward` with output mask `[False, True, bias]`) reads the forward input; the input
+    gradient, the transposed convolution of the output gradient with the weight, does not. Once the
+    weight gradient is computed the forward input can be freed, before the input gradient is allocated.
+    On CPU both halves are bit-identical to the joint call (tested); transposed convolutions stay joint."""
+    aten = torch.ops.aten
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten.convolution_backward.default:
+            continue
+        (grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+         mask) = n.args
+        if transposed or not (mask[0] and mask[1]):
+            continue
+        val = n.meta["val"]
+        out_size, in_size, k = grad.meta["val"].shape[2:], x.meta["val"].shape[2:], weight.meta["val"].shape[2:]
+        # output_padding that makes the transposed convolution's output the forward input's size
+        pad = [i - ((o - 1) * s - 2 * p + d * (kk - 1) + 1)
+               for i, o, s, p, d, kk in zip(in_size, out_size, stride, padding, dilation, k)]
+        with graph.inserting_before(n):
+            weight_grad = graph.call_function(n.target, (*n.args[:-1], [False, True, mask[2]]))
+            weight_grad.meta = {**n.meta, "val": (None, *val[1:])}
+        with graph.inserting_after(weight_grad):
+            input_grad = graph.call_function(aten.convolution.default,
+                                             (grad, weight, None, stride, padding, dilation, True, pad, groups))
+            input_grad.meta = {**n.meta, "val": val[0]}
+        for user in list(n.users):                         # getitems of the joint result
+            if user.args[1] == 0:
+                user.replace_all_uses_with(input_grad)
+                graph.erase_node(user)
+            else:
+                user.args = (weight_grad, user.args[1])
+        graph.erase_node(n)
 
 
 def _strip(fqn: str) -> str:

@@ -9,6 +9,7 @@ and returns the FX nodes of the variant values it allocates, by value id. The ex
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping
@@ -141,4 +142,245 @@ def _mask_view(step: VariantStep) -> fx.Node:
     return rebase(saved)
 
 
-RULES: dict[str, Callable[[VariantStep], dict[int, fx.Node]]] = {"mask": _mask}
+def _graph_value(step: VariantStep, value: int) -> fx.Node:
+    """The FX node (in `g`) of graph value `value`, which the step reads."""
+    return step.resolve(step.graph.program.primary[value])
+
+
+def _nonzero_scale(weight: torch.Tensor) -> None:
+    torch._assert_async(weight.ne(0).all(), "an output-activated normalization backward needs every weight "
+                                            "(gamma) nonzero to reconstruct its normalized input; run it as default")
+
+
+def batch_norm_backward_from_output(grad: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None,
+                                    bias: torch.Tensor | None, invstd: torch.Tensor, output_mask: list[bool]):
+    """Training BatchNorm backward from its output y (in-place activated BatchNorm, Bulo et al. 2018):
+    with x_hat = (y - beta) / gamma and per-channel sums over the n elements of a channel,
+        d_beta = sum(dy),  d_gamma = sum(dy * x_hat) = (sum(dy * y) - beta * d_beta) / gamma,
+        dx = gamma * invstd * (dy - d_beta / n - x_hat * d_gamma / n),
+    computed as dx = a * dy + b * y + c with per-channel a, b, c: no full-size temporary besides dx."""
+    c = y.shape[1]
+    n = y.numel() // c
+    shape = [1, c] + [1] * (y.dim() - 2)
+    g3, y3 = grad.reshape(grad.shape[0], c, -1), y.reshape(y.shape[0], c, -1)
+    sum_dy = g3.sum((0, 2))
+    dot = torch.matmul(g3.unsqueeze(2), y3.unsqueeze(3)).sum((0, 2, 3))        # sum(dy * y) per channel
+    w = torch.ones_like(sum_dy) if weight is None else weight
+    b = torch.zeros_like(sum_dy) if bias is None else bias
+    _nonzero_scale(w)
+    sum_dy_xhat = (dot - b * sum_dy) / w
+    grad_input = None
+    if output_mask[0]:
+        scale = invstd * w
+        k = sum_dy_xhat / n
+        grad_input = torch.mul(grad, scale.view(shape))
+        grad_input.addcmul_(y, (-scale * k / w).view(shape))
+        grad_input.add_((scale * (k * b / w - sum_dy / n)).view(shape))
+    return (grad_input, sum_dy_xhat if output_mask[1] else None, sum_dy if output_mask[2] else None)
+
+
+def layer_norm_backward_from_output(grad: torch.Tensor, y: torch.Tensor, normalized_shape: list[int],
+                                    rstd: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                    output_mask: list[bool]):
+    """LayerNorm backward from its output y: with x_hat = (y - beta) / gamma and per-row means over the D
+    normalized elements, m1 = mean(dy * gamma), m2 = mean(dy * gamma * x_hat) = mean(dy * (y - beta)):
+        dx = rstd * (dy * gamma - m1 - x_hat * m2),  d_gamma = sum_rows(dy * x_hat),  d_beta = sum_rows(dy).
+    dx is built in its own buffer (x_hat first, then in place); row sums of products are matrix products and
+    the column sums run over row blocks, so no other full-size temporary is made."""
+    d = 1
+    for s in normalized_shape:
+        d *= s
+    rows = y.numel() // d
+    g2, y2 = grad.reshape(rows, d), y.reshape(rows, d)
+    w = y.new_ones(d) if weight is None else weight.reshape(d)
+    b = y.new_zeros(d) if bias is None else bias.reshape(d)
+    _nonzero_scale(w)
+    grad_input = grad_weight = None
+    if output_mask[0]:
+        m1 = torch.mv(g2, w).div_(d)
+        m2 = torch.matmul(g2.unsqueeze(1), y2.unsqueeze(2)).view(rows).sub_(torch.mv(g2, b)).div_(d)
+        grad_input = torch.sub(y2, b).div_(w)
+        grad_input.mul_(m2.neg_().unsqueeze(1)).addcmul_(g2, w).sub_(m1.unsqueeze(1))
+        grad_input.mul_(rstd.reshape(rows, 1))
+        grad_input = grad_input.view(y.shape)
+    sum_dy = g2.sum(0) if output_mask[1] or output_mask[2] else None
+    if output_mask[1]:
+        block = max(1, 65536 // d)
+        dot = torch.zeros_like(w)
+        for start in range(0, rows, block):
+            dot += (g2[start:start + block] * y2[start:start + block]).sum(0)
+        grad_weight = ((dot - b * sum_dy) / w).view(weight.shape)
+    return grad_input, grad_weight, (sum_dy.view(bias.shape) if output_mask[2] else None)
+
+
+def _norm_output(step: VariantStep) -> dict[int, fx.Node]:
+    """Rule `output` (runtime.variants): the normalization backward reads the forward's output, not its input."""
+    head, graph = step.head, step.graph
+    if head.target is aten.native_batch_norm_backward.default:
+        invstd = head.args[6]
+        if not _arg(head, 7):
+            raise VariantError(f"node {step.spec.node} ({head.name}) is an evaluation-mode BatchNorm backward; the "
+                               f"output-activated variant needs batch statistics. Run it as the default variant.")
+    elif head.target is aten.native_layer_norm_backward.default:
+        invstd = head.args[4]
+    else:
+        raise VariantError(f"variant 'output' of node {step.spec.node} ({head.name}) runs {head.target}, which is "
+                           f"not a BatchNorm or LayerNorm backward; the graph's variants do not match its program.")
+    forward = graph.values[graph.program.value_of[invstd]].producer
+    f = head_node(graph, forward)
+    y = _graph_value(step, graph.nodes[forward].outputs[0])
+    if head.target is aten.native_batch_norm_backward.default:
+        weight, bias = _arg(f, 1), _arg(f, 2)
+        call = lambda: step.call(batch_norm_backward_from_output, step.resolve(head.args[0]), y,  # noqa: E731
+                                 _maybe(step, weight), _maybe(step, bias), step.resolve(invstd), _arg(head, 9))
+    else:
+        call = lambda: step.call(layer_norm_backward_from_output, step.resolve(head.args[0]), y,  # noqa: E731
+                                 _arg(head, 2), step.resolve(invstd), _maybe(step, _arg(head, 5)),
+                                 _maybe(step, _arg(head, 6)), _arg(head, 7))
+    step.copy_group(call)
+    return {}
+
+
+def _maybe(step: VariantStep, a):
+    return step.resolve(a) if isinstance(a, fx.Node) else a
+
+
+def _pair(v, n: int = 2) -> list[int]:
+    return list(v) * (n // len(v)) if isinstance(v, (list, tuple)) else [v] * n
+
+
+def _pool_args(head: fx.Node) -> tuple[list[int], list[int], list[int], list[int]]:
+    """kernel, stride, padding, dilation of a max_pool2d_with_indices(_backward) call, as pairs."""
+    offset = 1 if head.target is aten.max_pool2d_with_indices.default else 2
+    kernel = _pair(_arg(head, offset))
+    stride = _pair(_arg(head, offset + 1)) if _arg(head, offset + 1) else kernel
+    return kernel, stride, _pair(_arg(head, offset + 2)), _pair(_arg(head, offset + 3))
+
+
+def window_positions(indices: torch.Tensor, width: int, kernel: list[int], stride: list[int],
+                     padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """Max-pool indices (flat positions h * W + w in the input plane) as 1-byte positions in the pooling
+    window: ((h - h0) / dh) * kw + (w - w0) / dw, with (h0, w0) = output position * stride - padding.
+    Overwrites `indices` (a temporary of the variant); one more int64 temporary."""
+    oh, ow = indices.shape[-2:]
+    h = torch.div(indices, width, rounding_mode="floor")
+    w = indices.sub_(h, alpha=width)
+    h.sub_((torch.arange(oh, device=h.device) * stride[0] - padding[0]).view(oh, 1))
+    w.sub_(torch.arange(ow, device=w.device) * stride[1] - padding[1])
+    if dilation[0] > 1:
+        h.div_(dilation[0], rounding_mode="floor")
+    if dilation[1] > 1:
+        w.div_(dilation[1], rounding_mode="floor")
+    return h.mul_(kernel[1]).add_(w).to(torch.uint8)
+
+
+def max_pool_backward_from_windows(grad: torch.Tensor, windows: torch.Tensor, input_shape: list[int],
+                                   kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
+                                   ceil_mode: bool) -> torch.Tensor:
+    """ATen's max-pool backward on the flat indices rebuilt from window positions (`window_positions`) in one
+    int64 buffer; the input is passed as a zero-stride tensor of its shape (the kernel reads only its shape)."""
+    oh, ow = windows.shape[-2:]
+    width = input_shape[-1]
+    rows = torch.div(windows, kernel[1], rounding_mode="floor")               # uint8
+    indices = windows.to(torch.int64).sub_(rows, alpha=kernel[1])             # column in the window
+    indices.mul_(dilation[1]).add_(torch.arange(ow, device=windows.device) * stride[1] - padding[1])
+    indices.add_(rows, alpha=dilation[0] * width)
+    del rows
+    indices.add_(((torch.arange(oh, device=windows.device) * stride[0] - padding[0]) * width).view(oh, 1))
+    shape_only = grad.new_zeros(()).expand(input_shape)
+    return aten.max_pool2d_with_indices_backward(grad, shape_only, kernel, stride, padding, dilation, ceil_mode,
+                                                 indices)
+
+
+def _compact(step: VariantStep) -> dict[int, fx.Node]:
+    """Rule `compact` (runtime.variants): max-pool indices kept as uint8 window positions."""
+    head, graph = step.head, step.graph
+    kernel, stride, padding, dilation = _pool_args(head)
+    if kernel[0] * kernel[1] > 256:
+        raise VariantError(f"node {step.spec.node} ({head.name}) pools {kernel} windows, more positions than one "
+                           f"byte holds; run it as the default variant.")
+    if head.target is aten.max_pool2d_with_indices.default:
+        step.copy_group()
+        indices = step.env[graph.program.primary[graph.nodes[step.spec.node].outputs[1]]]
+        width = head.args[0].meta["val"].shape[-1]
+        return {step.spec.outputs[-1]: step.call(window_positions, indices, width, kernel, stride, padding, dilation)}
+    if head.target is aten.max_pool2d_with_indices_backward.default:
+        windows = step.values[next(v for v in step.spec.inputs if v >= step.variants.num_graph_values)]
+        shape = list(head.args[1].meta["val"].shape)
+        step.copy_group(lambda: step.call(max_pool_backward_from_windows, step.resolve(head.args[0]), windows, shape,
+                                          kernel, stride, padding, dilation, _arg(head, 6)))
+        return {}
+    raise VariantError(f"variant 'compact' of node {step.spec.node} ({head.name}) runs {head.target}, which is not "
+                       f"a 2-d max-pool or its backward; the graph's variants do not match its program.")
+
+
+def _strided_like(t: torch.Tensor, stride: list[int]) -> torch.Tensor:
+    """`t` with the strides the captured op's result had (later views of it depend on them)."""
+    if list(t.stride()) == list(stride):
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def attention_math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                           attn_mask: torch.Tensor | None, scale: float | None, out_stride: list[int],
+                           probs_shape: list[int]):
+    """Scaled dot-product attention as P = softmax(q k^T * scale + mask), out = P v; returns (out, P)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    if list(scores.shape) != list(probs_shape):
+        raise VariantError(f"the attention probabilities have shape {list(scores.shape)}, the graph's variant "
+                           f"declares {list(probs_shape)}; run attention as the default variant.")
+    if is_causal:
+        length, keys = scores.shape[-2:]
+        scores.masked_fill_(torch.ones(length, keys, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores.masked_fill_(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores.add_(attn_mask)
+    probs = torch.softmax(scores, -1)
+    del scores
+    return _strided_like(torch.matmul(probs, v), out_stride), probs
+
+
+def attention_math_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            probs: torch.Tensor, scale: float | None, strides: list[list[int]]):
+    """Backward of `attention_math_forward` from P: dV = P^T dO, dP = dO V^T,
+    dS = P * (dP - rowsum(dP * P)) * scale, dQ = dS K, dK = dS^T Q."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    grad_v = _strided_like(torch.matmul(probs.transpose(-2, -1), grad), strides[2])
+    ds = torch.matmul(grad, v.transpose(-2, -1))
+    ds.sub_(torch.matmul(ds.unsqueeze(-2), probs.unsqueeze(-1)).squeeze(-1)).mul_(probs).mul_(scale)
+    grad_q = _strided_like(torch.matmul(ds, k), strides[0])
+    grad_k = _strided_like(torch.matmul(ds.transpose(-2, -1), q), strides[1])
+    return grad_q, grad_k, grad_v
+
+
+def _math(step: VariantStep) -> dict[int, fx.Node]:
+    """Rule `math` (runtime.variants): attention by the math backend instead of the fused flash kernel."""
+    head = step.head
+    if _arg(head, 3 if "backward" not in head.target.name() else 6) != 0:
+        raise VariantError(f"node {step.spec.node} ({head.name}) runs attention with dropout; the math variant "
+                           f"would draw another dropout mask. Run it as the default variant.")
+    if head.target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        probs_value = step.variants.value(step.graph, step.spec.outputs[-1])
+        made = {}
+
+        def forward():
+            made["call"] = step.call(attention_math_forward, *(step.resolve(a) for a in head.args[:3]), _arg(head, 4),
+                                     _maybe(step, _arg(head, 5)), _arg(head, 6),
+                                     list(head.meta["val"][0].stride()), list(probs_value.shape))
+            return made["call"]
+        step.copy_group(forward)
+        return {probs_value.id: step.call(operator.getitem, made["call"], 1)}
+    if head.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        probs = step.values[next(v for v in step.spec.inputs if v >= step.variants.num_graph_values)]
+        step.copy_group(lambda: step.call(attention_math_backward, *(step.resolve(a) for a in head.args[:4]), probs,
+                                          _arg(head, 9), [list(t.stride()) for t in head.meta["val"]]))
+        return {}
+    raise VariantError(f"variant 'math' of node {step.spec.node} ({head.name}) runs {head.target}, which is not "
+                       f"the CPU flash attention or its backward; the graph's variants do not match its program.")
+
+
+RULES: dict[str, Callable[[VariantStep], dict[int, fx.Node]]] = {"mask": _mask, "output": _norm_output,
+                                                                 "compact": _compact, "math": _math}

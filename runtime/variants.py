@@ -20,6 +20,20 @@ Rules shipped (`RULES`):
   hardtanh backward treats NaN differently in its vectorized and scalar loops, so there only finite
   inputs match). The 4-byte activation the default backward holds until the backward pass can be
   freed once its forward readers are done.
+- `output` on the backward of training BatchNorm and of LayerNorm: output-activated normalization
+  (in-place activated BatchNorm, Bulo et al. 2018; MONeT's output-activated operators). The backward
+  reads the forward's output y, the saved 1/std and the affine parameters instead of the input x and the
+  saved mean, reconstructing x_hat = (y - beta) / gamma. Only the backward changes. Within the
+  validation tolerance, not bit-identical; needs gamma nonzero (asserted at run time).
+- `compact` on `aten.max_pool2d_with_indices` and its backward: MONeT's intermediate-activated max-pool.
+  The forward keeps a uint8 window position per output element instead of the int64 flat indices; the
+  backward rebuilds the indices and no longer reads the forward input. Bit-identical.
+- `math` on the CPU flash attention (`aten._scaled_dot_product_flash_attention_for_cpu`) and its
+  backward: the math backend, whose forward keeps the attention probabilities (B x H x L x S) instead of
+  the log-sum-exp and whose backward reads them, not the output. Within the validation tolerance.
+
+A convolution's backward split into weight- and input-gradient nodes (MONeT appendix D) is not a variant:
+`runtime.capture` always splits it (docs/plan-format.md).
 """
 
 from __future__ import annotations
@@ -138,10 +152,118 @@ def _zero_mask(b: _Builder) -> None:
         b.add(VariantSpec(node.id, "mask", "mask", tuple(dict.fromkeys(node.inputs)), (*node.outputs, mask), workspace))
         for r, v in pairs:
             inputs = tuple(dict.fromkeys(mask if i == v else i for i in g.nodes[r].inputs))
-            b.add(VariantSpec(r, "mask", "mask", inputs, tuple(g.nodes[r].outputs)))
+            # workspace: `where` wraps its scalar 0 in a one-element tensor
+            b.add(VariantSpec(r, "mask", "mask", inputs, tuple(g.nodes[r].outputs), DTYPE_BYTES[out.dtype]))
 
 
-RULES: dict[str, Callable[[_Builder], None]] = {"mask": _zero_mask}
+_NORMS = {  # training forward -> its backward; outputs (y, saved mean, saved 1/std, ...)
+    "aten._native_batch_norm_legit_functional.default": "aten.native_batch_norm_backward.default",
+    "aten._native_batch_norm_legit.default": "aten.native_batch_norm_backward.default",
+    "aten.native_batch_norm.default": "aten.native_batch_norm_backward.default",
+    "aten.native_layer_norm.default": "aten.native_layer_norm_backward.default",
+}
+
+
+def _forward_partner(g: OpGraph, node) -> int | None:
+    """The normalization forward node whose saved statistics backward `node` reads."""
+    for v in node.inputs:
+        producer = g.values[v].producer
+        if producer is not None and _NORMS.get(g.nodes[producer].targets[0]) == node.targets[0]:
+            return producer
+    return None
+
+
+def _norm_output(b: _Builder) -> None:
+    """Rule `output` (module docstring): BatchNorm / LayerNorm backward from the forward's output."""
+    g = b.graph
+    for node in g.nodes:
+        forward = _forward_partner(g, node) if node.phase == "backward" else None
+        if forward is None:
+            continue
+        f = g.nodes[forward]
+        x, (y, mean, rstd) = f.inputs[0], f.outputs[:3]
+        if x not in node.inputs or rstd not in node.inputs or g.values[y].dtype not in DTYPE_BYTES:
+            continue
+        params = [v for v in f.inputs if g.values[v].kind == "param"]       # weight and bias
+        inputs = tuple(dict.fromkeys([y if v == x else v for v in node.inputs if v != mean] + params))
+        out = g.values[y]
+        size = DTYPE_BYTES[out.dtype]
+        if node.targets[0] == "aten.native_batch_norm_backward.default":
+            workspace = 6 * out.shape[1] * size                   # per-channel sums and coefficients
+        else:                                                     # row statistics, one block of column sums
+            width = g.values[params[0]].bytes // size if params else out.shape[-1]
+            rows = out.bytes // size // width
+            workspace = (3 * rows + min(rows, max(1, 65536 // width)) * width) * size
+        b.add(VariantSpec(node.id, "output", "output", inputs, tuple(node.outputs), workspace))
+
+
+def _maxpool_compact(b: _Builder) -> None:
+    """Rule `compact` (module docstring): max-pool indices as 1-byte window positions."""
+    g = b.graph
+    readers = _readers(g)
+    pools = {"aten.max_pool2d_with_indices.default": "aten.max_pool2d_with_indices_backward.default"}
+    for node in g.nodes:
+        if node.phase == "backward" or node.targets[0] not in pools or len(node.outputs) != 2:
+            continue
+        out, indices = node.outputs
+        users = readers.get(indices, [])
+        if not users or any(g.nodes[r].targets[0] != pools[node.targets[0]] for r in users):
+            continue
+        shape = g.values[out].shape
+        compact = b.new_value(g.values[out].bytes // DTYPE_BYTES[g.values[out].dtype], shape, "uint8",
+                              f"{g.values[indices].name}.window", node.id)
+        # workspace: the int64 indices (now a temporary) and one int64 temporary converting them; the backward
+        # rebuilds the int64 indices in one buffer (its uint8 temporary is freed before the gradient exists)
+        index_bytes = g.values[indices].bytes
+        b.add(VariantSpec(node.id, "compact", "compact", tuple(dict.fromkeys(node.inputs)), (out, compact),
+                          2 * index_bytes))
+        x = node.inputs[0]
+        for r in users:
+            inputs = tuple(dict.fromkeys(compact if v == indices else v for v in g.nodes[r].inputs if v != x))
+            grad_bytes = sum(g.values[v].bytes for v in g.nodes[r].outputs)
+            scalar = DTYPE_BYTES[g.values[out].dtype]            # the zero-stride stand-in for the input
+            b.add(VariantSpec(r, "compact", "compact", inputs, tuple(g.nodes[r].outputs),
+                              max(index_bytes + scalar, index_bytes + index_bytes // 8 - grad_bytes)))
+
+
+_ATTENTION = {"aten._scaled_dot_product_flash_attention_for_cpu.default":
+              "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"}
+
+
+def _attention_math(b: _Builder) -> None:
+    """Rule `math` (module docstring): attention as softmax(q k^T) v, saving the probabilities."""
+    g = b.graph
+    readers = _readers(g)
+    for node in g.nodes:
+        backward_target = _ATTENTION.get(node.targets[0])
+        if backward_target is None or node.phase == "backward":
+            continue
+        out, lse = (g.values[v] for v in node.outputs[:2])
+        users = readers.get(lse.id, [])
+        if not users or any(g.nodes[r].targets[0] != backward_target for r in users) or out.dtype not in DTYPE_BYTES:
+            continue
+        # the key length, from the key gradient the backward allocates (batch..., keys, head dim); the
+        # executor checks the probabilities it computes against this shape
+        grads = g.nodes[users[0]].outputs
+        if len(grads) != 3:
+            continue
+        probs_shape = (*lse.shape, g.values[grads[1]].shape[-2])
+        nbytes = DTYPE_BYTES[out.dtype]
+        for s in probs_shape:
+            nbytes *= s
+        probs = b.new_value(nbytes, probs_shape, out.dtype, f"{out.name}.probs", node.id)
+        # workspace: the scores (softmax allocates the probabilities beside them), or the output before its copy
+        # into the captured strides
+        b.add(VariantSpec(node.id, "math", "math", tuple(dict.fromkeys(node.inputs)), (out.id, probs),
+                          max(nbytes, out.bytes)))
+        for r in users:
+            inputs = tuple(dict.fromkeys(probs if v == lse.id else v for v in g.nodes[r].inputs if v != out.id))
+            b.add(VariantSpec(r, "math", "math", inputs, tuple(g.nodes[r].outputs),
+                              nbytes + out.bytes))   # dS, and one gradient before its copy into place
+
+
+RULES: dict[str, Callable[[_Builder], None]] = {"mask": _zero_mask, "output": _norm_output,
+                                                "compact": _maxpool_compact, "math": _attention_math}
 
 
 def graph_variants(graph: OpGraph, rules: tuple[str, ...] | None = None) -> GraphVariants:

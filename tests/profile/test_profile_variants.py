@@ -49,3 +49,44 @@ def test_mask_variants_get_rows_that_planners_price(store, graph):
     costs = load_costs(graph.fingerprint, "cpu")
     problem = Problem.from_graph(graph, costs, variants)
     assert problem.variant(backward, "mask").cost == costs.variants[backward]["mask"].time_ms > 0
+
+
+class TinyAttention(nn.Module):
+    """LayerNorm -> q, k, v -> causal SDPA (the CPU flash kernel: no dropout) -> linear."""
+
+    def __init__(self, d: int = 16, heads: int = 2):
+        super().__init__()
+        self.norm, self.qkv, self.out, self.heads = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, 4), heads
+
+    def forward(self, x):
+        b, length, d = x.shape
+        q, k, v = (t.view(b, length, self.heads, -1).transpose(1, 2) for t in self.qkv(self.norm(x)).chunk(3, -1))
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, length, d)
+        return self.out(h).mean(1)
+
+
+def test_every_rule_gets_rows_and_the_compact_backward_reads_less(store):
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                        nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    graphs = [runtime.capture(cnn, loss_fn, (torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))),
+              runtime.capture(TinyAttention(), loss_fn, (torch.randn(2, 8, 16), torch.zeros(2, dtype=torch.long)))]
+    for graph, rules in zip(graphs, [{"mask", "output", "compact"}, {"output", "math"}]):
+        profile_graph(graph, "cpu", FAST, model="tiny", progress=False)
+        variants = graph_variants(graph)
+        assert {s.rule for specs in variants.specs.values() for s in specs.values()} == rules
+        costs = load_costs(graph.fingerprint, "cpu")
+        problem = Problem.from_graph(graph, costs, variants)
+        for node, specs in variants.specs.items():
+            for name in specs:
+                row = costs.variants[node][name]
+                assert problem.variant(node, name).workspace == row.workspace_bytes
+                assert problem.variant(node, name).cost == row.time_ms > 0
+    rows = connect().execute("SELECT fingerprint, node_id, impl, input_bytes FROM profiles").fetchall()
+    by = {(f, n, impl): i for f, n, impl, i in rows}
+    cnn_graph = graphs[0]
+    pool_backward = next(n.id for n in cnn_graph.nodes if n.targets[0] == "aten.max_pool2d_with_indices_backward.default")
+    fp = cnn_graph.fingerprint
+    # reads the output gradient and 1-byte windows, not the forward input and 8-byte indices
+    assert by[fp, pool_backward, "compact"] < by[fp, pool_backward, "default"] / 4

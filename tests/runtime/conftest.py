@@ -62,6 +62,11 @@ def _build_on_cpu(name: str, n: int):
         config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
                             bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(config).train(), lm_loss, (torch.randint(0, 128, (n, 32)),)
+    if name == "gpt2_sdpa":                    # no attention dropout: attention is one fused SDPA node
+        from transformers import GPT2Config, GPT2LMHeadModel
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0,
+                            eos_token_id=0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh")
+        return GPT2LMHeadModel(config).train(), lm_loss, (torch.randint(0, 128, (n, 32)),)
     import torchvision
     if name == "inception_v3":                 # the smallest input it takes; no auxiliary head output
         model = torchvision.models.inception_v3(num_classes=10, aux_logits=False, init_weights=False)
