@@ -40,7 +40,7 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
     SolverSpec("acg", acg, "optimal gradient checkpoints on the division tree of the graph (Feng & Huang).",
                AcgOptions),
     SolverSpec("hierarchical", hierarchical, "chain of blocks, exact per-block ladders, chain dynamic program (Rockmate).",
-               HierarchicalOptions, portfolio=True),
+               HierarchicalOptions, variants=True, portfolio=True),
     SolverSpec("monet", monet, "MONeT's 0-1 program: checkpoints and implementation variants jointly (eq. 9).",
                MonetOptions, variants=True, portfolio=True),
     SolverSpec("monet-noop", monet_noop, "MONeT's 0-1 program, checkpoints only (MONeT-NoOp).",

@@ -1,5 +1,6 @@
 """MONeT plans (tasks/solve/monet) run through the runtime: a small conv net with ReLU masks trains exactly
-like eager PyTorch under `monet` plans at several budgets, at the simulator's peak."""
+like eager PyTorch under `monet` plans at several budgets (and `hierarchical` with `inner = "monet"`), at the
+simulator's peak."""
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,16 @@ def test_monet_plans_train_exactly_like_eager_at_the_simulated_peak(helpers):
     eager_peak = simulate(problem, default_schedule(problem)).peak_bytes
     eager = helpers.train_eager(model, loss_fn, batch)
     used_variants = recomputed = False
-    for fraction in (0.9, 0.75, 0.7):
+    hierarchical = SolveOptions(time_limit=60, portfolio=False, params={"inner": "monet", "inner_time_limit": 2.0})
+    for fraction, solution in [
+            *((f, solve(problem, "monet", int(f * eager_peak), SolveOptions(time_limit=60, portfolio=False)))
+              for f in (0.9, 0.75, 0.7)),
+            (0.75, solve(problem, "hierarchical", int(0.75 * eager_peak), hierarchical))]:
         budget = int(fraction * eager_peak)
-        solution = solve(problem, "monet", budget, SolveOptions(time_limit=60, portfolio=False))
         assert solution.feasible, (fraction, solution.message)
-        noop = solve(problem, "monet-noop", budget, SolveOptions(time_limit=60, portfolio=False))
-        assert not noop.feasible or solution.objective <= noop.objective + 1e-9
+        if solution.solver == "monet":
+            noop = solve(problem, "monet-noop", budget, SolveOptions(time_limit=60, portfolio=False))
+            assert not noop.feasible or solution.objective <= noop.objective + 1e-9
         used_variants |= any(len(step) == 3 for step in solution.schedule)
         recomputed |= solution.objective > problem.cost.sum()
         plan = solution.to_plan(problem)

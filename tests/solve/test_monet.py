@@ -122,3 +122,16 @@ def test_monet_equals_brute_force_over_its_schedule_space(seed):
         expected_noop = brute_force(p.without_variants(), budget)
         assert (noop.objective if noop.feasible else None) == pytest.approx(expected_noop)
         assert not noop.feasible or sol.objective <= noop.objective + 1e-9
+
+
+def test_monet_noop_is_within_ten_percent_of_checkmate(linear):
+    """The two model the same problem (MONeT's space is Checkmate's with recomputation only right before
+    backward nodes), on Checkmate's linear graph and on branching chains."""
+    for p in (linear(8), masked_chain(4, n=5).without_variants(), masked_chain(6, n=5).without_variants()):
+        for budget in _budgets(p):
+            exact = solve(p, "checkmate", budget, ALONE)
+            noop = solve(p, "monet-noop", budget, ALONE)
+            assert noop.feasible == exact.feasible, (p.name, budget)
+            if exact.feasible:
+                assert exact.objective <= noop.objective + 1e-9 <= 1.1 * exact.objective, (p.name, budget)
+                assert noop.predicted_peak_bytes == simulate(p, noop.schedule).peak_bytes <= budget
