@@ -1,9 +1,9 @@
 """`monet` and `monet-noop`: MONeT's program (model.py) solved on the shared MILP backends.
 
 `monet` chooses checkpoints and every node's implementation variant jointly; `monet-noop` is the same
-program on the problem without variants (the paper's MONeT-NoOp). Both start from the cheapest known
-schedule in MONeT's space (checkpoint-all, or a cheaper solver's schedule when it is in that space) and
-return its schedule when the MILP finds nothing better in its time.
+program on the problem without variants (the paper's MONeT-NoOp). Both start from a cheaper solver's
+schedule when it fits and lies in MONeT's space (`warm_start`: checkpoint-all, else ap-greedy) and return
+it when the MILP finds nothing better in its time.
 """
 
 from __future__ import annotations
@@ -26,18 +26,23 @@ log = logging.getLogger("memplan.solve")
 class MonetOptions:
     """Options of `monet` and `monet-noop`."""
 
-    warm_start: Literal["checkpoint-all", "hierarchical", "ap-greedy", "none"] = field(default="checkpoint-all", metadata={
+    warm_start: Literal["auto", "checkpoint-all", "hierarchical", "ap-greedy", "none"] = field(default="auto", metadata={
         "help": "solver whose schedule starts the MILP when it fits the budget and lies in MONeT's space "
-                "(forward pass once, recomputations before backward nodes); SolveOptions.mip_start wins."})
+                "(forward pass once, recomputations before backward nodes); 'auto': checkpoint-all when it fits, "
+                "else ap-greedy; SolveOptions.mip_start wins."})
 
 
 def warm_schedule(problem: Problem, budget: int, how: str, options: SolveOptions) -> list | None:
     """The schedule of the named cheaper solver at `budget` (None when it has none or none fits)."""
     if how == "none":
         return None
-    if how == "checkpoint-all":
+    if how in ("checkpoint-all", "auto"):
         schedule = default_schedule(problem)
-        return schedule if simulate(problem, schedule).peak_bytes <= budget else None
+        if simulate(problem, schedule).peak_bytes <= budget:
+            return schedule
+        if how == "checkpoint-all":
+            return None
+        how = "ap-greedy"
     from tasks.solve import SOLVERS
 
     sol = SOLVERS[how](problem, budget, SolveOptions(time_limit=options.time_limit, threads=options.threads,
