@@ -64,7 +64,7 @@ import scipy.sparse as sp
 
 from tasks.solve.milp import MilpModel
 from tasks.solve.problem import Problem, ProblemError
-from tasks.solve.simulator import Simulation, normalize_schedule, simulate
+from tasks.solve.simulator import normalize_schedule, simulate
 
 
 @dataclass
@@ -627,7 +627,3 @@ def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray) -> np.nd
     x = res.x.copy()
     x[:n_int] = x_int
     return x
-
-
-def simulate_solution(L: MonetLayout, x: np.ndarray) -> Simulation:
-    return simulate(L.problem, schedule_from_solution(L, x))
