@@ -249,10 +249,11 @@ def main() -> None:
     for name in args.workloads:
         rows = bench(name, args)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "solve s", "variant steps",
+                      "schedule from",
                       title=f"{name}: CPU, 1 thread, batch {args.batch}, median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: (r["kind"] == "ablation", r["peak"])):
             table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.0f}", f"{r['err']:.2g}",
-                          f"{r['solve_s']:.1f}" if "solve_s" in r else "", str(r.get("variants", "")))
+                          f"{r['solve_s']:.1f}" if "solve_s" in r else "", str(r.get("variants", "")), r.get("source", ""))
         console.print(table)
         monet = {r["label"].split("@ ")[1]: r for r in rows if r["label"].startswith("monet @")}
         for f, r in monet.items():
