@@ -83,7 +83,8 @@ def _mask(step: VariantStep) -> dict[int, fx.Node]:
     """Rule `mask` (runtime.variants). Forward ReLU: `out = relu(x)`, `mask = le(x, 0)` (the same mask as
     `le(out, 0)`, NaNs included, and read while x is live so the step holds what the simulator charges).
     Forward hardtanh: `mask = le(x, min)`, then `logical_or_(mask, ge(x, max))` (one bool temporary,
-    the spec's workspace). Backward: `where(mask, 0.0, grad)` instead of the threshold/hardtanh backward."""
+    the spec's workspace). Backward: `masked_fill(grad, mask, 0.0)` instead of the threshold/hardtanh backward
+    (`where(mask, 0.0, grad)` would also allocate the scalar as a 0-dim tensor the simulator does not charge)."""
     target = step.head.target
     if target in (aten.relu.default, aten.hardtanh.default):
         step.copy_group()
@@ -97,7 +98,7 @@ def _mask(step: VariantStep) -> dict[int, fx.Node]:
     if target in (aten.threshold_backward.default, aten.hardtanh_backward.default):
         _check_backward(step)
         mask = _mask_view(step)
-        step.copy_group(lambda: step.call(aten.where.ScalarSelf, mask, 0.0, step.resolve(step.head.args[0])))
+        step.copy_group(lambda: step.call(aten.masked_fill.Scalar, step.resolve(step.head.args[0]), mask, 0.0))
         return {}
     raise VariantError(f"variant 'mask' of node {step.spec.node} ({step.head.name}) runs {target}, which is not "
                        f"ReLU, hardtanh or their backward; the graph's variants do not match its captured program.")

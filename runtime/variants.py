@@ -152,8 +152,7 @@ def _zero_mask(b: _Builder) -> None:
         b.add(VariantSpec(node.id, "mask", "mask", tuple(dict.fromkeys(node.inputs)), (*node.outputs, mask), workspace))
         for r, v in pairs:
             inputs = tuple(dict.fromkeys(mask if i == v else i for i in g.nodes[r].inputs))
-            # workspace: `where` wraps its scalar 0 in a one-element tensor
-            b.add(VariantSpec(r, "mask", "mask", inputs, tuple(g.nodes[r].outputs), DTYPE_BYTES[out.dtype]))
+            b.add(VariantSpec(r, "mask", "mask", inputs, tuple(g.nodes[r].outputs)))   # masked_fill: no scalar
 
 
 _NORMS = {  # training forward -> its backward; outputs (y, saved mean, saved 1/std, ...)

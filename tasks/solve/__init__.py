@@ -17,6 +17,7 @@ from __future__ import annotations
 from tasks.solve import baselines, checkmate, greedy
 from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
+from tasks.solve.monet import MonetOptions, monet, monet_noop
 from tasks.solve.olla import OllaOptions, olla
 from tasks.solve.options import OptionError, SolverSpec, describe_options, parse_options
 from tasks.solve.portfolio import CHEAP, best_known
@@ -40,7 +41,11 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
     SolverSpec("acg", acg, "optimal gradient checkpoints on the division tree of the graph (Feng & Huang).",
                AcgOptions),
     SolverSpec("hierarchical", hierarchical, "chain of blocks, exact per-block ladders, chain dynamic program (Rockmate).",
-               HierarchicalOptions, portfolio=True),
+               HierarchicalOptions, variants=True, portfolio=True),
+    SolverSpec("monet", monet, "MONeT's 0-1 program: checkpoints and implementation variants jointly (eq. 9).",
+               MonetOptions, variants=True, portfolio=True),
+    SolverSpec("monet-noop", monet_noop, "MONeT's 0-1 program, checkpoints only (MONeT-NoOp).",
+               MonetOptions, portfolio=True),
     SolverSpec("olla", olla, "OLLA's lifetime ILP: the order minimizing the peak, no recomputation (eq. 14).",
                OllaOptions),
 )}

@@ -145,9 +145,15 @@ def checked_solution(problem: Problem, solver: str, budget: int, schedule: list 
 
 def min_budget_lower_bound(problem: Problem) -> int:
     """A budget below which no schedule exists: every compute step holds the node's internal inputs,
-    outputs and workspace, and the last step holds every graph output."""
+    outputs and workspace (under its leanest implementation variant), and the last step holds every
+    graph output."""
     internal = problem.value_producer >= 0
-    step = [int(problem.value_bytes[[v for v in ins if internal[v]]].sum()) for ins in problem.node_inputs]
-    per_node = np.asarray(step, dtype=np.int64) + problem.node_bytes + problem.workspace
+
+    def held(v) -> int:
+        return int(problem.value_bytes[[x for x in v.inputs if internal[x]]].sum()
+                   + problem.value_bytes[list(v.outputs)].sum()) + int(v.workspace)
+
+    per_node = np.array([min(held(problem.variant(node, impl)) for impl in problem.impls(node))
+                         for node in range(problem.num_nodes)], dtype=np.int64)
     outputs = int(problem.value_bytes[list(set(problem.outputs))].sum())
     return int(max(per_node.max(initial=0), outputs))

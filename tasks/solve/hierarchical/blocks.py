@@ -26,7 +26,7 @@ import networkx as nx
 import numpy as np
 
 from tasks.solve.baselines import forward_nodes
-from tasks.solve.problem import Problem
+from tasks.solve.problem import Problem, Variant
 
 PIN_SPAN = 0.25
 """A forward value whose readers span more than this fraction of the forward pass is pinned."""
@@ -153,10 +153,11 @@ def _block(problem: Problem, index: int, forward: list[int], backward: list[int]
     for node in nodes.tolist():
         for v in (*problem.node_inputs[node], *problem.node_outputs[node]):
             local_of.setdefault(v, len(local_of))
-    values = np.fromiter(local_of, dtype=np.int64, count=len(local_of))
     local_node = {int(g): i for i, g in enumerate(nodes)}
+    variants, num_variant_values = _block_variants(problem, nodes, local_node, local_of)
+    values = np.fromiter(local_of, dtype=np.int64, count=len(local_of))
     producer = np.array([local_node.get(int(problem.value_producer[v]), -1) for v in values], dtype=np.int64)
-    outputs = tuple(local_of[v] for v in values.tolist()
+    outputs = tuple(local_of[v] for v in values[:len(values) - num_variant_values].tolist()
                     if producer[local_of[v]] >= 0 and (problem.is_output[v] or readers[v] - {index}))
     names = tuple(re.sub(r"_\d+$", "", problem.node_names[n]) if problem.node_names else "" for n in nodes.tolist())
     sub = Problem(
@@ -171,11 +172,33 @@ def _block(problem: Problem, index: int, forward: list[int], backward: list[int]
         outputs=outputs,
         order=np.arange(len(nodes), dtype=np.int64),
         node_names=names,
+        variants=variants,
+        num_variant_values=num_variant_values,
         cost_unit=problem.cost_unit,
     )
     text = repr((len(forward), names, sub.node_inputs, sub.node_outputs, sub.value_bytes.tolist(),
-                 producer.tolist(), outputs, sub.workspace.tolist()))
+                 producer.tolist(), outputs, sub.workspace.tolist(),
+                 [[(v.name, v.inputs, v.outputs, v.workspace) for v in offered] for offered in variants]))
     return Block(nodes, len(forward), sub, hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+def _block_variants(problem: Problem, nodes: np.ndarray, local_node: dict[int, int],
+                    local_of: dict[int, int]) -> tuple[tuple[tuple[Variant, ...], ...], int]:
+    """The block's implementation variants in local ids (variant-only values made in the block appended to
+    `local_of`, last); a variant reading a value of another block that the block does not hold is left
+    out (its partner then makes a value nobody reads, which no solver picks)."""
+    if not problem.variants:
+        return (), 0
+    base = problem.num_values - problem.num_variant_values
+    made = [v for g in nodes.tolist() for x in problem.variants[g] for v in x.outputs
+            if v >= base and v not in local_of]
+    for v in dict.fromkeys(made):
+        local_of[v] = len(local_of)
+    offered = tuple(tuple(Variant(x.name, x.cost, x.workspace, tuple(local_of[v] for v in x.inputs),
+                                  tuple(local_of[v] for v in x.outputs))
+                          for x in problem.variants[g] if all(v in local_of for v in x.inputs))
+                    for g in nodes.tolist())
+    return (offered if any(offered) else ()), len(dict.fromkeys(made))
 
 
 def blocks_by_key(chain: BlockChain) -> dict[str, tuple[Block, Problem]]:

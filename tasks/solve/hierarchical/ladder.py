@@ -37,19 +37,29 @@ class BlockOption:
     forward_peak: int
     backward_peak: int
     retained: int
+    impls: tuple[str | None, ...] = ()
+    impl_cost: float = 0.0
 
     def cost(self, node_cost: np.ndarray) -> float:
-        return float(node_cost[list(self.schedule)].sum())
+        """Default costs of the scheduled nodes plus what the chosen implementation variants add."""
+        return float(node_cost[list(self.schedule)].sum()) + self.impl_cost
+
+    def steps(self, lo: int, hi: int) -> list[tuple]:
+        """Schedule steps lo..hi-1 (local nodes), with their implementation where it is not the default."""
+        return [("compute", n, *((self.impls[j],) if self.impls and self.impls[j] else ()))
+                for j, n in enumerate(self.schedule[lo:hi], lo)]
 
 
 def option(problem: Problem, num_forward: int, schedule: list) -> BlockOption:
     """The option of a frontier-advancing block schedule: the forward part ends with the first
     computation of the last forward node."""
     nodes = tuple(int(step[1]) for step in schedule)
+    impls = tuple(step[2] if len(step) > 2 and step[2] != "default" else None for step in schedule)
+    impls = impls if any(impls) else ()
     split = nodes.index(num_forward - 1) + 1 if num_forward else 0
-    sim = simulate(problem, [("compute", n) for n in nodes])
+    sim = simulate(problem, [("compute", n, *((impls[j],) if impls and impls[j] else ())) for j, n in enumerate(nodes)])
     return BlockOption(nodes, split, _max(sim, 0, split), _max(sim, split, len(nodes)),
-                       _retained(problem, sim, split))
+                       _retained(problem, sim, split), impls, sim.compute_cost - float(problem.cost[list(nodes)].sum()))
 
 
 def _max(sim: Simulation, lo: int, hi: int) -> int:
@@ -72,13 +82,15 @@ def recompute_block(problem: Problem, num_forward: int) -> list[tuple[str, int]]
 
 
 def ladder(problem: Problem, num_forward: int, rungs=RUNGS, *, time_limit: float, deadline: float | None = None,
-           gap: float, backend: str = "auto", threads: int | None = None) -> tuple[list[BlockOption], bool]:
+           gap: float, backend: str = "auto", threads: int | None = None,
+           inner: str = "checkmate") -> tuple[list[BlockOption], bool]:
     """The block's options for `rungs` (module docstring), without duplicate schedules, the
-    no-recomputation and retain-nothing schedules included; each MILP gets `time_limit` seconds and
-    none starts after `deadline` (perf_counter). Also says whether every rung was solved."""
+    no-recomputation and retain-nothing schedules included; each MILP (`inner`: "checkmate", or "monet":
+    MONeT's program with the block's implementation variants, tasks.solve.monet) gets `time_limit`
+    seconds and none starts after `deadline` (perf_counter). Also says whether every rung was solved."""
     full = option(problem, num_forward, default_schedule(problem))
     bare = option(problem, num_forward, recompute_block(problem, num_forward))
-    found = {full.schedule: full, bare.schedule: bare}
+    found = {(full.schedule, full.impls): full, (bare.schedule, bare.impls): bare}
     if num_forward == problem.num_nodes:                     # no backward part: nothing to choose
         return [full], True
     natural = max(full.forward_peak, full.backward_peak)
@@ -91,14 +103,29 @@ def ladder(problem: Problem, num_forward: int, rungs=RUNGS, *, time_limit: float
             break
         budget = max(int(peak * natural), lower)
         limit = bare.retained + keep * max(full.retained - bare.retained, 0)
-        model, L = build_model(problem, budget, retained=(num_forward, limit))
         fits = [o for o in found.values() if max(o.forward_peak, o.backward_peak) <= budget and o.retained <= limit]
-        start = None if not fits else assignment_from_schedule(
-            problem, L, [("compute", n) for n in min(fits, key=lambda o: o.cost(problem.cost)).schedule])
-        result = solve_milp(model, MilpOptions(backend=backend, time_limit=left, gap=gap, threads=threads,
-                                               mip_start=start))
-        if result.x is not None:
-            schedule = tuple(s[1] for s in schedule_from_solution(L, result.x))
-            if schedule not in found:
-                found[schedule] = option(problem, num_forward, [("compute", n) for n in schedule])
+        cheapest = min(fits, key=lambda o: o.cost(problem.cost)) if fits else None
+        if inner == "monet":
+            schedule = _monet_rung(problem, budget, limit, cheapest, left, gap, backend, threads)
+        else:
+            model, L = build_model(problem, budget, retained=(num_forward, limit))
+            start = None if cheapest is None else assignment_from_schedule(problem, L, cheapest.steps(0, len(cheapest.schedule)))
+            result = solve_milp(model, MilpOptions(backend=backend, time_limit=left, gap=gap, threads=threads,
+                                                   mip_start=start))
+            schedule = None if result.x is None else schedule_from_solution(L, result.x)
+        if schedule is not None:
+            found_option = option(problem, num_forward, schedule)
+            found.setdefault((found_option.schedule, found_option.impls), found_option)
     return list(found.values()), complete
+
+
+def _monet_rung(problem: Problem, budget: int, limit: float, start: BlockOption | None, left: float, gap: float,
+                backend: str, threads: int | None) -> list | None:
+    """MONeT's schedule of the block under `budget` retaining at most `limit` bytes, started from `start`."""
+    from tasks.solve.monet import MonetOptions
+    from tasks.solve.monet.solver import solve_monet
+    from tasks.solve.solution import SolveOptions
+
+    options = SolveOptions(time_limit=left, gap=gap, backend=backend, threads=threads, params=MonetOptions("none"),
+                           mip_start=None if start is None else start.steps(0, len(start.schedule)), portfolio=False)
+    return solve_monet(problem, budget, options, retained=limit).schedule

@@ -2,7 +2,8 @@
 
 1. Cut the step into a chain of blocks (blocks.py); identical blocks are one problem.
 2. Solve each distinct block for a ladder of retention and peak limits with the exact inner solver
-   (ladder.py; `inner = "checkmate"`: Checkmate's MILP, each solve bounded by `inner_time_limit`).
+   (ladder.py; `inner = "checkmate"`: Checkmate's MILP; `inner = "monet"`: MONeT's program, which also
+   picks the block's implementation variants; each solve bounded by `inner_time_limit`).
 3. Pick one option per block by the chain dynamic program (chain.py) and compose the schedule: every
    block's forward part in order, then every backward part in reverse. The program's memory model is
    an estimate; the simulator judges each composed schedule, and the program is re-run for a few
@@ -41,8 +42,9 @@ several budgets solves each block once."""
 class HierarchicalOptions:
     """Options of `hierarchical`."""
 
-    inner: Literal["checkmate"] = field(default="checkmate", metadata={
-        "help": "exact solver of each block's ladder: 'checkmate' (MILP with a retention limit)."})
+    inner: Literal["checkmate", "monet"] = field(default="checkmate", metadata={
+        "help": "exact solver of each block's ladder: 'checkmate' (MILP with a retention limit) or 'monet' "
+                "(MONeT's program with a retention limit, choosing implementation variants too)."})
     block_size: Annotated[int, Field(ge=1)] = field(default=24, metadata={
         "help": "forward nodes per block: segments between articulation points are merged up to this size."})
     inner_time_limit: Annotated[float, Field(gt=0.0)] = field(default=5.0, metadata={
@@ -59,7 +61,7 @@ def _block_ladder(problem: Problem, num_forward: int, key: str, opts: Hierarchic
     if cache_key in _LADDERS:
         return _LADDERS[cache_key]
     found, complete = ladder(problem, num_forward, opts.rungs, time_limit=opts.inner_time_limit, deadline=deadline,
-                             gap=options.gap, backend=options.backend, threads=options.threads)
+                             gap=options.gap, backend=options.backend, threads=options.threads, inner=opts.inner)
     if complete:
         _LADDERS[cache_key] = found
     return found
@@ -67,9 +69,9 @@ def _block_ladder(problem: Problem, num_forward: int, key: str, opts: Hierarchic
 
 def compose(chain: BlockChain, picked: list[BlockOption]) -> list[tuple[str, int]]:
     """Forward parts in block order, then backward parts in reverse block order, as global nodes."""
-    steps = [int(b.nodes[n]) for b, o in zip(chain.blocks, picked) for n in o.schedule[:o.split]]
-    steps += [int(b.nodes[n]) for b, o in reversed(list(zip(chain.blocks, picked))) for n in o.schedule[o.split:]]
-    return [("compute", n) for n in steps]
+    parts = [(b, o, 0, o.split) for b, o in zip(chain.blocks, picked)]
+    parts += [(b, o, o.split, len(o.schedule)) for b, o in reversed(list(zip(chain.blocks, picked)))]
+    return [("compute", int(b.nodes[s[1]]), *s[2:]) for b, o, lo, hi in parts for s in o.steps(lo, hi)]
 
 
 def hierarchical(problem: Problem, budget: int, options: SolveOptions) -> Solution:
@@ -77,6 +79,7 @@ def hierarchical(problem: Problem, budget: int, options: SolveOptions) -> Soluti
     start = time.perf_counter()
     deadline = None if options.time_limit is None else start + options.time_limit
     opts: HierarchicalOptions = options.params
+    problem = problem if opts.inner == "monet" else problem.without_variants()
     if not problem.is_recomputable.any():
         return checked_solution(problem, "hierarchical", budget, default_schedule(problem), bound=float(problem.cost.sum()),
                                 solve_seconds=time.perf_counter() - start, message="no forward nodes to recompute")

@@ -1,0 +1,101 @@
+"""`monet` and `monet-noop`: MONeT's program (model.py) solved on the shared MILP backends.
+
+`monet` chooses checkpoints and every node's implementation variant jointly; `monet-noop` is the same
+program on the problem without variants (the paper's MONeT-NoOp). Both start from a cheaper solver's
+schedule when it fits and lies in MONeT's space (`warm_start`: checkpoint-all, else ap-greedy) and return
+it when the MILP finds nothing better in its time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tasks.solve.milp import MilpOptions, Progress, solve_milp
+from tasks.solve.monet.model import build_model, complete_start, integer_assignment, schedule_from_solution
+from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+
+log = logging.getLogger("memplan.solve")
+
+
+@dataclass(frozen=True)
+class MonetOptions:
+    """Options of `monet` and `monet-noop`."""
+
+    warm_start: Literal["auto", "checkpoint-all", "hierarchical", "ap-greedy", "none"] = field(default="auto", metadata={
+        "help": "solver whose schedule starts the MILP when it fits the budget and lies in MONeT's space "
+                "(forward pass once, recomputations before backward nodes); 'auto': checkpoint-all when it fits, "
+                "else ap-greedy; SolveOptions.mip_start wins."})
+
+
+def warm_schedule(problem: Problem, budget: int, how: str, options: SolveOptions) -> list | None:
+    """The schedule of the named cheaper solver at `budget` (None when it has none or none fits)."""
+    if how == "none":
+        return None
+    if how in ("checkpoint-all", "auto"):
+        schedule = default_schedule(problem)
+        if simulate(problem, schedule).peak_bytes <= budget:
+            return schedule
+        if how == "checkpoint-all":
+            return None
+        how = "ap-greedy"
+    from tasks.solve import SOLVERS
+
+    sol = SOLVERS[how](problem, budget, SolveOptions(time_limit=options.time_limit, threads=options.threads,
+                                                      backend=options.backend, portfolio=False))
+    return sol.schedule
+
+
+def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str = "monet",
+                retained: float | None = None) -> Solution:
+    """Build MONeT's program at `budget`, start it from the warm schedule, solve, simulate."""
+    start = time.perf_counter()
+    lower = min_budget_lower_bound(problem)
+    if budget < lower:
+        return Solution(name, budget, "infeasible", solve_seconds=time.perf_counter() - start,
+                        min_budget_lower_bound=lower,
+                        message=f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and workspace")
+    try:
+        model, L = build_model(problem, budget, retained=retained)
+    except ProblemError as exc:
+        return Solution(name, budget, "no_solution", solve_seconds=time.perf_counter() - start, message=str(exc))
+    opts: MonetOptions = options.params if isinstance(options.params, MonetOptions) else MonetOptions()
+    incumbent = options.mip_start if options.mip_start is not None else \
+        warm_schedule(problem, budget, opts.warm_start, options)
+    mip_start = None
+    if incumbent is not None:
+        x_int = integer_assignment(L, incumbent)
+        mip_start = None if x_int is None else complete_start(model, L, x_int)
+        if mip_start is None:
+            log.info("%s: the warm start is not in MONeT's schedule space or model; starting cold", name)
+    left = None if options.time_limit is None else max(options.time_limit - (time.perf_counter() - start), 0.0)
+    offset = time.perf_counter() - start
+    result = solve_milp(model, MilpOptions(backend=options.backend, time_limit=left, gap=options.gap,
+                                           threads=options.threads, mip_start=mip_start))
+    progress = [Progress(p.seconds + offset, p.incumbent, p.bound) for p in result.progress]
+    common = dict(backend=result.backend, num_variables=result.num_variables, num_constraints=result.num_constraints,
+                  progress=progress, bound=result.bound, solve_seconds=time.perf_counter() - start)
+    if result.status == "infeasible":
+        return Solution(name, budget, "infeasible", min_budget_lower_bound=lower,
+                        message="the MILP proved that no schedule in MONeT's space fits", **common)
+    if result.x is not None:
+        schedule, status = schedule_from_solution(L, result.x), "optimal" if result.status == "optimal" else "feasible"
+    elif incumbent is not None and simulate(problem, incumbent).peak_bytes <= budget:
+        schedule, status = incumbent, "feasible"
+    else:
+        schedule, status = None, "time_limit" if result.status == "time_limit" else "no_solution"
+    return checked_solution(problem, name, budget, schedule, status=status, message=result.message, **common)
+
+
+def monet(problem: Problem, budget: int, options: SolveOptions) -> Solution:
+    """Checkpoints and implementations jointly (sec. 4, eq. 9)."""
+    return solve_monet(problem, budget, options, "monet")
+
+
+def monet_noop(problem: Problem, budget: int, options: SolveOptions) -> Solution:
+    """Checkpoints only (the registry hands it the problem without variants): MONeT-NoOp."""
+    return solve_monet(problem, budget, options, "monet-noop")

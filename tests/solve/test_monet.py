@@ -1,0 +1,137 @@
+"""MONeT's program (tasks/solve/monet): exact against a brute force over its schedule space, never worse
+than MONeT-NoOp, MONeT-NoOp close to Checkmate, predictions from the simulator."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from tasks.solve import solve
+from tasks.solve.problem import Problem, Variant
+from tasks.solve.simulator import InvalidSchedule, simulate
+from tasks.solve.solution import SolveOptions, min_budget_lower_bound
+
+ALONE = SolveOptions(portfolio=False, time_limit=60)
+
+
+def masked_chain(seed: int, n: int = 4) -> Problem:
+    """Forward f_0..f_{n-1} (f_{n-1} the loss), f_j reading f_{j-1} (f_0 the input) and, at random, a
+    skip from f_{j-2}; backward b_{n-2}..b_0, b_j reading the gradient of b_{j+1} and f_j's output
+    (or its input, at random). Some f_j are ReLU-like: variant "mask" also allocates a small mask
+    value, and b_j's variant "mask" reads it instead of f_j's output. Random bytes and costs."""
+    rng = np.random.default_rng(seed)
+    inputs, outputs, phase, cost = [], [], [], []
+    value_bytes, producer = [int(rng.integers(2, 9))], [-1]           # value 0: the batch
+
+    def value(nbytes: int, node: int) -> int:
+        value_bytes.append(nbytes)
+        producer.append(node)
+        return len(value_bytes) - 1
+
+    fout = []
+    for j in range(n):
+        ins = [0] if j == 0 else [fout[j - 1]]
+        if j >= 2 and rng.random() < 0.5:
+            ins.append(fout[j - 2])
+        inputs.append(tuple(ins))
+        fout.append(value(4 if j == n - 1 else int(rng.integers(2, 13)), j))
+        outputs.append((fout[j],))
+        phase.append("loss" if j == n - 1 else "forward")
+        cost.append(float(rng.integers(1, 6)))
+    grad, reads = None, {}
+    for j in range(n - 2, -1, -1):
+        node = len(inputs)
+        saved = fout[j] if rng.random() < 0.7 else (0 if j == 0 else fout[j - 1])
+        reads[j] = (node, saved)
+        inputs.append(tuple(x for x in (grad, saved) if x is not None))
+        grad = value(int(rng.integers(2, 9)), node)
+        outputs.append((grad,))
+        phase.append("backward")
+        cost.append(float(rng.integers(1, 6)))
+    nodes = len(inputs)
+    variants: list[tuple[Variant, ...]] = [() for _ in range(nodes)]
+    masks = 0
+    for j in range(n - 1):
+        node, saved = reads[j]
+        if saved == fout[j] and rng.random() < 0.7:
+            mask = value(int(rng.integers(1, 3)), j)
+            masks += 1
+            variants[j] = (Variant("mask", cost[j] + 0.5, int(rng.integers(0, 3)), inputs[j], (fout[j], mask)),)
+            variants[node] = (Variant("mask", cost[node], 0, tuple(mask if x == saved else x for x in inputs[node]),
+                                      outputs[node]),)
+    # graph outputs: the loss and the input gradient of b_0; variant-only values come last already
+    return Problem(name=f"masked-chain-{seed}", cost=np.array(cost), workspace=np.zeros(nodes, np.int64),
+                   phase=tuple(phase), node_inputs=tuple(inputs), node_outputs=tuple(outputs),
+                   value_bytes=np.array(value_bytes, np.int64), value_producer=np.array(producer, np.int64),
+                   outputs=(fout[-1], grad), order=np.arange(nodes), variants=tuple(variants) if masks else (),
+                   num_variant_values=masks)
+
+
+def brute_force(problem: Problem, budget: int) -> float | None:
+    """Cheapest simulated schedule of MONeT's space within `budget`: the forward pass once (each node any
+    implementation), then before each backward node (any implementation) any set of forward nodes
+    recomputed in forward order, each with any implementation."""
+    fwd = [i for i in range(problem.num_nodes) if problem.is_recomputable[i]]
+    bwd = [i for i in range(problem.num_nodes) if not problem.is_recomputable[i]]
+    steps_of = lambda node: [("compute", node, impl) for impl in problem.impls(node)]   # noqa: E731
+
+    def recompute_sets(limit: int) -> list[list]:
+        out = [[]]
+        for size in range(1, limit + 1):
+            for subset in itertools.combinations(fwd[:limit], size):
+                out += [list(c) for c in itertools.product(*(steps_of(i) for i in subset))]
+        return out
+
+    # backward node b_j (stage n-2-j) reads values of f_0..f_j only, so later nodes are never worth recomputing
+    stage_sets = [recompute_sets(len(bwd) - k) for k in range(len(bwd))]
+    best = None
+    for forward in itertools.product(*(steps_of(i) for i in fwd)):
+        for stages in itertools.product(*([r + [b] for r in sets for b in steps_of(node)]
+                                          for node, sets in zip(bwd, stage_sets))):
+            schedule = list(forward) + [s for stage in stages for s in stage]
+            try:
+                sim = simulate(problem, schedule)
+            except InvalidSchedule:
+                continue
+            if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best):
+                best = sim.compute_cost
+    return best
+
+
+def _budgets(problem: Problem) -> list[int]:
+    """From the eager peak down to the smallest budget any schedule could fit."""
+    eager = simulate(problem, [("compute", int(i)) for i in problem.order]).peak_bytes
+    lower = min_budget_lower_bound(problem)
+    return sorted({int(lower + f * (eager - lower)) for f in (1.0, 0.6, 0.3, 0.0)})
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6, 9])   # 5, 6, 9: variants beat NoOp; 9: only with them
+def test_monet_equals_brute_force_over_its_schedule_space(seed):
+    p = masked_chain(seed)
+    for budget in _budgets(p):
+        expected = brute_force(p, budget)
+        sol = solve(p, "monet", budget, ALONE)
+        if expected is None:
+            assert not sol.feasible, (budget, sol.schedule)
+            continue
+        assert sol.feasible and sol.objective == pytest.approx(expected), (seed, budget, sol.schedule)
+        assert sol.predicted_peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
+        noop = solve(p, "monet-noop", budget, ALONE)
+        expected_noop = brute_force(p.without_variants(), budget)
+        assert (noop.objective if noop.feasible else None) == pytest.approx(expected_noop)
+        assert not noop.feasible or sol.objective <= noop.objective + 1e-9
+
+
+def test_monet_noop_is_within_ten_percent_of_checkmate(linear):
+    """The two model the same problem (MONeT's space is Checkmate's with recomputation only right before
+    backward nodes), on Checkmate's linear graph and on branching chains."""
+    for p in (linear(8), masked_chain(4, n=5).without_variants(), masked_chain(6, n=5).without_variants()):
+        for budget in _budgets(p):
+            exact = solve(p, "checkmate", budget, ALONE)
+            noop = solve(p, "monet-noop", budget, ALONE)
+            assert noop.feasible == exact.feasible, (p.name, budget)
+            if exact.feasible:
+                assert exact.objective <= noop.objective + 1e-9 <= 1.1 * exact.objective, (p.name, budget)
+                assert noop.predicted_peak_bytes == simulate(p, noop.schedule).peak_bytes <= budget
