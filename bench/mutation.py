@@ -77,16 +77,17 @@ def mutant_globs(target: Target) -> list[str]:
 
 
 def prepare(name: str, target: Target) -> Path:
-    """A scratch copy of the tracked tree with a [tool.mutmut] section for `target`."""
+    """A scratch copy of the tracked tree with a [tool.mutmut] section for `target`. A copy left by an
+    earlier run is updated in place, so mutmut re-tests only the mutants whose function changed."""
     work = SCRATCH / name
-    shutil.rmtree(work, ignore_errors=True)
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
                            capture_output=True, text=True).stdout.split()
     for rel in files:
         source = ROOT / rel
-        if source.is_file():
-            (work / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, work / rel)
+        copy = work / rel
+        if source.is_file() and (not copy.exists() or copy.stat().st_mtime_ns != source.stat().st_mtime_ns):
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy)
     tests = [t for t in target.tests if (work / t).exists()]
     section = "\n".join([
         "", "[tool.mutmut]",
@@ -97,8 +98,7 @@ def prepare(name: str, target: Target) -> Path:
         "use_git_change_detection = false",
         "timeout_multiplier = 5.0",
         "timeout_constant = 10.0", ""])
-    with open(work / "pyproject.toml", "a") as f:
-        f.write(section)
+    (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + section)
     return work
 
 
