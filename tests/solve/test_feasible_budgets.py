@@ -152,6 +152,7 @@ def test_memory_aware_heuristics_return_checkpoint_all_at_its_peak(solver, works
         sol = solve(problem, solver, budget, SolveOptions())
         assert sol.feasible, (solver, budget, sol.message)
         assert sol.objective == size and sol.predicted_peak_bytes == peak
+        assert sol.source is None, sol.message          # its own schedule, not a cheap solver's (portfolio)
 
 
 def exhaustive_with_workspace(n: int, budget: int, work: list[int]) -> int | None:
