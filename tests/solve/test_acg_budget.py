@@ -125,3 +125,53 @@ def test_the_lagrangian_search_finds_hull_points_cheaper_than_the_memory_optimum
         sol = solve(problem, "acg", budget, SolveOptions(params={"exact_limit": 0}))
         assert sol.objective == best.simulation.compute_cost
     assert cheaper >= 10
+
+
+def test_the_exact_search_simulates_the_whole_family_only_when_nothing_fits():
+    from tasks.solve.acg.solver import exhaustive
+
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    fg = forward_graph(problem)
+    best, simulated, finished = exhaustive(fg, 1, None)
+    assert (best, simulated, finished) == (None, 64, True)              # 2^6 sets: source and loss fixed
+    kept = forward_graph(problem, keep=[3])
+    assert exhaustive(kept, 1, None)[1:] == (32, True)
+
+
+def test_the_exact_search_stops_once_its_lower_bound_passes_the_best_cost():
+    """At the checkpoint-all peak, keeping every vertex costs the no-recomputation sum, and every other set
+    recomputes a vertex a gradient reads: one simulation proves it optimal."""
+    from tasks.solve.acg.solver import exhaustive
+
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    fg = forward_graph(problem)
+    top = simulate(problem, default_schedule(problem))
+    best, simulated, finished = exhaustive(fg, top.peak_bytes, None)
+    assert simulated == 1 and finished and best.simulation.compute_cost == top.compute_cost
+    assert best.checkpoints == (1 << fg.dag.n) - 1
+
+
+def test_the_exact_search_returns_at_its_deadline():
+    import time
+
+    from tasks.solve.acg.solver import exhaustive
+
+    fg = forward_graph(skip_chain([49, 27, 3, 17, 33, 32, 26]))
+    assert exhaustive(fg, 10**9, None, deadline=time.perf_counter()) == (None, 0, False)
+
+
+def test_solutions_name_acg_and_their_time_in_every_outcome():
+    from tasks.solve.problem import Problem
+
+    no_backward = Problem.from_edges([1.0] * 3, [1] * 3, [(0, 1), (1, 2)])
+    chainy = skip_chain([5, 6, 7, 8])
+    outcomes = [solve(no_backward, "acg", 10**6, SolveOptions()),
+                solve(chainy, "acg", 10**6, SolveOptions(time_limit=0.0)),
+                solve(chainy, "acg", 10**6, SolveOptions()),
+                solve(chainy, "acg", 10**6, SolveOptions(params={"mode": "memory"})),
+                solve(chainy, "acg", 1, SolveOptions())]
+    assert [s.solver for s in outcomes] == ["acg"] * 5
+    assert all(0 <= s.solve_seconds < 60 for s in outcomes)
+    assert [s.budget_bytes for s in outcomes] == [10**6, 10**6, 10**6, 10**6, 1]
+    assert outcomes[0].message == "the graph has no backward pass, so no gradient checkpoint lowers its peak"
+    assert outcomes[4].status == "no_solution" and "exact search over the 8 checkpoint sets: 8 simulated" in outcomes[4].message
