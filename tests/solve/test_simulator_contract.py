@@ -110,3 +110,18 @@ def test_empty_copies_never_clash():
     p = Problem.from_edges([1.0] * 3, [0, 10, 10], [(0, 1), (1, 2)])
     sim = simulate(p, [("compute", i) for i in range(3)], {(0, 0): 0, (1, 1): 0})
     assert sim.arena_bytes == 10
+
+
+def test_one_byte_copies_can_clash():
+    p = Problem.from_edges([1.0] * 3, [1, 1, 1], [(0, 1), (1, 2)])
+    with pytest.raises(AddressConflict):
+        simulate(p, [("compute", i) for i in range(3)], {(0, 0): 0, (1, 1): 0})
+
+
+def test_an_output_computed_first_is_resident_at_the_end():
+    """The output's copy is the schedule's first (copy index 0)."""
+    p = Problem(name="first", cost=np.ones(2), workspace=np.zeros(2, np.int64), phase=("forward",) * 2,
+                node_inputs=((), (0,)), node_outputs=((0,), (1,)), value_bytes=np.array([4, 6], np.int64),
+                value_producer=np.array([0, 1]), outputs=(0, 1), order=np.arange(2))
+    sim = simulate(p, [("compute", 0), ("compute", 1)])
+    assert sim.timeline.tolist() == [4, 10] and sim.copy_end.tolist() == [1, 1]
