@@ -98,7 +98,7 @@ def parse_budget(value: Any) -> Budget:
                 return Budget(fraction=fraction)
         elif (m := _BYTES.match(value)) and m.group(2).lower() in _UNITS:
             nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if 0 < nbytes <= MAX_BUDGET_BYTES:
+            if 1 <= nbytes <= MAX_BUDGET_BYTES:             # "0.5 B" would be a 0-byte budget
                 return Budget(bytes=int(nbytes))
     raise ValueError(_budget_help(value))
 

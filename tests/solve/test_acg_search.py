@@ -80,7 +80,7 @@ def test_uniform_chain_reaches_closed_form(m):
 
 
 @given(costs=st.lists(st.integers(0, 50), min_size=2, max_size=12))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 def test_lcg_and_acg_match_exhaustive_on_chains(costs):
     truth = exhaustive_optimum(chain(costs))
     assert lcg_checkpoints(costs).objective == truth
@@ -88,7 +88,7 @@ def test_lcg_and_acg_match_exhaustive_on_chains(costs):
 
 
 @given(graph=random_dags())
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_acg_matches_exhaustive_on_random_dags(graph):
     dag = TensorDag.from_networkx(graph)
     solution = acg_checkpoints(dag)
@@ -99,7 +99,7 @@ def test_acg_matches_exhaustive_on_random_dags(graph):
 
 
 @given(graph=random_dags(10), data=st.data())
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_weighted_search_matches_exhaustive(graph, data):
     """The budgeted mode's checkpoint weights w = l - mu * t may be negative: Algorithm 5-6 with w
     still finds the least sum of weights + largest segment."""
@@ -110,7 +110,7 @@ def test_weighted_search_matches_exhaustive(graph, data):
 
 
 @given(graph=random_dags(12), data=st.data())
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_forced_checkpoints_are_kept_and_optimal(graph, data):
     inner = list(graph)[1:-1]
     forced = data.draw(st.lists(st.sampled_from(inner), max_size=3, unique=True)) if inner else []
@@ -121,7 +121,7 @@ def test_forced_checkpoints_are_kept_and_optimal(graph, data):
 
 
 @given(graph=random_dags())
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_division_tree_partitions_every_segment(graph):
     """Each division is made of IS (Definition 1) that, with the chain's splitting vertices or the
     complicate IS's connecting vertices, cover the parent's interior exactly once."""

@@ -1,0 +1,177 @@
+"""Mutation testing of the core modules with mutmut (slow: not run in CI).
+
+    python -m bench.mutation                       # every target, one after the other
+    python -m bench.mutation simulator acg         # some targets
+    python -m bench.mutation --report              # rewrite docs/mutation.md from the last runs
+
+Needs the `mutation` extra (`pip install -e '.[mutation]'`). Each target mutates one module (or the
+named functions of one) in its own scratch copy of the tree, `.cache/mutation/<target>/`, and runs only
+the tests that cover it; mutmut then runs, for each mutant, the tests that call the mutated function.
+The score of a target is killed / tested mutants (a timeout counts as killed, a mutant no test reaches
+as survived; a run stopped early leaves some mutants untested). The table between the markers of docs/mutation.md is rewritten after each target; survivors
+are listed there with their diff, and each is explained by hand below the table (equivalent mutants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRATCH = ROOT / ".cache" / "mutation"
+DOC = ROOT / "docs" / "mutation.md"
+BEGIN, END = "<!-- mutation scores: begin (python -m bench.mutation) -->", "<!-- mutation scores: end -->"
+KILLED = {1, 3, 36, -24, 24, 152, 255}          # mutmut exit codes of killed and timed-out mutants
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module under mutation: its file, the functions mutated (mutmut name globs; all when empty) and
+    the tests that cover it."""
+
+    path: str
+    tests: tuple[str, ...]
+    names: tuple[str, ...] = ()
+
+
+TARGETS = {
+    "simulator": Target("tasks/solve/simulator.py",
+                        ("tests/solve/test_simulator.py", "tests/solve/test_variants_addresses.py",
+                         "tests/solve/test_simulator_contract.py")),
+    "plan": Target("runtime/plan.py",
+                   ("tests/runtime/test_graph_plan.py", "tests/runtime/test_plan_v1.py",
+                    "tests/runtime/test_plan_contract.py")),
+    "validate": Target("tasks/validate.py",
+                       ("tests/pipeline/test_validate.py", "tests/pipeline/test_validate_gate.py"),
+                       ("*compare_tensors*", "*peak_problem*", "*explain*", "*step_state*")),
+    "checkmate_model": Target("tasks/solve/checkmate_model.py",
+                              ("tests/solve/test_checkmate.py", "tests/solve/test_milp.py",
+                               "tests/solve/test_checkmate_contract.py")),
+    "acg_search": Target("tasks/solve/acg/search.py",
+                         ("tests/solve/test_acg_search.py", "tests/solve/test_acg_solver.py",
+                          "tests/solve/test_acg_budget.py")),
+    "acg_solver": Target("tasks/solve/acg/solver.py",
+                         ("tests/solve/test_acg_solver.py", "tests/solve/test_acg_budget.py")),
+    "budget": Target("tasks/config.py",
+                     ("tests/pipeline/test_config.py", "tests/pipeline/test_budget.py"),
+                     ("*Budget*", "*parse_budget*", "*_budget_help*", "*_toml_value*")),
+}
+
+
+def module_name(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def mutant_globs(target: Target) -> list[str]:
+    """mutmut mutant-name globs for the target's functions (mutmut names a mutant
+    `<module>.x_<function>__mutmut_<n>` or `<module>.xǁ<Class>ǁ<method>__mutmut_<n>`)."""
+    return [f"{module_name(target.path)}.{pattern}" for pattern in target.names]
+
+
+def prepare(name: str, target: Target) -> Path:
+    """A scratch copy of the tracked tree with a [tool.mutmut] section for `target`. A copy left by an
+    earlier run is updated in place, so mutmut re-tests only the mutants whose function changed."""
+    work = SCRATCH / name
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for rel in files:
+        source = ROOT / rel
+        copy = work / rel
+        if source.is_file() and (not copy.exists() or copy.stat().st_mtime_ns != source.stat().st_mtime_ns):
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy)
+    tests = [t for t in target.tests if (work / t).exists()]
+    section = "\n".join([
+        "", "[tool.mutmut]",
+        'source_paths = ["runtime", "tasks", "flows"]',
+        f"only_mutate = [{json.dumps(target.path)}]",
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-x", "-q"]',
+        "use_git_change_detection = false",
+        "timeout_multiplier = 5.0",
+        "timeout_constant = 10.0", ""])
+    (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + section)
+    return work
+
+
+def run_target(name: str, target: Target, jobs: int) -> dict:
+    work = prepare(name, target)
+    env = dict(os.environ, MEMPLAN_BENCHMARKS=os.environ.get(
+        "MEMPLAN_BENCHMARKS", str(ROOT.parent.parent / "shared" / "benchmarks" / "graphs")))
+    env.pop("PYTHONPATH", None)
+    mutmut = Path(sys.executable).with_name("mutmut")
+    start = time.perf_counter()
+    with open(work / "mutmut.log", "w") as log:
+        subprocess.run([str(mutmut), "run", "--max-children", str(jobs), *mutant_globs(target)], cwd=work, env=env,
+                       stdout=log, stderr=subprocess.STDOUT, check=False)
+    result = collect(name, target)
+    result["seconds"] = round(time.perf_counter() - start)
+    (SCRATCH / f"{name}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def collect(name: str, target: Target) -> dict:
+    """Counts and survivors from mutmut's meta file of the target (`mutmut show NAME` in the scratch copy
+    prints a survivor's diff)."""
+    work = SCRATCH / name
+    meta = json.loads((work / "mutants" / f"{target.path}.meta").read_text())
+    globs = mutant_globs(target) or ["*"]
+    codes = {k: v for k, v in meta["exit_code_by_key"].items() if any(fnmatch.fnmatch(k, g) for g in globs)}
+    checked = {k: v for k, v in codes.items() if v is not None}
+    survivors = sorted(k for k, v in checked.items() if v not in KILLED)
+    killed = sum(1 for v in codes.values() if v in KILLED)
+    return {"target": name, "path": target.path, "functions": list(target.names), "tests": list(target.tests),
+            "mutants": len(codes), "tested": len(checked), "killed": killed, "survived": len(survivors),
+            "score": round(100 * killed / max(len(checked), 1), 1), "survivors": survivors}
+
+
+def report() -> None:
+    """Rewrite the generated block of docs/mutation.md from the saved results."""
+    rows, details = [], []
+    for name in TARGETS:
+        saved = SCRATCH / f"{name}.json"
+        if not saved.exists():
+            continue
+        r = json.loads(saved.read_text())
+        scope = r["path"] + (f" ({', '.join(r['functions'])})" if r["functions"] else "")
+        rows.append(f"| {name} | `{scope}` | {r['mutants']} | {r['tested']} | {r['killed']} | {r['survived']} | "
+                    f"**{r['score']}%** | {r.get('seconds', '')} |")
+        details.append(f"- {name}: " + (", ".join(f"`{k.rpartition('.')[2]}`" for k in r["survivors"]) or "none"))
+    block = "\n".join([BEGIN, "", "| target | mutated | mutants | tested | killed | survived | score | seconds |",
+                       "|---|---|---|---|---|---|---|---|", *rows, "",
+                       "Survivors (`mutmut show NAME` in `.cache/mutation/<target>/` prints the diff):", "",
+                       *details, "", END])
+    text = DOC.read_text() if DOC.exists() else f"# Mutation testing\n\n{BEGIN}\n{END}\n"
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    DOC.write_text(head + block + tail)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", help=f"targets to run (default: all): {', '.join(TARGETS)}")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants tested in parallel (default 1)")
+    parser.add_argument("--report", action="store_true", help="only rewrite docs/mutation.md")
+    args = parser.parse_args()
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"unknown targets {unknown}; choose from {', '.join(TARGETS)}")
+    if not args.report:
+        for name in args.targets or TARGETS:
+            result = run_target(name, TARGETS[name], args.jobs)
+            print(f"{name}: {result['killed']}/{result['mutants']} killed ({result['score']}%), "
+                  f"{result['seconds']} s", flush=True)
+            report()
+    report()
+
+
+if __name__ == "__main__":
+    main()

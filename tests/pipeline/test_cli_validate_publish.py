@@ -1,0 +1,150 @@
+"""`memplan validate PLAN` and `memplan publish PLAN` from the command line on a tiny project (a 3-layer
+MLP and its eager-order plan): a passing plan, one over its budget, a tampered file, publishing once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+TINYNET = '''
+import torch.nn.functional as F
+from torch import nn
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+CALLS = [0]
+
+
+def drifting_loss(model, x, y):
+    """Scaled by a call counter: the captured plan cannot reproduce later eager steps."""
+    CALLS[0] += 1
+    return F.cross_entropy(model(x), y) * CALLS[0]
+'''
+
+PIPELINE = '''
+device = "cpu"
+
+[[models]]
+name = "tiny"
+factory = "clinet:mlp"
+batch_sizes = [32]
+inputs = [{ shape = [8] }, { shape = [], dtype = "int64", high = 4 }]
+
+[profile]
+warmup = 0
+repeats = 1
+
+[[plans]]
+solver = "checkpoint-all"
+budgets = [1.0]
+
+[validate]
+steps = 1
+warmup = 0
+'''
+
+DRIFT = '''
+[[models]]
+name = "drift"
+factory = "clinet:mlp"
+loss = "clinet:drifting_loss"
+batch_sizes = [32]
+inputs = [{ shape = [8] }, { shape = [], dtype = "int64", high = 4 }]
+'''
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A project folder and, as `memplan run` would publish it, the eager-order plan of its model."""
+    import runtime
+    from runtime.plan import default_plan
+    from tasks.config import load_config
+    from tasks.models import allow_imports_from, build_batch, build_loss, build_model
+
+    folder = tmp_path_factory.mktemp("cli")
+    (folder / "clinet.py").write_text(TINYNET)
+    (folder / "pipeline.toml").write_text(PIPELINE)
+    allow_imports_from(folder)
+    spec = load_config(folder / "pipeline.toml").models[0]
+    graph = runtime.capture(build_model(spec, 0), build_loss(spec), build_batch(spec, 32, 0, "cpu"))
+    plan = default_plan(graph)
+    plan.provenance.update(solver="checkpoint-all", budget_bytes=10**9)
+    plan.predicted["peak_bytes"] = 10**4
+    (folder / "plans").mkdir()
+    plan.save(plan_file(folder))
+    return folder, None
+
+
+def plan_file(folder: Path) -> Path:
+    return folder / "plans" / "tiny-b32-checkpoint-all-100pct.json"
+
+
+def test_validate_passes_a_published_plan(project):
+    folder, _ = project
+    result = runner.invoke(app, ["validate", str(plan_file(folder)), "--config", str(folder / "pipeline.toml")])
+    assert result.exit_code == 0, result.output
+    assert "validation on cpu" in result.output and "passed" in result.output
+
+
+def over_budget_copy(folder: Path) -> Path:
+    """The published plan re-saved (valid checksum) with a budget of 1 byte."""
+    from runtime.plan import Plan
+
+    plan = Plan.load(plan_file(folder))
+    plan.provenance["budget_bytes"] = 1
+    path = folder / "over-budget.json"
+    plan.save(path)
+    return path
+
+
+def test_validate_and_publish_refuse_a_plan_over_its_budget(project):
+    from tasks.publish import read_index
+
+    folder, _ = project
+    path = over_budget_copy(folder)
+    before = read_index(folder / "plans")
+    for command in ("validate", "publish"):
+        result = runner.invoke(app, [command, str(path), "--config", str(folder / "pipeline.toml")])
+        assert result.exit_code == 1, (command, result.output)
+        text = " ".join(result.output.split())
+        assert "failed validation on cpu: measured peak" in text, result.output
+        assert "exceeds the budget 1 B" in text and "Traceback" not in text
+    assert read_index(folder / "plans") == before
+
+
+def test_publish_validates_then_publishes_once(project):
+    from runtime.plan import Plan
+    from tasks.publish import plan_id, read_index
+
+    folder, _ = project
+    plan = Plan.load(plan_file(folder))
+    plan.provenance["note"] = "copy"
+    path = folder / "copy.json"
+    plan.save(path)
+    args = ["publish", str(path), "--config", str(folder / "pipeline.toml"), "--alias", "tiny-copy"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "passed" in first.output and f"{plan_id(plan)}.json" in " ".join(first.output.split())
+    assert json.loads((folder / "plans" / "tiny-copy.json").read_text())["provenance"]["note"] == "copy"
+    assert "tiny-copy" in {r["alias"] for r in read_index(folder / "plans")}
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and "already published, nothing changed" in again.output
+
+
+def test_a_tampered_plan_file_is_refused_by_validate(project):
+    folder, _ = project
+    data = json.loads(plan_file(folder).read_text())
+    data["provenance"]["budget_bytes"] = 10**12
+    (folder / "tampered.json").write_text(json.dumps(data))
+    result = runner.invoke(app, ["validate", str(folder / "tampered.json"), "--config", str(folder / "pipeline.toml")])
+    assert result.exit_code == 1 and "edited or corrupted" in result.output and "Traceback" not in result.output

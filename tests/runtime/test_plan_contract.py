@@ -1,0 +1,235 @@
+"""The plan checksum covers every key a plan carries, dict plans are checked like files, and addresses or
+version-1 offsets naming values the graph does not have are refused (torch-free)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from runtime.graph import Node, OpGraph, Value
+from runtime.jsonio import sha256_hex
+from runtime.plan import Plan, PlanError, default_plan, normalize_step
+
+RECOMPUTE = [("compute", 0), ("compute", 1), ("compute", 2), ("compute", 1), ("compute", 3)]
+
+
+def chain_graph(n=4, nbytes=100):
+    """x -> a0 -> a1 -> ... -> a{n-1} (the loss), one node per value."""
+    values = [Value(0, 40, (10,), "float32", "input", "x", None)]
+    nodes = []
+    for i in range(n):
+        kind = "output" if i == n - 1 else "activation"
+        values.append(Value(i + 1, nbytes, (nbytes // 4,), "float32", kind, f"a{i}", i))
+        nodes.append(Node(i, f"op{i}", ("aten.relu.default",), "forward", (i,), (i + 1,)))
+    return OpGraph(values, nodes, [n])
+
+
+def full_plan() -> Plan:
+    """A plan with every optional key filled in."""
+    g = chain_graph()
+    return Plan(g.fingerprint, RECOMPUTE, addresses={(0, 1): 0, (1, 2): 128, (3, 2): 256},
+                predicted={"peak_bytes": 200, "constant_bytes": 40, "compute_cost": 5.0, "time_ms": 1.5,
+                           "arena_bytes": 356},
+                provenance={"solver": "checkmate", "budget_bytes": 300, "backend": "highs", "gap": 0.0})
+
+
+TAMPERS = {
+    "predicted peak": lambda d: d["predicted"].update(peak_bytes=100),
+    "predicted key added": lambda d: d["predicted"].update(time_ms=None),
+    "provenance budget": lambda d: d["provenance"].update(budget_bytes=10**9),
+    "provenance solver": lambda d: d["provenance"].update(solver="ap-greedy"),
+    "address offset": lambda d: d["addresses"][1].__setitem__(2, 64),
+    "address dropped": lambda d: d["addresses"].pop(),
+    "fingerprint": lambda d: d.update(fingerprint="0" * 64),
+    "schedule": lambda d: d["schedule"].pop(3),
+}
+
+
+@pytest.mark.parametrize("tamper", TAMPERS.values(), ids=list(TAMPERS))
+def test_the_checksum_covers_every_key(tmp_path, tamper):
+    plan = full_plan()
+    plan.save(tmp_path / "p.json")
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert Plan.load(data).to_json() == data                       # the untouched plan loads as a dict too
+    tamper(data)
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="edited or corrupted"):
+        Plan.load(tmp_path / "p.json")
+    with pytest.raises(PlanError, match="plan dict: key 'checksum' is '[0-9a-f]{64}' but the content hashes to"):
+        Plan.load(data)                                             # a dict carrying a checksum is checked
+
+
+def test_the_checksum_covers_version_1_offsets(tmp_path):
+    g = chain_graph()
+    body = {"format": "memplan-plan", "version": 1, "fingerprint": g.fingerprint,
+            "schedule": [{"compute": i} for i in range(4)], "offsets": {"1": 0, "2": 128},
+            "predicted": {}, "provenance": {}}
+    data = {**body, "checksum": sha256_hex(body)}
+    assert Plan.load(data).v1_offsets == {1: 0, 2: 128}
+    data["offsets"]["2"] = 64
+    with pytest.raises(PlanError, match="edited or corrupted"):
+        Plan.load(data)
+
+
+def test_to_json_checksum_is_the_hash_of_the_other_keys():
+    data = full_plan().to_json()
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    assert data["checksum"] == sha256_hex(body)
+    assert list(body) == ["format", "version", "fingerprint", "schedule", "addresses", "predicted", "provenance"]
+    assert body["format"] == "memplan-plan" and body["version"] == 2
+    assert body["addresses"] == [[0, 1, 0], [1, 2, 128], [3, 2, 256]]
+    assert "addresses" not in default_plan(chain_graph()).to_json()
+
+
+@pytest.mark.parametrize("checksum", ["", "0" * 64, None])
+def test_a_dict_plan_with_a_wrong_checksum_is_refused(checksum):
+    data = full_plan().to_json()
+    data["checksum"] = checksum
+    with pytest.raises(PlanError, match="plan dict: key 'checksum' .* edited or corrupted"):
+        Plan.load(data)
+
+
+def test_a_dict_plan_without_a_checksum_is_read_but_a_file_needs_one(tmp_path):
+    data = full_plan().to_json()
+    del data["checksum"]
+    plan = Plan.load(data)
+    assert plan.addresses == full_plan().addresses and plan.predicted["arena_bytes"] == 356
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="p.json: key 'checksum' is None"):
+        Plan.load(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize("version", [True, False, 0, 3, "2", None])
+def test_only_known_integer_versions_load(version):
+    data = default_plan(chain_graph()).to_json()
+    data["version"] = version
+    with pytest.raises(PlanError, match=f"plan format version {version!r} is not supported"):
+        Plan.load(data)
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"format": "memplan-plan", "version": 2, "schedule": []}, "required key 'fingerprint' is missing"),
+    ({"format": "memplan-plan", "version": 2, "fingerprint": "f"}, "required key 'schedule' is missing"),
+])
+def test_incomplete_dicts_are_refused(data, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.load(data)
+
+
+def test_a_json_list_file_is_refused(tmp_path):
+    (tmp_path / "p.json").write_text("[1, 2]")
+    with pytest.raises(PlanError, match="p.json: expected a JSON object, got list"):
+        Plan.load(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ({"9": 0}, "offsets place value 9, which the schedule computes 0 times"),      # no such value
+    ({"0": 0}, "offsets place value 0, which the schedule computes 0 times"),      # the graph input
+])
+def test_version_1_offsets_naming_values_the_schedule_does_not_compute_are_refused(offsets, message):
+    g = chain_graph()
+    body = {"format": "memplan-plan", "version": 1, "fingerprint": g.fingerprint,
+            "schedule": [{"compute": i} for i in range(4)], "offsets": offsets}
+    plan = Plan.load(body)
+    with pytest.raises(PlanError, match=message):
+        plan.validate(g)
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([0, 1], "'offsets' .* must be an object"),
+    ({"x": 0}, r"offsets\['x'\] = 0"),
+    ({"1": -5}, r"offsets\['1'\] = -5"),
+    ({"1": True}, r"offsets\['1'\] = True"),
+])
+def test_malformed_version_1_offsets_are_refused(offsets, message):
+    body = {"format": "memplan-plan", "version": 1, "fingerprint": "f", "schedule": [], "offsets": offsets}
+    with pytest.raises(PlanError, match=message):
+        Plan.load(body)
+
+
+def test_a_version_1_plan_with_offsets_cannot_be_written_before_validation(tmp_path):
+    g = chain_graph()
+    body = {"format": "memplan-plan", "version": 1, "fingerprint": g.fingerprint,
+            "schedule": [{"compute": i} for i in range(4)], "offsets": {"2": 0}}
+    plan = Plan.load(body)
+    with pytest.raises(PlanError, match="call plan.validate"):
+        plan.save(tmp_path / "p.json")
+    plan.validate(g)
+    assert plan.addresses == {(1, 2): 0} and plan.v1_offsets is None
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json").addresses == {(1, 2): 0}
+
+
+@pytest.mark.parametrize("addresses, message", [
+    ([[0, 9, 0]], r"name value 9 at schedule\[0\], but that step does not allocate it"),     # no value 9
+    ([[1, 1, 0]], r"name value 1 at schedule\[1\], but that step does not allocate it"),
+    ([[0, 0, 0]], r"name value 0 at schedule\[0\]"),                                          # a graph input
+])
+def test_addresses_naming_values_that_do_not_exist_are_refused(addresses, message):
+    g = chain_graph()
+    plan = Plan.load({"format": "memplan-plan", "version": 2, "fingerprint": g.fingerprint,
+                      "schedule": [{"compute": i} for i in range(4)], "addresses": addresses})
+    with pytest.raises(PlanError, match=message):
+        plan.validate(g)
+
+
+@pytest.mark.parametrize("addresses, message", [
+    ("0,1,0", "must be a list of"),
+    (5, "must be a list of"),
+    ([[0, 1, -1]], "non-negative"),
+    ([[0, True, 0]], "non-negative"),
+    ([[0, 1, 0, 0]], "non-negative"),
+    ([[4, 1, 0]], r"names schedule\[4\], which is not a compute step"),
+])
+def test_malformed_addresses_are_refused(addresses, message):
+    with pytest.raises(PlanError, match=message):
+        Plan("f", [("compute", 0), ("compute", 1), ("free", 1), ("compute", 1), ("free", 2)], addresses=addresses)
+
+
+def test_addresses_given_as_a_mapping_are_copies():
+    plan = Plan("f", [("compute", 0), ("compute", 1)], addresses={(0, 1): 8, (1, 2): 16})
+    assert plan.addresses == {(0, 1): 8, (1, 2): 16}
+
+
+@pytest.mark.parametrize("step, expected", [
+    (("compute", 3), {"compute": 3}),
+    (("compute", 3, None), {"compute": 3}),
+    (("compute", 3, "default"), {"compute": 3}),
+    (("compute", 3, "mask"), {"compute": 3, "impl": "mask"}),
+    (["free", 2], {"free": 2}),
+    ({"compute": 0, "impl": "mask"}, {"compute": 0, "impl": "mask"}),
+    ({"free": 0}, {"free": 0}),
+])
+def test_steps_normalize_to_their_json_dicts(step, expected):
+    assert normalize_step(step) == expected
+
+
+@pytest.mark.parametrize("step", [("compute",), ("compute", 1, "a", "b"), ("free", 1, 2), ("run", 1),
+                                  {"compute": True}, {"compute": 1.0}, {"free": -1}, {"compute": 1, "impl": 3},
+                                  {"compute": 1, "free": 2}, {"free": 1, "impl": "mask"}, "compute 1", ()])
+def test_malformed_steps_are_refused(step):
+    with pytest.raises(PlanError, match="a step is"):
+        normalize_step(step)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(fingerprint=""), "'fingerprint' must be a non-empty string"),
+    (dict(fingerprint=3), "'fingerprint' must be a non-empty string"),
+    (dict(schedule="compute 0"), "'schedule' must be a list of steps"),
+    (dict(schedule={"compute": 0}), "'schedule' must be a list of steps"),
+    (dict(predicted=[1]), "'predicted' must be an object"),
+    (dict(predicted={"peak_bytes": "1"}), r"predicted\['peak_bytes'\] = '1'"),
+    (dict(predicted={"peak_bytes": True}), r"predicted\['peak_bytes'\] = True"),
+    (dict(provenance=[1]), "'provenance' must be an object"),
+    (dict(provenance={1: "x"}), "'provenance' must be an object with string keys"),
+])
+def test_malformed_plan_fields_are_refused(kwargs, message):
+    fields = dict(fingerprint="f", schedule=[("compute", 0)]) | kwargs
+    with pytest.raises(PlanError, match=message):
+        Plan(**fields)
+
+
+def test_predicted_numbers_and_nulls_are_kept():
+    plan = Plan("f", [("compute", 0)], predicted={"peak_bytes": 1, "time_ms": None, "compute_cost": 2.5})
+    assert plan.predicted == {"peak_bytes": 1, "time_ms": None, "compute_cost": 2.5}

@@ -1,0 +1,177 @@
+"""`acg` in budget mode against a brute force over its own family: every checkpoint set (source, loss and
+kept vertices always in), each scheduled by the re-forward schedule and simulated. Exact on small
+families; the Lagrangian heuristic that larger families get fits the budget and beats the memory
+optimum where its multiplier search finds a cheaper hull point."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from tasks.solve import solve
+from tasks.solve.acg.division import division_tree
+from tasks.solve.acg.forward import forward_graph, reforward_schedule
+from tasks.solve.acg.solver import budgeted, memory_optimal
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+
+_spec = importlib.util.spec_from_file_location("acg_solver_tests", Path(__file__).with_name("test_acg_solver.py"))
+_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_helpers)
+training_problem = _helpers.training_problem
+
+
+def family(problem, keep=()):
+    """(compute cost, peak) of every checkpoint set of the ACG family of `problem`."""
+    fg = forward_graph(problem, keep=keep)
+    dag = fg.dag
+    fixed = (1 << dag.source) | (1 << dag.target) | dag.forced
+    free = [v for v in range(dag.n) if not fixed >> v & 1]
+    out = []
+    for m in range(1 << len(free)):
+        mask = fixed | sum(1 << free[i] for i in range(len(free)) if m >> i & 1)
+        sim = simulate(problem, reforward_schedule(fg, mask))
+        out.append((sim.compute_cost, sim.peak_bytes))
+    return out
+
+
+def brute_force(points, budget):
+    """The least compute cost of a set whose simulated peak fits `budget` (None: none fits)."""
+    return min((cost for cost, peak in points if peak <= budget), default=None)
+
+
+def skip_chain(nbytes, skips=((0, -1),)):
+    n = len(nbytes)
+    edges = {(i, i + 1) for i in range(n - 1)} | {(a % n, b % n) for a, b in skips}
+    return training_problem(sorted(edges), n, nbytes)
+
+
+def test_the_issue_example_finds_the_brute_force_optimum():
+    """7-node chain with skip edge (0, 6), budget 180: the Lagrangian search stopped at cost 17."""
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    assert brute_force(family(problem), 180) == 15.0
+    sol = solve(problem, "acg", 180, SolveOptions())
+    assert sol.feasible and sol.objective == 15.0 and sol.predicted_peak_bytes <= 180
+    assert "exact search over the 64 checkpoint sets" in sol.message
+    lagrangian = solve(problem, "acg", 180, SolveOptions(params={"exact_limit": 0}))
+    assert lagrangian.objective == 17.0 and "exact search" not in lagrangian.message
+    checkmate = solve(problem, "checkmate", 180, SolveOptions())
+    assert checkmate.objective == 15.0
+
+
+def _random_cases(count, seed):
+    rng = random.Random(seed)
+    for _ in range(count):
+        n = rng.randint(3, 7)
+        nbytes = [rng.randint(1, 50) for _ in range(n)]
+        skips = {(a, rng.randint(a + 2, n - 1)) for a in range(n - 2) if rng.random() < 0.4}
+        yield nbytes, tuple(sorted(skips)), rng.random()
+
+
+@pytest.mark.parametrize("nbytes, skips, where", list(_random_cases(24, seed=17)))
+def test_budget_mode_is_the_brute_force_optimum_of_its_family(nbytes, skips, where):
+    problem = skip_chain(nbytes, skips)
+    points = family(problem)
+    lowest = min(peak for _, peak in points)
+    top = simulate(problem, default_schedule(problem)).peak_bytes
+    for budget in sorted({lowest - 1, lowest, int(lowest + where * (top - lowest)), top}):
+        sol = solve(problem, "acg", budget, SolveOptions())
+        best = brute_force(points, budget)
+        if best is None:
+            assert sol.status == "no_solution", (budget, sol.message)
+        else:
+            assert sol.feasible and sol.predicted_peak_bytes <= budget, (budget, sol.message)
+            assert sol.objective == best, (budget, sol.message)
+
+
+def test_kept_vertices_stay_checkpoints_in_the_exact_search():
+    problem = skip_chain([30, 5, 40, 8, 25, 12])
+    points = family(problem, keep=[2])
+    budget = sorted({peak for _, peak in points})[1]
+    sol = solve(problem, "acg", budget, SolveOptions(params={"keep": [2]}))
+    assert sol.objective == brute_force(points, budget)
+    assert [n for _, n in sol.schedule].count(2) == 1
+    assert "exact search over the 16 checkpoint sets" in sol.message
+
+
+def test_the_time_limit_stops_the_exact_search_with_a_fitting_schedule():
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    top = simulate(problem, default_schedule(problem)).peak_bytes
+    sol = solve(problem, "acg", top, SolveOptions(time_limit=0.0))
+    assert sol.status in ("feasible", "no_solution")
+    if sol.feasible:
+        assert sol.predicted_peak_bytes <= top
+
+
+def test_the_lagrangian_search_finds_hull_points_cheaper_than_the_memory_optimum():
+    """Larger families: between the memory optimum (mu = 0) and checkpoint-all, the multiplier bisection
+    finds cheaper fitting sets; the result always fits and never recomputes more than the memory optimum."""
+    nbytes = [(7 * i * i + 3) % 41 + 5 for i in range(14)]
+    problem = training_problem([(i, i + 1) for i in range(13)], 14, nbytes)
+    fg = forward_graph(problem)
+    root = division_tree(fg.dag)
+    optimum = simulate(problem, reforward_schedule(fg, memory_optimal(fg, root).checkpoints))
+    top = simulate(problem, default_schedule(problem)).peak_bytes
+    cheaper = 0
+    for budget in range(optimum.peak_bytes, top, 15):
+        best, tried = budgeted(fg, root, budget)
+        assert best.simulation.peak_bytes <= budget
+        assert best.simulation.compute_cost <= optimum.compute_cost
+        assert len({c.checkpoints for c in tried}) == len(tried)          # every candidate simulated once
+        cheaper += best.simulation.compute_cost < optimum.compute_cost
+        sol = solve(problem, "acg", budget, SolveOptions(params={"exact_limit": 0}))
+        assert sol.objective == best.simulation.compute_cost
+    assert cheaper >= 10
+
+
+def test_the_exact_search_simulates_the_whole_family_only_when_nothing_fits():
+    from tasks.solve.acg.solver import exhaustive
+
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    fg = forward_graph(problem)
+    best, simulated, finished = exhaustive(fg, 1, None)
+    assert (best, simulated, finished) == (None, 64, True)              # 2^6 sets: source and loss fixed
+    kept = forward_graph(problem, keep=[3])
+    assert exhaustive(kept, 1, None)[1:] == (32, True)
+
+
+def test_the_exact_search_stops_once_its_lower_bound_passes_the_best_cost():
+    """At the checkpoint-all peak, keeping every vertex costs the no-recomputation sum, and every other set
+    recomputes a vertex a gradient reads: one simulation proves it optimal."""
+    from tasks.solve.acg.solver import exhaustive
+
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    fg = forward_graph(problem)
+    top = simulate(problem, default_schedule(problem))
+    best, simulated, finished = exhaustive(fg, top.peak_bytes, None)
+    assert simulated == 1 and finished and best.simulation.compute_cost == top.compute_cost
+    assert best.checkpoints == (1 << fg.dag.n) - 1
+
+
+def test_the_exact_search_returns_at_its_deadline():
+    import time
+
+    from tasks.solve.acg.solver import exhaustive
+
+    fg = forward_graph(skip_chain([49, 27, 3, 17, 33, 32, 26]))
+    assert exhaustive(fg, 10**9, None, deadline=time.perf_counter()) == (None, 0, False)
+
+
+def test_solutions_name_acg_and_their_time_in_every_outcome():
+    from tasks.solve.problem import Problem
+
+    no_backward = Problem.from_edges([1.0] * 3, [1] * 3, [(0, 1), (1, 2)])
+    chainy = skip_chain([5, 6, 7, 8])
+    outcomes = [solve(no_backward, "acg", 10**6, SolveOptions()),
+                solve(chainy, "acg", 10**6, SolveOptions(time_limit=0.0)),
+                solve(chainy, "acg", 10**6, SolveOptions()),
+                solve(chainy, "acg", 10**6, SolveOptions(params={"mode": "memory"})),
+                solve(chainy, "acg", 1, SolveOptions())]
+    assert [s.solver for s in outcomes] == ["acg"] * 5
+    assert all(0 <= s.solve_seconds < 60 for s in outcomes)
+    assert [s.budget_bytes for s in outcomes] == [10**6, 10**6, 10**6, 10**6, 1]
+    assert outcomes[0].message == "the graph has no backward pass, so no gradient checkpoint lowers its peak"
+    assert outcomes[4].status == "no_solution" and "exact search over the 8 checkpoint sets: 8 simulated" in outcomes[4].message
