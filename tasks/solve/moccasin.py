@@ -28,10 +28,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from tasks.solve.coarsen import solve_coarsened
 from tasks.solve.milp import Progress
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
@@ -49,6 +50,8 @@ class MoccasinOptions:
 
     max_copies: int = field(default=2, metadata={
         "help": "C: computations per node at most (MOCCASIN's retention intervals per tensor)."})
+    coarsen: bool = field(default=False, metadata={
+        "help": "solve on the graph with single-reader chains merged (tasks/solve/coarsen.py), then expand."})
 
 
 @dataclass
@@ -257,6 +260,8 @@ def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     opts: MoccasinOptions = options.params
     if opts.max_copies < 1:
         raise ValueError(f"moccasin option max_copies = {opts.max_copies}: each node needs at least one copy; use 1 or more.")
+    if opts.coarsen:
+        return solve_coarsened(moccasin, problem, budget, replace(options, params=replace(opts, coarsen=False)))
     deadline = None if options.time_limit is None else t0 + options.time_limit
     model = build_model(problem, budget, opts.max_copies)
     unit = model.unit
