@@ -81,3 +81,23 @@ def test_portfolio_answer_is_never_worse_than_the_cheap_solvers(benchmark_paths)
     cheap = solve(problem, "remat-greedy", budget)
     check(problem, budget, ours)
     assert ours.objective <= cheap.objective
+
+
+def test_equals_checkmate_with_multi_output_nodes_workspace_and_graph_inputs():
+    """Operator-graph features: a parameter (graph input), nodes with two outputs, workspace, a value no
+    one reads and two graph outputs."""
+    problem = Problem(
+        name="multi", cost=np.array([2.0, 3.0, 1.0, 2.0, 2.0, 1.0]), workspace=np.array([0, 2, 0, 1, 0, 0]),
+        phase=("forward", "forward", "loss", "backward", "backward", "backward"),
+        node_inputs=((), (1, 0), (2, 3), (4, 1), (5, 2), (6, 3)),
+        node_outputs=((1, 2), (3,), (4,), (5, 6), (7,), (8, 9)),
+        value_bytes=np.array([5, 3, 2, 4, 1, 2, 2, 1, 1, 3]),
+        value_producer=np.array([-1, 0, 0, 1, 2, 3, 3, 4, 5, 5]), outputs=(7, 8), order=np.arange(6))
+    eager = simulate(problem, [("compute", v) for v in range(6)]).peak_bytes
+    for budget in range(eager, 10, -1):
+        cm = solve(problem, "checkmate", budget, SolveOptions(gap=0.0, portfolio=False, params={"warm_start": "none"}))
+        mc = moccasin(problem, budget, exact(6))
+        assert mc.status == cm.status, budget
+        if cm.feasible:
+            check(problem, budget, mc)
+            assert mc.objective == cm.objective, budget
