@@ -1,12 +1,14 @@
 """MOCCASIN (Bartan et al., ICML 2023): rematerialization as constraint programming with retention
 intervals, solved by OR-tools CP-SAT (`moccasin`).
 
-Time is Checkmate's stages laid end to end: slot(t, k) = t(t+1)/2 + k is node order[k] run in stage t
-(k <= t), H = n(n+1)/2 slots, so each slot holds at most one computation. Node v = order[k] has up to
-C = `max_copies` copies (the paper's C computations per tensor); copy i:
+The order is the graph's default order (option order = "default") or `memory_order`, a topological order
+of low peak (the default: phase 1 then starts closer to the budget). Time is Checkmate's stages laid end
+to end in that order: slot(t, k) = t(t+1)/2 + k is node order[k] run in stage t (k <= t), H = n(n+1)/2
+slots, so each slot holds at most one computation. Node v = order[k] has up to C = `max_copies` copies
+(the paper's C computations per tensor); copy i:
 
 - a[v,i] in {0,1}: the copy is computed; a[v,0] = 1 at s[v,0] = slot(k, k) (frontier advancing: the
-  first computations follow the default order, as in the paper's staged model), a[v,i+1] <= a[v,i].
+  first computations follow the order, as in the paper's staged model), a[v,i+1] <= a[v,i].
 - s[v,i] in {slot(t, k): t > k}: its slot; e[v,i,w] >= s[v,i]: the last slot output w of the copy is
   retained (retention interval [s, e]); copies are disjoint and in order: s[v,i+1] > e[v,i,w].
 - precedence: for each value w of u read by v and each active copy j of v, some active copy i of u
@@ -17,10 +19,11 @@ C = `max_copies` copies (the paper's C computations per tensor); copy i:
   it through its last read, inputs and outputs during a compute.
 - objective: sum_{v,i} cost_v a[v,i] (costs scaled to integers, floored, so the bound stays a bound).
 
-With C >= n the model holds every frontier-advancing schedule, the space of Checkmate's MILP, so the two
-optima are equal. Solving follows the paper's two phases: minimize `peak` down to the budget from the
-no-recomputation schedule, then minimize cost under peak <= budget from phase 1's schedule. The active
-copies sorted by slot are the schedule; the simulator checks it.
+With C >= n and the default order the model holds every frontier-advancing schedule, the space of
+Checkmate's MILP, so the two optima are equal (the bound is a bound within that space). Solving follows
+the paper's two phases: minimize `peak` down to the budget from the no-recomputation schedule, then
+minimize cost under peak <= budget from phase 1's schedule. The active copies sorted by slot are the
+schedule; the simulator checks it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 
@@ -50,6 +54,9 @@ class MoccasinOptions:
 
     max_copies: int = field(default=2, metadata={
         "help": "C: computations per node at most (MOCCASIN's retention intervals per tensor)."})
+    order: Literal["memory", "default"] = field(default="memory", metadata={
+        "help": "the order whose stages the slots follow: 'memory' (memory_order, a low-peak topological "
+                "order) or 'default' (the graph's, Checkmate's space)."})
     presolve: bool = field(default=False, metadata={
         "help": "CP-SAT presolve; off by default: on the random layered n250 graph it delays the first "
                 "solution from seconds to minutes."})
@@ -79,6 +86,40 @@ def _integer_costs(cost: np.ndarray) -> tuple[np.ndarray, float]:
         return cost.astype(np.int64), 1.0
     unit = float(cost.max()) / COST_RESOLUTION
     return np.floor(cost / unit).astype(np.int64), unit
+
+
+def memory_order(problem: Problem) -> np.ndarray:
+    """A topological order that runs, among ready nodes, the one allocating the fewest net bytes (its
+    outputs minus the inputs it reads last); ties by default position."""
+    n, producer, users = problem.num_nodes, problem.value_producer, problem.value_users
+    remaining = np.array([len(u) for u in users])
+    preds = [{int(producer[w]) for w in problem.node_inputs[v] if producer[w] >= 0} for v in range(n)]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for v in range(n):
+        for u in preds[v]:
+            succs[u].append(v)
+    missing = np.array([len(x) for x in preds])
+    kept = np.array([bool(users[w]) or bool(problem.is_output[w]) for w in range(problem.num_values)])
+    alloc = [sum(int(problem.value_bytes[w]) for w in problem.node_outputs[v] if kept[w]) for v in range(n)]
+    pos = problem.position
+
+    def net(v: int) -> tuple[int, int]:
+        last = sum(int(problem.value_bytes[w]) for w in problem.node_inputs[v]
+                   if producer[w] >= 0 and remaining[w] == 1 and not problem.is_output[w])
+        return alloc[v] - last, int(pos[v])
+
+    ready, order = set(np.flatnonzero(missing == 0).tolist()), []
+    while ready:
+        v = min(ready, key=net)
+        ready.remove(v)
+        order.append(v)
+        for w in problem.node_inputs[v]:
+            remaining[w] -= 1
+        for s in succs[v]:
+            missing[s] -= 1
+            if missing[s] == 0:
+                ready.add(s)
+    return np.asarray(order, dtype=np.int64)
 
 
 def slot(stage, position):
@@ -266,6 +307,9 @@ def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     if opts.coarsen:
         return solve_coarsened(moccasin, problem, budget, replace(options, params=replace(opts, coarsen=False)))
     deadline = None if options.time_limit is None else t0 + options.time_limit
+    fine = problem
+    if opts.order == "memory":
+        problem = replace(problem, order=memory_order(problem))
     model = build_model(problem, budget, opts.max_copies)
     unit = model.unit
     progress: list[Progress] = []
@@ -296,6 +340,10 @@ def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
         return solver, solver.Solve(model.cp, Recorder())
 
     hinted = add_hint(problem, model, start)
+    if not hinted and options.mip_start is not None:
+        log.info("moccasin: the start schedule is not frontier-advancing in the model's order; starting from none")
+        start = default_schedule(problem)
+        hinted = add_hint(problem, model, start)
     if simulate(problem, start).peak_bytes > budget or not hinted:
         solver, status = run(model.peak, False, 0.0)                                      # phase 1
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) or solver.Value(model.peak) > budget:
@@ -320,6 +368,6 @@ def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     bound = None if bound is None or not math.isfinite(bound) else bound
     schedule = schedule_from_solution(model, solver.Value) if found else first
     label = "optimal" if status == cp_model.OPTIMAL else "feasible"
-    return checked_solution(problem, "moccasin", budget, schedule, status=label, bound=bound, solve_seconds=seconds,
+    return checked_solution(fine, "moccasin", budget, schedule, status=label, bound=bound, solve_seconds=seconds,
                             backend="cp-sat", progress=progress,
                             message="" if status == cp_model.OPTIMAL else "time limit reached", **size)

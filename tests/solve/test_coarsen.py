@@ -76,7 +76,8 @@ def test_coarse_optimum_bounds_and_here_equals_the_fine_optimum(conv_bytes):
 def test_coarsen_option_returns_a_checked_fine_schedule():
     problem = conv_relu_graph(4, 2)
     budget = simulate(problem, default_schedule(problem)).peak_bytes - 1
-    for solver, params in (("checkmate", {"coarsen": True, "warm_start": "none"}), ("moccasin", {"coarsen": True, "max_copies": 4})):
+    for solver, params in (("checkmate", {"coarsen": True, "warm_start": "none"}),
+                           ("moccasin", {"coarsen": True, "max_copies": 4, "order": "default"})):
         sol = solve(problem, solver, budget, SolveOptions(gap=0.0, portfolio=False, params=params))
         assert sol.feasible and "coarse nodes" in sol.message
         sim = simulate(problem, sol.schedule)

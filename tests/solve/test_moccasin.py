@@ -16,7 +16,8 @@ pytest.importorskip("ortools")
 
 
 def exact(copies: int) -> SolveOptions:
-    return SolveOptions(gap=0.0, threads=1, time_limit=60, portfolio=False, params=MoccasinOptions(max_copies=copies))
+    return SolveOptions(gap=0.0, threads=1, time_limit=60, portfolio=False,
+                        params=MoccasinOptions(max_copies=copies, order="default"))
 
 
 def check(problem: Problem, budget: int, sol) -> None:
