@@ -11,6 +11,15 @@ default order. Each solver runs alone (no portfolio: the cheap solvers' answers 
 Columns: feasible, cost relative to no recomputation (sum of node costs), proven gap, seconds to the
 first schedule, to within 5% and 2% of the best known cost (the least cost any row of this run reached,
 or `--best-known`), and in all. Progress comes from the solvers' incumbent logs.
+
+Measured 2026-11-25 on the shared 2-core machine (load average 17-24 from other jobs: one solve got about
+1/8 of a core), 1 thread, budget 0.8 of the eager peak; ap-greedy and acg find no schedule on any of them:
+- random_layered_n250: moccasin (memory order) first schedule at 68 s, 1.0282x the no-recomputation cost at
+  300 s, proven gap 2.7% (bound: sum of costs); within 5% of its best at 83 s. With the default order
+  (Checkmate's space) phase 1 was still at 125550 bytes for a 117472 budget after 273 s, and with CP-SAT
+  presolve on the first (hinted) solution came only after 277 s.
+- random_layered_n500: no schedule in 600 s (phase 1 from 278270 to 277310 bytes, budget 227551).
+- random_layered_n1000: not run (n500 already out of reach at this share of a core).
 """
 
 from __future__ import annotations
