@@ -15,6 +15,7 @@ checked example (tests/solve/test_example_solver.py runs it through `memplan sol
 from __future__ import annotations
 
 from tasks.solve import baselines, checkmate, greedy
+from tasks.solve.moccasin import MoccasinOptions, moccasin
 from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
 from tasks.solve.monet import MonetOptions, monet, monet_noop
@@ -38,6 +39,8 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
                checkmate.CheckmateApproxOptions, portfolio=True),
     SolverSpec("checkmate", checkmate.checkmate, "Checkmate's optimal rematerialization MILP (eq. 9).",
                checkmate.CheckmateOptions, portfolio=True),
+    SolverSpec("moccasin", moccasin, "MOCCASIN: retention intervals on OR-tools CP-SAT, at most C computations per node.",
+               MoccasinOptions, portfolio=True),
     SolverSpec("acg", acg, "optimal gradient checkpoints on the division tree of the graph (Feng & Huang).",
                AcgOptions),
     SolverSpec("hierarchical", hierarchical, "chain of blocks, exact per-block ladders, chain dynamic program (Rockmate).",

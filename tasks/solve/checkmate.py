@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -16,6 +16,7 @@ import numpy as np
 from tasks.solve.checkmate_model import (CheckmateLayout, assignment_from_schedule, build_model, schedule_from_solution,
                                          expand_ranges)
 from tasks.solve.checkpoints import recompute_closure
+from tasks.solve.coarsen import solve_coarsened
 from tasks.solve.greedy import greedy_schedule
 from tasks.solve.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
 from tasks.solve.problem import Problem
@@ -51,6 +52,8 @@ class CheckmateOptions:
         "help": "heuristic whose schedule starts the MILP: remat-greedy, checkmate-approx or none."})
     allowances: tuple[float, ...] = field(default=(0.0, 0.1, 0.2), metadata={
         "help": "budget allowances of the checkmate-approx warm start (warm_start = 'approx')."})
+    coarsen: bool = field(default=False, metadata={
+        "help": "solve on the graph with single-reader chains merged (tasks/solve/coarsen.py), then expand."})
 
 
 def two_phase_rounding(problem: Problem, L: CheckmateLayout, s_star: np.ndarray, threshold: float) -> list[tuple[str, int]]:
@@ -152,6 +155,8 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
         return _below_lower_bound(problem, "checkmate", budget, lower, start)
     floor = float(problem.cost.sum())
     opts: CheckmateOptions = options.params
+    if opts.coarsen:
+        return solve_coarsened(checkmate, problem, budget, replace(options, params=replace(opts, coarsen=False)))
     incumbent = options.mip_start
     warm = opts.warm_start
     if incumbent is None and warm == "greedy":
