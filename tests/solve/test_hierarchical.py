@@ -2,6 +2,7 @@
 against a closed form, the chain program against a brute force, and the solver end to end."""
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -185,3 +186,44 @@ def test_below_its_reach_the_portfolio_answers_with_a_cheap_solver_as_feasible()
     assert alone.status == "no_solution"
     sol = solve(problem, "hierarchical", budget, SolveOptions(time_limit=60, params=params))
     assert sol.feasible and sol.status == "feasible" and sol.source != "hierarchical"
+
+
+def with_modules(problem: Problem, layers: int, width: int = 3) -> Problem:
+    """`layered_step(layers, width)` with each layer's forward nodes recorded as one module call."""
+    modules = [None] * problem.num_nodes
+    for i in range(layers):
+        for j in range(width + 1):
+            modules[1 + i * (width + 1) + j] = f"layer{i}"
+    return replace(problem, node_modules=tuple(modules))
+
+
+@pytest.mark.parametrize("every, kept_adds", [(1, 4), (2, 2), (4, 1)])
+def test_module_checkpoint_recomputes_each_group_once(every, kept_adds):
+    problem = with_modules(layered_step(4), 4)
+    sol = solve(problem, "module-checkpoint", 10**9, SolveOptions(params={"every": every}))
+    counts = np.bincount([step[1] for step in sol.schedule], minlength=problem.num_nodes)
+    assert counts.max() == 2                                             # at most one extra forward
+    # closed form: every layer node runs again except the adds that end a group (kept)
+    assert sol.objective == problem.cost.sum() + 4 * 4 - kept_adds
+    eager = simulate(problem, default_schedule(problem)).peak_bytes
+    assert sol.predicted_peak_bytes < eager if every < 4 else sol.predicted_peak_bytes == eager  # one group: all live
+
+
+def test_module_checkpoint_searches_the_cheapest_group_size_that_fits():
+    problem = with_modules(layered_step(4), 4)
+    peaks = {n: solve(problem, "module-checkpoint", 10**9, SolveOptions(params={"every": n})) for n in (1, 2, 4)}
+    budget = peaks[2].predicted_peak_bytes
+    auto = solve(problem, "module-checkpoint", budget)
+    fitting = [s.objective for s in peaks.values() if s.predicted_peak_bytes <= budget]
+    assert auto.feasible and auto.objective == min(fitting)
+    assert not solve(layered_step(4), "module-checkpoint", 10**9).feasible   # no modules recorded
+
+
+def test_blocks_follow_recorded_module_boundaries():
+    problem = with_modules(layered_step(4), 4)
+    chain = block_chain(problem, block_size=100)                          # size alone would make one block
+    forward = [[problem.node_modules[n] for n in b.nodes[:b.num_forward]] for b in chain.blocks]
+    layer_blocks = [f for f in forward if f[0] is not None]
+    assert [f[0] for f in layer_blocks] == [f"layer{i}" for i in range(4)]
+    assert all(len(set(f)) == 1 and len(f) == 4 for f in layer_blocks)
+    assert len({b.key for b, f in zip(chain.blocks, forward) if f[0] is not None}) <= 2
