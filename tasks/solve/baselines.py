@@ -199,7 +199,7 @@ def module_checkpoint(problem: Problem, budget: int, options: SolveOptions) -> S
         return Solution("module-checkpoint", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"{problem.name} records no module boundaries (capture it with runtime.capture, "
                                 f"which records them)")
-    every = options.params.every if options.params is not None else 1
+    every = options.params.every if options.params is not None else 0
     best = None
     for n in ([every] if every else range(1, len(runs) + 1)):
         schedule = schedule_from_checkpoints(problem, module_checkpoints(problem, n))
