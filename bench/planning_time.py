@@ -4,7 +4,7 @@ plan, and how close its plan is to the best known cost.
     .venv/bin/python bench/planning_time.py [--workloads gpt2 resnet50] [--deep 24] [--threads 1]
 
 For each workload of bench/peers.py (captured and profiled in this run) and each budget (0.7 of the
-no-recomputation peak, and the smallest fraction any solver here reaches): the first `hierarchical`
+no-recomputation peak, and the least peak the cheap solvers below reach): the first `hierarchical`
 solve of the graph (block ladders solved from scratch, so the time includes them) and a second one at
 the other budget (ladders reused), each against the best known cost at that budget: the cheapest
 schedule of every solver run here (`hierarchical`, `module-checkpoint`, `ap-greedy`,
@@ -30,7 +30,7 @@ from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
 
 RIVALS = ("module-checkpoint", "ap-greedy", "linearized-greedy", "acg", "remat-greedy")
-TRY_SMALLEST = (0.5, 0.4, 0.35, 0.3, 0.26, 0.22, 0.2, 0.18, 0.15, 0.12, 0.1)
+TRY_SMALLEST = (0.9, 0.7, 0.5, 0.4, 0.35, 0.3, 0.26, 0.22, 0.2, 0.18, 0.15, 0.12, 0.1)
 
 
 def timed(problem: Problem, solver: str, budget: int):
@@ -40,12 +40,14 @@ def timed(problem: Problem, solver: str, budget: int):
 
 
 def smallest(problem: Problem, full: int) -> float:
-    """The least fraction of TRY_SMALLEST that some rival solver (cheap, seconds) fits."""
+    """The least predicted peak (fraction of `full`) a rival solver (cheap, seconds) reaches at the
+    budgets of TRY_SMALLEST, tried in turn until none fits."""
     least = 1.0
     for f in TRY_SMALLEST:
-        if not any(timed(problem, s, int(f * full))[0].feasible for s in RIVALS):
+        found = [sol.predicted_peak_bytes / full for s in RIVALS if (sol := timed(problem, s, int(f * full))[0]).feasible]
+        if not found:
             break
-        least = f
+        least = min(least, *found)
     return least
 
 
