@@ -1,17 +1,20 @@
 """memplan against what users already have: peak memory and step time, measured side by side in one run.
 
-    .venv/bin/python bench/peers.py [--workloads gpt2 resnet50 mobilenet_v2] [--solvers ...] [--rounds 6] [--threads 1]
+    .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
+                                    [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
 
 Per workload (random weights, CPU): eager PyTorch; the PyTorch checkpointing a user writes by hand
 (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's top-level
-children); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the smallest
-fraction `ap-greedy` or `hierarchical` reaches. Every memplan plan is solved on node costs profiled in the
-same run (`tasks.profile.measure_graph`), run with `runtime.load` (gradients compared with eager) and
-measured with `runtime.meter.PeakMeter`; step times are medians of interleaved rounds. The verdict lists
-each PyTorch point and the memplan plans that dominate it (no more peak at no more time), and each
-memplan plan a PyTorch point dominates.
-Not yet here: torch.compile's `activation_memory_budget` (needs a meter that sees compiled code) and a
-Llama-style decoder.
+children); `torch.compile(backend="aot_eager_decomp_partition")` with `torch._functorch.config.
+activation_memory_budget` at each of `--compile-budgets` (the meter ignores compile internals, so the
+compiled code runs and is measured); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak
+and at the smallest fraction each solver reaches. Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4),
+a Llama-style decoder of the same size from a `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU),
+ResNet-50 and MobileNet-V2 (batch 8, 128 px). Every memplan plan is solved on node costs profiled in
+the same run (`tasks.profile.measure_graph`), run with `runtime.load` (gradients compared with eager)
+and measured with `runtime.meter.PeakMeter`; step times are medians of interleaved rounds. The verdict
+lists each PyTorch point and the memplan plans that dominate it (no more peak at no more time), and
+each memplan plan a PyTorch point dominates.
 """
 
 from __future__ import annotations
@@ -35,20 +38,30 @@ from tasks.solve.problem import DEFAULT_IMPL, Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
 
-SOLVERS = ("hierarchical", "ap-greedy", "acg", "linearized-greedy")
+SOLVERS = ("hierarchical", "module-checkpoint", "ap-greedy", "acg", "linearized-greedy")
 FRACTIONS = (0.9, 0.7, 0.5)
+SMALLER = (0.4, 0.3, 0.26, 0.22, 0.2, 0.18, 0.15, 0.12, 0.1)
+"""Fractions tried below FRACTIONS, in turn, for each solver's smallest feasible fraction."""
+COMPILE_BUDGETS = (1.0, 0.7, 0.5, 0.3)
 
 
 def workload(name: str):
     """(model, loss_fn, batch, hand-checkpointed step or None, its label)."""
     torch.manual_seed(0)
-    if name == "gpt2":
+    if name in ("gpt2", "llama"):
         import transformers
 
-        config = transformers.GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=256, vocab_size=2048,
-                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                         attn_pdrop=0.0)
-        model = transformers.GPT2LMHeadModel(config)
+        if name == "gpt2":
+            config = transformers.GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=256, vocab_size=2048,
+                                             bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                             attn_pdrop=0.0)
+            model = transformers.GPT2LMHeadModel(config)
+        else:
+            config = transformers.LlamaConfig(num_hidden_layers=6, hidden_size=256, intermediate_size=688,
+                                              num_attention_heads=4, num_key_value_heads=4, vocab_size=2048,
+                                              max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
+                                              pad_token_id=0)
+            model = transformers.LlamaForCausalLM(config)
         loss_fn = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
         batch = (torch.randint(0, 2048, (4, 256)),)
         hand = copy.deepcopy(model)
@@ -104,18 +117,45 @@ def profiled_problem(graph, name: str) -> Problem:
                                       if r["impl"] == DEFAULT_IMPL})
 
 
-def bench(name: str, rounds: int, solvers: list[str]) -> tuple[list[dict], str]:
+def compiled_step(model, loss_fn, batch, budget: float):
+    """A copy of `model` under torch.compile with `activation_memory_budget` = budget, compiled by its
+    first step (the budget is read while compiling)."""
+    compiled = torch.compile(copy.deepcopy(model), backend="aot_eager_decomp_partition")
+    step = lambda: loss_fn(compiled, *batch).backward()  # noqa: E731
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        step()
+    return compiled, step
+
+
+def smallest_fraction(problem: Problem, solver: str, full: int) -> float | None:
+    """The least predicted peak (fraction of `full`) `solver` reaches, trying FRACTIONS then SMALLER
+    until it finds nothing."""
+    best = None
+    for f in (*FRACTIONS, *SMALLER):
+        sol = solve(problem, solver, int(f * full), SolveOptions(time_limit=120))
+        if not sol.feasible:
+            break
+        best = sol.predicted_peak_bytes / full
+    return best
+
+
+def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[float]) -> tuple[list[dict], str]:
     model, loss_fn, batch, (hand, hand_step), hand_label = workload(name)
     graph = runtime.capture(model, loss_fn, batch)
     problem = profiled_problem(graph, name)
     full = simulate(problem, default_schedule(problem)).peak_bytes
-    smallest = min((s.predicted_peak_bytes for f in (*FRACTIONS, 0.4, 0.3, 0.25, 0.22, 0.2) for solver in
-                    ("ap-greedy", "hierarchical") if
-                    (s := solve(problem, solver, int(f * full), SolveOptions(time_limit=120))).feasible), default=full)
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step)}
     points = {"eager": {"kind": "pytorch"}, hand_label: {"kind": "pytorch"}}
-    for fraction in (*FRACTIONS, smallest / full):
-        for solver in solvers:
+    for budget in compile_budgets:
+        label = f"compile budget {budget:.1f}"
+        start = time.perf_counter()
+        runs[label] = compiled_step(model, loss_fn, batch, budget)
+        points[label] = {"kind": "pytorch", "solve_s": time.perf_counter() - start}
+    for solver in solvers:
+        start = time.perf_counter()
+        least = smallest_fraction(problem, solver, full)
+        search_s = time.perf_counter() - start
+        for fraction in ([] if least is None else sorted({*FRACTIONS, least}, reverse=True)):
             start = time.perf_counter()
             sol = solve(problem, solver, int(fraction * full), SolveOptions(time_limit=120))
             if not sol.feasible:
@@ -124,8 +164,9 @@ def bench(name: str, rounds: int, solvers: list[str]) -> tuple[list[dict], str]:
             planned = copy.deepcopy(model)
             step = runtime.load(sol.to_plan(problem), planned, loss_fn, graph=graph)
             runs[label] = (planned, lambda step=step: step(*batch))
-            points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start,
-                             "source": sol.source or solver, "predicted": sol.predicted_peak_bytes}
+            points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start, "search_s": search_s,
+                             "source": sol.source or solver, "predicted": sol.predicted_peak_bytes / full,
+                             "predicted_time": sol.objective / problem.cost.sum()}
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
     for label, (m, step) in runs.items():
         peak, grads = peak_and_grads(m, step)
@@ -143,6 +184,7 @@ def dominates(a: dict, b: dict) -> bool:
 
 
 def verdict(rows: list[dict]) -> str:
+    """Which points of each side are dominated, and by what."""
     torch_points = [r for r in rows if r["kind"] == "pytorch" and r["label"] != "eager"]
     ours = [r for r in rows if r["kind"] == "memplan"]
     lines = []
@@ -150,27 +192,36 @@ def verdict(rows: list[dict]) -> str:
         winners = [r["label"] for r in ours if dominates(r, p)]
         lines.append(f"{p['label']} ({p['peak']:.3f}x peak, {p['time']:.3f}x time) is dominated by: "
                      + (", ".join(winners) or "no memplan plan"))
-    beaten = [r["label"] for r in ours if any(dominates(p, r) for p in torch_points)]
-    lines.append("memplan plans dominated by a PyTorch point: " + (", ".join(beaten) or "none"))
+    for r in ours:
+        by = [p["label"] for p in torch_points if dominates(p, r)]
+        if by:
+            lines.append(f"memplan {r['label']} ({r['peak']:.3f}x, {r['time']:.3f}x) is dominated by: {', '.join(by)}")
+    beaten = sum(any(dominates(r, p) for r in ours) for p in torch_points)
+    lost = sum(any(dominates(p, r) for p in torch_points) for r in ours)
+    lines.append(f"verdict: {beaten} of {len(torch_points)} PyTorch points dominated by memplan; "
+                 f"{lost} of {len(ours)} memplan plans dominated by PyTorch")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", nargs="+", default=["gpt2", "resnet50", "mobilenet_v2"])
+    ap.add_argument("--workloads", nargs="+", default=["gpt2", "llama", "resnet50", "mobilenet_v2"])
     ap.add_argument("--solvers", nargs="+", default=list(SOLVERS))
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compile-budgets", nargs="*", type=float, default=list(COMPILE_BUDGETS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=200)
     for name in args.workloads:
-        rows, text = bench(name, args.rounds, args.solvers)
-        table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "solve s", "schedule from",
+        rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets)
+        table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
+                      "predicted time", "solve s", "smallest search s", "schedule from",
                       title=f"{name}: CPU, {args.threads} thread(s), median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: r["peak"]):
             table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.0f}", f"{r['err']:.2g}",
-                          f"{r['solve_s']:.1f}" if "solve_s" in r else "", r.get("source", ""))
+                          *(f"{r[k]:.3f}" if k in r else "" for k in ("predicted", "predicted_time")),
+                          *(f"{r[k]:.1f}" if k in r else "" for k in ("solve_s", "search_s")), r.get("source", ""))
         console.print(table)
         console.print(text)
 

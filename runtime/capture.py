@@ -18,6 +18,7 @@ from __future__ import annotations
 import operator
 import sys
 import types
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
 
 from runtime.graph import Node, OpGraph, Value
+from runtime.modules import META_KEY, boundary_hooks, strip_boundaries
 
 # Ops whose schema declares a fresh result but whose kernel returns a view of the input.
 _VIEW_LIKE = {torch.ops.aten._unsafe_view.default}
@@ -76,9 +78,12 @@ def batch_signature(model: nn.Module, batch: tuple) -> tuple:
     return (model.training,) + tuple((tuple(t.shape), t.dtype, t.device) for t in batch)
 
 
-def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list) -> OpGraph:
+def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list, *,
+            record_modules: bool = True) -> OpGraph:
     """Trace one training step (forward, loss, backward) with `aot_export_module(trace_joint=True)` and
-    fold it into an operator graph. The returned graph carries the FX program in `.program`."""
+    fold it into an operator graph. The returned graph carries the FX program in `.program`. With
+    `record_modules`, `meta["node_modules"]` names, per operator node, the repeated module
+    (runtime/modules.py) whose forward computed it, or None."""
     batch = tuple(batch)
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
@@ -92,8 +97,10 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                            f"steps, so every parameter must require grad.")
     cuda = sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
                    for t in [*batch, *model.parameters()] if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=cuda):              # tracing must not move the generators
+    hooks = boundary_hooks(model) if record_modules else nullcontext()
+    with torch.random.fork_rng(devices=cuda), hooks:       # tracing must not move the generators
         gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
+    strip_boundaries(gm.graph)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()
     _chain_concatenations(gm.graph)
@@ -324,6 +331,9 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
                       random_devices=random_devices)
     meta = {"model": type(model).__name__, "torch": torch.__version__,
             "batch": [{"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for t in batch]}
+    modules = [head.meta.get(META_KEY) if phase != "backward" else None for head, phase in zip(heads, phases)]
+    if any(modules):
+        meta["node_modules"] = modules
     return OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
 
 
@@ -471,8 +481,9 @@ class _CallableModule(types.ModuleType):
     """Importing the submodule `runtime.capture` rebinds the package attribute `runtime.capture` to the
     module; making the module callable keeps `runtime.capture(model, loss_fn, batch)` working."""
 
-    def __call__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list) -> OpGraph:
-        return capture(model, loss_fn, batch)
+    def __call__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list,
+                 **options: Any) -> OpGraph:
+        return capture(model, loss_fn, batch, **options)
 
 
 sys.modules[__name__].__class__ = _CallableModule

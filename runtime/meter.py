@@ -20,6 +20,12 @@ class _StorageTracker(TorchDispatchMode):
     """Counts the bytes of storages created by ATen ops while the mode is active, and their peak. While
     active it also logs each allocation and release as (allocation number, +bytes / -bytes)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let torch.compile run inside the meter (a plain mode makes it fall back to eager); the compiled
+        code's ATen calls at run time are still counted."""
+        return True
+
     def __init__(self) -> None:
         super().__init__()
         self.live = 0

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Annotated
 
 import networkx as nx
 import numpy as np
+from pydantic import Field
 
 from tasks.solve.checkpoints import schedule_from_checkpoints
 from tasks.solve.problem import Problem
@@ -153,6 +156,69 @@ def linearized_greedy(problem: Problem, budget: int, options: SolveOptions) -> S
     """Appendix B.2: Chen's greedy on the topological order of the forward nodes."""
     start = time.perf_counter()
     return _greedy(problem, "linearized-greedy", budget, forward_nodes(problem), start, options.time_limit)
+
+
+def module_instances(problem: Problem) -> list[list[int]]:
+    """Forward nodes of each recorded module call (`Problem.node_modules`), in order: runs of
+    consecutive forward nodes computed by the same module."""
+    runs: list[list[int]] = []
+    last = None
+    for node in forward_nodes(problem):
+        module = problem.node_modules[node] if problem.node_modules else None
+        if module is not None and module == last:
+            runs[-1].append(node)
+        elif module is not None:
+            runs.append([node])
+        last = module
+    return runs
+
+
+def module_checkpoints(problem: Problem, every: int) -> list[int]:
+    """What `torch.utils.checkpoint` around every `every` consecutive modules keeps (values): each
+    segment's outputs (values its nodes make and a forward node outside it reads) and every value made
+    by a forward node outside the modules (a user checkpoints the layers, not the rest)."""
+    runs = module_instances(problem)
+    inside = {node for run in runs for node in run}
+    kept = [v for node in forward_nodes(problem) if node not in inside for v in problem.node_outputs[node]]
+    for i in range(0, len(runs), every):
+        nodes = {node for run in runs[i:i + every] for node in run}
+        kept += [v for node in nodes for v in problem.node_outputs[node]
+                 if problem.is_output[v] or any(problem.is_recomputable[u] and u not in nodes
+                                                for u in problem.value_users[v])]
+    return kept
+
+
+def module_checkpoint(problem: Problem, budget: int, options: SolveOptions) -> Solution:
+    """Per-module checkpointing, as users write it by hand: `torch.utils.checkpoint` around each group
+    of `every` consecutive repeated modules recorded at capture (every = 0: the cheapest group size
+    that fits the budget). Each group is recomputed once before its backward (at most one extra
+    forward)."""
+    start = time.perf_counter()
+    runs = module_instances(problem)
+    if not runs:
+        return Solution("module-checkpoint", budget, "no_solution", solve_seconds=time.perf_counter() - start,
+                        message=f"{problem.name} records no module boundaries (capture it with runtime.capture, "
+                                f"which records them)")
+    every = options.params.every if options.params is not None else 0
+    best = None
+    for n in ([every] if every else range(1, len(runs) + 1)):
+        schedule = schedule_from_checkpoints(problem, module_checkpoints(problem, n))
+        sim = simulate(problem, schedule)
+        if every or sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
+            best = (schedule, sim, n)
+    if best is None:
+        return Solution("module-checkpoint", budget, "no_solution", solve_seconds=time.perf_counter() - start,
+                        message=f"no group size 1..{len(runs)} of {len(runs)} modules fits the budget")
+    return checked_solution(problem, "module-checkpoint", budget, best[0], solve_seconds=time.perf_counter() - start,
+                            message=f"checkpoint every {best[2]} of {len(runs)} modules")
+
+
+@dataclass(frozen=True)
+class ModuleCheckpointOptions:
+    """Options of `module-checkpoint`."""
+
+    every: Annotated[int, Field(ge=0)] = field(default=0, metadata={
+        "help": "modules per checkpointed group (1: every block); 0: the cheapest group size that fits."})
 
 
 @lru_cache(maxsize=None)

@@ -55,6 +55,8 @@ class Problem:
     steps never allocates them. `cost_unit` is "ms" when costs are profiled milliseconds.
     `random_nodes`: nodes drawing from a random generator. The runtime replays the generator only for
     recomputations, so a solver that reorders nodes (OLLA) keeps these in their default relative order.
+    `node_modules[i]`: the repeated module (a transformer layer, a residual block) whose forward
+    computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
     """
 
     name: str
@@ -73,6 +75,7 @@ class Problem:
     num_variant_values: int = 0
     cost_unit: str | None = None
     random_nodes: tuple[int, ...] = ()
+    node_modules: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self)
@@ -215,6 +218,7 @@ class Problem:
             num_variant_values=len(extra),
             cost_unit=None if costs is None else "ms",
             random_nodes=tuple(sorted(int(v) for v in random_nodes)),
+            node_modules=tuple(graph.meta.get("node_modules") or ()),
         )
 
     @classmethod
@@ -327,9 +331,11 @@ def _check(p: Problem) -> None:
     sizes = {"workspace": len(p.workspace), "phase": len(p.phase), "node_inputs": len(p.node_inputs),
              "node_outputs": len(p.node_outputs), "order": len(p.order)}
     bad = {k: v for k, v in sizes.items() if v != n}
-    if bad or len(p.value_producer) != nv or (p.node_names and len(p.node_names) != n):
+    if bad or len(p.value_producer) != nv or (p.node_names and len(p.node_names) != n) or \
+            (p.node_modules and len(p.node_modules) != n):
         raise ProblemError(f"problem {p.name!r}: {n} node costs but sizes {bad}; {nv} value sizes but "
-                           f"{len(p.value_producer)} producers.")
+                           f"{len(p.value_producer)} producers; {len(p.node_names)} node names and "
+                           f"{len(p.node_modules)} node modules (each must be 0 or {n}).")
     if not np.all(np.isfinite(p.cost)) or np.any(p.cost < 0) or np.any(p.workspace < 0) or np.any(p.value_bytes < 0):
         raise ProblemError(f"problem {p.name!r}: costs, workspaces and value bytes must be finite and non-negative.")
     if any(ph not in PHASES for ph in p.phase):

@@ -2,6 +2,7 @@
 against a closed form, the chain program against a brute force, and the solver end to end."""
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from tasks.solve import solve
 from tasks.solve.checkmate_model import build_model
 from tasks.solve.hierarchical.blocks import block_chain, pinned_values, segments
-from tasks.solve.hierarchical.chain import Choice, chain_dp, chain_peak
+from tasks.solve.hierarchical.chain import Choice, Sweep, chain_dp, chain_peak, nested_chain_dp
 from tasks.solve.hierarchical.ladder import ladder
 from tasks.solve.hierarchical.solver import compose
 from tasks.solve.milp import MilpOptions, solve_milp
@@ -179,9 +180,114 @@ def test_below_its_reach_the_portfolio_answers_with_a_cheap_solver_as_feasible()
     stopped anything), the source named."""
     problem = layered_step(8)
     full = simulate(problem, default_schedule(problem)).peak_bytes
-    params = {"block_size": 40, "inner_time_limit": 5.0, "rungs": [[1.0, 1.0]]}   # one block: no option lowers its peak
+    params = {"block_size": 40, "inner_time_limit": 5.0, "rungs": [[1.0, 1.0]],   # one block: no option lowers its peak
+              "greedy": False}
     budget = int(0.8 * full)
     alone = solve(problem, "hierarchical", budget, SolveOptions(time_limit=60, portfolio=False, params=params))
     assert alone.status == "no_solution"
     sol = solve(problem, "hierarchical", budget, SolveOptions(time_limit=60, params=params))
     assert sol.feasible and sol.status == "feasible" and sol.source != "hierarchical"
+
+
+def with_modules(problem: Problem, layers: int, width: int = 3) -> Problem:
+    """`layered_step(layers, width)` with each layer's forward nodes recorded as one module call."""
+    modules = [None] * problem.num_nodes
+    for i in range(layers):
+        for j in range(width + 1):
+            modules[1 + i * (width + 1) + j] = f"layer{i}"
+    return replace(problem, node_modules=tuple(modules))
+
+
+@pytest.mark.parametrize("every, kept_adds", [(1, 4), (2, 2), (4, 1)])
+def test_module_checkpoint_recomputes_each_group_once(every, kept_adds):
+    problem = with_modules(layered_step(4), 4)
+    sol = solve(problem, "module-checkpoint", 10**9, SolveOptions(params={"every": every}))
+    counts = np.bincount([step[1] for step in sol.schedule], minlength=problem.num_nodes)
+    assert counts.max() == 2                                             # at most one extra forward
+    # closed form: every layer node runs again except the adds that end a group (kept)
+    assert sol.objective == problem.cost.sum() + 4 * 4 - kept_adds
+    eager = simulate(problem, default_schedule(problem)).peak_bytes
+    assert sol.predicted_peak_bytes < eager if every < 4 else sol.predicted_peak_bytes == eager  # one group: all live
+
+
+def test_module_checkpoint_searches_the_cheapest_group_size_that_fits():
+    problem = with_modules(layered_step(4), 4)
+    peaks = {n: solve(problem, "module-checkpoint", 10**9, SolveOptions(params={"every": n})) for n in (1, 2, 4)}
+    budget = peaks[2].predicted_peak_bytes
+    auto = solve(problem, "module-checkpoint", budget)
+    fitting = [s.objective for s in peaks.values() if s.predicted_peak_bytes <= budget]
+    assert auto.feasible and auto.objective == min(fitting)
+    assert not solve(layered_step(4), "module-checkpoint", 10**9).feasible   # no modules recorded
+
+
+def test_blocks_follow_recorded_module_boundaries():
+    problem = with_modules(layered_step(4), 4)
+    chain = block_chain(problem, block_size=100)                          # size alone would make one block
+    forward = [[problem.node_modules[n] for n in b.nodes[:b.num_forward]] for b in chain.blocks]
+    layer_blocks = [f for f in forward if f[0] is not None]
+    assert [f[0] for f in layer_blocks] == [f"layer{i}" for i in range(4)]
+    assert all(len(set(f)) == 1 and len(f) == 4 for f in layer_blocks)
+    assert len({b.key for b, f in zip(chain.blocks, forward) if f[0] is not None}) <= 2
+
+
+def nested_sequences(k_options: list[int], s: int, t: int):
+    """Every operation sequence of Rotor's family on blocks s..t: keep a block's option and recurse on the
+    rest, or sweep s..s'-1 forward, process s'..t, then s..s'-1 again."""
+    for o in range(k_options[s]):
+        for rest in ([[]] if s == t else nested_sequences(k_options, s + 1, t)):
+            yield [("forward", s, o), *rest, ("backward", s, o)]
+    for split in range(s + 1, t + 1):
+        for later in nested_sequences(k_options, split, t):
+            for earlier in nested_sequences(k_options, s, split - 1):
+                yield [("sweep", i, -1) for i in range(s, split)] + later + earlier
+
+
+def walk(ops, choices, sweeps, external, budget):
+    """Cost of an operation sequence, or None when the bytes held plus the running part's peak exceed
+    the budget. Held, as the simulator frees: a forward part's retained bytes until the block's backward
+    part starts; a sweep's output until its last read (an operation on the next block) before the block
+    is computed again."""
+    held, cost, release = 0, 0.0, {}
+    for p, (kind, i, o) in enumerate(ops):
+        if kind == "forward":
+            c = choices[i][o]
+            if held + c.forward_peak > budget:
+                return None
+            held += c.retained
+            cost += c.cost
+        elif kind == "sweep":
+            if held + sweeps[i].peak > budget:
+                return None
+            again = next((q for q in range(p + 1, len(ops)) if ops[q][1] == i and ops[q][0] != "backward"), len(ops))
+            last = max((q for q in range(p + 1, again) if ops[q][1] == i + 1), default=p)
+            release.setdefault(last, []).append(sweeps[i].output)
+            held += sweeps[i].output
+            cost += sweeps[i].cost
+        else:                                           # the backward peak counts the block's own bytes
+            held -= next(choices[i][f[2]].retained for f in reversed(ops[:p]) if f[:2] == ("forward", i))
+            if held + external[i] + choices[i][o].backward_peak > budget:
+                return None
+        held -= sum(release.pop(p, []))
+        if held > budget:
+            return None
+    return cost
+
+
+small_choice = st.builds(Choice, st.integers(1, 9).map(float), st.integers(0, 12), st.integers(0, 12), st.integers(0, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(small_choice, min_size=1, max_size=2), min_size=1, max_size=3),
+       st.lists(st.tuples(st.integers(1, 9), st.integers(0, 10), st.integers(0, 6)), min_size=3, max_size=3),
+       st.lists(st.integers(0, 5), min_size=3, max_size=3), st.integers(4, 40))
+def test_nested_chain_program_equals_brute_force(choices, sweep_rows, external, budget):
+    sweeps = [Sweep(float(c), max(p, x), x) for c, p, x in sweep_rows][:len(choices)]
+    external = np.array(external[:len(choices)])
+    costs = [walk(seq, choices, sweeps, external, budget)
+             for seq in nested_sequences([len(o) for o in choices], 0, len(choices) - 1)]
+    feasible = [c for c in costs if c is not None]
+    ops = nested_chain_dp(choices, sweeps, external, budget)
+    if not feasible:
+        assert ops is None
+        return
+    assert ops is not None and walk(ops, choices, sweeps, external, budget) == min(feasible)

@@ -5,7 +5,8 @@ is the output of the cut node only. Values that would join far-apart parts of th
 position table read by every layer, a U-Net skip) are taken out of the structure analysis first: a
 forward value whose forward readers span more than a quarter of the forward pass is *pinned*, computed
 once and kept for the whole step (its bytes still count everywhere). The segments between cuts are
-merged in order into blocks of about `block_size` forward nodes. Each backward node joins the earliest
+merged in order into blocks of about `block_size` forward nodes, never across a module boundary
+recorded at capture (a transformer layer, a residual block). Each backward node joins the earliest
 block it reads from: a backward predecessor's block, or for a forward value the last block whose forward
 reads it (a block's input belongs to that block), so the gradient flows from the last block to the first.
 
@@ -84,7 +85,7 @@ def pinned_values(problem: Problem) -> set[int]:
 
 def segments(problem: Problem, pinned: set[int]) -> list[list[int]]:
     """Forward nodes in order, cut after each articulation point of the forward graph without the
-    pinned values' edges."""
+    pinned values' edges, and where the recorded module changes (`Problem.node_modules`)."""
     fwd = forward_nodes(problem)
     graph = nx.Graph()
     graph.add_nodes_from(fwd)
@@ -94,10 +95,11 @@ def segments(problem: Problem, pinned: set[int]) -> list[list[int]]:
             if p >= 0 and problem.is_recomputable[p] and v not in pinned:
                 graph.add_edge(p, node)
     cuts = set(nx.articulation_points(graph))
+    modules = problem.node_modules
     out, current = [], []
-    for node in fwd:
+    for node, nxt in zip(fwd, fwd[1:] + [None]):
         current.append(node)
-        if node in cuts:
+        if node in cuts or (modules and nxt is not None and modules[node] != modules[nxt]):
             out.append(current)
             current = []
     if current:
@@ -105,12 +107,15 @@ def segments(problem: Problem, pinned: set[int]) -> list[list[int]]:
     return out
 
 
-def merge(parts: list[list[int]], block_size: int) -> list[list[int]]:
+def merge(parts: list[list[int]], block_size: int, modules: tuple = ()) -> list[list[int]]:
     """Consecutive segments joined while the block stays within `block_size` forward nodes (a segment
-    larger than that is a block of its own)."""
+    larger than that is a block of its own). With module boundaries (`Problem.node_modules`), only
+    segments of the same module call (or both outside modules) join, so a block never straddles a
+    module boundary and repeated layers become repeated blocks."""
     blocks: list[list[int]] = []
+    owner = (lambda part: modules[part[0]]) if modules else (lambda part: None)  # noqa: E731
     for part in parts:
-        if blocks and len(blocks[-1]) + len(part) <= block_size:
+        if blocks and owner(part) == owner(blocks[-1]) and len(blocks[-1]) + len(part) <= block_size:
             blocks[-1].extend(part)
         else:
             blocks.append(list(part))
@@ -120,7 +125,7 @@ def merge(parts: list[list[int]], block_size: int) -> list[list[int]]:
 def block_chain(problem: Problem, block_size: int) -> BlockChain:
     """The chain of blocks of `problem` (module docstring)."""
     pinned = pinned_values(problem)
-    forward_blocks = merge(segments(problem, pinned), block_size)
+    forward_blocks = merge(segments(problem, pinned), block_size, problem.node_modules)
     k = len(forward_blocks)
     block_of = np.full(problem.num_nodes, -1, dtype=np.int64)
     for i, nodes in enumerate(forward_blocks):

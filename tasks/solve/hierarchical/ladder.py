@@ -5,8 +5,10 @@ part (with its recomputations) when the gradient reaches it. What the block cost
 is the bytes it retains between the two (`BlockOption.retained`), so the ladder bounds that with
 Checkmate's MILP plus a retention limit (`checkmate_model.build_model(retained=...)`): each rung is
 (fraction of the freely retained bytes, fraction of the block's own peak). Every rung is started from
-the cheapest option found so far that fits it (at first: no recomputation, and the schedule that
-retains nothing: forward, then forward again and backward), so the rungs are ordered loose to tight.
+the cheapest option found so far that fits it (at first: no recomputation, the schedule that retains
+nothing: forward, then forward again and backward, and the options of `retention_greedy`, which
+recompute the cheapest bytes first), so the rungs are ordered loose to tight and a MILP stopped by its
+time limit still leaves its start.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tasks.solve.checkmate_model import assignment_from_schedule, build_model, schedule_from_solution
+from tasks.solve.checkpoints import schedule_from_checkpoints
 from tasks.solve.milp import MilpOptions, solve_milp
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import Simulation, default_schedule, simulate
@@ -81,18 +84,52 @@ def recompute_block(problem: Problem, num_forward: int) -> list[tuple[str, int]]
     return [("compute", n) for n in range(num_forward)] + default_schedule(problem)
 
 
+def retention_greedy(problem: Problem, num_forward: int) -> list[BlockOption]:
+    """Options from keeping every forward node down to keeping none, greedily: each step stops keeping
+    the forward node whose recomputation frees the most retained bytes per unit of added cost (cheap
+    elementwise ops with large outputs go first, dear matmuls last; when none frees bytes alone, the
+    cheapest to recompute), each schedule the optimal recomputation fill of what is kept
+    (`schedule_from_checkpoints`). Every step that retains fewer bytes is an option."""
+    def evaluate(kept: set[int]) -> BlockOption:
+        schedule = schedule_from_checkpoints(problem, [v for n in kept for v in problem.node_outputs[n]])
+        return option(problem, num_forward, schedule)
+
+    kept = set(range(num_forward))
+    current = evaluate(kept)
+    out = [current]
+    while kept:
+        best = None
+        for node in sorted(kept):
+            cand = evaluate(kept - {node})
+            freed = current.retained - cand.retained
+            added = max(cand.cost(problem.cost) - current.cost(problem.cost), 1e-9 * float(problem.cost.sum()))
+            score = (freed > 0, freed / added if freed > 0 else -added)   # no node frees bytes alone: cheapest
+            if freed >= 0 and (best is None or score > best[0]):
+                best = (score, node, cand)
+        if best is None:
+            break
+        kept.discard(best[1])
+        if best[2].retained < current.retained:
+            out.append(best[2])
+        current = best[2]
+    return out
+
+
 def ladder(problem: Problem, num_forward: int, rungs=RUNGS, *, time_limit: float, deadline: float | None = None,
            gap: float, backend: str = "auto", threads: int | None = None,
-           inner: str = "checkmate") -> tuple[list[BlockOption], bool]:
+           inner: str = "checkmate", greedy: bool = True) -> tuple[list[BlockOption], bool]:
     """The block's options for `rungs` (module docstring), without duplicate schedules, the
     no-recomputation and retain-nothing schedules included; each MILP (`inner`: "checkmate", or "monet":
     MONeT's program with the block's implementation variants, tasks.solve.monet) gets `time_limit`
-    seconds and none starts after `deadline` (perf_counter). Also says whether every rung was solved."""
+    seconds and none starts after `deadline` (perf_counter); with `greedy`, `retention_greedy`'s options
+    too. Also says whether every rung was solved."""
     full = option(problem, num_forward, default_schedule(problem))
     bare = option(problem, num_forward, recompute_block(problem, num_forward))
     found = {(full.schedule, full.impls): full, (bare.schedule, bare.impls): bare}
     if num_forward == problem.num_nodes:                     # no backward part: nothing to choose
         return [full], True
+    for o in retention_greedy(problem, num_forward) if greedy else ():
+        found.setdefault((o.schedule, o.impls), o)
     natural = max(full.forward_peak, full.backward_peak)
     lower = min_budget_lower_bound(problem)
     complete = True

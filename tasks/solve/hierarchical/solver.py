@@ -5,9 +5,11 @@
    (ladder.py; `inner = "checkmate"`: Checkmate's MILP; `inner = "monet"`: MONeT's program, which also
    picks the block's implementation variants; each solve bounded by `inner_time_limit`).
 3. Pick one option per block by the chain dynamic program (chain.py) and compose the schedule: every
-   block's forward part in order, then every backward part in reverse. The program's memory model is
-   an estimate; the simulator judges each composed schedule, and the program is re-run for a few
-   working budgets around the target to return the cheapest schedule that fits.
+   block's forward part in order, then every backward part in reverse; and by Rotor's nested program
+   (`nested_chain_dp`), where a block boundary need not be kept: a later part of the chain runs forward
+   keeping only its output and is run forward again from an earlier kept boundary. The programs' memory
+   model is an estimate; the simulator judges each composed schedule, and the programs are re-run for a
+   few working budgets around the target to return the cheapest schedule that fits.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import numpy as np
 from pydantic import Field
 
 from tasks.solve.hierarchical.blocks import BlockChain, block_chain, blocks_by_key
-from tasks.solve.hierarchical.chain import Choice, chain_dp
-from tasks.solve.hierarchical.ladder import RUNGS, BlockOption, ladder
+from tasks.solve.hierarchical.chain import Choice, Op, Sweep, chain_dp, nested_chain_dp
+from tasks.solve.hierarchical.ladder import RUNGS, BlockOption, ladder, option, recompute_block
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution
@@ -51,17 +53,20 @@ class HierarchicalOptions:
         "help": "seconds per block MILP (its best schedule so far is used when it stops)."})
     rungs: tuple[tuple[Fraction, Fraction], ...] = field(default=RUNGS, metadata={
         "help": "ladder rungs (retained fraction, peak fraction) solved for every distinct block."})
+    greedy: bool = field(default=True, metadata={
+        "help": "add the retention-greedy options (recompute the cheapest bytes first) to every ladder."})
 
 
 def _block_ladder(problem: Problem, num_forward: int, key: str, opts: HierarchicalOptions,
                   options: SolveOptions, deadline: float | None) -> list[BlockOption]:
     """The block's ladder, from the cache when a complete one was solved before."""
     digest = hashlib.sha256(problem.cost.tobytes()).hexdigest()
-    cache_key = (key, digest, opts.inner, opts.rungs, opts.inner_time_limit, options.gap, options.backend)
+    cache_key = (key, digest, opts.inner, opts.rungs, opts.inner_time_limit, opts.greedy, options.gap, options.backend)
     if cache_key in _LADDERS:
         return _LADDERS[cache_key]
     found, complete = ladder(problem, num_forward, opts.rungs, time_limit=opts.inner_time_limit, deadline=deadline,
-                             gap=options.gap, backend=options.backend, threads=options.threads, inner=opts.inner)
+                             gap=options.gap, backend=options.backend, threads=options.threads, inner=opts.inner,
+                             greedy=opts.greedy)
     if complete:
         _LADDERS[cache_key] = found
     return found
@@ -69,9 +74,31 @@ def _block_ladder(problem: Problem, num_forward: int, key: str, opts: Hierarchic
 
 def compose(chain: BlockChain, picked: list[BlockOption]) -> list[tuple[str, int]]:
     """Forward parts in block order, then backward parts in reverse block order, as global nodes."""
-    parts = [(b, o, 0, o.split) for b, o in zip(chain.blocks, picked)]
-    parts += [(b, o, o.split, len(o.schedule)) for b, o in reversed(list(zip(chain.blocks, picked)))]
-    return [("compute", int(b.nodes[s[1]]), *s[2:]) for b, o, lo, hi in parts for s in o.steps(lo, hi)]
+    return compose_ops(chain, [*(("forward", i, 0) for i in range(len(picked))),
+                               *(("backward", i, 0) for i in reversed(range(len(picked))))],
+                       [[o] for o in picked])
+
+
+def compose_ops(chain: BlockChain, ops: list[Op], per_block: list[list[BlockOption]]) -> list[tuple]:
+    """The schedule of a nested program's operations (`chain.Op`), as global compute steps carrying each
+    step's implementation variant where it is not the default."""
+    steps: list[tuple] = []
+    for kind, i, o in ops:
+        block = chain.blocks[i]
+        if kind == "sweep":
+            local = [("compute", n) for n in range(block.num_forward)]
+        else:
+            picked = per_block[i][o]
+            local = picked.steps(0, picked.split) if kind == "forward" else \
+                picked.steps(picked.split, len(picked.schedule))
+        steps += [("compute", int(block.nodes[s[1]]), *s[2:]) for s in local]
+    return steps
+
+
+def sweep(block, sub: Problem) -> Sweep:
+    """Rotor's F_ck of a block: its forward nodes in order, keeping only its outputs."""
+    bare = option(sub, block.num_forward, recompute_block(sub, block.num_forward))
+    return Sweep(float(sub.cost[:block.num_forward].sum()), bare.forward_peak, bare.retained)
 
 
 def hierarchical(problem: Problem, budget: int, options: SolveOptions) -> Solution:
@@ -91,15 +118,18 @@ def hierarchical(problem: Problem, budget: int, options: SolveOptions) -> Soluti
     choices = [[Choice(o.cost(b.problem.cost), o.forward_peak, o.backward_peak, o.retained) for o in opts_]
                for b, opts_ in zip(chain.blocks, per_block)]
     external = chain.external
+    sweeps = [sweep(b, b.problem) for b in chain.blocks]
     best = None
     for factor in WORKING_BUDGETS:
         picked = chain_dp(choices, external, factor * budget)
-        if picked is None:
-            continue
-        schedule = compose(chain, [per_block[i][o] for i, o in enumerate(picked)])
-        sim = simulate(problem, schedule)
-        if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
-            best = (schedule, sim, factor)
+        ops = nested_chain_dp(choices, sweeps, external, factor * budget)
+        candidates = [] if picked is None else [(compose(chain, [per_block[i][o] for i, o in enumerate(picked)]), "")]
+        if ops is not None and any(kind == "sweep" for kind, _, _ in ops):
+            candidates.append((compose_ops(chain, ops, per_block), " (nested)"))
+        for schedule, how in candidates:
+            sim = simulate(problem, schedule)
+            if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
+                best = (schedule, sim, factor, how)
     message = (f"{len(chain.blocks)} blocks ({len(distinct)} distinct), "
                f"{sum(map(len, ladders.values()))} block options")
     if best is None:
@@ -107,4 +137,4 @@ def hierarchical(problem: Problem, budget: int, options: SolveOptions) -> Soluti
                         bound=float(problem.cost.sum()), message=message + "; no composition fits the budget")
     return checked_solution(problem, "hierarchical", budget, best[0], bound=float(problem.cost.sum()),
                             solve_seconds=time.perf_counter() - start,
-                            message=message + f"; chain program at {best[2]:.2f}x the budget")
+                            message=message + f"; chain program{best[3]} at {best[2]:.2f}x the budget")

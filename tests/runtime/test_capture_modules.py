@@ -1,0 +1,64 @@
+"""Module boundaries recorded at capture (runtime/modules.py): which modules, which nodes, the graph
+unchanged by the markers, and a per-module checkpointing plan that trains like eager."""
+
+import torch
+from torch import nn
+
+import runtime
+from runtime.modules import marked_modules
+from tasks.solve import solve
+from tasks.solve.baselines import module_instances
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+
+
+class Residual(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def test_outermost_children_of_containers_are_marked():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(Residual(8), Residual(8)), nn.Linear(8, 2))
+    assert list(marked_modules(model)) == ["0", "1", "2"]
+    holder = nn.Module()
+    holder.stem, holder.layers = nn.Linear(4, 8), nn.ModuleList([Residual(8), Residual(8)])
+    assert list(marked_modules(holder)) == ["layers.0", "layers.1"]
+
+
+def test_boundaries_tag_each_layers_forward_nodes_and_leave_the_graph_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Residual(8), Residual(8), nn.Linear(8, 2))
+    loss_fn = lambda m, x: m(x).square().mean()  # noqa: E731
+    batch = (torch.randn(3, 4),)
+    graph = runtime.capture(model, loss_fn, batch)
+    bare = runtime.capture(model, loss_fn, batch, record_modules=False)
+    assert graph.fingerprint == bare.fingerprint and "node_modules" not in bare.meta
+    modules = graph.meta["node_modules"]
+    forward = [n for n in graph.nodes if n.phase == "forward"]
+    names = [modules[n.id] for n in forward]
+    assert list(dict.fromkeys(names)) == ["0", "1", "2", "3"]
+    assert names == sorted(names)                                       # each module's nodes contiguous
+    assert all(modules[n.id] is None for n in graph.nodes if n.phase == "backward")
+    tanh = [n.id for n in forward if "aten.tanh.default" in n.targets]
+    assert [modules[i] for i in tanh] == ["1", "2"]
+
+
+def test_gpt2_layers_are_recorded_and_checkpointing_them_trains_like_eager(captured, helpers):
+    model, loss_fn, batch, graph = captured("gpt2")
+    problem = Problem.from_graph(graph)
+    runs = module_instances(problem)
+    assert [problem.node_modules[r[0]] for r in runs] == ["transformer.h.0", "transformer.h.1"]
+    eager = simulate(problem, default_schedule(problem))
+    sol = solve(problem, "module-checkpoint", eager.peak_bytes, SolveOptions(params={"every": 1}))
+    forward_cost = problem.cost[problem.is_recomputable].sum()
+    assert problem.cost.sum() < sol.objective <= problem.cost.sum() + forward_cost
+    assert sol.predicted_peak_bytes < eager.peak_bytes
+    plan = sol.to_plan(problem)
+    result = helpers.train_plan(model, loss_fn, batch, plan, graph=graph)
+    helpers.assert_same_step(helpers.train_eager(model, loss_fn, batch), result)
+    helpers.assert_peak_matches(result.peak, sol.predicted_peak_bytes)
