@@ -111,8 +111,9 @@ def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
 @task(name="solve", cache_key_fn=_solve_key, task_run_name="solve {alias}", **PERSISTED, **HOOKS)
 def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, budget: Budget, settings: dict[str, Any],
                device: str, store: str, cache_dir: str, alias: str) -> dict[str, Any]:
-    """Solve one matrix cell with `settings` (`PlanConfig.solve_settings()`); the plan lands in
-    `cache_dir/solutions/`."""
+    """Solve one matrix cell with `settings` (`PlanConfig.solve_settings()`) on the costs of the device the
+    profile just measured (its device key, e.g. a fleet class: a newer profile of the same graph from another
+    class of the same device type is never used); the plan lands in `cache_dir/solutions/`."""
     key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, settings=settings,
                                 device=device))
     plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
@@ -120,7 +121,7 @@ def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, bud
     from tasks.solve_stage import solve_case
 
     options = SolveOptions(**{k: v for k, v in settings.items() if k != "addresses"})
-    return solve_case(_existing(traced["path"], "trace"), solver, budget, options, device, store, plan_path,
+    return solve_case(_existing(traced["path"], "trace"), solver, budget, options, profile["device"], store, plan_path,
                       settings["addresses"]).to_json()
 
 
