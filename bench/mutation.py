@@ -94,7 +94,7 @@ def prepare(name: str, target: Target) -> Path:
         'source_paths = ["runtime", "tasks", "flows"]',
         f"only_mutate = [{json.dumps(target.path)}]",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-x", "-q"]',
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0", "-x", "-q"]',
         "use_git_change_detection = false",
         "timeout_multiplier = 5.0",
         "timeout_constant = 10.0", ""])

@@ -8,12 +8,16 @@ from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
 
-HEURISTICS = [name for name in SOLVERS if name != "checkmate"]
+EXACT = {"checkmate", "monet", "monet-noop", "moccasin", "olla"}
+"""MILP / CP-SAT solvers, tested against exhaustive optima on small graphs (test_checkmate, test_monet,
+test_moccasin, test_olla): on the benchmark graphs their model build alone outlasts a short time limit."""
+HEURISTICS = [name for name in SOLVERS if name not in EXACT]
 
 
-@pytest.mark.parametrize("fraction", [0.9, 0.8])
+@pytest.mark.parametrize("fraction", [0.8])
 def test_every_heuristic_on_every_benchmark_graph(benchmark_paths, fraction):
-    """A schedule the simulator accepts within the budget, or a clear statement that none was found."""
+    """A schedule the simulator accepts within the budget, or a clear statement that none was found (at the
+    literature's tighter common budget; tests/solve/test_feasible_budgets.py pins where each must succeed)."""
     for path in benchmark_paths:
         problem = Problem.from_node_link(path)
         budget = int(fraction * simulate(problem, default_schedule(problem)).peak_bytes)

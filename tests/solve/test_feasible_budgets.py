@@ -111,15 +111,11 @@ def residual_problem():
                               terminal=grad[0], name="residual")
 
 
-@pytest.mark.parametrize("solver", ["chen-greedy", "linearized-greedy", "ap-greedy"])
-@pytest.mark.parametrize("graph", ["linear", "residual"])
+@pytest.mark.parametrize("solver, graph", [          # chen-greedy applies to linear graphs only
+    ("chen-greedy", "linear"), ("linearized-greedy", "linear"), ("ap-greedy", "linear"),
+    ("linearized-greedy", "residual"), ("ap-greedy", "residual")])
 def test_greedy_baselines_return_the_cheapest_of_their_own_sets(solver, graph):
-    if graph == "linear":
-        problem = linear_graph(7, [BYTES[i % 9] for i in range(15)])
-    else:
-        if solver == "chen-greedy":
-            pytest.skip("chen-greedy applies to linear graphs only")
-        problem = residual_problem()
+    problem = linear_graph(7, [BYTES[i % 9] for i in range(15)]) if graph == "linear" else residual_problem()
     forward = [int(v) for v in problem.order if problem.is_recomputable[v]]
     undirected = nx.Graph()
     undirected.add_nodes_from(forward)
