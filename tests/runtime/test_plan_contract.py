@@ -7,22 +7,12 @@ import json
 
 import pytest
 
-from runtime.graph import Node, OpGraph, Value
 from runtime.jsonio import sha256_hex
 from runtime.plan import Plan, PlanError, default_plan, normalize_step
 
+from .test_graph_plan import chain_graph
+
 RECOMPUTE = [("compute", 0), ("compute", 1), ("compute", 2), ("compute", 1), ("compute", 3)]
-
-
-def chain_graph(n=4, nbytes=100):
-    """x -> a0 -> a1 -> ... -> a{n-1} (the loss), one node per value."""
-    values = [Value(0, 40, (10,), "float32", "input", "x", None)]
-    nodes = []
-    for i in range(n):
-        kind = "output" if i == n - 1 else "activation"
-        values.append(Value(i + 1, nbytes, (nbytes // 4,), "float32", kind, f"a{i}", i))
-        nodes.append(Node(i, f"op{i}", ("aten.relu.default",), "forward", (i,), (i + 1,)))
-    return OpGraph(values, nodes, [n])
 
 
 def full_plan() -> Plan:

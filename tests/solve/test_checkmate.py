@@ -13,11 +13,12 @@ from tasks.solve.solution import SolveOptions
 EXACT = SolveOptions(gap=1e-6, params={"warm_start": "none"})
 
 
-def exhaustive_optimum(n: int, budget: int) -> int | None:
+def exhaustive_optimum(n: int, budget: int, work: list[int] | None = None) -> int | None:
     """Fewest computations of Checkmate's linear graph (2n+1 unit nodes) within `budget` values, over
-    ALL schedules: 0-1 BFS over (nodes computed so far, resident set); a compute costs 1 and holds the
-    resident values plus its output; freeing a value costs 0."""
+    ALL schedules: 0-1 BFS over (nodes computed so far, resident set); computing node j costs 1 and holds
+    the resident values, its output and its workspace `work[j]` (default 0); freeing a value costs 0."""
     size = 2 * n + 1
+    work = work or [0] * size
     deps = [0] * size
     for i in range(size - 1):
         deps[i + 1] |= 1 << i
@@ -36,10 +37,10 @@ def exhaustive_optimum(n: int, budget: int) -> int | None:
             bit = rest & -rest
             rest ^= bit
             moves.append((0, frontier, resident ^ bit))
-        if bin(resident).count("1") + 1 <= budget:
-            for j in range(min(frontier + 1, size)):
-                if not resident >> j & 1 and not deps[j] & ~resident:
-                    moves.append((1, frontier + (j == frontier), resident | 1 << j))
+        for j in range(min(frontier + 1, size)):
+            if (not resident >> j & 1 and not deps[j] & ~resident
+                    and bin(resident).count("1") + 1 + work[j] <= budget):
+                moves.append((1, frontier + (j == frontier), resident | 1 << j))
         for cost, f, r in moves:
             if d + cost < dist.get((f, r), 1 << 30):
                 dist[(f, r)] = d + cost

@@ -5,7 +5,6 @@ workspace, whose memory constraint must charge it."""
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import replace
 
 import networkx as nx
@@ -18,6 +17,8 @@ from tasks.solve.checkpoints import schedule_from_checkpoints
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
+
+from .test_checkmate import exhaustive_optimum
 
 
 def linear_graph(n: int, nbytes=None, workspace=None) -> Problem:
@@ -151,39 +152,6 @@ def test_memory_aware_heuristics_return_checkpoint_all_at_its_peak(solver, works
         assert sol.source is None, sol.message          # its own schedule, not a cheap solver's (portfolio)
 
 
-def exhaustive_with_workspace(n: int, budget: int, work: list[int]) -> int | None:
-    """Fewest computations of the unit-byte linear graph within `budget`, over ALL schedules: 0-1 BFS over
-    (frontier, resident set); computing node j holds the resident values, its output and work[j]."""
-    size = 2 * n + 1
-    deps = [0] * size
-    for i in range(size - 1):
-        deps[i + 1] |= 1 << i
-    for i in range(n):
-        deps[2 * n - i] |= 1 << i
-    dist = {(0, 0): 0}
-    queue = deque([(0, 0)])
-    while queue:
-        frontier, resident = queue.popleft()
-        d = dist[(frontier, resident)]
-        if frontier == size:
-            return d
-        moves = []
-        rest = resident
-        while rest:
-            bit = rest & -rest
-            rest ^= bit
-            moves.append((0, frontier, resident ^ bit))
-        for j in range(min(frontier + 1, size)):
-            if (not resident >> j & 1 and not deps[j] & ~resident
-                    and bin(resident).count("1") + 1 + work[j] <= budget):
-                moves.append((1, frontier + (j == frontier), resident | 1 << j))
-        for cost, f, r in moves:
-            if d + cost < dist.get((f, r), 1 << 30):
-                dist[(f, r)] = d + cost
-                (queue.appendleft if cost == 0 else queue.append)((f, r))
-    return None
-
-
 @pytest.mark.parametrize("n, node, amount", [(4, 6, 3), (5, 2, 2), (5, 7, 4)])
 def test_checkmate_charges_each_nodes_workspace(n, node, amount):
     """A workspace on one node (and 1 B on the first forward node): the MILP optimum is the exhaustive
@@ -193,7 +161,7 @@ def test_checkmate_charges_each_nodes_workspace(n, node, amount):
     work[node], work[1] = amount, 1
     problem = linear_graph(n, workspace=work)
     for budget in range(1, 2 * n + 6):
-        expected = exhaustive_with_workspace(n, budget, work)
+        expected = exhaustive_optimum(n, budget, work)
         got = solve(problem, "checkmate", budget, SolveOptions(gap=1e-6, params={"warm_start": "none"}))
         if expected is None:
             assert not got.feasible, (n, budget)
