@@ -35,10 +35,10 @@ from rich.console import Console
 from rich.table import Table
 
 import runtime
-from runtime.meter import PeakMeter
 from runtime.variants import graph_variants
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import simulate
+from variants_arena import measure  # bench/ is the script folder: the same eager/plan step meter
 
 
 def build(name: str, batch: int, size: int):
@@ -91,19 +91,6 @@ def where_it_helps(graph, problem, groups) -> tuple[list[dict], int]:
             chosen.update(group)
             best, kept = trial, kept + 1
     return schedule(chosen), kept
-
-
-def measure(model, loss_fn, batch, step=None):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    with PeakMeter("cpu") as meter:
-        if step is None:
-            loss_fn(model, *batch).backward()
-        else:
-            step(*batch)
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return meter.peak_bytes, grads
 
 
 def bench(name: str, batch: int, size: int, rounds: int) -> list[tuple]:
