@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
@@ -119,7 +120,10 @@ def profiled_problem(graph, name: str) -> Problem:
 
 def compiled_step(model, loss_fn, batch, budget: float):
     """A copy of `model` under torch.compile with `activation_memory_budget` = budget, compiled by its
-    first step (the budget is read while compiling)."""
+    first step (the budget is read while compiling). Dynamo's cache is reset first: its guards do not
+    cover the budget or the module copy, so without the reset every budget after the first would reuse
+    the first budget's compiled graphs."""
+    torch._dynamo.reset()
     compiled = torch.compile(copy.deepcopy(model), backend="aot_eager_decomp_partition")
     step = lambda: loss_fn(compiled, *batch).backward()  # noqa: E731
     with torch._functorch.config.patch(activation_memory_budget=budget):

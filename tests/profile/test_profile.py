@@ -75,18 +75,23 @@ def test_a_large_matmul_measures_far_more_than_a_small_relu():
     assert mm["output_bytes"] == 768 * 768 * 4 and relu["output_bytes"] == 16 * 4
 
 
-def test_repeated_profiles_give_medians_within_tolerance(cnn_graph):
-    """Stated tolerance: back-to-back runs agree within a factor 1.5 per node whose median is at least
-    0.1 ms, and within 20% on the sum over all nodes (typical spread on this shared machine: 2-3%)."""
+def test_repeated_profiles_agree_within_tolerance(cnn_graph):
+    """Stated tolerance: back-to-back runs agree on the fastest sample (`time_ms_min`) within a factor
+    1.5 for every node taking at least 0.1 ms, and within 20% summed over all nodes; every median lies at
+    or above its minimum. The minimum is the statistic contention cannot deflate and rarely inflates: on
+    this 2-core machine shared with the rest of the suite, one node's median moved by 2.3x and the sum of
+    the medians by 43% between two runs while the minima stayed within a few percent."""
     settings = ProfileSettings(warmup=2, repeats=5, rounds=3, threads=1)
     measure_graph(cnn_graph, "cpu", FAST, model="cnn", progress=False)
-    first, second = (np.array([r["time_ms"] for r in measure_graph(cnn_graph, "cpu", settings, model="cnn",
-                                                                      progress=False)]) for _ in range(2))
-    big = (first >= 0.1) & (second >= 0.1)
+    first, second = (measure_graph(cnn_graph, "cpu", settings, model="cnn", progress=False) for _ in range(2))
+    for rows in (first, second):
+        assert all(0 < r["time_ms_min"] <= r["time_ms"] for r in rows)
+    fastest = [np.array([r["time_ms_min"] for r in rows]) for rows in (first, second)]
+    big = (fastest[0] >= 0.1) & (fastest[1] >= 0.1)
     assert big.sum() >= 5
-    ratio = second[big] / first[big]
+    ratio = fastest[1][big] / fastest[0][big]
     assert ratio.min() > 1 / 1.5 and ratio.max() < 1.5, ratio
-    assert abs(second.sum() / first.sum() - 1) < 0.2
+    assert abs(fastest[1].sum() / fastest[0].sum() - 1) < 0.2
 
 
 def _hand_built_graph(n: int) -> tuple[OpGraph, dict]:
