@@ -94,6 +94,7 @@ def prepare(name: str, target: Target) -> Path:
         'source_paths = ["runtime", "tasks", "flows"]',
         f"only_mutate = [{json.dumps(target.path)}]",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        'also_copy = ["pipeline.toml", "docs"]',           # files the tests read besides the code
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0", "-x", "-q"]',
         "use_git_change_detection = false",
         "timeout_multiplier = 5.0",
