@@ -94,8 +94,10 @@ def prepare(name: str, target: Target) -> Path:
         'source_paths = ["runtime", "tasks", "flows"]',
         f"only_mutate = [{json.dumps(target.path)}]",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        'also_copy = ["pipeline.toml", "docs"]',           # files the tests read besides the code
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0", "-x", "-q"]',
         "use_git_change_detection = false",
+        'process_isolation = "forkserver"',     # torch tests: autograd refuses to run in a child forked after it ran
         "timeout_multiplier = 5.0",
         "timeout_constant = 10.0", ""])
     (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + section)
@@ -107,6 +109,9 @@ def run_target(name: str, target: Target, jobs: int) -> dict:
     env = dict(os.environ, MEMPLAN_BENCHMARKS=os.environ.get(
         "MEMPLAN_BENCHMARKS", str(ROOT.parent.parent / "shared" / "benchmarks" / "graphs")))
     env.pop("PYTHONPATH", None)
+    # each mutant's tests run in a forked child: torch ops there hang when the forking process ran OpenMP
+    # threads (libgomp is not fork-safe), a false "timeout" kill
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     mutmut = Path(sys.executable).with_name("mutmut")
     start = time.perf_counter()
     with open(work / "mutmut.log", "w") as log:

@@ -13,6 +13,8 @@ import json
 import re
 import tomllib
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -31,7 +33,7 @@ TRANSFORMERS_AUTO_CLASSES = (
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d+)?)\s*([A-Za-z]+)\s*$")
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d{1,4})?)\s*([A-Za-z]+)\s*$")     # exponents of 4 digits at most: sizes are exact
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
@@ -97,7 +99,7 @@ def parse_budget(value: Any) -> Budget:
             if 0.0 < fraction <= 1.0:
                 return Budget(fraction=fraction)
         elif (m := _BYTES.match(value)) and m.group(2).lower() in _UNITS:
-            nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            nbytes = Fraction(Decimal(m.group(1))) * _UNITS[m.group(2).lower()]    # exact, unlike a float
             if 1 <= nbytes <= MAX_BUDGET_BYTES:             # "0.5 B" would be a 0-byte budget
                 return Budget(bytes=int(nbytes))
     raise ValueError(_budget_help(value))

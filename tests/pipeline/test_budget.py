@@ -101,3 +101,24 @@ def test_resolution(budget, peak, expected):
 ])
 def test_labels(budget, label):
     assert budget.label == label
+
+
+@pytest.mark.parametrize("value", [True, 0, MAX_BUDGET_BYTES + 1, 1.5, 0.0, "0 B"])
+def test_the_error_names_the_refused_value_of_every_type(value):
+    with pytest.raises(ValueError) as err:
+        parse_budget(value)
+    assert str(err.value).startswith(f"budget {value!r} is not understood")
+
+
+@pytest.mark.parametrize("text, nbytes", [
+    (f"{MAX_BUDGET_BYTES} B", MAX_BUDGET_BYTES), (f"{2**53 + 1} B", 2**53 + 1), ("8589934591.999999999 GiB", MAX_BUDGET_BYTES - 1),
+    (f"{MAX_BUDGET_BYTES + 1} B", None), ("1e9999 B", None), ("1e99999 B", None),
+])
+def test_sizes_are_exact_up_to_the_largest_budget(text, nbytes):
+    """Sizes are computed without float rounding (a float would refuse the largest budget and round
+    2**53 + 1 bytes down); a huge exponent is refused at once."""
+    if nbytes is None:
+        with pytest.raises(ValueError, match="is not understood"):
+            parse_budget(text)
+    else:
+        assert parse_budget(text) == Budget(bytes=nbytes)

@@ -86,3 +86,29 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too():
     assert validation.passed, validation.reasons
     assert validation.arena_bytes_not_placed == 0 and validation.arena_step_ms > 0
     assert validation.arena_peak_bytes == simulate(problem, schedule, addresses).arena_peak_bytes
+
+
+def test_a_tensor_only_the_plan_produces_is_reported():
+    loss = torch.tensor(1.0)
+    problems, _, compared = compare_tensors({"loss": loss}, {"loss": loss, "grad:new": torch.zeros(2)}, rtol=0, atol=0)
+    assert problems == ["grad:new is unexpected in the plan's step"] and compared == 1
+
+
+def test_the_largest_difference_is_measured_in_float64():
+    """float32 would round 1 - 1e-8 to 1; the reported error is the exact difference of the two values."""
+    tiny = torch.tensor([1e-8])
+    _, worst, _ = compare_tensors({"g": torch.tensor([1.0])}, {"g": tiny}, rtol=0, atol=0)
+    assert worst == 1.0 - float(tiny) < 1.0
+
+
+def test_step_state_is_a_detached_copy():
+    model = torch.nn.BatchNorm1d(3)
+    model.bias.requires_grad_(False)
+    loss = model(torch.randn(4, 3)).pow(2).sum()
+    loss.backward()
+    state = step_state(model, loss)
+    assert state["grad:bias"] is None and not state["loss"].requires_grad
+    mean = state["buffer:running_mean"].clone()
+    model.running_mean.add_(1.0)
+    model.weight.grad.add_(1.0)
+    assert torch.equal(state["buffer:running_mean"], mean) and not torch.equal(state["grad:weight"], model.weight.grad)

@@ -64,6 +64,7 @@ def test_explain_names_the_plan_the_device_and_the_first_reasons():
     record = Validation(False, ["a", "b", "c", "d", "e"], "cpu", "cpu", 1, 1, 1, 1, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1)
     assert record.explain("p.json") == "plan p.json failed validation on cpu: a; b; c; and 2 more."
     assert record.explain("p.json", shown=5) == "plan p.json failed validation on cpu: a; b; c; d; e."
+    assert record.explain("p.json", shown=4) == "plan p.json failed validation on cpu: a; b; c; d; and 1 more."
     assert Validation.from_json(record.to_json()) == record
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from runtime.graph import Value
 from runtime.jsonio import sha256_hex
 from runtime.plan import Plan, PlanError, default_plan, normalize_step
 
@@ -171,6 +172,9 @@ def test_addresses_naming_values_that_do_not_exist_are_refused(addresses, messag
     ([[0, True, 0]], "non-negative"),
     ([[0, 1, 0, 0]], "non-negative"),
     ([[4, 1, 0]], r"names schedule\[4\], which is not a compute step"),
+    ([[5, 1, 0]], r"names schedule\[5\], which is not a compute step"),         # one past the last step
+    ([5], r"entry 5 is not \[step, value, offset\]"),
+    ({3: 0}, r"entry \(3, 0\) is not \[step, value, offset\]"),                 # a mapping keyed by step only
 ])
 def test_malformed_addresses_are_refused(addresses, message):
     with pytest.raises(PlanError, match=message):
@@ -223,3 +227,107 @@ def test_malformed_plan_fields_are_refused(kwargs, message):
 def test_predicted_numbers_and_nulls_are_kept():
     plan = Plan("f", [("compute", 0)], predicted={"peak_bytes": 1, "time_ms": None, "compute_cost": 2.5})
     assert plan.predicted == {"peak_bytes": 1, "time_ms": None, "compute_cost": 2.5}
+
+
+def test_refusals_of_malformed_keys_say_what_the_key_must_be(tmp_path):
+    with pytest.raises(PlanError) as err:
+        Plan("f", [("compute", 0)], addresses="0,1,0")
+    assert str(err.value) == "plan key 'addresses' must be a list of [step, value, offset] triples."
+    with pytest.raises(PlanError) as err:
+        Plan.load({"format": "memplan-plan", "version": 1, "fingerprint": "f", "schedule": [], "offsets": [0, 1]})
+    assert str(err.value) == ("plan dict: plan key 'offsets' (version 1) must be an object mapping value ids to "
+                              "byte offsets.")
+    with pytest.raises(PlanError) as err:
+        Plan("f", "compute 0")
+    assert str(err.value) == "plan key 'schedule' must be a list of steps."
+    with pytest.raises(PlanError) as err:
+        Plan("f", [("compute", 0)], predicted=[1])
+    assert str(err.value) == "plan key 'predicted' must be an object."
+    with pytest.raises(PlanError) as err:
+        Plan("f", [("compute", 0)], predicted={"peak": 1})
+    assert str(err.value) == ("plan predicted['peak'] = 1: allowed keys are peak_bytes, constant_bytes, compute_cost, "
+                              "time_ms, arena_bytes, each a number or null.")
+    with pytest.raises(PlanError) as err:
+        Plan("f", [("compute", 0)], provenance={1: "x"})
+    assert str(err.value) == "plan key 'provenance' must be an object with string keys."
+    with pytest.raises(PlanError) as err:
+        normalize_step(("run", 1))
+    assert str(err.value) == ("step is ('run', 1); a step is {\"compute\": node_id} (optionally with \"impl\": name) "
+                              "or {\"free\": value_id} with a non-negative integer id.")
+    with pytest.raises(PlanError) as err:
+        Plan.load({"format": "memplan-plan", "version": 3, "fingerprint": "f", "schedule": []})
+    assert str(err.value) == ("plan dict: plan format version 3 is not supported (this memplan reads versions 1, 2); "
+                              "regenerate the plan with this memplan version.")
+    v1 = Plan.load({"format": "memplan-plan", "version": 1, "fingerprint": "f", "schedule": [{"compute": 0}],
+                    "offsets": {"1": 0}})
+    with pytest.raises(PlanError) as err:
+        v1.save(tmp_path / "p.json")
+    assert str(err.value) == ("this version-1 plan's offsets are keyed by value; call plan.validate(graph) to turn "
+                              "them into copy addresses before writing it as version 2.")
+
+
+def test_impls_are_the_variants_named_besides_the_default():
+    plan = Plan("f", [("compute", 0, "mask"), ("compute", 1), ("compute", 2, "default"), {"compute": 3, "impl": "fast"}])
+    assert plan.impls() == {"mask", "fast"}
+    assert default_plan(chain_graph()).impls() == set()
+
+
+def test_default_plan_provenance_names_the_solver_the_utc_time_and_the_memplan_version(monkeypatch):
+    from datetime import datetime, timedelta, timezone
+    from importlib import metadata
+
+    provenance = default_plan(chain_graph()).provenance
+    assert set(provenance) == {"solver", "created_at", "memplan_version"} and provenance["solver"] == "default"
+    created = datetime.fromisoformat(provenance["created_at"])
+    assert created.utcoffset() == timedelta(0) and abs(datetime.now(timezone.utc) - created) < timedelta(minutes=1)
+    assert provenance["memplan_version"] == metadata.version("memplan")
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert default_plan(chain_graph()).provenance["memplan_version"] == "unknown"
+
+
+def test_compute_steps_are_the_computed_nodes_in_order():
+    assert full_plan().compute_steps() == [0, 1, 2, 1, 3]
+    assert Plan("f", [("compute", 0), ("free", 1), ("compute", 2)]).compute_steps() == [0, 2]
+
+
+def _fan_out_graph(n_outputs):
+    """x -> node 0 -> o0, o1, ... (every value a graph output)."""
+    from runtime.graph import Node, OpGraph, Value
+
+    values = [Value(0, 4, (1,), "float32", "input", "x", None)]
+    values += [Value(i + 1, 4, (1,), "float32", "output", f"o{i}", 0) for i in range(n_outputs)]
+    node = Node(0, "split", ("aten.split.Tensor",), "forward", (0,), tuple(range(1, n_outputs + 1)))
+    return OpGraph(values, [node], list(range(1, n_outputs + 1)))
+
+
+def test_refusals_of_invalid_schedules_name_the_valid_ranges_and_the_missing_outputs():
+    g = chain_graph()                                         # nodes 0..3, values 0..4
+    with pytest.raises(PlanError) as err:
+        Plan(g.fingerprint, [("compute", 4)]).validate(g)
+    assert str(err.value) == "schedule[0] computes node 4, which does not exist (0..3)."
+    with pytest.raises(PlanError) as err:
+        Plan(g.fingerprint, [("compute", 0), ("free", 5)]).validate(g)
+    assert str(err.value) == "schedule[1] frees value 5, which does not exist (0..4)."
+    fan = _fan_out_graph(12)
+    with pytest.raises(PlanError) as err:
+        Plan(fan.fingerprint, []).validate(fan)
+    assert str(err.value) == ("graph outputs [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] (o0, o1, o2...) are not resident at the "
+                              "end of the schedule; every output must be computed and not freed after.")
+
+
+def test_validation_uses_the_variants_it_is_given_and_their_values():
+    """A variant (here a hand-made `mask` of node 1 that also allocates value 5) is known only to the
+    variants passed in; its value may be freed, the next id does not exist."""
+    from runtime.variants import GraphVariants, VariantSpec
+
+    g = chain_graph()
+    mask = Value(5, 8, (8,), "uint8", "activation", "a0.mask", 1)
+    variants = GraphVariants(5, (mask,), {1: {"mask": VariantSpec(1, "mask", "relu_mask", (1,), (2, 5))}})
+    schedule = [("compute", 0), ("compute", 1, "mask"), ("free", 5), ("compute", 2), ("compute", 3)]
+    assert Plan(g.fingerprint, schedule).validate(g, variants) is variants
+    with pytest.raises(PlanError, match=r"schedule\[3\] frees value 6, which does not exist \(0..5\)"):
+        Plan(g.fingerprint, [*schedule[:3], ("free", 6)]).validate(g, variants)
