@@ -1,6 +1,6 @@
 """`memplan run` from the command line on a tiny project (one linear layer at batch 1024, checkpoint-all at
-the full budget, one validation step): the success table and the published plan, `--refresh` re-running the cached stages, and
-a plan that fails validation giving exit status 1, the reason, and nothing published."""
+the full budget, one validation step): the success table and the published plan, `--refresh` re-running
+the cached stages, and a plan that fails validation giving exit status 1, the reason, and nothing published."""
 
 from __future__ import annotations
 
