@@ -75,7 +75,7 @@ MODELS = {"channels_last_conv": (ChannelsLastConv, (6, 3, 5, 5)), "transposed_we
           "broadcast_gradient": (BroadcastGradient, (6, 8)), "sliced_gradient": (SlicedGradient, (6, 8))}
 
 
-def batches(shape, steps=3):
+def batches(shape, steps=2):
     generator = torch.Generator().manual_seed(1)
     return [(torch.randn(shape, generator=generator), torch.randint(0, 4, (shape[0],), generator=generator))
             for _ in range(steps)]
@@ -131,3 +131,28 @@ def test_gradients_get_eager_values_and_layout_and_accumulate(name):
             if i == 0:
                 first = [p.grad for p in planned.parameters()]
             assert all(p.grad is g for p, g in zip(planned.parameters(), first))
+
+
+class SummedParameters(nn.Module):
+    """`a` and `b` enter only as `a + b` (`scaled`: as `a + b * 1`)."""
+
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.a, self.b, self.scaled = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8)), scaled
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(x @ (self.a + (self.b * 1 if self.scaled else self.b))))
+
+
+def test_parameters_sharing_one_gradient_tensor_get_a_clear_capture_error():
+    from runtime.capture import CaptureError
+
+    with pytest.raises(CaptureError, match=r"two parameters receive the very same gradient tensor .*\(`a \+ b \* 1`\)"):
+        runtime.capture(SummedParameters(scaled=False), cross_entropy, batches((6, 8), 1)[0])
+    model = SummedParameters(scaled=True)                  # the workaround the message names captures
+    eager, batch = copy.deepcopy(model), batches((6, 8), 1)[0]
+    runtime.load(runtime.default_plan(runtime.capture(model, cross_entropy, batch)), model, cross_entropy)(*batch)
+    cross_entropy(eager, *batch).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
