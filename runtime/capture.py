@@ -99,7 +99,16 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                    for t in [*batch, *model.parameters()] if t.device.type == "cuda"})
     hooks = boundary_hooks(model) if record_modules else nullcontext()
     with torch.random.fork_rng(devices=cuda), hooks:       # tracing must not move the generators
-        gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
+        try:
+            gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
+        except AssertionError as exc:                      # its output-name bookkeeping (torch 2.14)
+            if "gradients_to_parameters" not in str(exc):
+                raise
+            raise CaptureError(
+                "torch's aot_export_module cannot export this training step: two parameters receive the very "
+                "same gradient tensor (parameters that enter the model only through their sum, such as "
+                "`x @ (a + b)`), and the export names gradients by tensor. Make them one parameter, or give "
+                "one of them an op of its own (`a + b * 1`).") from exc
     strip_boundaries(gm.graph)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()

@@ -54,6 +54,13 @@ def _replay_rng(state: torch.Tensor, device: str) -> torch.Tensor:
     return current
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A scalar result in a storage of its own size. Some kernels reduce into the storage of their unreduced
+    result (on CPU `mse_loss` and `smooth_l1_loss`: a 0-dim loss holding its batch-sized buffer); the plan's
+    memory model counts the result's extent (docs/plan-format.md), so the copy the plan keeps is that size."""
+    return t.clone() if t.untyped_storage().nbytes() > t.element_size() else t
+
+
 def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = None, *,
                  arena: bool = False) -> tuple[fx.GraphModule, ArenaReport | None]:
     """The plan's schedule as one FX GraphModule `f(*params, *buffers, *batch) -> outputs` (the joint
@@ -89,6 +96,10 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
             for m in program.groups[n]:
                 env[m] = (emit_out_call(g, m, env.__getitem__, placements[i], arena_node, device) if m is head
                           else g.node_copy(m, env.__getitem__))
+            for v in graph.nodes[n].outputs if head is None else ():
+                where = program.primary[v]
+                if graph.values[v].shape == () and isinstance(where, fx.Node):
+                    env[where] = g.call_function(_own_storage, (env[where],))
         if previous is not None:
             g.call_function(_set_rng_state, (previous, program.random_devices[n]))
     if arena_node is not None:
