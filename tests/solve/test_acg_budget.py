@@ -10,6 +10,7 @@ import importlib.util
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tasks.solve import solve
@@ -255,3 +256,40 @@ def test_exact_search_when_gradients_read_few_forward_values(nbytes, skips, time
         best = brute_force(points, budget)
         assert sol.objective == best, (budget, sol.message)
         assert sol.predicted_peak_bytes == min(peak for cost, peak in points if cost == best and peak <= budget)
+
+
+BISECTED = [  # (bytes, compute costs) of 12-node chains whose Lagrangian sets fit in a prefix of the multipliers
+    ([1, 29, 18, 15, 38, 7, 21, 2, 2, 2, 35, 1], [4, 2, 4, 1, 5, 2, 4, 4, 5, 2, 3, 2]),
+    ([8, 20, 7, 28, 16, 33, 36, 14, 22, 22, 33, 26], [5, 4, 1, 2, 4, 5, 5, 5, 5, 5, 1, 3]),
+    ([30, 19, 2, 27, 36, 7, 12, 19, 8, 22, 33, 28], [5, 2, 3, 3, 5, 4, 5, 4, 5, 1, 4, 2]),
+]
+
+
+@pytest.mark.parametrize("nbytes, times", BISECTED)
+def test_the_bisection_reaches_the_largest_fitting_multiplier(nbytes, times):
+    """For each break-even multiplier mu = l(v)/t(v), Algorithm 6 with weights l - mu t (the search module,
+    independently of the bisection) gives a set; at a budget where the sets of the smallest k multipliers
+    fit and the others do not, the bisection must reach the k-th, so its answer costs at most that set's
+    cost; every candidate is simulated once."""
+    from tasks.solve.acg.search import DivisionSearch, acg_checkpoints
+
+    problem = training_problem([(i, i + 1) for i in range(11)], 12, nbytes, cost=[float(t) for t in times])
+    fg = forward_graph(problem)
+    root = division_tree(fg.dag)
+    lengths = np.asarray(fg.dag.cost, dtype=float)
+    sets = []
+    for mu in sorted({float(length / t) for length, t in zip(lengths, fg.time) if t > 0}):
+        kept = acg_checkpoints(fg.dag, search=DivisionSearch(fg.dag, root, lengths - mu * fg.time)).checkpoints
+        sets.append(simulate(problem, reforward_schedule(fg, kept)))
+    top = simulate(problem, default_schedule(problem)).peak_bytes
+    checked = 0
+    for budget in sorted({s.peak_bytes for s in sets if s.peak_bytes < top}):
+        k = sum(s.peak_bytes <= budget for s in sets)
+        if not all(s.peak_bytes <= budget for s in sets[:k]):
+            continue                                 # fitting is not monotone in mu at this budget
+        best, tried = budgeted(fg, root, budget)
+        assert best.simulation.peak_bytes <= budget
+        assert best.simulation.compute_cost <= sets[k - 1].compute_cost, budget
+        assert len({c.checkpoints for c in tried}) == len(tried)
+        checked += 1
+    assert checked >= 3
