@@ -212,8 +212,10 @@ FRACTIONAL = [
 def test_weighted_search_with_fractional_weights(graph, weight):
     """Weights l - mu t with a fractional multiplier: differences below one byte decide the optimum."""
     dag = TensorDag.from_networkx(graph)
-    search = DivisionSearch(dag, division_tree(dag), [weight[label] for label in dag.labels])
+    weights = [weight[label] for label in dag.labels]
+    search = DivisionSearch(dag, division_tree(dag), weights)
     assert acg_checkpoints(dag, search=search).objective == exhaustive_optimum(graph, weight=weight)
+    assert acg_checkpoints(dag, weights).objective == exhaustive_optimum(graph, weight=weight)
 
 
 def test_weights_must_match_the_vertices():
