@@ -118,8 +118,22 @@ def test_schedules_that_do_not_advance_the_frontier_have_no_assignment():
     assert assignment_from_schedule(problem, L, [("compute", 0), ("compute", 1), ("compute", 2)]) is not None
     assert assignment_from_schedule(problem, L, [("compute", 1), ("compute", 0), ("compute", 2)]) is None
     assert assignment_from_schedule(problem, L, [("compute", 0), ("compute", 1)]) is None
-    for steps in ([0, 1, 1, 0, 2], [0, 1, 2, 0]):                 # a stage out of order; past the last stage
+    # a stage out of order, a node twice in one stage, past the last stage
+    for steps in ([0, 1, 1, 0, 2], [0, 1, 1, 1, 2], [0, 1, 2, 0]):
         assert assignment_from_schedule(problem, L, [("compute", k) for k in steps]) is None
+
+
+def test_free_steps_do_not_change_the_assignment():
+    """Frees are left to the simulator (each value is released after its last use), so a schedule with
+    explicit frees has the assignment of the same schedule without them."""
+    problem = Problem.from_edges([1.0] * 4, [1] * 4, [(0, 1), (1, 2), (2, 3), (0, 3)])
+    _, L = build_model(problem, 10)
+    plain = [("compute", k) for k in (0, 1, 2, 3)]
+    freed = [("compute", 0), ("compute", 1), ("free", 0), ("compute", 0), ("compute", 2), ("free", 1),
+             ("compute", 3)]
+    kept = [("compute", k) for k in (0, 1, 0, 2, 3)]
+    assert np.array_equal(assignment_from_schedule(problem, L, freed), assignment_from_schedule(problem, L, kept))
+    assert not np.array_equal(assignment_from_schedule(problem, L, kept), assignment_from_schedule(problem, L, plain))
 
 
 def test_unknown_formulation_is_refused():
