@@ -40,7 +40,7 @@ def random_problem(rng: random.Random) -> Problem:
     unread = [v for v in range(1, nv) if v not in read]
     outputs = tuple(sorted({outputs_of[ids[-1]][0]} | {v for v in unread if rng.random() < 0.5}))
     return Problem(name="random", cost=np.array([rng.choice([1.0, 2.0, 3.5]) for _ in range(n)]),
-                   workspace=np.array([rng.choice([0, 0, 2, 7]) for _ in range(n)], dtype=np.int64),
+                   workspace=np.array([rng.choice([0, 0, 1, 2, 7]) for _ in range(n)], dtype=np.int64),
                    phase=("forward",) * n, node_inputs=tuple(node_inputs[i] for i in range(n)),
                    node_outputs=tuple(outputs_of[i] for i in range(n)),
                    value_bytes=np.array([rng.randint(1, 9) for _ in range(nv)], dtype=np.int64),
@@ -103,7 +103,7 @@ def test_the_retention_limit_holds_exactly_when_the_retained_bytes_fit(seed):
     n = problem.num_nodes
     _, L = build_model(problem, peak)
     x = assignment_from_schedule(problem, L, schedule)
-    for stage in range(1, n):
+    for stage in range(n):                          # nothing is retained into stage 0 (eq. 8b)
         held = sum(L.mb[iv] * x[L.s(stage, iv)] for iv in range(len(L.vals)) if L.pp[iv] < stage)
         fits, _ = build_model(problem, peak, retained=(stage, held))
         assert not violated(fits, x), stage
