@@ -145,3 +145,23 @@ def test_unknown_formulation_is_refused():
 def test_expand_ranges_lists_every_member_of_each_range():
     item, value = expand_ranges(np.array([2, 5, 0, 3]), np.array([4, 5, 1, 6]))
     assert item.tolist() == [0, 0, 2, 3, 3, 3] and value.tolist() == [2, 3, 0, 3, 4, 5]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_budget_rows_and_columns_scale_the_budget(seed):
+    """`checkmate-approx` re-solves the LP relaxation under (1 - eps) of the budget by scaling the bounds
+    the model lists as budget rows (workspace) and columns (U): each LP of the sweep is the LP of the model
+    built for that budget."""
+    from tasks.solve.milp import MilpOptions, solve_lp_sweep, solve_milp
+
+    rng = random.Random(200 + seed)
+    problem = random_problem(rng)
+    budget = simulate(problem, random_schedule(problem, rng)).peak_bytes
+    model, L = build_model(problem, budget)
+    scales = [1.0, 0.9, 0.75, 0.5, 0.3]
+    for scale, lp in zip(scales, solve_lp_sweep(model, scales, MilpOptions(backend="highs"))):
+        direct = solve_milp(build_model(problem, scale * budget)[0], MilpOptions(backend="highs", relax=True))
+        assert lp.status == direct.status, scale
+        if direct.status == "optimal":
+            assert lp.objective == pytest.approx(direct.objective, rel=1e-7), scale
+            assert lp.x[L.u_base:].max() <= scale + 1e-7                 # memory within the scaled budget
