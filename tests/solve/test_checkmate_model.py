@@ -165,3 +165,10 @@ def test_the_budget_rows_and_columns_scale_the_budget(seed):
         if direct.status == "optimal":
             assert lp.objective == pytest.approx(direct.objective, rel=1e-7), scale
             assert lp.x[L.u_base:].max() <= scale + 1e-7                 # memory within the scaled budget
+
+
+def test_a_graph_that_costs_nothing_has_a_finite_objective():
+    problem = Problem.from_edges([0.0] * 3, [1] * 3, [(0, 1), (1, 2)])
+    model, L = build_model(problem, 10)
+    x = assignment_from_schedule(problem, L, [("compute", k) for k in (0, 1, 2)])
+    assert np.isfinite(model.c).all() and model.c @ x * model.objective_scale == 0.0
