@@ -258,22 +258,26 @@ def test_exact_search_when_gradients_read_few_forward_values(nbytes, skips, time
         assert sol.predicted_peak_bytes == min(peak for cost, peak in points if cost == best and peak <= budget)
 
 
-BISECTED = [  # (bytes, compute costs) of 12-node chains whose Lagrangian sets fit in a prefix of the multipliers
-    ([1, 29, 18, 15, 38, 7, 21, 2, 2, 2, 35, 1], [4, 2, 4, 1, 5, 2, 4, 4, 5, 2, 3, 2]),
-    ([8, 20, 7, 28, 16, 33, 36, 14, 22, 22, 33, 26], [5, 4, 1, 2, 4, 5, 5, 5, 5, 5, 1, 3]),
-    ([30, 19, 2, 27, 36, 7, 12, 19, 8, 22, 33, 28], [5, 2, 3, 3, 5, 4, 5, 4, 5, 1, 4, 2]),
+BISECTED = [  # (bytes, compute costs, skip edge from the first node to the loss) of chains
+    ([1, 29, 18, 15, 38, 7, 21, 2, 2, 2, 35, 1], [4, 2, 4, 1, 5, 2, 4, 4, 5, 2, 3, 2], False),
+    ([8, 20, 7, 28, 16, 33, 36, 14, 22, 22, 33, 26], [5, 4, 1, 2, 4, 5, 5, 5, 5, 5, 1, 3], False),
+    ([30, 19, 2, 27, 36, 7, 12, 19, 8, 22, 33, 28], [5, 2, 3, 3, 5, 4, 5, 4, 5, 1, 4, 2], False),
+    ([12, 16, 6, 37, 20, 34, 32], [3, 4, 3, 5, 1, 1, 5], True),
+    ([30, 3, 20, 25, 24, 22, 29, 11, 7, 1], [1, 3, 1, 3, 4, 1, 5, 2, 4, 3], False),
 ]
 
 
-@pytest.mark.parametrize("nbytes, times", BISECTED)
-def test_the_bisection_reaches_the_largest_fitting_multiplier(nbytes, times):
+@pytest.mark.parametrize("nbytes, times, skip", BISECTED)
+def test_the_bisection_reaches_the_largest_fitting_multiplier(nbytes, times, skip):
     """For each break-even multiplier mu = l(v)/t(v), Algorithm 6 with weights l - mu t (the search module,
     independently of the bisection) gives a set; at a budget where the sets of the smallest k multipliers
     fit and the others do not, the bisection must reach the k-th, so its answer costs at most that set's
     cost; every candidate is simulated once."""
     from tasks.solve.acg.search import DivisionSearch, acg_checkpoints
 
-    problem = training_problem([(i, i + 1) for i in range(11)], 12, nbytes, cost=[float(t) for t in times])
+    n = len(nbytes)
+    edges = [(i, i + 1) for i in range(n - 1)] + ([(0, n - 1)] if skip else [])
+    problem = training_problem(edges, n, nbytes, cost=[float(t) for t in times])
     fg = forward_graph(problem)
     root = division_tree(fg.dag)
     lengths = np.asarray(fg.dag.cost, dtype=float)
@@ -292,4 +296,4 @@ def test_the_bisection_reaches_the_largest_fitting_multiplier(nbytes, times):
         assert best.simulation.compute_cost <= sets[k - 1].compute_cost, budget
         assert len({c.checkpoints for c in tried}) == len(tried)
         checked += 1
-    assert checked >= 3
+    assert checked >= 2
