@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only rewrite docs/mutation.md")
     parser.add_argument("--survivors", action="store_true",
                         help="test only the last run's survivors again, with the current tests (after adding tests); "
-                             "the seconds reported add up both runs")
+                             "the seconds reported add up the runs")
     args = parser.parse_args()
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:

@@ -103,7 +103,8 @@ def test_kept_vertices_stay_checkpoints_in_the_exact_search():
 def test_the_time_limit_stops_both_searches_with_the_best_fitting_set_so_far(monkeypatch):
     """Past the deadline (the division tree is built regardless here) the bisection evaluates only its
     two end points and the exact search nothing; the fitting one is returned and the message says so."""
-    monkeypatch.setattr(importlib.import_module("tasks.solve.acg.solver"), "division_tree", lambda dag, deadline=None: division_tree(dag))
+    monkeypatch.setattr(importlib.import_module("tasks.solve.acg.solver"), "division_tree",
+                        lambda dag, deadline=None: division_tree(dag))
     problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
     top = simulate(problem, default_schedule(problem))
     sol = solve(problem, "acg", top.peak_bytes, SolveOptions(time_limit=0.0))
