@@ -1,8 +1,9 @@
 """Mutation testing of the core modules with mutmut (slow: not run in CI).
 
     python -m bench.mutation                       # every target, one after the other
-    python -m bench.mutation simulator acg         # some targets
+    python -m bench.mutation simulator acg_solver  # some targets
     python -m bench.mutation --report              # rewrite docs/mutation.md from the last runs
+    python -m bench.mutation acg_solver --survivors  # after adding tests: re-test only the survivors
 
 Needs the `mutation` extra (`pip install -e '.[mutation]'`). Each target mutates one module (or the
 named functions of one) in its own scratch copy of the tree, `.cache/mutation/<target>/`, and runs only
@@ -35,7 +36,7 @@ KILLED = {1, 3, 36, -24, 24, 152, 255}          # mutmut exit codes of killed an
 @dataclass(frozen=True)
 class Target:
     """One module under mutation: its file, the functions mutated (mutmut name globs; all when empty) and
-    the tests that cover it."""
+    the tests that cover it (files or pytest node ids: slow tests of a file can be left out)."""
 
     path: str
     tests: tuple[str, ...]
@@ -53,8 +54,13 @@ TARGETS = {
                        ("tests/pipeline/test_validate.py", "tests/pipeline/test_validate_gate.py"),
                        ("*compare_tensors*", "*peak_problem*", "*explain*", "*step_state*")),
     "checkmate_model": Target("tasks/solve/checkmate_model.py",
-                              ("tests/solve/test_checkmate.py", "tests/solve/test_milp.py",
-                               "tests/solve/test_checkmate_contract.py")),
+                              ("tests/solve/test_checkmate_model.py",
+                               *(f"tests/solve/test_checkmate.py::test_ilp_finds_the_exhaustive_optimum_on_linear_graphs[{n}]"
+                                 for n in range(1, 6)),
+                               "tests/solve/test_checkmate.py::test_paper_formulation_agrees_with_tight",
+                               "tests/solve/test_checkmate.py::test_approx_is_feasible_and_bracketed_by_the_optimum",
+                               "tests/solve/test_checkmate.py::test_infeasible_budget_gets_a_lower_bound",
+                               "tests/solve/test_feasible_budgets.py::test_checkmate_charges_each_nodes_workspace")),
     "acg_search": Target("tasks/solve/acg/search.py",
                          ("tests/solve/test_acg_search.py", "tests/solve/test_acg_solver.py",
                           "tests/solve/test_acg_budget.py")),
@@ -88,7 +94,7 @@ def prepare(name: str, target: Target) -> Path:
         if source.is_file() and (not copy.exists() or copy.stat().st_mtime_ns != source.stat().st_mtime_ns):
             copy.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, copy)
-    tests = [t for t in target.tests if (work / t).exists()]
+    tests = [t for t in target.tests if (work / t.partition("::")[0]).exists()]
     section = "\n".join([
         "", "[tool.mutmut]",
         'source_paths = ["runtime", "tasks", "flows"]',
@@ -104,8 +110,29 @@ def prepare(name: str, target: Target) -> Path:
     return work
 
 
-def run_target(name: str, target: Target, jobs: int) -> dict:
+def retest_survivors(work: Path, target: Target) -> None:
+    """Let the next `mutmut run` test the target's survivors again (and only them) with the current tests:
+    mutmut copies the tree into `mutants/` once and keeps a verdict until the mutated function changes,
+    so the tests are copied there and the survivors' verdicts cleared."""
+    for test in target.tests:
+        source = work / test.partition("::")[0]
+        if source.exists():
+            shutil.copy2(source, work / "mutants" / source.relative_to(work))
+    meta_path = work / "mutants" / f"{target.path}.meta"
+    meta = json.loads(meta_path.read_text())
+    codes = meta["exit_code_by_key"]
+    for key, code in codes.items():
+        if code is not None and code not in KILLED:
+            codes[key] = None
+    meta_path.write_text(json.dumps(meta, indent=4))
+
+
+def run_target(name: str, target: Target, jobs: int, survivors_only: bool = False) -> dict:
     work = prepare(name, target)
+    saved = SCRATCH / f"{name}.json"
+    earlier = json.loads(saved.read_text()).get("seconds", 0) if survivors_only and saved.exists() else 0
+    if survivors_only:
+        retest_survivors(work, target)
     env = dict(os.environ, MEMPLAN_BENCHMARKS=os.environ.get(
         "MEMPLAN_BENCHMARKS", str(ROOT.parent.parent / "shared" / "benchmarks" / "graphs")))
     env.pop("PYTHONPATH", None)
@@ -118,8 +145,8 @@ def run_target(name: str, target: Target, jobs: int) -> dict:
         subprocess.run([str(mutmut), "run", "--max-children", str(jobs), *mutant_globs(target)], cwd=work, env=env,
                        stdout=log, stderr=subprocess.STDOUT, check=False)
     result = collect(name, target)
-    result["seconds"] = round(time.perf_counter() - start)
-    (SCRATCH / f"{name}.json").write_text(json.dumps(result, indent=1))
+    result["seconds"] = earlier + round(time.perf_counter() - start)
+    saved.write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -165,13 +192,16 @@ def main() -> None:
     parser.add_argument("targets", nargs="*", help=f"targets to run (default: all): {', '.join(TARGETS)}")
     parser.add_argument("--jobs", type=int, default=1, help="mutants tested in parallel (default 1)")
     parser.add_argument("--report", action="store_true", help="only rewrite docs/mutation.md")
+    parser.add_argument("--survivors", action="store_true",
+                        help="test only the last run's survivors again, with the current tests (after adding tests); "
+                             "the seconds reported add up the runs")
     args = parser.parse_args()
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         parser.error(f"unknown targets {unknown}; choose from {', '.join(TARGETS)}")
     if not args.report:
         for name in args.targets or TARGETS:
-            result = run_target(name, TARGETS[name], args.jobs)
+            result = run_target(name, TARGETS[name], args.jobs, args.survivors)
             print(f"{name}: {result['killed']}/{result['mutants']} killed ({result['score']}%), "
                   f"{result['seconds']} s", flush=True)
             report()

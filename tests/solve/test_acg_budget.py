@@ -5,16 +5,19 @@ optimum where its multiplier search finds a cheaper hull point."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tasks.solve import solve
 from tasks.solve.acg.division import division_tree
 from tasks.solve.acg.forward import forward_graph, reforward_schedule
 from tasks.solve.acg.solver import budgeted, memory_optimal
+from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
 
@@ -97,13 +100,46 @@ def test_kept_vertices_stay_checkpoints_in_the_exact_search():
     assert "exact search over the 16 checkpoint sets" in sol.message
 
 
-def test_the_time_limit_stops_the_exact_search_with_a_fitting_schedule():
+def test_the_time_limit_stops_both_searches_with_the_best_fitting_set_so_far(monkeypatch):
+    """Past the deadline (the division tree is built regardless here) the bisection evaluates only its
+    two end points and the exact search nothing; the fitting one is returned and the message says so."""
+    monkeypatch.setattr(importlib.import_module("tasks.solve.acg.solver"), "division_tree",
+                        lambda dag, deadline=None: division_tree(dag))
     problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
-    top = simulate(problem, default_schedule(problem)).peak_bytes
-    sol = solve(problem, "acg", top, SolveOptions(time_limit=0.0))
-    assert sol.status in ("feasible", "no_solution")
-    if sol.feasible:
-        assert sol.predicted_peak_bytes <= top
+    top = simulate(problem, default_schedule(problem))
+    sol = solve(problem, "acg", top.peak_bytes, SolveOptions(time_limit=0.0))
+    assert sol.feasible and sol.objective == top.compute_cost
+    assert sol.message.startswith("Lagrangian search: 2 checkpoint sets simulated")
+    assert "exact search over the 64 checkpoint sets: 0 simulated, stopped by the time limit" in sol.message
+    chain = training_problem([(i, i + 1) for i in range(13)], 14, [(7 * i * i + 3) % 41 + 5 for i in range(14)])
+    budget = simulate(chain, default_schedule(chain)).peak_bytes - 15
+    searched = solve(chain, "acg", budget, SolveOptions(params={"exact_limit": 0}))
+    assert searched.message.startswith("Lagrangian search: 3 checkpoint sets simulated")
+    stopped = solve(chain, "acg", budget, SolveOptions(time_limit=0.0, params={"exact_limit": 0}))
+    assert stopped.feasible and stopped.message.startswith("Lagrangian search: 2 checkpoint sets simulated")
+    finished = solve(problem, "acg", top.peak_bytes, SolveOptions(time_limit=None))
+    assert finished.objective == top.compute_cost and "1 simulated; chose 8 checkpoints" in finished.message
+
+
+def test_the_family_size_counts_only_the_vertices_that_may_be_recomputed():
+    """8 vertices (the virtual source, nodes 0..6); the source and the loss (node 6) are always kept, so
+    keeping node 0 halves the family and keeping the loss changes nothing. `exact_limit` is inclusive."""
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    for keep, size in (([0], 32), ([6], 64), ([0, 3], 16)):
+        assert len(family(problem, keep)) == size
+        sol = solve(problem, "acg", 180, SolveOptions(params={"keep": keep}))
+        assert f"exact search over the {size} checkpoint sets" in sol.message, keep
+    assert "exact search over the 64" in solve(problem, "acg", 180, SolveOptions(params={"exact_limit": 64})).message
+    assert "exact search" not in solve(problem, "acg", 180, SolveOptions(params={"exact_limit": 63})).message
+
+
+def test_the_bisection_returns_checkpoint_all_at_its_peak_without_searching():
+    problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
+    fg = forward_graph(problem)
+    top = simulate(problem, default_schedule(problem))
+    best, tried = budgeted(fg, division_tree(fg.dag), top.peak_bytes)
+    assert best.checkpoints == (1 << fg.dag.n) - 1 and best.simulation.compute_cost == top.compute_cost
+    assert len(tried) == 2 and tried[0].checkpoints != best.checkpoints
 
 
 def test_the_lagrangian_search_finds_hull_points_cheaper_than_the_memory_optimum():
@@ -171,7 +207,94 @@ def test_solutions_name_acg_and_their_time_in_every_outcome():
                 solve(chainy, "acg", 10**6, SolveOptions(params={"mode": "memory"})),
                 solve(chainy, "acg", 1, SolveOptions())]
     assert [s.solver for s in outcomes] == ["acg"] * 5
-    assert all(0 <= s.solve_seconds < 60 for s in outcomes)
+    assert all(0 < s.solve_seconds < 60 for s in outcomes)
     assert [s.budget_bytes for s in outcomes] == [10**6, 10**6, 10**6, 10**6, 1]
     assert outcomes[0].message == "the graph has no backward pass, so no gradient checkpoint lowers its peak"
     assert outcomes[4].status == "no_solution" and "exact search over the 8 checkpoint sets: 8 simulated" in outcomes[4].message
+
+
+def sparse_backward_problem(nbytes, skips, times, saves):
+    """A skip chain whose backward pass reads only what `saves[i]` names for forward node i: "out" (its
+    output, like relu), "in" (its inputs, like a linear layer) or "" (nothing, like an add); b_i always
+    reads the gradients of i's successors, and the loss gradient reads the loss. Vertices no gradient
+    reads cost nothing extra when not kept, unless their segment's re-forward needs them."""
+    n = len(nbytes)
+    forward = sorted({(i, i + 1) for i in range(n - 1)} | set(skips))
+    grad = {i: n + (n - 1 - i) for i in range(n)}
+    edges = list(forward)
+    for i in range(n):
+        edges += [(grad[b], grad[i]) for a, b in forward if a == i]
+        if saves[i] == "out" or i == n - 1:
+            edges.append((i, grad[i]))
+        elif saves[i] == "in":
+            edges += [(a, grad[i]) for a, b in forward if b == i]
+    return Problem.from_edges(list(times) + [1.0] * n, list(nbytes) + [1] * n, edges,
+                              backward=[v >= n for v in range(2 * n)], terminal=grad[0], name="sparse")
+
+
+def _sparse_cases(count, seed):
+    rng = random.Random(seed)
+    for _ in range(count):
+        n = rng.randint(4, 7)
+        skips = tuple(sorted({(a, rng.randint(a + 2, n - 1)) for a in range(n - 2) if rng.random() < 0.3}))
+        yield (tuple(rng.randint(1, 40) for _ in range(n)), skips, tuple(float(rng.randint(1, 4)) for _ in range(n)),
+               tuple(rng.choice(["out", "in", ""]) for _ in range(n)))
+
+
+TIED = ((6, 29, 33, 7, 11, 34, 26), (), (3.0, 4.0, 1.0, 4.0, 1.0, 3.0, 4.0), ("", "out", "out", "", "out", "out", "out"))
+
+
+@pytest.mark.parametrize("nbytes, skips, times, saves", [TIED, *_sparse_cases(6, seed=5)])
+def test_exact_search_when_gradients_read_few_forward_values(nbytes, skips, times, saves):
+    """The lower bound charges only vertices a gradient reads, so the search may not skip a set whose
+    other vertices are never recomputed. Ties in cost go to the least peak (in `TIED`, at budgets 96 and 130
+    the sets of least cost peak differently)."""
+    problem = sparse_backward_problem(nbytes, skips, times, saves)
+    points = family(problem)
+    peaks = sorted({peak for _, peak in points})
+    for budget in peaks[::3] + ([96, 130] if nbytes == TIED[0] else []):
+        sol = solve(problem, "acg", budget, SolveOptions())
+        best = brute_force(points, budget)
+        assert sol.objective == best, (budget, sol.message)
+        assert sol.predicted_peak_bytes == min(peak for cost, peak in points if cost == best and peak <= budget)
+
+
+BISECTED = [  # (bytes, compute costs, skip edge from the first node to the loss) of chains
+    ([1, 29, 18, 15, 38, 7, 21, 2, 2, 2, 35, 1], [4, 2, 4, 1, 5, 2, 4, 4, 5, 2, 3, 2], False),
+    ([8, 20, 7, 28, 16, 33, 36, 14, 22, 22, 33, 26], [5, 4, 1, 2, 4, 5, 5, 5, 5, 5, 1, 3], False),
+    ([30, 19, 2, 27, 36, 7, 12, 19, 8, 22, 33, 28], [5, 2, 3, 3, 5, 4, 5, 4, 5, 1, 4, 2], False),
+    ([12, 16, 6, 37, 20, 34, 32], [3, 4, 3, 5, 1, 1, 5], True),
+    ([30, 3, 20, 25, 24, 22, 29, 11, 7, 1], [1, 3, 1, 3, 4, 1, 5, 2, 4, 3], False),
+]
+
+
+@pytest.mark.parametrize("nbytes, times, skip", BISECTED)
+def test_the_bisection_reaches_the_largest_fitting_multiplier(nbytes, times, skip):
+    """For each break-even multiplier mu = l(v)/t(v), Algorithm 6 with weights l - mu t (the search module,
+    independently of the bisection) gives a set; at a budget where the sets of the smallest k multipliers
+    fit and the others do not, the bisection must reach the k-th, so its answer costs at most that set's
+    cost; every candidate is simulated once."""
+    from tasks.solve.acg.search import DivisionSearch, acg_checkpoints
+
+    n = len(nbytes)
+    edges = [(i, i + 1) for i in range(n - 1)] + ([(0, n - 1)] if skip else [])
+    problem = training_problem(edges, n, nbytes, cost=[float(t) for t in times])
+    fg = forward_graph(problem)
+    root = division_tree(fg.dag)
+    lengths = np.asarray(fg.dag.cost, dtype=float)
+    sets = []
+    for mu in sorted({float(length / t) for length, t in zip(lengths, fg.time) if t > 0}):
+        kept = acg_checkpoints(fg.dag, search=DivisionSearch(fg.dag, root, lengths - mu * fg.time)).checkpoints
+        sets.append(simulate(problem, reforward_schedule(fg, kept)))
+    top = simulate(problem, default_schedule(problem)).peak_bytes
+    checked = 0
+    for budget in sorted({s.peak_bytes for s in sets if s.peak_bytes < top}):
+        k = sum(s.peak_bytes <= budget for s in sets)
+        if not all(s.peak_bytes <= budget for s in sets[:k]):
+            continue                                 # fitting is not monotone in mu at this budget
+        best, tried = budgeted(fg, root, budget)
+        assert best.simulation.peak_bytes <= budget
+        assert best.simulation.compute_cost <= sets[k - 1].compute_cost, budget
+        assert len({c.checkpoints for c in tried}) == len(tried)
+        checked += 1
+    assert checked >= 2

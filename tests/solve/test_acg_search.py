@@ -190,3 +190,46 @@ def test_missing_cost_is_named():
     graph.nodes["a"]["cost"] = 1
     with pytest.raises(AcgGraphError, match="vertex 'b'"):
         TensorDag.from_networkx(graph)
+
+
+def _graph(edges, cost):
+    graph = nx.DiGraph(edges)
+    nx.set_node_attributes(graph, cost, "cost")
+    return graph
+
+
+FRACTIONAL = [
+    # a branch IS left whole while its interior weighs more than nothing
+    (_graph([(0, 1), (0, 2), (1, 3), (2, 3)], {0: 12, 1: 9, 2: 4, 3: 3}), {0: 7.5, 1: 9.0, 2: 1.0, 3: -3.0}),
+    # a complicate IS whose connecting vertices weigh more than keeping it whole
+    (_graph([(0, 1), (0, 2), (0, 3), (1, 6), (2, 4), (2, 6), (3, 4), (3, 5), (4, 6), (5, 6)],
+            {0: 1, 1: 11, 2: 0, 3: 1, 4: 2, 5: 2, 6: 2}),
+     {0: 1.0, 1: 10.0, 2: -1.0, 3: 0.75, 4: 1.0, 5: 2.0, 6: 1.5}),
+    # negative weights: the recursion's floor (no limit on segments) is below zero
+    (_graph([(0, 1), (0, 3), (0, 5), (0, 7), (1, 2), (1, 6), (2, 4), (3, 4), (3, 6), (3, 7), (4, 7), (5, 6), (6, 7)],
+            {0: 5, 1: 5, 2: 7, 3: 8, 4: 5, 5: 9, 6: 6, 7: 3}),
+     {0: -5.0, 1: 5.0, 2: 2.0, 3: 8.0, 4: -5.0, 5: 9.0, 6: -9.0, 7: -9.5}),
+    # the optimum leaves a segment: its cost counts in the objective
+    (_graph([(0, 1), (0, 2), (0, 3), (0, 5), (1, 4), (1, 5), (2, 6), (3, 5), (4, 6), (5, 6)],
+            {0: 7, 1: 6, 2: 2, 3: 8, 4: 5, 5: 1, 6: 4}),
+     {0: 4.5, 1: 5.0, 2: -0.5, 3: 5.5, 4: 3.0, 5: -1.5, 6: 3.5}),
+]
+
+
+@pytest.mark.parametrize("graph, weight", FRACTIONAL)
+def test_weighted_search_with_fractional_weights(graph, weight):
+    """Weights l - mu t with a fractional multiplier: differences below one byte decide the optimum."""
+    dag = TensorDag.from_networkx(graph)
+    weights = [weight[label] for label in dag.labels]
+    search = DivisionSearch(dag, division_tree(dag), weights)
+    solution = acg_checkpoints(dag, search=search)
+    assert solution.objective == exhaustive_optimum(graph, weight=weight)
+    assert acg_checkpoints(dag, weights).objective == solution.objective
+    assert solution.max_segment == max((p.cost for p in pieces(dag, solution.checkpoints)), default=0)
+    assert solution.max_segment <= solution.max_term
+
+
+def test_weights_must_match_the_vertices():
+    dag = TensorDag.from_networkx(chain([1, 2, 3]))
+    with pytest.raises(ValueError, match="^2 checkpoint weights for 3 vertices.$"):
+        DivisionSearch(dag, division_tree(dag), [1.0, 2.0])
