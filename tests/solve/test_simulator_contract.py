@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.solve.problem import Problem
+from tasks.solve.problem import Problem, Variant
 from tasks.solve.simulator import AddressConflict, InvalidSchedule, simulate
 
 
@@ -125,3 +125,69 @@ def test_an_output_computed_first_is_resident_at_the_end():
                 value_producer=np.array([0, 1]), outputs=(0, 1), order=np.arange(2))
     sim = simulate(p, [("compute", 0), ("compute", 1)])
     assert sim.timeline.tolist() == [4, 10] and sim.copy_end.tolist() == [1, 1]
+
+
+def test_an_empty_copy_inside_another_copy_s_bytes_does_not_clash():
+    """A 0-byte value placed strictly inside a live 10-byte value's range occupies no byte of it."""
+    p = Problem.from_edges([1.0] * 3, [10, 0, 10], [(0, 1), (1, 2)])
+    sim = simulate(p, [("compute", i) for i in range(3)], {(0, 0): 0, (1, 1): 5})
+    assert sim.arena_bytes == 10 and sim.arena_peak_bytes == 10 + 10     # the unplaced output at the end
+
+
+def test_arena_peak_is_the_arena_when_nothing_unplaced_is_live_at_a_compute_step():
+    """Every copy but the (empty) output is placed, and a free step sits between computes: the arena-mode
+    peak is the arena itself, not one byte more."""
+    p = Problem.from_edges([1.0] * 4, [10, 10, 10, 0], [(0, 1), (1, 2), (2, 3)])
+    schedule = [("compute", 0), ("compute", 1), ("free", 0), ("compute", 2), ("compute", 3)]
+    sim = simulate(p, schedule, {(0, 0): 0, (1, 1): 10, (3, 2): 0})
+    assert sim.arena_bytes == 20 and sim.arena_peak_bytes == 20
+
+
+def test_arena_peak_adds_the_workspace_of_the_step():
+    """with_input() with a 30-byte workspace on node 1; a at 0..10 and b at 10..30 fill a 30-byte arena;
+    at node 1 nothing unplaced is live but its workspace: arena-mode peak 30 + 30."""
+    p = Problem(**{**with_input().__dict__, "workspace": np.array([0, 30, 0], np.int64)})
+    sim = simulate(p, [("compute", 0), ("compute", 1), ("compute", 2)], {(0, 1): 0, (1, 2): 10})
+    assert sim.arena_bytes == 30 and sim.arena_peak_bytes == 60
+
+
+def test_missing_outputs_are_listed_up_to_ten():
+    n = 12
+    p = Problem(name="wide", cost=np.ones(n), workspace=np.zeros(n, np.int64), phase=("forward",) * n,
+                node_inputs=((),) * n, node_outputs=tuple((i,) for i in range(n)),
+                value_bytes=np.ones(n, np.int64), value_producer=np.arange(n), outputs=tuple(range(n)),
+                order=np.arange(n))
+    with pytest.raises(InvalidSchedule, match=r"^graph outputs \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10\] are not "
+                                              r"resident at the end of the schedule \(11 missing\)"):
+        simulate(p, [("compute", 0)])
+
+
+def test_a_value_only_variants_allocate_names_every_such_variant():
+    """x -> 0: a (default; variants mask and packed also allocate m) -> 1 reads m: computing node 0 by
+    default leaves m unallocated, and the refusal lists both variants that would allocate it."""
+    p = Problem(name="two-masks", cost=np.ones(2), workspace=np.zeros(2, np.int64), phase=("forward", "backward"),
+                node_inputs=((0,), (1,)), node_outputs=((1,), (2,)), value_bytes=np.array([8, 8, 8, 2]),
+                value_producer=np.array([-1, 0, 1, 0]), outputs=(2,), order=np.arange(2),
+                variants=((Variant("mask", 1.0, 0, (0,), (1, 3)), Variant("packed", 1.0, 0, (0,), (1, 3))),
+                          (Variant("from_mask", 1.0, 0, (3,), (2,)),)),
+                num_variant_values=1)
+    with pytest.raises(InvalidSchedule, match=r"has not been computed by a variant that allocates it "
+                                              r"\(mask, packed\)\.$"):
+        simulate(p, [("compute", 0), ("compute", 1, "from_mask")])
+
+
+def test_two_outputs_of_one_step_clash_even_when_one_lives_only_in_that_step():
+    """Node 0 computes a (read by node 1) and u (never read: live in its own step only) at overlapping
+    addresses: both are live at schedule[0]."""
+    p = Problem(name="two-outputs", cost=np.ones(2), workspace=np.zeros(2, np.int64), phase=("forward",) * 2,
+                node_inputs=((), (0,)), node_outputs=((0, 1), (2,)), value_bytes=np.array([8, 8, 4], np.int64),
+                value_producer=np.array([0, 0, 1]), outputs=(2,), order=np.arange(2))
+    with pytest.raises(AddressConflict, match=r"live together from schedule\[0\]"):
+        simulate(p, [("compute", 0), ("compute", 1)], {(0, 0): 0, (0, 1): 4})
+
+
+def test_the_peak_of_empty_values_is_zero_at_a_compute_step():
+    """Every value 0 bytes, no workspace, a free step in between: the peak is 0 bytes, at a compute step."""
+    p = Problem.from_edges([1.0] * 3, [0, 0, 0], [(0, 1), (1, 2)])
+    sim = simulate(p, [("compute", 0), ("compute", 1), ("free", 0), ("compute", 2)])
+    assert sim.peak_bytes == 0 and sim.is_compute[sim.peak_step]
