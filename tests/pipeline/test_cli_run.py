@@ -4,6 +4,7 @@ the cached stages, and a plan that fails validation giving exit status 1, the re
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,17 +15,7 @@ from flows.cli import app
 runner = CliRunner(env={"COLUMNS": "250"})
 MIB = 2**20
 
-DRIFT = '''
-import torch.nn.functional as F
-
-CALLS = [0]
-
-
-def drifting_loss(model, x, y):
-    """Scaled by a call counter: the plan captured at one call cannot reproduce eager steps at another."""
-    CALLS[0] += 1
-    return F.cross_entropy(model(x), y) * CALLS[0]
-'''
+DRIFTING_LOSS = Path(__file__).with_name("drift.py")
 
 PIPELINE = '''
 device = "cpu"
@@ -52,7 +43,7 @@ warmup = 0
 
 
 def write_project(folder: Path, name: str, loss: str) -> Path:
-    (folder / "drift.py").write_text(DRIFT)
+    shutil.copy(DRIFTING_LOSS, folder / "drift.py")
     config = folder / "pipeline.toml"
     config.write_text(PIPELINE.format(name=name, loss=loss))
     return config

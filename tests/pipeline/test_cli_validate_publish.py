@@ -4,6 +4,7 @@ MLP and its eager-order plan): a passing plan, one over its budget, a tampered f
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,22 +15,13 @@ from flows.cli import app
 runner = CliRunner(env={"COLUMNS": "200"})
 
 TINYNET = '''
-import torch.nn.functional as F
 from torch import nn
 
 
 def mlp():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-CALLS = [0]
-
-
-def drifting_loss(model, x, y):
-    """Scaled by a call counter: the captured plan cannot reproduce later eager steps."""
-    CALLS[0] += 1
-    return F.cross_entropy(model(x), y) * CALLS[0]
 '''
+DRIFTING_LOSS = Path(__file__).with_name("drift.py")
 
 PIPELINE = '''
 device = "cpu"
@@ -57,7 +49,7 @@ DRIFT = '''
 [[models]]
 name = "drift"
 factory = "clinet:mlp"
-loss = "clinet:drifting_loss"
+loss = "drift:drifting_loss"
 batch_sizes = [32]
 inputs = [{ shape = [8] }, { shape = [], dtype = "int64", high = 4 }]
 '''
@@ -73,6 +65,7 @@ def project(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("cli")
     (folder / "clinet.py").write_text(TINYNET)
+    shutil.copy(DRIFTING_LOSS, folder / "drift.py")
     (folder / "pipeline.toml").write_text(PIPELINE)
     allow_imports_from(folder)
     spec = load_config(folder / "pipeline.toml").models[0]
