@@ -2,8 +2,6 @@
 
 import os
 
-import pytest
-
 # Prefect's ephemeral server starts slowly on small machines; never phone home from tests.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -10,7 +10,6 @@ from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
 
 
-
 def acg_plan(graph, budget_fraction=None):
     """The ACG plan of `graph` (unit node costs): memory-optimal, or budgeted at a fraction of the way
     from the memory-optimal peak up to the checkpoint-all peak."""
