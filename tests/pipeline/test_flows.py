@@ -168,13 +168,17 @@ def test_prefect_results_are_json_records(project):
 def test_run_leaves_a_plans_table_and_a_plot(project):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     folder, _ = project
     png = folder / ".cache" / "memplan" / "reports" / "mlp-memory-vs-overhead.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with get_client(sync_client=True) as client:
-        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["memplan-plans"])))
-        plots = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["memplan-mlp-plot"])))
+        newest = dict(sort=ArtifactSort.CREATED_DESC)      # other modules' runs share the session's server
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["memplan-plans"])),
+                                       **newest)
+        plots = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["memplan-mlp-plot"])),
+                                      **newest)
     assert "| mlp-b256-checkmate-90pct | checkmate | 90pct |" in tables[0].data
     assert plots[0].data.startswith("data:image/png;base64,")
 
