@@ -10,7 +10,7 @@ from typing import Any, Iterator
 from prefect import flow, unmapped
 
 from flows.report import Outcome, create_artifacts
-from flows.steps import profile_step, publish_step, solve_step, trace_step, validate_step
+from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
 from tasks.validate import Validation
@@ -40,40 +40,42 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     cases = expand_matrix(config)
     rerun = {"refresh_cache": True} if refresh else {}
 
-    traced = {
-        (m.name, b): trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir)
-        for m in config.models
-        for b in m.batch_sizes
-    }
-    profiled = {
-        (m.name, b): profile_step.with_options(retries=config.profile.retries, **rerun)(
-            m, traced[m.name, b], device, config.seed, config.profile, config.store
+    traced: dict[tuple[str, int], dict[str, Any]] = {}
+    try:
+        for m in config.models:
+            for b in m.batch_sizes:
+                traced[m.name, b] = trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir)
+        profiled = {
+            (m.name, b): profile_step.with_options(retries=config.profile.retries, **rerun)(
+                m, traced[m.name, b], device, config.seed, config.profile, config.store
+            )
+            for m in config.models
+            for b in m.batch_sizes
+        }
+        cells = dict(
+            traced=[traced[c.model.name, c.batch_size] for c in cases],
+            profile=[profiled[c.model.name, c.batch_size] for c in cases],
+            solver=[c.plan.solver for c in cases],
+            budget=[c.budget for c in cases],
+            settings=[c.plan.solve_settings() for c in cases],
+            device=unmapped(device),
+            store=unmapped(config.store),
+            cache_dir=unmapped(config.cache_dir),
+            alias=[c.alias for c in cases],
         )
-        for m in config.models
-        for b in m.batch_sizes
-    }
-    cells = dict(
-        traced=[traced[c.model.name, c.batch_size] for c in cases],
-        profile=[profiled[c.model.name, c.batch_size] for c in cases],
-        solver=[c.plan.solver for c in cases],
-        budget=[c.budget for c in cases],
-        settings=[c.plan.solve_settings() for c in cases],
-        device=unmapped(device),
-        store=unmapped(config.store),
-        cache_dir=unmapped(config.cache_dir),
-        alias=[c.alias for c in cases],
-    )
-    with cell_runner(config.run) as runner:
-        if runner is None:                                   # the flow's own thread pool
-            solved = solve_step.with_options(**rerun).map(**cells)
-        else:
-            solved = runner.map(solve_step.with_options(**rerun), cells)
-        solutions = [future.result() for future in solved]   # no solver competes with the timed steps
-        validating = {} if runner is None else {
-            case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
-            for case, s in zip(cases, solutions) if s["feasible"]}
-        outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias))
-                    for case, s in zip(cases, solutions)]
+        with cell_runner(config.run) as runner:
+            if runner is None:                                   # the flow's own thread pool
+                solved = solve_step.with_options(**rerun).map(**cells)
+            else:
+                solved = runner.map(solve_step.with_options(**rerun), cells)
+            solutions = [future.result() for future in solved]   # no solver competes with the timed steps
+            validating = {} if runner is None else {
+                case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
+                for case, s in zip(cases, solutions) if s["feasible"]}
+            outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias))
+                        for case, s in zip(cases, solutions)]
+    finally:
+        forget_captured(traced)
     create_artifacts(outcomes, Path(config.cache_dir) / "reports")
     failed = [o for o in outcomes if o.status != "published"]
     if failed:

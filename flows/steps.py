@@ -86,7 +86,7 @@ def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: 
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.trace import capture_model
 
-    graph = _CAPTURED.pop(traced["fingerprint"], None) or capture_model(model, traced["batch_size"], device, seed)
+    graph = _CAPTURED.get(traced["fingerprint"]) or capture_model(model, traced["batch_size"], device, seed)
     if graph.fingerprint != traced["fingerprint"]:
         raise MemplanError(
             f"re-capturing {model.name} at batch {traced['batch_size']} gave graph {graph.fingerprint[:12]}, "
@@ -142,11 +142,20 @@ def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
 @task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)
 def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: str, seed: int,
                   settings: ValidateConfig, alias: str) -> dict[str, Any]:
-    """Run the plan against eager PyTorch on `device` (tasks/validate.py)."""
+    """Run the plan against eager PyTorch on `device` (tasks/validate.py), on the graph this run's trace
+    captured when this process holds it (the plan runs without capturing the model again)."""
     from runtime.plan import Plan
     from tasks.validate import validate_plan
 
-    return validate_plan(Plan.load(plan_path), model, batch_size, device, seed, settings).to_json()
+    plan = Plan.load(plan_path)
+    return validate_plan(plan, model, batch_size, device, seed, settings,
+                         graph=_CAPTURED.get(plan.fingerprint)).to_json()
+
+
+def forget_captured(traced: Mapping[str, Mapping[str, Any]]) -> None:
+    """Drop the captured graphs of the `trace_step` results `traced` (at the end of a run)."""
+    for record in traced.values():
+        _CAPTURED.pop(record["fingerprint"], None)
 
 
 # -- publish -----------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from torch import nn
 
 from runtime.arena import ArenaFallbackWarning
 from runtime.exact import exact_fp32
+from runtime.graph import OpGraph
 from runtime.plan import Plan
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
@@ -125,9 +126,12 @@ def step_state(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor |
 
 
 def validate_plan(
-    plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig
+    plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
+    graph: OpGraph | None = None,
 ) -> Validation:
-    """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc)."""
+    """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc).
+    `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
+    `runtime.load` capturing the model again; without it the plan's step captures the model itself."""
     import runtime
 
     base = build_model(spec, seed).to(device)
@@ -140,7 +144,7 @@ def validate_plan(
         loss.backward()
         return loss
 
-    planned_step = runtime.load(plan, plan_model, loss_fn)
+    planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph)
 
     def plan_step() -> torch.Tensor:
         return planned_step(*batch)
@@ -149,7 +153,7 @@ def validate_plan(
     arena = {}
     if plan.addresses:
         arena_model = copy.deepcopy(base)
-        arena_step = runtime.load(plan, arena_model, loss_fn, arena=True)
+        arena_step = runtime.load(plan, arena_model, loss_fn, graph=graph, arena=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
             arena_step.compile(*batch)
