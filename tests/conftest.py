@@ -8,6 +8,16 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # Models are built from configs with random weights: never reach for a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Each xdist worker gets its share of the cores for torch's OpenMP pool (and the processes it starts):
+# two workers with a pool of every core each oversubscribe the machine, and spinning OpenMP threads then
+# slow a step several-fold (measured: test_variant_rules.py 50 s with 1 thread, 100 s with 2, beside a busy
+# worker).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    import torch
+
+    torch.set_num_threads(_share)
 
 
 SHARED_CAPTURES = ("tests/runtime/test_executor.py", "tests/runtime/test_acg_plans.py")
