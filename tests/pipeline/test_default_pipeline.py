@@ -20,3 +20,25 @@ def test_the_default_file_declares_what_the_readme_says():
     readme = (ROOT / "README.md").read_text()
     assert "each at two budgets (12 plans)" in readme
     assert re.search(r"\| `acg` \| 80%, 65% \|", readme)
+
+
+def test_the_default_pipeline_runs_end_to_end(tmp_path, harness):
+    """The README's main job, `memplan run` on the default pipeline.toml (a copy, so its caches, store and
+    plans land in tmp_path): all 12 cells are solved, validated against eager PyTorch and published, and on
+    the CPU each plan's measured peak is its predicted peak, within the budget."""
+    import shutil
+
+    import torch
+
+    from flows.plan import run_plan
+    from tasks.publish import read_index
+
+    shutil.copy(ROOT / "pipeline.toml", tmp_path / "pipeline.toml")
+    outcomes = run_plan(tmp_path / "pipeline.toml")
+    assert len(outcomes) == 12 and all(o["status"] == "published" for o in outcomes), outcomes
+    assert {r["alias"] for r in read_index(tmp_path / "plans")} == {o["alias"] for o in outcomes}
+    on_cpu = not torch.cuda.is_available()                 # device = "auto" in the default file
+    for o in outcomes:
+        assert o["predicted_peak_bytes"] <= o["budget_bytes"], o
+        assert o["measured_peak_bytes"] == o["predicted_peak_bytes"] or not on_cpu, o
+    assert sum(o["arena_peak_bytes"] is not None for o in outcomes) == 2      # acg's resnet18 plans
