@@ -2,17 +2,19 @@
 
     .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
                                     [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
+                                    [--fractions 0.5 0.26] [--variants]
 
 Per workload (random weights, CPU): eager PyTorch; the PyTorch checkpointing a user writes by hand
 (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's top-level
 children); `torch.compile(backend="aot_eager_decomp_partition")` with `torch._functorch.config.
 activation_memory_budget` at each of `--compile-budgets` (the meter ignores compile internals, so the
 compiled code runs and is measured); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak
-and at the smallest fraction each solver reaches. Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4),
-a Llama-style decoder of the same size from a `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU),
-ResNet-50 and MobileNet-V2 (batch 8, 128 px). Every memplan plan is solved on node costs profiled in
-the same run (`tasks.profile.measure_graph`), run with `runtime.load` (gradients compared with eager)
-and measured with `runtime.meter.PeakMeter`; step times are medians of interleaved rounds. The verdict
+and at the smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
+(`hierarchical:inner=monet`), and `--variants` offers the solvers every implementation variant.
+Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
+`transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8, 128 px).
+Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`), run
+with `runtime.load` (gradients compared with eager) and measured with `runtime.meter.PeakMeter`; step times are medians of interleaved rounds. The verdict
 lists each PyTorch point and the memplan plans that dominate it (no more peak at no more time), and
 each memplan plan a PyTorch point dominates.
 """
@@ -23,6 +25,7 @@ import argparse
 import copy
 import statistics
 import time
+from datetime import datetime, timezone
 
 import torch
 import torch._dynamo
@@ -33,11 +36,13 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import runtime
 from runtime.meter import PeakMeter
+from runtime.variants import graph_variants
 from tasks.profile import ProfileSettings, measure_graph
 from tasks.solve import solve
-from tasks.solve.problem import DEFAULT_IMPL, Problem
+from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
+from tasks.store import CostTable, VariantCost
 
 SOLVERS = ("hierarchical", "module-checkpoint", "ap-greedy", "acg", "linearized-greedy")
 FRACTIONS = (0.9, 0.7, 0.5)
@@ -111,11 +116,16 @@ def median_ms(runs: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def profiled_problem(graph, name: str) -> Problem:
-    """The graph's problem priced by one profile of every node on this CPU."""
+def profiled_problem(graph, name: str, variants: bool = False) -> Problem:
+    """The graph's problem priced by one profile of every node on this CPU; with `variants`, every
+    implementation variant the graph offers (runtime.variants), priced by the same profile."""
     rows = measure_graph(graph, "cpu", ProfileSettings(rounds=1), model=name, progress=False)
-    return Problem.from_graph(graph, {r["node_id"]: (r["time_ms"], r["workspace_bytes"]) for r in rows
-                                      if r["impl"] == DEFAULT_IMPL})
+    measured: dict[int, dict[str, VariantCost]] = {}
+    for r in rows:
+        measured.setdefault(r["node_id"], {})[r["impl"]] = VariantCost(r["time_ms"], r["workspace_bytes"],
+                                                                       r["output_bytes"])
+    costs = CostTable(graph.fingerprint, "cpu", name, "bench", datetime.now(timezone.utc), measured)
+    return Problem.from_graph(graph, costs, graph_variants(graph) if variants else None)
 
 
 def compiled_step(model, loss_fn, batch, budget: float):
@@ -131,22 +141,39 @@ def compiled_step(model, loss_fn, batch, budget: float):
     return compiled, step
 
 
+def solver_options(spec: str) -> tuple[str, SolveOptions]:
+    """`name` or `name:key=value,...` (e.g. `hierarchical:inner=monet`) as a solver and its options."""
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        for kind in (int, float, str):
+            try:
+                params[key] = kind(value)
+                break
+            except ValueError:
+                continue
+    return name, SolveOptions(time_limit=120, params=params)
+
+
 def smallest_fraction(problem: Problem, solver: str, full: int) -> float | None:
     """The least predicted peak (fraction of `full`) `solver` reaches, trying FRACTIONS then SMALLER
     until it finds nothing."""
     best = None
+    name, options = solver_options(solver)
     for f in (*FRACTIONS, *SMALLER):
-        sol = solve(problem, solver, int(f * full), SolveOptions(time_limit=120))
+        sol = solve(problem, name, int(f * full), options)
         if not sol.feasible:
             break
         best = sol.predicted_peak_bytes / full
     return best
 
 
-def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[float]) -> tuple[list[dict], str]:
+def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[float],
+          variants: bool = False, fractions: list[float] | None = None) -> tuple[list[dict], str]:
     model, loss_fn, batch, (hand, hand_step), hand_label = workload(name)
     graph = runtime.capture(model, loss_fn, batch)
-    problem = profiled_problem(graph, name)
+    problem = profiled_problem(graph, name, variants)
     full = simulate(problem, default_schedule(problem)).peak_bytes
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step)}
     points = {"eager": {"kind": "pytorch"}, hand_label: {"kind": "pytorch"}}
@@ -156,12 +183,14 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
         runs[label] = compiled_step(model, loss_fn, batch, budget)
         points[label] = {"kind": "pytorch", "solve_s": time.perf_counter() - start}
     for solver in solvers:
+        solver_name, options = solver_options(solver)
         start = time.perf_counter()
-        least = smallest_fraction(problem, solver, full)
+        least = None if fractions else smallest_fraction(problem, solver, full)
         search_s = time.perf_counter() - start
-        for fraction in ([] if least is None else sorted({*FRACTIONS, least}, reverse=True)):
+        tried = fractions or ([] if least is None else [*FRACTIONS, least])
+        for fraction in sorted(set(tried), reverse=True):
             start = time.perf_counter()
-            sol = solve(problem, solver, int(fraction * full), SolveOptions(time_limit=120))
+            sol = solve(problem, solver_name, int(fraction * full), options)
             if not sol.feasible:
                 continue
             label = f"{solver} @ {fraction:.2f}"
@@ -214,11 +243,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile-budgets", nargs="*", type=float, default=list(COMPILE_BUDGETS))
+    ap.add_argument("--fractions", nargs="+", type=float,
+                    help="plan at these fractions only (default: 0.9 / 0.7 / 0.5 and each solver's smallest)")
+    ap.add_argument("--variants", action="store_true",
+                    help="offer the solvers every implementation variant (runtime.variants), as the pipeline does")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=200)
     for name in args.workloads:
-        rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets)
+        rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
                       "predicted time", "solve s", "smallest search s", "schedule from",
                       title=f"{name}: CPU, {args.threads} thread(s), median of {args.rounds} interleaved rounds")
