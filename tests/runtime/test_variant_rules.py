@@ -6,23 +6,31 @@ import pytest
 import torch
 
 from runtime.plan import Plan
-from runtime.variant_ops import (batch_norm_backward_from_output, layer_norm_backward_from_output,
-                                 max_pool_backward_from_windows, window_positions)
+from runtime.variant_ops import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
+                                 max_pool_backward_from_windows, pack_zero_bits, unpack_zero_bits, window_positions)
 from runtime.variants import RULES, graph_variants
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import simulate
 
 aten = torch.ops.aten
-EXACT_RULES = {"mask", "compact"}          # bit-identical to ATen; the others within the validation tolerance
-EXPECTED = {"resnet18": {"mask", "output", "compact"}, "mobilenet_v2": {"mask", "output"},
-            "vgg11": {"mask", "compact"}, "gpt2_sdpa": {"output", "math"}}
+EXACT_RULES = {"mask", "bitmask", "compact"}   # bit-identical to ATen; the others within the validation tolerance
+EXPECTED = {"resnet18": {"mask", "bitmask", "output", "compact"}, "mobilenet_v2": {"mask", "bitmask", "output"},
+            "vgg11": {"mask", "bitmask", "compact"}, "gpt2_sdpa": {"output", "math"}}
 
 
 def variant_schedule(graph, variants, rules):
-    """The default order, every node offering a variant of `rules` run as it."""
+    """The default order, every node offering a variant of `rules` run as it; where a ReLU offers both
+    `mask` and `bitmask`, every other ReLU (in forward order) takes `bitmask`, its backward the same."""
+    masks = sorted(spec.outputs[-1] for specs in variants.specs.values() for spec in specs.values()
+                   if spec.rule == "bitmask" and spec.outputs[-1] >= variants.num_graph_values)
+    packed = set(masks[1::2])
     steps = []
     for node in graph.nodes:
-        names = [name for name in variants.specs.get(node.id, {}) if variants.specs[node.id][name].rule in rules]
+        specs = variants.specs.get(node.id, {})
+        names = [name for name in specs if specs[name].rule in rules]
+        if {"mask", "bitmask"} <= set(names):
+            keep = "bitmask" if packed & {*specs["bitmask"].inputs, *specs["bitmask"].outputs} else "mask"
+            names = [name for name in names if name not in {"mask", "bitmask"} - {keep}]
         assert len(names) <= 1, (node, names)
         steps.append({"compute": node.id, "impl": names[0]} if names else {"compute": node.id})
     return steps
@@ -106,7 +114,36 @@ def test_max_pool_window_positions_rebuild_atens_indices_and_gradient(kernel, st
 
 def test_registry_lists_every_rule_the_executor_runs():
     from runtime.variant_ops import RULES as CODE
-    assert set(RULES) == set(CODE) == {"mask", "output", "compact", "math"}
+    assert set(RULES) == set(CODE) == {"mask", "output", "compact", "math", "bitmask"}
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 23, 64, 1001])
+def test_bit_packed_mask_holds_one_bit_per_element_at_odd_sizes(numel):
+    torch.manual_seed(numel)
+    x = torch.randn(numel)
+    x[::3] = 0.0                                          # ties: x <= 0 must hold at exactly 0
+    packed = pack_zero_bits(x, 0, None, [0])
+    assert packed.dtype == torch.uint8 and packed.shape == ((numel + 7) // 8,)
+    mask = (x <= 0).tolist()
+    for j in range(numel):                                # element j is bit j % 8 of byte j // 8
+        assert (int(packed[j // 8]) >> (j % 8)) & 1 == mask[j], j
+    if numel % 8:
+        assert int(packed[-1]) >> (numel % 8) == 0       # the padding bits are zero
+    assert torch.equal(unpack_zero_bits(packed, [numel], [1], [0]), x <= 0)
+    clipped = pack_zero_bits(x, -0.5, 0.5, [0])
+    assert torch.equal(unpack_zero_bits(clipped, [numel], [1], [0]), (x <= -0.5) | (x >= 0.5))
+
+
+def test_bit_packed_mask_follows_memory_order_and_gives_atens_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4, 7).contiguous(memory_format=torch.channels_last)
+    x[0, 0] = float("nan")
+    order = dense_order(list(x.shape), list(x.stride()))
+    assert order == [0, 2, 3, 1] and dense_order([4, 4], [8, 1]) is None and dense_order([3, 4], [1, 3]) == [1, 0]
+    mask = unpack_zero_bits(pack_zero_bits(x, 0, None, order), list(x.shape), list(x.stride()), order)
+    assert mask.stride() == x.stride() and torch.equal(mask, x <= 0)
+    grad = torch.randn_like(x)
+    assert torch.equal(grad.masked_fill(mask, 0.0), aten.threshold_backward(grad, torch.relu(x), 0))
 
 
 def test_attention_math_variant_pairs_the_probabilities_with_the_backward(captured):
