@@ -39,6 +39,16 @@ def variant_schedule(graph, variants, rules):
     return steps
 
 
+_EAGER: dict[str, object] = {}
+
+
+def eager_step(helpers, name, model, loss_fn, batch):
+    """One eager step of model `name`, run once per module (both model tests compare with it)."""
+    if name not in _EAGER:
+        _EAGER[name] = helpers.train_eager(model, loss_fn, batch)
+    return _EAGER[name]
+
+
 def equal_step(a, b):
     return torch.equal(a.loss, b.loss) and all(torch.equal(a.grads[k], b.grads[k]) for k in a.grads) and \
         all(torch.equal(a.buffers[k], b.buffers[k]) for k in a.buffers)
@@ -51,7 +61,7 @@ def test_each_rule_and_all_rules_train_like_eager_at_the_simulated_peak(captured
     offered = {s.rule for specs in variants.specs.values() for s in specs.values()}
     assert offered == EXPECTED[name]
     problem = Problem.from_graph(g, None, variants)
-    eager = helpers.train_eager(model, loss_fn, batch)
+    eager = eager_step(helpers, name, model, loss_fn, batch)
     for rules in [*({r} for r in sorted(offered)), offered]:
         schedule = variant_schedule(g, variants, rules)
         result = helpers.train_plan(model, loss_fn, batch, Plan(g.fingerprint, schedule), graph=g)
@@ -67,10 +77,20 @@ def test_each_rule_and_all_rules_train_like_eager_at_the_simulated_peak(captured
 
 
 # budgets, as fractions of the span from the smallest budget any schedule could fit (the largest single step) to
-# the eager-order peak (at these sizes parameters and their gradients are most of the peak): feasible for the
-# warm start (checkpoint-all or ap-greedy) or the MILP within its time limit, each below the eager peak
-MONET_BUDGETS = {"resnet18": (0.95, 0.85, 0.75), "mobilenet_v2": (0.9, 0.75, 0.6), "vgg11": (0.97, 0.93, 0.9),
-                 "gpt2_sdpa": (0.9, 0.6, 0.3)}
+# the eager-order peak (at these sizes parameters and their gradients are most of the peak), each below the
+# eager peak and at or above what a cheap incumbent fits (`cheap_incumbent`), so the test does not depend on
+# how far the MILP gets in its second: ap-greedy fits down to 0.7 (resnet18), 0.4 (mobilenet_v2), 0.6 (gpt2_sdpa)
+# and nowhere on vgg11, whose exact-variant schedule fits 0.734
+MONET_BUDGETS = {"resnet18": (0.9, 0.8, 0.7), "mobilenet_v2": (0.9, 0.75, 0.6), "vgg11": (0.9, 0.8, 0.74),
+                 "gpt2_sdpa": (0.9, 0.75, 0.6)}
+
+
+def cheap_incumbent(problem, budget):
+    """The default order with the bit-packed ReLU mask and the compact max-pool wherever offered, when it fits
+    `budget` (a schedule in MONeT's space); None leaves monet its own warm start (checkpoint-all, ap-greedy)."""
+    schedule = [("compute", n, next((i for i in ("bitmask", "compact") if i in problem.impls(n)), "default"))
+                for n in range(problem.num_nodes)]
+    return schedule if simulate(problem, schedule).peak_bytes <= budget else None
 
 
 @pytest.mark.parametrize("name", sorted(MONET_BUDGETS))
@@ -82,15 +102,20 @@ def test_monet_plans_at_three_budgets_train_like_eager_at_the_simulated_peak(cap
     problem = Problem.from_graph(g, None, graph_variants(g))
     eager_peak = simulate(problem, default_schedule(problem)).peak_bytes
     lower = min_budget_lower_bound(problem)
-    eager = helpers.train_eager(model, loss_fn, batch)
+    eager = eager_step(helpers, name, model, loss_fn, batch)
+    trained = {}                                          # schedule -> measured step (a plan is run once)
     for fraction in MONET_BUDGETS[name]:
         budget = int(lower + fraction * (eager_peak - lower))
-        solution = solve(problem, "monet", budget, SolveOptions(time_limit=1.0, portfolio=False))
+        options = SolveOptions(time_limit=1.0, portfolio=False, mip_start=cheap_incumbent(problem, budget))
+        solution = solve(problem, "monet", budget, options)
         assert solution.feasible, (fraction, solution.status, solution.message)
         plan = solution.to_plan(problem)
         impls = plan.impls()                               # variant names are their rules' names
         assert impls or solution.objective > problem.cost.sum(), fraction    # below the eager peak: not the default
-        result = helpers.train_plan(model, loss_fn, batch, plan, graph=g)
+        key = repr(plan.schedule)
+        if key not in trained:
+            trained[key] = helpers.train_plan(model, loss_fn, batch, plan, graph=g)
+        result = trained[key]
         if impls <= EXACT_RULES:
             assert equal_step(eager, result), (fraction, impls)
         elif name == "mobilenet_v2":                      # see test_each_rule_and_all_rules_train_like_eager...
