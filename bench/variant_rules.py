@@ -20,6 +20,18 @@ every row:
     gpt2          output 0.908 (9 LayerNorms), math never helps at seq 128 (0 groups), grads <= 4.8e-8
 In eager order the peak of these CNNs at this size is the end of the backward (parameter gradients), so
 most variants only pay off under a memory budget, where the solver trades them against recomputation.
+
+Rule `bitmask` (memplan bitmask branch, same settings, measured == simulated in every row, grads
+bit-identical; times noisy, the host shared with test runs):
+    mobilenet_v2 batch 4   bitmask 0.769 vs mask 0.820 (35 groups each), all rules 0.754 (was 0.805)
+    mobilenet_v2 batch 16  bitmask 0.711 vs mask 0.774, all rules 0.694
+    resnet18 batch 4 / 16  bitmask 1.000 = mask 1.000 in eager order (its peak is the parameter gradients)
+Step time: bitmask 1.7-2.4x the default plan on mobilenet_v2 against 0.5-2.4x for mask in the same runs;
+per call (1 thread, loaded host) packing takes 0.9-2.3 ms, 17-80x a hardtanh (8 strided passes of ~4
+small ops each: per-op overhead dominates small tensors), and unpacking 0.7-1.8 ms, 5-64x a
+hardtanh_backward (shapes 4x96x32x32 down to 4x960x2x2); the `masked_fill` both mask rules run is
+itself ~13x slower than hardtanh_backward at 4x96x32x32. The profile carries these times, so the solver picks
+`bitmask` where its bytes matter.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def _mask(step: VariantStep) -> dict[int, fx.Node]:
         return {step.spec.outputs[-1]: mask}
     if target in (aten.threshold_backward.default, aten.hardtanh_backward.default):
         _check_backward(step)
-        mask = _mask_view(step)
+        mask = _mask_view(step, step.values[_mask_input(step)])
         step.copy_group(lambda: step.call(aten.masked_fill.Scalar, step.resolve(step.head.args[0]), mask, 0.0))
         return {}
     raise VariantError(f"variant 'mask' of node {step.spec.node} ({step.head.name}) runs {target}, which is not "
@@ -125,13 +125,12 @@ def _check_backward(step: VariantStep) -> None:
             f"the default variant.")
 
 
-def _mask_view(step: VariantStep) -> fx.Node:
-    """The mask, viewed as the backward views the activation it replaces (usually not at all)."""
+def _mask_view(step: VariantStep, mask: fx.Node) -> fx.Node:
+    """`mask`, viewed as the backward views the activation it replaces (usually not at all)."""
     program = step.graph.program
     saved = step.head.args[1]
     value = program.value_of[saved]
     base = program.primary[value]
-    mask = step.values[_mask_input(step)]
 
     def rebase(a: fx.Node) -> fx.Node:
         if a is base:
@@ -141,6 +140,89 @@ def _mask_view(step: VariantStep) -> fx.Node:
         return step.resolve(a)
 
     return rebase(saved)
+
+
+def dense_order(shape, stride) -> list[int] | None:
+    """The dimensions of a tensor of `shape` and `stride` from outermost to innermost in memory, if its
+    elements fill their storage span without gaps or overlaps (then `t.permute(order).view(-1)` lists them
+    in memory order); None otherwise."""
+    order = sorted(range(len(shape)), key=lambda d: -stride[d])
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return order
+
+
+def pack_zero_bits(x: torch.Tensor, low: float, high: float | None, order: list[int]) -> torch.Tensor:
+    """Rule `bitmask`'s forward: the zero-gradient mask `x <= low` (or `x <= low or x >= high`) packed 1 bit per
+    element: element j (in memory order, `order` from `dense_order`) is bit j % 8 of byte j // 8, ceil(n / 8)
+    bytes. Bit k of every byte comes from the strided slice `flat[k::8]`, compared into one packed-size
+    temporary (hardtanh: two) and added in with weight 2^k, so no full-size mask is ever allocated."""
+    flat = x.permute(order).view(-1)
+    size = (flat.numel() + 7) // 8
+    packed = torch.empty(size, dtype=torch.uint8, device=x.device)
+    bits = torch.empty(size, dtype=torch.uint8, device=x.device)
+    upper = torch.empty(size, dtype=torch.bool, device=x.device) if high is not None else None
+    for k in range(8):
+        part = flat[k::8]
+        n = part.numel()                       # ceil((numel - k) / 8): the first slice fills every byte
+        into = (packed if k == 0 else bits)[:n].view(torch.bool)
+        torch.le(part, low, out=into)
+        if upper is not None:
+            into.logical_or_(torch.ge(part, high, out=upper[:n]))
+        if k:
+            packed[:n].add_(bits[:n], alpha=1 << k)
+    return packed
+
+
+def unpack_zero_bits(packed: torch.Tensor, shape: list[int], stride: list[int], order: list[int]) -> torch.Tensor:
+    """Rule `bitmask`'s backward: the bool mask of `pack_zero_bits`, laid out as the forward input (`shape`,
+    `stride`); the one temporary of the backward (numel bytes), each bit shifted straight into its bytes."""
+    mask = torch.empty_strided(shape, stride, dtype=torch.bool, device=packed.device)
+    flat = mask.permute(order).view(-1).view(torch.uint8)
+    for k in range(8):
+        part = flat[k::8]
+        torch.bitwise_right_shift(packed[:part.numel()], k, out=part)
+        part.bitwise_and_(1)
+    return mask
+
+
+def masked_fill_holding(grad: torch.Tensor, mask: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`masked_fill(grad, mask, 0.0)`, holding the packed mask until the gradient is allocated: a step's
+    inputs stay live through the step in the memory model (the executor would otherwise free the packed
+    mask right after unpacking it, at its last read, and the step's peak would fall below the simulated one)."""
+    return aten.masked_fill.Scalar(grad, mask, 0.0)
+
+
+def _bitmask(step: VariantStep) -> dict[int, fx.Node]:
+    """Rule `bitmask` (runtime.variants): rule `mask` with the mask packed 1 bit per element
+    (`pack_zero_bits` / `unpack_zero_bits`); the backward then runs the same `masked_fill`."""
+    target = step.head.target
+    forward = step.head if target in (aten.relu.default, aten.hardtanh.default) else \
+        head_node(step.graph, step.variants.value(step.graph, _mask_input(step)).producer)
+    if forward.target not in (aten.relu.default, aten.hardtanh.default):
+        raise VariantError(f"variant 'bitmask' of node {step.spec.node} ({step.head.name}) runs {target}, which is "
+                           f"not ReLU, hardtanh or their backward; the graph's variants do not match its program.")
+    x = forward.args[0].meta["val"]
+    order = dense_order(list(x.shape), list(x.stride()))
+    if order is None:
+        raise VariantError(f"node {step.spec.node} ({step.head.name}): the input of {forward.name} has strides "
+                           f"{list(x.stride())} with gaps or overlaps, which a bit mask in memory order cannot "
+                           f"mirror; run it as the default or `mask` variant.")
+    if step.head is forward:
+        step.copy_group()
+        low, high = (0, None) if target is aten.relu.default else (_arg(forward, 1), _arg(forward, 2))
+        return {step.spec.outputs[-1]: step.call(pack_zero_bits, step.resolve(forward.args[0]), low, high, order)}
+    if target in (aten.threshold_backward.default, aten.hardtanh_backward.default):
+        _check_backward(step)
+        packed = step.values[_mask_input(step)]
+        mask = _mask_view(step, step.call(unpack_zero_bits, packed, list(x.shape), list(x.stride()), order))
+        step.copy_group(lambda: step.call(masked_fill_holding, step.resolve(step.head.args[0]), mask, packed))
+        return {}
+    raise VariantError(f"variant 'bitmask' of node {step.spec.node} ({step.head.name}) runs {target}, which is "
+                       f"not the backward of {forward.name}; the graph's variants do not match its program.")
 
 
 def _graph_value(step: VariantStep, value: int) -> fx.Node:
@@ -384,4 +466,5 @@ def _math(step: VariantStep) -> dict[int, fx.Node]:
 
 
 RULES: dict[str, Callable[[VariantStep], dict[int, fx.Node]]] = {"mask": _mask, "output": _norm_output,
-                                                                 "compact": _compact, "math": _math}
+                                                                 "compact": _compact, "math": _math,
+                                                                 "bitmask": _bitmask}

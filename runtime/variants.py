@@ -20,6 +20,11 @@ Rules shipped (`RULES`):
   hardtanh backward treats NaN differently in its vectorized and scalar loops, so there only finite
   inputs match). The 4-byte activation the default backward holds until the backward pass can be
   freed once its forward readers are done.
+- `bitmask` on the same nodes as `mask`: the same mask packed 1 bit per element (element j is bit j % 8 of
+  byte j // 8, in the memory order of the forward input; ceil(n / 8) bytes, 8x fewer than `mask`); the
+  backward unpacks it into a temporary bool mask and computes the same `where(mask, 0, grad)`, so it is
+  bit-identical like `mask`, a little slower, and keeps 32x fewer bytes than the fp32 activation.
+  Where a node offers both, the solver picks by the profiled time and the bytes kept.
 - `output` on the backward of training BatchNorm and of LayerNorm: output-activated normalization
   (in-place activated BatchNorm, Bulo et al. 2018; MONeT's output-activated operators). The backward
   reads the forward's output y, the saved 1/std and the affine parameters instead of the input x and the
@@ -122,10 +127,10 @@ def _readers(graph: OpGraph) -> dict[int, list[int]]:
     return readers
 
 
-def _zero_mask(b: _Builder) -> None:
-    """Rule `mask` (module docstring): pairs each ReLU / hardtanh forward node with the backward nodes
-    that read its output (ReLU) or its input or a clone of its input (hardtanh)."""
-    g = b.graph
+def _zero_gradient_pairs(g: OpGraph):
+    """(forward node, its output value, whether it is hardtanh, [(backward node, value it reads)]) for every
+    ReLU / hardtanh forward node and the backward nodes that read its output (ReLU) or its input or a clone
+    of its input (hardtanh): the nodes rules `mask` and `bitmask` pair."""
     readers = _readers(g)
     kinds = {"aten.relu.default": "aten.threshold_backward.default",
              "aten.hardtanh.default": "aten.hardtanh_backward.default"}
@@ -136,7 +141,8 @@ def _zero_mask(b: _Builder) -> None:
         out = g.values[node.outputs[0]]
         if out.dtype not in DTYPE_BYTES:
             continue
-        if backward_target == "aten.threshold_backward.default":
+        hardtanh = backward_target == "aten.hardtanh_backward.default"
+        if not hardtanh:
             saved = {out.id}                           # ReLU's backward reads the output
         else:                                          # hardtanh's reads the input, or a clone of it
             x = node.inputs[0]
@@ -144,15 +150,39 @@ def _zero_mask(b: _Builder) -> None:
                            for c in g.nodes[r].outputs}
         pairs = [(r, v) for v in sorted(saved) for r in readers.get(v, ())
                  if g.nodes[r].targets[0] == backward_target and g.nodes[r].inputs[1] == v]
-        if not pairs:
-            continue
+        if pairs:
+            yield node, out, hardtanh, pairs
+
+
+def _add_mask_pair(b: _Builder, rule: str, node, pairs, mask: int, forward_workspace: int,
+                   backward_workspace: int) -> None:
+    """Variant `rule` of a ReLU / hardtanh forward node (also allocating `mask`) and of its backward nodes
+    (reading `mask` instead of the activation)."""
+    g = b.graph
+    b.add(VariantSpec(node.id, rule, rule, tuple(dict.fromkeys(node.inputs)), (*node.outputs, mask), forward_workspace))
+    for r, v in pairs:
+        inputs = tuple(dict.fromkeys(mask if i == v else i for i in g.nodes[r].inputs))
+        b.add(VariantSpec(r, rule, rule, inputs, tuple(g.nodes[r].outputs), backward_workspace))
+
+
+def _zero_mask(b: _Builder) -> None:
+    """Rule `mask` (module docstring): a 1-byte bool mask per element."""
+    for node, out, hardtanh, pairs in _zero_gradient_pairs(b.graph):
         numel = out.bytes // DTYPE_BYTES[out.dtype]
         mask = b.new_value(numel, out.shape, "bool", f"{out.name}.zero_mask", node.id)
-        workspace = 0 if backward_target == "aten.threshold_backward.default" else numel  # one more comparison
-        b.add(VariantSpec(node.id, "mask", "mask", tuple(dict.fromkeys(node.inputs)), (*node.outputs, mask), workspace))
-        for r, v in pairs:
-            inputs = tuple(dict.fromkeys(mask if i == v else i for i in g.nodes[r].inputs))
-            b.add(VariantSpec(r, "mask", "mask", inputs, tuple(g.nodes[r].outputs)))   # masked_fill: no scalar
+        # workspace: hardtanh's second comparison; the backward's masked_fill allocates no scalar
+        _add_mask_pair(b, "mask", node, pairs, mask, numel if hardtanh else 0, 0)
+
+
+def _zero_bitmask(b: _Builder) -> None:
+    """Rule `bitmask` (module docstring): the mask packed 8 elements per byte."""
+    for node, out, hardtanh, pairs in _zero_gradient_pairs(b.graph):
+        numel = out.bytes // DTYPE_BYTES[out.dtype]
+        packed = (numel + 7) // 8
+        mask = b.new_value(packed, (packed,), "uint8", f"{out.name}.zero_bitmask", node.id)
+        # workspace: the forward packs bit k of every byte from one strided comparison at a time (one
+        # packed-size temporary, two for hardtanh); the backward unpacks into a bool mask of numel bytes
+        _add_mask_pair(b, "bitmask", node, pairs, mask, packed * (2 if hardtanh else 1), numel)
 
 
 _NORMS = {  # training forward -> its backward; outputs (y, saved mean, saved 1/std, ...)
@@ -261,8 +291,10 @@ def _attention_math(b: _Builder) -> None:
                               nbytes + out.bytes))   # dS, and one gradient before its copy into place
 
 
+# registry order numbers the variant values: a new rule goes last, so plans written before it keep their ids
 RULES: dict[str, Callable[[_Builder], None]] = {"mask": _zero_mask, "output": _norm_output,
-                                                "compact": _maxpool_compact, "math": _attention_math}
+                                                "compact": _maxpool_compact, "math": _attention_math,
+                                                "bitmask": _zero_bitmask}
 
 
 def graph_variants(graph: OpGraph, rules: tuple[str, ...] | None = None) -> GraphVariants:

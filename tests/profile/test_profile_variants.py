@@ -33,6 +33,7 @@ def test_mask_variants_get_rows_that_planners_price(store, graph):
     by = {(n, impl): (i, o, w) for n, impl, i, o, w in rows}
     assert run.rows == len(rows) == len(graph.nodes) + sum(map(len, variants.specs.values()))
     assert {k for k in by if k[1] == "mask"} == {(n, "mask") for n in variants.specs}
+    assert {k for k in by if k[1] == "bitmask"} == {(n, "bitmask") for n in variants.specs}
 
     relu = next(n.id for n in graph.nodes if n.targets[0] == "aten.relu.default")
     mask = variants.specs[relu]["mask"].outputs[-1]
@@ -45,6 +46,14 @@ def test_mask_variants_get_rows_that_planners_price(store, graph):
 
     hardtanh = next(n.id for n in graph.nodes if n.targets[0] == "aten.hardtanh.default")
     assert by[hardtanh, "mask"][2] == variants.specs[hardtanh]["mask"].workspace > 0   # the ge temporary
+
+    numel = graph.values[out].bytes // 4                  # the bit mask: 1 bit per element, 8 per byte
+    packed = variants.specs[relu]["bitmask"].outputs[-1]
+    assert variants.value(graph, packed).bytes == (numel + 7) // 8 == variants.value(graph, mask).bytes // 8
+    assert by[relu, "bitmask"][1] == by[relu, "default"][1] + (numel + 7) // 8
+    assert by[backward, "bitmask"][0] == by[backward, "mask"][0] - numel + (numel + 7) // 8
+    for node in (relu, backward, hardtanh):               # measured workspace == the declared one
+        assert by[node, "bitmask"][2] == variants.specs[node]["bitmask"].workspace > 0, node
 
     costs = load_costs(graph.fingerprint, "cpu")
     problem = Problem.from_graph(graph, costs, variants)
@@ -72,7 +81,7 @@ def test_every_rule_gets_rows_and_the_compact_backward_reads_less(store):
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
     graphs = [runtime.capture(cnn, loss_fn, (torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))),
               runtime.capture(TinyAttention(), loss_fn, (torch.randn(2, 8, 16), torch.zeros(2, dtype=torch.long)))]
-    for graph, rules in zip(graphs, [{"mask", "output", "compact"}, {"output", "math"}]):
+    for graph, rules in zip(graphs, [{"mask", "bitmask", "output", "compact"}, {"output", "math"}]):
         profile_graph(graph, "cpu", FAST, model="tiny", progress=False)
         variants = graph_variants(graph)
         assert {s.rule for specs in variants.specs.values() for s in specs.values()} == rules

@@ -135,3 +135,28 @@ def test_monet_noop_is_within_ten_percent_of_checkmate(linear):
             if exact.feasible:
                 assert exact.objective <= noop.objective + 1e-9 <= 1.1 * exact.objective, (p.name, budget)
                 assert noop.predicted_peak_bytes == simulate(p, noop.schedule).peak_bytes <= budget
+
+
+def two_masks(mask_cost: float, bitmask_cost: float) -> Problem:
+    """f_0 (ReLU-like: 16 B output a) -> loss f_1; backward b_0 reads a. Variants of f_0: "mask" also allocates a
+    4 B mask, "bitmask" a 1 B packed one; b_0's variant of the same name reads that mask instead of a."""
+    return Problem(name="two-masks", cost=np.array([1.0, 1.0, 1.0]), workspace=np.zeros(3, np.int64),
+                   phase=("forward", "loss", "backward"), node_inputs=((0,), (1,), (1,)), node_outputs=((1,), (2,), (3,)),
+                   value_bytes=np.array([4, 16, 4, 16, 4, 1], np.int64), value_producer=np.array([-1, 0, 1, 2, 0, 0]),
+                   outputs=(2, 3), order=np.arange(3), num_variant_values=2,
+                   variants=((Variant("mask", mask_cost, 0, (0,), (1, 4)), Variant("bitmask", bitmask_cost, 0, (0,), (1, 5))),
+                             (), (Variant("mask", 1.0, 0, (4,), (3,)), Variant("bitmask", 1.0, 0, (5,), (3,)))))
+
+
+@pytest.mark.parametrize("mask_cost, bitmask_cost", [(1.5, 2.5), (2.5, 1.5)])
+def test_monet_chooses_between_a_byte_mask_and_a_bit_mask_by_time_and_bytes(mask_cost, bitmask_cost):
+    """Where a node offers both masks, the cheaper one wins when both fit, the bit mask when only it fits."""
+    p = two_masks(mask_cost, bitmask_cost)
+    peak = {impl: simulate(p, [("compute", 0, impl), ("compute", 1), ("compute", 2, impl)]).peak_bytes
+            for impl in ("default", "mask", "bitmask")}
+    assert peak["bitmask"] < peak["mask"] < peak["default"]
+    for budget, chosen in [(peak["mask"], "mask" if mask_cost < bitmask_cost else "bitmask"),
+                           (peak["bitmask"], "bitmask")]:
+        sol = solve(p, "monet", budget, ALONE)
+        assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget)), budget
+        assert [s for s in sol.schedule if s[1] == 0] == [("compute", 0, chosen)], (budget, sol.schedule)
