@@ -3,6 +3,7 @@ than MONeT-NoOp, MONeT-NoOp close to Checkmate, predictions from the simulator."
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import numpy as np
@@ -160,3 +161,17 @@ def test_monet_chooses_between_a_byte_mask_and_a_bit_mask_by_time_and_bytes(mask
         sol = solve(p, "monet", budget, ALONE)
         assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget)), budget
         assert [s for s in sol.schedule if s[1] == 0] == [("compute", 0, chosen)], (budget, sol.schedule)
+
+
+def test_monet_returns_its_warm_schedule_when_the_milp_ends_on_a_costlier_one(monkeypatch):
+    """A MILP stopped early can hold an incumbent costlier than the schedule that started it (a start that
+    lies outside MONeT's space does not even seed it): the cheaper of the two is returned."""
+    monet_solver = importlib.import_module("tasks.solve.monet.solver")
+    p = masked_chain(6, n=5).without_variants()
+    budget = _budgets(p)[-1]                       # the eager order fits: the warm start is checkpoint-all
+    costlier = next(s.schedule for b in _budgets(p)[:-1]
+                    if (s := solve(p, "checkmate", b, ALONE)).feasible and s.objective > p.cost.sum())
+    assert simulate(p, costlier).peak_bytes <= budget and simulate(p, costlier).compute_cost > p.cost.sum()
+    monkeypatch.setattr(monet_solver, "schedule_from_solution", lambda L, x: costlier)
+    sol = solve(p, "monet-noop", budget, ALONE)
+    assert sol.feasible and sol.objective == pytest.approx(p.cost.sum()) and sol.status == "feasible"

@@ -82,10 +82,13 @@ def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str 
     if result.status == "infeasible":
         return Solution(name, budget, "infeasible", min_budget_lower_bound=lower,
                         message="the MILP proved that no schedule in MONeT's space fits", **common)
-    if result.x is not None:
-        schedule, status = schedule_from_solution(L, result.x), "optimal" if result.status == "optimal" else "feasible"
-    elif incumbent is not None and simulate(problem, incumbent).peak_bytes <= budget:
-        schedule, status = incumbent, "feasible"
+    found = []                     # the MILP's schedule, and the warm schedule when it fits (it may lie
+    if result.x is not None:       # outside MONeT's space, where the MILP cannot reach or beat it)
+        found.append((schedule_from_solution(L, result.x), "optimal" if result.status == "optimal" else "feasible"))
+    if incumbent is not None and simulate(problem, incumbent).peak_bytes <= budget:
+        found.append((incumbent, "feasible"))
+    if found:
+        schedule, status = min(found, key=lambda f: simulate(problem, f[0]).compute_cost)
     else:
         schedule, status = None, "time_limit" if result.status == "time_limit" else "no_solution"
     return checked_solution(problem, name, budget, schedule, status=status, message=result.message, **common)
