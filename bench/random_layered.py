@@ -60,6 +60,8 @@ def main() -> None:
             budget = int(fraction * peak)
             for solver in args.solvers:
                 sol = solve(problem, solver, budget, SolveOptions(time_limit=args.time_limit, portfolio=False))
+                print(f"{path.stem} {fraction:g} {solver}: {sol.status} {sol.objective} in {sol.solve_seconds:.1f} s",
+                      file=sys.stderr, flush=True)
                 table.add_row(path.stem.split("_w")[0], f"{fraction:g}", solver, sol.status,
                               fmt(None if sol.objective is None else sol.objective / lower, ".4f"),
                               fmt(None if sol.predicted_peak_bytes is None else sol.predicted_peak_bytes / budget),

@@ -60,7 +60,7 @@ class DtrOptions:
         "help": "s(t): 'last-access' (steps since last read, the paper's) and/or 'next-use' (steps to next read)."})
     hold: tuple[bool, ...] = field(default=(False, True), metadata={
         "help": "free a recomputation's inputs at once (False) and/or hold them until the step has run (True)."})
-    max_cost: float = field(default=10.0, metadata={
+    max_cost: float = field(default=2.0, metadata={
         "help": "a walk stops once its cost passes this multiple of the sum of node costs (or the best so far)."})
     allowances: tuple[float, ...] = field(default=(1.0,), metadata={
         "help": "fractions of the budget the walk plans for (each in (0, 1])."})
