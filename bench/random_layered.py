@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--solvers", nargs="*", default=["dtr"])
     parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per solve (default 600)")
     args = parser.parse_args()
-    paths = [p for p in benchmark_graphs() for n in args.sizes if p.stem.startswith(f"random_layered_n{n}_")]
+    paths = [p for n in args.sizes for p in benchmark_graphs() if p.stem.startswith(f"random_layered_n{n}_")]
 
     table = Table("graph", "budget", "solver", "status", "cost/sum(cost)", "peak/budget", "seconds", "t within 5%",
                   title=f"random layered graphs (time limit {args.time_limit:g} s per solve)")

@@ -222,6 +222,8 @@ class _Walk:
         self.cost += float(self.p.cost[node])
         if self.cost > self.cost_limit:
             raise _Stuck(f"the schedule costs more than {self.cost_limit:.6g}")
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise _Stuck("time limit reached")
         for w in outs:
             if self.computed[w] and not self.resident[w] and self.heuristic != "local":
                 root = self._find(w)
@@ -269,8 +271,6 @@ class _Walk:
     def run(self) -> list[tuple[str, int]]:
         p = self.p
         for position, node in enumerate(p.order.tolist()):
-            if self.deadline is not None and time.perf_counter() > self.deadline:
-                raise _Stuck("time limit reached")
             self.position = position
             self._materialize(node)
             for v in self.inputs[node]:
