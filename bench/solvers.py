@@ -6,8 +6,8 @@
 Columns, side by side for one run: feasible, objective relative to no recomputation (sum of node costs,
 checkpoint-all), proven gap, seconds to the first feasible schedule and to a proven 2% gap, total
 seconds, model size. `--ablation` runs `checkmate` with each formulation change switched on in turn:
-paper FREE linearization (eq. 7a-7c) without warm start, the tight linearization, and the remat-greedy
-warm start with the sum-of-costs bound (the default).
+paper FREE linearization (eq. 7a-7c) without warm start, the tight linearization, the remat-greedy
+warm start with the sum-of-costs bound, and the dtr warm start (the default).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ ABLATION = {
     "paper, no warm start": {"formulation": "paper", "warm_start": "none"},
     "tight, no warm start": {"formulation": "tight", "warm_start": "none"},
     "tight + greedy start": {"formulation": "tight", "warm_start": "greedy"},
+    "tight + dtr start": {"formulation": "tight", "warm_start": "dtr"},
 }
 
 

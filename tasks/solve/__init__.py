@@ -15,6 +15,7 @@ checked example (tests/solve/test_example_solver.py runs it through `memplan sol
 from __future__ import annotations
 
 from tasks.solve import baselines, checkmate, greedy
+from tasks.solve.dtr import DtrOptions, dtr
 from tasks.solve.moccasin import MoccasinOptions, moccasin
 from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
@@ -38,6 +39,8 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
                "torch.utils.checkpoint around every n-th module recorded at capture, as users write it.",
                baselines.ModuleCheckpointOptions),
     SolverSpec("remat-greedy", greedy.remat_greedy, "greedy: keep the values whose recomputation is dearest per byte."),
+    SolverSpec("dtr", dtr, "Dynamic Tensor Rematerialization run offline: evict by h = cost / (bytes * staleness).",
+               DtrOptions),
     SolverSpec("checkmate-approx", checkmate.checkmate_approx, "Checkmate's LP relaxation + two-phase rounding.",
                checkmate.CheckmateApproxOptions, portfolio=True),
     SolverSpec("checkmate", checkmate.checkmate, "Checkmate's optimal rematerialization MILP (eq. 9).",

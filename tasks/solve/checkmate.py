@@ -17,6 +17,7 @@ from tasks.solve.checkmate_model import (CheckmateLayout, assignment_from_schedu
                                          expand_ranges)
 from tasks.solve.checkpoints import recompute_closure
 from tasks.solve.coarsen import solve_coarsened
+from tasks.solve.dtr import DtrOptions, dtr
 from tasks.solve.greedy import greedy_schedule
 from tasks.solve.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
 from tasks.solve.problem import Problem
@@ -48,8 +49,9 @@ class CheckmateOptions:
 
     formulation: Formulation = field(default="tight", metadata={
         "help": "FREE linearization: 'tight' (ours, fewer rows) or 'paper' (eq. 7a-7c)."})
-    warm_start: Literal["greedy", "approx", "none"] = field(default="greedy", metadata={
-        "help": "heuristic whose schedule starts the MILP: remat-greedy, checkmate-approx or none."})
+    warm_start: Literal["dtr", "greedy", "approx", "none"] = field(default="dtr", metadata={
+        "help": "heuristic whose schedule starts the MILP: dtr (its walks of the default order; remat-greedy "
+                "when they find none), remat-greedy, checkmate-approx or none."})
     allowances: tuple[float, ...] = field(default=(0.0, 0.1, 0.2), metadata={
         "help": "budget allowances of the checkmate-approx warm start (warm_start = 'approx')."})
     coarsen: bool = field(default=False, metadata={
@@ -142,8 +144,9 @@ def checkmate_approx(problem: Problem, budget: int, options: SolveOptions) -> So
 
 def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """The MILP of eq. (9) with frontier-advancing stages (8a-8c), FREE linearization (7a-7c) and the
-    eliminations of 4.8, started from a heuristic schedule (`warm_start`: "greedy" (remat-greedy,
-    default), "approx" (checkmate-approx) or "none"; `SolveOptions.mip_start` takes precedence).
+    eliminations of 4.8, started from a heuristic schedule (`warm_start`: "dtr" (default; remat-greedy
+    when dtr finds none), "greedy" (remat-greedy), "approx" (checkmate-approx) or "none";
+    `SolveOptions.mip_start` takes precedence).
 
     The bound is the larger of the MILP's dual bound and sum of costs (eq. 8a runs every node once);
     when the start is already within `gap` of it, the MILP is skipped. An infeasible MILP proves that no
@@ -159,7 +162,10 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
         return solve_coarsened(checkmate, problem, budget, replace(options, params=replace(opts, coarsen=False)))
     incumbent = options.mip_start
     warm = opts.warm_start
-    if incumbent is None and warm == "greedy":
+    if incumbent is None and warm == "dtr":
+        incumbent = dtr(problem, budget, SolveOptions(time_limit=_remaining(deadline),
+                                                      params=DtrOptions(orders=("default",)))).schedule
+    if incumbent is None and warm in ("greedy", "dtr"):
         incumbent = greedy_schedule(problem, budget, deadline)
     elif incumbent is None and warm == "approx":
         approx = checkmate_approx(problem, budget, SolveOptions(

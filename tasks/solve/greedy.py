@@ -5,7 +5,8 @@ recomputation removes the most excess memory, sum over compute steps of max(0, l
 of added compute; every candidate is scored exactly by the recomputation fill (`schedule_from_checkpoints`)
 and the simulator. Candidates are the kept nodes with an output live at the peak step. Once within the
 budget, un-kept nodes are kept again, most expensive first, while the schedule still fits. It is the
-warm start of `checkmate` (its cost against sum of costs, a lower bound, often proves the gap alone).
+warm start of `checkmate` when `dtr` finds none (its cost against sum of costs, a lower bound, often
+proves the gap alone).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 from tasks.solve.problem import Problem
 from tasks.solve.solution import Solution, SolveOptions
 
-CHEAP = ("ap-greedy", "linearized-greedy", "acg", "remat-greedy")
+CHEAP = ("ap-greedy", "linearized-greedy", "acg", "remat-greedy", "dtr")
 """The solvers every portfolio solve consults (seconds on graphs of thousands of nodes)."""
 
 CHEAP_TIME_LIMIT_S = 30.0

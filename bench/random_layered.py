@@ -1,0 +1,73 @@
+"""Random layered graphs (MOCCASIN's n100..n1000) at fractions of the no-recomputation peak of their order.
+
+    python bench/random_layered.py                                   # dtr, n250/n500/n1000, 0.9 and 0.8
+    python bench/random_layered.py --sizes 250 --solvers dtr moccasin --time-limit 600
+
+Columns, side by side for one run: status, cost / sum of node costs (a lower bound on any schedule's
+cost, so <= 1.05 proves a schedule within 5% of the optimum), peak / budget (the simulator's), solve
+seconds, and seconds to within 5% of sum(cost) (the first incumbent doing so, for the solvers that
+report progress; else the solve time when the answer is within 5%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from tasks.solve import solve  # noqa: E402
+from tasks.solve.benchmarks import benchmark_graphs  # noqa: E402
+from tasks.solve.problem import Problem  # noqa: E402
+from tasks.solve.simulator import default_schedule, simulate  # noqa: E402
+from tasks.solve.solution import Solution, SolveOptions  # noqa: E402
+
+WITHIN = 1.05
+
+
+def seconds_to_within(sol: Solution, lower: float) -> float | None:
+    """Seconds until the solver held a schedule costing at most WITHIN x `lower`."""
+    if not sol.feasible or sol.objective > WITHIN * lower:
+        return None
+    hit = next((p.seconds for p in sol.progress if p.incumbent is not None and p.incumbent <= WITHIN * lower), None)
+    return sol.solve_seconds if hit is None else hit
+
+
+def fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="*", type=int, default=[250, 500, 1000])
+    parser.add_argument("--fractions", nargs="*", type=float, default=[0.9, 0.8])
+    parser.add_argument("--solvers", nargs="*", default=["dtr"])
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per solve (default 600)")
+    args = parser.parse_args()
+    paths = [p for n in args.sizes for p in benchmark_graphs() if p.stem.startswith(f"random_layered_n{n}_")]
+
+    table = Table("graph", "budget", "solver", "status", "cost/sum(cost)", "peak/budget", "seconds", "t within 5%",
+                  title=f"random layered graphs (time limit {args.time_limit:g} s per solve)")
+    for path in paths:
+        problem = Problem.from_node_link(path)
+        lower = float(problem.cost.sum())
+        peak = simulate(problem, default_schedule(problem)).peak_bytes
+        for fraction in args.fractions:
+            budget = int(fraction * peak)
+            for solver in args.solvers:
+                sol = solve(problem, solver, budget, SolveOptions(time_limit=args.time_limit, portfolio=False))
+                print(f"{path.stem} {fraction:g} {solver}: {sol.status} {sol.objective} in {sol.solve_seconds:.1f} s",
+                      file=sys.stderr, flush=True)
+                table.add_row(path.stem.split("_w")[0], f"{fraction:g}", solver, sol.status,
+                              fmt(None if sol.objective is None else sol.objective / lower, ".4f"),
+                              fmt(None if sol.predicted_peak_bytes is None else sol.predicted_peak_bytes / budget),
+                              f"{sol.solve_seconds:.1f}", fmt(seconds_to_within(sol, lower), ".1f"))
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()

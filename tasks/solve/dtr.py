@@ -1,0 +1,341 @@
+"""Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021) run offline as a planner (`dtr`).
+
+Walk a topological order. Before each computation, while the resident values plus the node's new outputs
+and workspace exceed the budget, evict (emit a free of) the resident value of least
+
+    h(t) = (c0(t) + c(e*(t))) / (m(t) * s(t))                                        (DTR sec. 4)
+
+among the evictable ones (produced by a recomputable node, not a graph output, not read by a
+computation in progress): c0 the producer's cost, m the bytes, s the staleness and c(e*(t)) the cost of
+the evicted neighbourhood, estimated by
+- "eq" (h_DTR^eq): evicted values joined into equivalence classes (union-find) with the neighbours they
+  were evicted beside, each class carrying its total cost; c(e*) sums the classes of t's evicted
+  neighbours (a rematerialized value leaves its class's cost; classes are not split, as in the paper);
+- "local" (h_DTR^local): the costs of t's evicted immediate neighbours (inputs of its producer and
+  outputs of its users);
+- "lookahead" (offline): "eq" plus the cost of recomputing the inputs of t's producer that will be gone
+  at t's next use (evicted, or last read by the order before it), LOOKAHEAD_DEPTH levels deep.
+Staleness "last-access" is the paper's (compute steps since t was last read or written); "next-use" is
+the distance to t's next read in the order (known offline, as in Belady's policy).
+A node reading an evicted value first recomputes its producer, recursively its evicted inputs first,
+each pinned until its reader has run. A value is freed after its last read in the order unless an
+evicted value the order still reads is computed from it. With `hold`, values that a step's
+recomputations read stay resident (evictable) until the step has run, rather than being freed at once.
+Every combination of the options (`DtrOptions`: the problem's order and/or moccasin's low-peak
+`memory_order`, heuristics, staleness, hold, budget allowances) is walked, each walk stopping once it
+costs more than the best so far; the simulator checks each schedule (its peak is at most the walk's,
+since a copy is live only until its last read) and the cheapest within the budget is returned.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from itertools import product
+from typing import Literal
+
+import numpy as np
+import scipy.sparse as sp
+
+from tasks.solve.moccasin import memory_order
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import simulate
+from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+
+Heuristic = Literal["eq", "local", "lookahead"]
+Staleness = Literal["last-access", "next-use"]
+
+
+@dataclass(frozen=True)
+class DtrOptions:
+    """Options of `dtr`: every combination of the listed heuristics, staleness measures and allowances is
+    run; the cheapest schedule within the budget is kept."""
+
+    orders: tuple[Literal["default", "memory"], ...] = field(default=("default", "memory"), metadata={
+        "help": "orders walked: 'default' (the problem's) and/or 'memory' (moccasin's low-peak topological order)."})
+    heuristics: tuple[Heuristic, ...] = field(default=("lookahead", "local"), metadata={
+        "help": "evicted-neighbourhood cost: 'eq' (h_DTR^eq), 'local' (h_DTR^local), 'lookahead' (eq plus the "
+                "inputs that will be gone at the next use)."})
+    staleness: tuple[Staleness, ...] = field(default=("last-access", "next-use"), metadata={
+        "help": "s(t): 'last-access' (steps since last read, the paper's) and/or 'next-use' (steps to next read)."})
+    hold: tuple[bool, ...] = field(default=(False, True), metadata={
+        "help": "free a recomputation's inputs at once (False) and/or hold them until the step has run (True)."})
+    max_cost: float = field(default=2.0, metadata={
+        "help": "a walk stops once its cost passes this multiple of the sum of node costs (or the best so far)."})
+    allowances: tuple[float, ...] = field(default=(1.0,), metadata={
+        "help": "fractions of the budget the walk plans for (each in (0, 1])."})
+
+
+LOOKAHEAD_DEPTH = 2
+"""Levels of inputs the 'lookahead' heuristic prices the recomputation of."""
+
+
+class _Stuck(Exception):
+    """No evictable value is left to make room (or a needed value cannot be recomputed)."""
+
+
+class _Walk:
+    """One DTR walk over `problem.order` within `budget` bytes."""
+
+    def __init__(self, problem: Problem, budget: int, heuristic: Heuristic, staleness: Staleness,
+                 deadline: float | None, cost_limit: float, hold: bool):
+        p = problem
+        self.p, self.budget, self.heuristic, self.staleness, self.deadline = p, budget, heuristic, staleness, deadline
+        self.cost_limit, self.cost, self.hold = cost_limit, 0.0, hold
+        nv = p.num_values
+        self.inputs = [tuple(dict.fromkeys(ins)) for ins in p.node_inputs]
+        self.producer = p.value_producer
+        self.nbytes = p.value_bytes.astype(np.int64)
+        self.vcost = np.where(self.producer >= 0, p.cost[np.maximum(self.producer, 0)], 0.0)
+        internal = self.producer >= 0
+        self.evictable = internal.copy()
+        self.evictable[internal] = p.is_recomputable[self.producer[internal]]
+        self.evictable &= ~p.is_output & (self.nbytes > 0)
+        self.resident = ~internal                     # graph inputs are always resident, never counted
+        self.computed = ~internal
+        self.pinned = np.zeros(nv, dtype=np.int64)
+        self.remaining = np.array([len(u) for u in p.value_users], dtype=np.int64)
+        self.user_pos = [np.array([p.position[u] for u in users], dtype=np.int64) for users in p.value_users]
+        self.last_access = np.zeros(nv, dtype=np.float64)
+        self.clock = 0
+        self.position = 0
+        self.live = 0
+        self.schedule: list[tuple[str, int]] = []
+        self.touched: list[int] = []
+        rows, cols = [], []
+        for node, ins in enumerate(self.inputs):
+            for v in ins:
+                if internal[v]:
+                    for w in p.node_outputs[node]:
+                        rows += [v, w]
+                        cols += [w, v]
+        self.parents = [[v for v in self.inputs[self.producer[w]] if internal[v]] if internal[w] else []
+                        for w in range(nv)]
+        self.last_use = np.array([pos[-1] if len(pos) else -1 for pos in self.user_pos], dtype=np.int64)
+        self.children = sp.csr_matrix((np.ones(len(rows) // 2), (rows[::2], cols[::2])), shape=(nv, nv))
+        self.neighbours = sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(nv, nv))
+        self.neighbours.data[:] = 1.0                # duplicates summed: back to 0/1
+        self.parent = np.arange(nv)                  # union-find of evicted values (h_DTR^eq)
+        self.class_cost = np.zeros(nv)
+
+    # -- h_DTR^eq equivalence classes -----------------------------------------------------------
+
+    def _find(self, v: int) -> int:
+        root = v
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[v] != root:
+            self.parent[v], v = root, self.parent[v]
+        return root
+
+    def _evicted_neighbours(self, v: int) -> np.ndarray:
+        row = self.neighbours.indices[self.neighbours.indptr[v]:self.neighbours.indptr[v + 1]]
+        return row[self.computed[row] & ~self.resident[row]]
+
+    def _on_evict(self, v: int) -> None:
+        self.parent[v], self.class_cost[v] = v, self.vcost[v]
+        for u in self._evicted_neighbours(v):
+            a, b = self._find(int(u)), self._find(v)
+            if a != b:
+                self.parent[a] = b
+                self.class_cost[b] += self.class_cost[a]
+
+    # -- eviction ---------------------------------------------------------------------------------
+
+    def _scores(self, candidates: np.ndarray) -> np.ndarray:
+        """h(t) of each candidate (lower: evict first)."""
+        evicted = self.computed & ~self.resident
+        if self.heuristic == "local":
+            neighbourhood = self.neighbours[candidates] @ np.where(evicted, self.vcost, 0.0)
+        else:
+            neighbourhood = np.zeros(len(candidates))
+            for k, t in enumerate(candidates.tolist()):
+                roots = {self._find(int(u)) for u in self._evicted_neighbours(t)}
+                neighbourhood[k] = sum(self.class_cost[r] for r in roots)
+                if self.heuristic == "lookahead":
+                    neighbourhood[k] += self._refill_cost(t, self._next_use(t), LOOKAHEAD_DEPTH)
+        if self.staleness == "last-access":
+            s = self.clock - self.last_access[candidates] + 1.0
+        else:
+            s = np.array([self._next_use(t) - self.position + 1.0 for t in candidates.tolist()])
+        return (self.vcost[candidates] + neighbourhood) / (self.nbytes[candidates] * s)
+
+    def _refill_cost(self, t: int, at: int, depth: int, seen: set | None = None) -> float:
+        """Cost of recomputing t's inputs that will not be resident at position `at` (evicted now, or last
+        read by the order before `at`), recursively up to `depth` levels (each counted once), then the
+        cost of their classes."""
+        seen = set() if seen is None else seen
+        total = 0.0
+        for u in self.parents[t]:
+            if u in seen or (self.resident[u] and self.last_use[u] >= at):
+                continue
+            seen.add(u)
+            total += self.vcost[u]
+            if depth > 1:
+                total += self._refill_cost(u, at, depth - 1, seen)
+            elif not self.resident[u]:
+                total += self.class_cost[self._find(u)]
+        return total
+
+    def _children(self, v: int) -> np.ndarray:
+        """Evicted values computed from v that the order still reads."""
+        row = self.children.indices[self.children.indptr[v]:self.children.indptr[v + 1]]
+        return row[self.computed[row] & ~self.resident[row] & (self.remaining[row] > 0)]
+
+    def _dead(self, v: int) -> bool:
+        """v is no longer read by the order nor needed to recompute an evicted value the order reads."""
+        return (self.remaining[v] == 0 and not self.p.is_output[v]
+                and not self._children(v).size)
+
+    def _next_use(self, t: int) -> int:
+        if self.remaining[t] == 0:                  # kept for an evicted child: its next use
+            return min((self._next_use(int(c)) for c in self._children(t)), default=len(self.p.order))
+        return int(self.user_pos[t][len(self.user_pos[t]) - self.remaining[t]])
+
+    def _make_room(self, node: int, need: int) -> None:
+        while self.live + need > self.budget:
+            mask = self.resident & self.evictable & (self.pinned == 0)
+            mask[list(self.p.node_outputs[node])] = False
+            candidates = np.flatnonzero(mask)
+            if candidates.size == 0:
+                raise _Stuck(f"{self.p.node_label(node)} needs {self.live + need} bytes with every resident value "
+                             f"pinned or not evictable")
+            scores = self._scores(candidates)
+            victim = int(candidates[int(np.argmin(scores))])        # first of the lowest: deterministic
+            self._free(victim)
+            if self.heuristic != "local":
+                self._on_evict(victim)
+
+    def _free(self, v: int) -> None:
+        self.resident[v] = False
+        self.live -= int(self.nbytes[v])
+        self.schedule.append(("free", v))
+
+    # -- computing --------------------------------------------------------------------------------
+
+    def _compute(self, node: int) -> None:
+        outs = self.p.node_outputs[node]
+        new = int(sum(int(self.nbytes[w]) for w in outs if not self.resident[w]))
+        self._make_room(node, new + int(self.p.workspace[node]))
+        self.schedule.append(("compute", node))
+        self.clock += 1
+        self.cost += float(self.p.cost[node])
+        if self.cost > self.cost_limit:
+            raise _Stuck(f"the schedule costs more than {self.cost_limit:.6g}")
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            raise _Stuck("time limit reached")
+        for w in outs:
+            if self.computed[w] and not self.resident[w] and self.heuristic != "local":
+                root = self._find(w)
+                self.class_cost[root] = max(self.class_cost[root] - self.vcost[w], 0.0)
+            self.resident[w] = self.computed[w] = True
+            self.last_access[w] = self.clock
+        self.live += new
+
+    def _materialize(self, target: int) -> None:
+        """Compute `target` (a node of the order, or a recomputation), first recomputing its evicted
+        inputs, recursively, each pinned until its reader has run."""
+        stack = [[target, 0]]
+        while stack:
+            frame = stack[-1]
+            node, ins = frame[0], self.inputs[frame[0]]
+            while frame[1] < len(ins):
+                v = ins[frame[1]]
+                if self.resident[v]:
+                    if self.producer[v] >= 0:
+                        self.pinned[v] += 1
+                        self.last_access[v] = self.clock
+                    frame[1] += 1
+                    continue
+                producer = int(self.producer[v])
+                if not self.p.is_recomputable[producer]:
+                    raise _Stuck(f"value {v} of {self.p.node_label(producer)}, which is not recomputable, was freed "
+                                 f"but {self.p.node_label(node)} reads it again")
+                stack.append([producer, 0])
+                break
+            else:
+                self._compute(node)
+                for v in ins:
+                    if self.producer[v] >= 0:
+                        self.pinned[v] -= 1
+                stack.pop()
+                if stack and not self.hold:      # a recomputation: free what it read or wrote that no one waits for
+                    waiting = self.inputs[stack[-1][0]][stack[-1][1]]
+                    for w in (*ins, *self.p.node_outputs[node]):
+                        if (w != waiting and self.producer[w] >= 0 and self.resident[w] and self.pinned[w] == 0
+                                and self._dead(w)):
+                            self._free(w)
+                self.touched.extend(ins)
+                self.touched.extend(self.p.node_outputs[node])
+
+    def run(self) -> list[tuple[str, int]]:
+        p = self.p
+        for position, node in enumerate(p.order.tolist()):
+            self.position = position
+            self._materialize(node)
+            for v in self.inputs[node]:
+                if self.producer[v] >= 0:
+                    self.remaining[v] -= 1
+            for v in dict.fromkeys(self.touched):      # what this step and its recomputations read or wrote
+                if self.producer[v] >= 0 and self.resident[v] and self._dead(v):
+                    self._free(v)
+            self.touched.clear()
+        return self.schedule
+
+
+def dtr_schedule(problem: Problem, budget: int, heuristic: Heuristic = "eq", staleness: Staleness = "last-access",
+                 hold: bool = False, deadline: float | None = None,
+                 cost_limit: float = float("inf")) -> list[tuple[str, int]] | None:
+    """The DTR walk's schedule within `budget` bytes (module docstring), or None when it gets stuck, passes
+    `deadline` (perf_counter seconds) or its compute cost exceeds `cost_limit`. `hold`: values a step's
+    recomputations read stay resident (evictable) until the step has run, instead of being freed at once."""
+    try:
+        return _Walk(problem, budget, heuristic, staleness, deadline, cost_limit, hold).run()
+    except _Stuck:
+        return None
+
+
+def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
+    """The cheapest simulated schedule within `budget` over the option runs (`DtrOptions`)."""
+    start = time.perf_counter()
+    opts: DtrOptions = options.params
+    if any(not 0 < a <= 1 for a in opts.allowances) or not all(
+            (opts.orders, opts.heuristics, opts.staleness, opts.hold, opts.allowances)):
+        raise ValueError(f"dtr options: allowances {opts.allowances!r} must be fractions in (0, 1], and orders, "
+                         f"heuristics, staleness, hold and allowances must each list at least one choice.")
+    lower = min_budget_lower_bound(problem)
+    if budget < lower:
+        return Solution("dtr", budget, "infeasible", solve_seconds=time.perf_counter() - start,
+                        min_budget_lower_bound=lower,
+                        message=f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and "
+                                f"workspace")
+    deadline = None if options.time_limit is None else start + options.time_limit
+    best, best_key, runs = None, None, 0
+    walks = {"default": problem}
+    if "memory" in opts.orders:
+        order = memory_order(problem)
+        position = np.empty_like(order)
+        position[order] = np.arange(len(order))
+        randoms = position[list(problem.random_nodes)]
+        if np.all(np.diff(randoms) > 0):       # random ops keep their default relative order (Problem)
+            walks["memory"] = replace(problem, order=order)
+    for order, allowance, heuristic, staleness, hold in product(opts.orders, opts.allowances, opts.heuristics,
+                                                                opts.staleness, opts.hold):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        if order not in walks:
+            continue
+        limit = opts.max_cost * float(problem.cost.sum()) if best_key is None else best_key[0]
+        schedule = dtr_schedule(walks[order], int(allowance * budget), heuristic, staleness, hold, deadline, limit)
+        runs += 1
+        if schedule is None:
+            continue
+        sim = simulate(problem, schedule)
+        key = (sim.compute_cost, sim.peak_bytes)
+        if sim.peak_bytes <= budget and (best_key is None or key < best_key):
+            best, best_key = schedule, key
+    return checked_solution(problem, "dtr", budget, best, solve_seconds=time.perf_counter() - start,
+                            message="" if best else (f"no DTR walk ({runs} run) fit: each ran out of evictable "
+                                                     f"values, cost more than max_cost = {opts.max_cost:g} x the sum "
+                                                     f"of node costs, or reached the time limit"),
+                            min_budget_lower_bound=lower)
