@@ -12,16 +12,25 @@ EXACT = {"checkmate", "monet", "monet-noop", "moccasin", "olla"}
 """MILP / CP-SAT solvers, tested against exhaustive optima on small graphs (test_checkmate, test_monet,
 test_moccasin, test_olla): on the benchmark graphs their model build alone outlasts a short time limit."""
 HEURISTICS = [name for name in SOLVERS if name not in EXACT]
+LP_BASED = {"checkmate-approx", "hierarchical"}
+"""Heuristics built on LPs / MILPs: here only on the graphs of at most 60 nodes (on the larger ones they
+spend the whole short time limit; test_feasible_budgets and test_hierarchical test them further)."""
 
 
 @pytest.mark.parametrize("fraction", [0.8])
 def test_every_heuristic_on_every_benchmark_graph(benchmark_paths, fraction):
     """A schedule the simulator accepts within the budget, or a clear statement that none was found (at the
-    literature's tighter common budget; tests/solve/test_feasible_budgets.py pins where each must succeed)."""
+    literature's tighter common budget; tests/solve/test_feasible_budgets.py pins where each must succeed).
+    Of the random layered graphs only n100: on n250-n1000 every solver just runs into the 2 s limit
+    (bench/solvers.py and bench/random_layered.py measure them)."""
     for path in benchmark_paths:
+        if path.name.startswith("random_layered") and not path.name.startswith("random_layered_n100_"):
+            continue
         problem = Problem.from_node_link(path)
         budget = int(fraction * simulate(problem, default_schedule(problem)).peak_bytes)
         for name in HEURISTICS:
+            if name in LP_BASED and len(problem.cost) > 60:
+                continue
             sol = solve(problem, name, budget, SolveOptions(time_limit=2, portfolio=False))
             if sol.feasible:
                 again = simulate(problem, sol.schedule)
