@@ -37,7 +37,7 @@ from typing import Literal
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.moccasin import memory_order
+from tasks.solve.moccasin import keeps_random_order, memory_order
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
@@ -314,10 +314,7 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     walks = {"default": problem}
     if "memory" in opts.orders:
         order = memory_order(problem)
-        position = np.empty_like(order)
-        position[order] = np.arange(len(order))
-        randoms = position[list(problem.random_nodes)]
-        if np.all(np.diff(randoms) > 0):       # random ops keep their default relative order (Problem)
+        if keeps_random_order(problem, order):
             walks["memory"] = replace(problem, order=order)
     for order, allowance, heuristic, staleness, hold in product(opts.orders, opts.allowances, opts.heuristics,
                                                                 opts.staleness, opts.hold):

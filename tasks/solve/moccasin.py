@@ -122,6 +122,15 @@ def memory_order(problem: Problem) -> np.ndarray:
     return np.asarray(order, dtype=np.int64)
 
 
+def keeps_random_order(problem: Problem, order: np.ndarray) -> bool:
+    """Whether `order` runs the random nodes in their default relative order, as `Problem.random_nodes`
+    requires of every schedule."""
+    position = np.empty(len(order), dtype=np.int64)
+    position[np.asarray(order)] = np.arange(len(order))
+    randoms = sorted(problem.random_nodes, key=lambda v: int(problem.position[v]))
+    return bool(np.all(np.diff(position[randoms]) > 0))
+
+
 def slot(stage, position):
     """Event index of the node at order `position` run in `stage` (Checkmate's stages laid end to end)."""
     return stage * (stage + 1) // 2 + position

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from functools import partial
 
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
@@ -142,6 +143,23 @@ def test_olla_solver_runs_every_node_once_keeping_random_nodes_in_order():
     free = dataclasses.replace(problem, random_nodes=())
     unconstrained = solve(free, "olla", default, SolveOptions(gap=0.0))
     assert unconstrained.predicted_peak_bytes == 102 < solution.predicted_peak_bytes == default == 201
+
+
+def test_without_the_ilp_the_order_is_the_better_of_the_default_and_the_greedy_memory_order():
+    """The chains above: the greedy memory order finishes chain a first (peak 102, the exhaustive optimum)
+    where the default order holds both 100-byte values (201); it is taken only when it keeps the random
+    nodes' order."""
+    problem = Problem(
+        name="chains", cost=np.ones(5), workspace=np.zeros(5, dtype=np.int64), phase=("forward",) * 5,
+        node_inputs=((), (0,), (), (2,), (1, 3)), node_outputs=((0,), (1,), (2,), (3,), (4,)),
+        value_bytes=np.array([100, 1, 100, 1, 1]), value_producer=np.arange(5), outputs=(4,),
+        order=np.array([0, 2, 1, 3, 4]))
+    found = lifetime_order(problem, window=0, whole_graph=False)
+    assert found.peak_bytes == peak(problem, found.order) == 102 == min(map(partial(peak, problem),
+                                                                          topological_orders(problem)))
+    assert found.source == "memory order"
+    drawn = lifetime_order(dataclasses.replace(problem, random_nodes=(0, 1, 2)), window=0, whole_graph=False)
+    assert drawn.order == [0, 2, 1, 3, 4] and drawn.peak_bytes == 201 and drawn.source == "default"
 
 
 def test_window_subproblem_has_the_live_bytes_of_its_steps():

@@ -40,6 +40,7 @@ import scipy.sparse as sp
 
 from tasks.solve.checkmate_model import expand_ranges
 from tasks.solve.milp import MilpModel, MilpOptions, MilpResult, solve_milp
+from tasks.solve.moccasin import keeps_random_order, memory_order
 from tasks.solve.olla.spans import Edges, olla_edges
 from tasks.solve.olla.window import window_search
 from tasks.solve.problem import Problem
@@ -237,21 +238,26 @@ def lifetime_order(problem: Problem, *, time_limit: float | None = None, gap: fl
                    threads: int | None = None, warm_start: bool = True, window: int = WINDOW,
                    whole_graph: bool = True) -> LifetimeResult:
     """The operator order minimizing the peak (eq. 14). With `warm_start`, the whole-graph ILP starts
-    from the default order improved by the window search (window.py; graphs above `window` nodes, at
+    from the better of the default order and the greedy memory order (moccasin.memory_order, when it keeps
+    the random nodes' order) improved by the window search (window.py; graphs above `window` nodes, at
     most half the time limit, all of it without `whole_graph`); the best incumbent when the time limit
-    stops the solver. Never worse than the default order."""
+    stops the solver. Never worse than either order."""
     start = time.perf_counter()
     deadline = None if time_limit is None else start + time_limit
     default = [int(v) for v in problem.order]
-    best = default
+    best, source = default, "default"
+    greedy = memory_order(problem)
+    if keeps_random_order(problem, greedy) and _peak(problem, greedy.tolist()) < _peak(problem, default):
+        best, source = greedy.tolist(), "memory order"
     if warm_start and 0 < window < problem.num_nodes:
         def solve_window(sub: Problem, limit: float | None) -> list[int] | None:
             limit = WINDOW_TIME_LIMIT if limit is None else min(limit, WINDOW_TIME_LIMIT)
             return _solve(sub, None, limit, 0.0, backend, threads)[0]
 
         half = None if time_limit is None else start + time_limit / (2 if whole_graph else 1)
-        best = window_search(problem, best, solve_window, window, half)
-    source = "default" if best == default else "window"
+        searched = window_search(problem, best, solve_window, window, half)
+        source = source if searched == best else "window"
+        best = searched
     if not whole_graph:
         return LifetimeResult(best, _peak(problem, best), None, "skipped", time.perf_counter() - start, "-", 0, 0,
                               source)

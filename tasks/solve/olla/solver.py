@@ -24,7 +24,8 @@ class OllaOptions:
     """Options of `olla`."""
 
     warm_start: bool = field(default=True, metadata={
-        "help": "start the whole-graph ILP from the default (PyTorch) order improved by the window search."})
+        "help": "start the whole-graph ILP from the better of the default (PyTorch) order and a greedy "
+                "memory order, improved by the window search."})
     window: int = field(default=WINDOW, metadata={
         "help": "nodes per window of the local search with the lifetime ILP (0: whole-graph ILP only)."})
     whole_graph: bool = field(default=True, metadata={
