@@ -9,7 +9,7 @@ For each model (random weights, CPU, 1 thread) and batch size, one training step
   whole-graph ILP's lower bound on the optimal peak, when it got one; and the OLLA plan's measured peak
   against eager PyTorch's. Paper (sec. 5.3): 22.5% less at batch 1, 10.1% at batch 32 on average. The
   step has no optimizer, so gradients stay resident to its end (the paper's weight updates free
-  them early), and a convolution's weight and input gradients come from one ATen node.
+  them early).
 - fragmentation of OLLA's addresses: arena bytes against the most bytes the placed copies hold live
   at once, (arena - live) / arena, for every copy of the step ("all") and for the copies of ops the
   CPU writes in place (what arena mode places here). Paper (sec. 5.4): 0%.
