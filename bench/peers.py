@@ -37,8 +37,9 @@ from torch.utils.checkpoint import checkpoint_sequential
 import runtime
 from runtime.meter import PeakMeter
 from runtime.variants import graph_variants
+from tasks.config import parse_option_text
 from tasks.profile import ProfileSettings, measure_graph
-from tasks.solve import solve
+from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
@@ -142,27 +143,19 @@ def compiled_step(model, loss_fn, batch, budget: float):
 
 
 def solver_options(spec: str) -> tuple[str, SolveOptions]:
-    """`name` or `name:key=value,...` (e.g. `hierarchical:inner=monet`) as a solver and its options."""
+    """`name` or `name:key=value,...` (e.g. `hierarchical:inner=monet`) as a solver and its typed options,
+    each value read as `memplan solve --option` reads it."""
     name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        for kind in (int, float, str):
-            try:
-                params[key] = kind(value)
-                break
-            except ValueError:
-                continue
-    return name, SolveOptions(time_limit=120, params=params)
+    params = dict(parse_option_text(item) for item in filter(None, rest.split(",")))
+    return name, SolveOptions(time_limit=120, params=parse_options(REGISTERED[name], params, f"--solvers {spec}"))
 
 
-def smallest_fraction(problem: Problem, solver: str, full: int) -> float | None:
+def smallest_fraction(problem: Problem, solver: str, options: SolveOptions, full: int) -> float | None:
     """The least predicted peak (fraction of `full`) `solver` reaches, trying FRACTIONS then SMALLER
     until it finds nothing."""
     best = None
-    name, options = solver_options(solver)
     for f in (*FRACTIONS, *SMALLER):
-        sol = solve(problem, name, int(f * full), options)
+        sol = solve(problem, solver, int(f * full), options)
         if not sol.feasible:
             break
         best = sol.predicted_peak_bytes / full
@@ -185,7 +178,7 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
     for solver in solvers:
         solver_name, options = solver_options(solver)
         start = time.perf_counter()
-        least = None if fractions else smallest_fraction(problem, solver, full)
+        least = None if fractions else smallest_fraction(problem, solver_name, options, full)
         search_s = time.perf_counter() - start
         tried = fractions or ([] if least is None else [*FRACTIONS, least])
         for fraction in sorted(set(tried), reverse=True):
