@@ -11,7 +11,7 @@ reaches. Real models have hundreds of operator nodes, so both memplan solvers ru
 `hierarchical` (`inner = "monet"` / `"checkmate"`): the whole-graph MILPs of either do not finish on this
 machine (see `--curve`). Every memplan plan is solved on node costs (every implementation variant
 included) profiled in the same run, run with `runtime.load` (gradients compared with eager) and measured
-with `runtime.meter.PeakMeter` (a variant that also sees torch.compile's code); step times are medians of
+with `runtime.meter.PeakMeter` (which also sees torch.compile's code; each budget compiled by its own backend, bench/peers.py `budget_backend`); step times are medians of
 interleaved rounds (bench/peers.py's helpers). Then the ablation of the paper's Fig. 4: `monet` with no
 variants (MONeT-NoOp), with each variant family of `runtime.variants.RULES` alone, and with all.
 
@@ -38,8 +38,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import runtime  # noqa: E402
-from peers import median_ms, workload  # noqa: E402
-from runtime.meter import PeakMeter, _StorageTracker  # noqa: E402
+from peers import compiled_step, median_ms, peak_and_grads, workload  # noqa: E402
 from runtime.variants import RULES, graph_variants  # noqa: E402
 from tasks.profile import ProfileSettings, measure_graph  # noqa: E402
 from tasks.solve import solve  # noqa: E402
@@ -48,22 +47,6 @@ from tasks.solve.simulator import default_schedule, simulate  # noqa: E402
 from tasks.solve.solution import SolveOptions  # noqa: E402
 
 FRACTIONS = (0.7, 0.5, 0.4)
-
-
-class _CompiledTracker(_StorageTracker):
-    """The CPU meter's tracker, kept active inside torch.compile's code (a plain dispatch mode makes
-    torch.compile run eager)."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-
-class CompiledPeakMeter(PeakMeter):
-    def __enter__(self) -> "CompiledPeakMeter":
-        self._tracker = _CompiledTracker()
-        self._tracker.__enter__()
-        return self
 
 
 def bench_workload(name: str, image: int, batch_size: int):
@@ -111,31 +94,6 @@ def profiled_problem(graph, name: str) -> Problem:
     return Problem.from_graph(graph, costs, graph_variants(graph))
 
 
-def compiled_step(model, loss_fn, batch, fraction: float):
-    """torch.compile's min-cut partitioner with activation_memory_budget = fraction (compiled here)."""
-    import torch._dynamo
-    import torch._functorch.config as fconfig
-
-    torch._dynamo.reset()
-    fconfig.activation_memory_budget = fraction
-    compiled = copy.deepcopy(model)
-    fn = torch.compile(compiled, backend="aot_eager_decomp_partition")
-    step = lambda: loss_fn(fn, *batch).backward()  # noqa: E731
-    step()                                          # compile outside the meter
-    compiled.zero_grad(set_to_none=True)
-    return compiled, step
-
-
-def peak_and_grads(model, step, meter=PeakMeter):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    with meter("cpu") as m:
-        step()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return m.peak_bytes, grads
-
-
 def hierarchical_options(inner: str, limit: float) -> SolveOptions:
     return SolveOptions(time_limit=limit, params={"inner": inner, "inner_time_limit": 5.0})
 
@@ -145,7 +103,7 @@ def bench(name: str, args) -> list[dict]:
     graph = runtime.capture(model, loss_fn, batch)
     problem = profiled_problem(graph, name)
     full = simulate(problem, default_schedule(problem)).peak_bytes
-    runs = {"eager": (model, lambda: loss_fn(model, *batch).backward(), PeakMeter), hand_label: (hand, hand_step, PeakMeter)}
+    runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step)}
     points = {"eager": {"kind": "pytorch"}, hand_label: {"kind": "pytorch"}}
 
     def plan(label: str, solver: str, prob: Problem, budget: int, options: SolveOptions, kind: str) -> bool:
@@ -155,7 +113,7 @@ def bench(name: str, args) -> list[dict]:
             return False
         planned = copy.deepcopy(model)
         step = runtime.load(sol.to_plan(prob), planned, loss_fn, graph=graph)
-        runs[label] = (planned, lambda step=step: step(*batch), PeakMeter)
+        runs[label] = (planned, lambda step=step: step(*batch))
         points[label] = {"kind": kind, "solve_s": time.perf_counter() - start, "source": sol.source or solver,
                          "variants": sum(1 for s in sol.schedule if len(s) > 2)}
         return True
@@ -173,7 +131,7 @@ def bench(name: str, args) -> list[dict]:
         if args.compile:
             try:
                 compiled, step = compiled_step(model, loss_fn, batch, f)
-                runs[f"torch.compile budget {f:.2f}"] = (compiled, step, CompiledPeakMeter)
+                runs[f"torch.compile budget {f:.2f}"] = (compiled, step)
                 points[f"torch.compile budget {f:.2f}"] = {"kind": "pytorch"}
             except Exception as exc:  # noqa: BLE001 - a peer that cannot compile is reported, not fatal
                 print(f"{name}: torch.compile at {f:.2f} failed: {type(exc).__name__}: {exc}"[:300])
@@ -186,11 +144,11 @@ def bench(name: str, args) -> list[dict]:
         plan(f"ablation {family} @ {ab:.2f}", "hierarchical", prob, int(ab * full), hierarchical_options("monet", args.limit),
              "ablation")
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
-    for label, (m, step, meter) in runs.items():
-        peak, grads = peak_and_grads(m, step, meter)
+    for label, (m, step) in runs.items():
+        peak, grads = peak_and_grads(m, step)
         points[label] |= {"peak": peak / eager_peak,
                           "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
-    for label, ms in median_ms({k: (m, s) for k, (m, s, _) in runs.items()}, args.rounds).items():
+    for label, ms in median_ms(runs, args.rounds).items():
         points[label]["ms"] = ms
     eager_ms = points["eager"]["ms"]
     return [{"label": k, **v, "time": v["ms"] / eager_ms} for k, v in points.items()]

@@ -28,10 +28,10 @@ import time
 from datetime import datetime, timezone
 
 import torch
-import torch._dynamo
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
+from torch._dynamo.backends.debugging import aot_eager_decomp_partition
 from torch.utils.checkpoint import checkpoint_sequential
 
 import runtime
@@ -129,16 +129,27 @@ def profiled_problem(graph, name: str, variants: bool = False) -> Problem:
     return Problem.from_graph(graph, costs, graph_variants(graph) if variants else None)
 
 
+def budget_backend(budget: float):
+    """torch.compile's `aot_eager_decomp_partition` backend partitioning with `activation_memory_budget` =
+    budget. One backend callable per budget: Dynamo guards compiled code on its backend (BACKEND_MATCH),
+    so every compiled copy keeps running the graphs partitioned at its own budget. (Resetting Dynamo
+    between budgets, as this bench did before, dropped the earlier copies' graphs, and since the guards
+    do not tell deep copies apart, every copy then ran the last budget's graphs: one peak for all.)"""
+    def backend(gm, example_inputs, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return aot_eager_decomp_partition(gm, example_inputs, **kwargs)
+
+    return backend
+
+
 def compiled_step(model, loss_fn, batch, budget: float):
     """A copy of `model` under torch.compile with `activation_memory_budget` = budget, compiled by its
-    first step (the budget is read while compiling). Dynamo's cache is reset first: its guards do not
-    cover the budget or the module copy, so without the reset every budget after the first would reuse
-    the first budget's compiled graphs."""
-    torch._dynamo.reset()
-    compiled = torch.compile(copy.deepcopy(model), backend="aot_eager_decomp_partition")
-    step = lambda: loss_fn(compiled, *batch).backward()  # noqa: E731
-    with torch._functorch.config.patch(activation_memory_budget=budget):
-        step()
+    first step, and that step."""
+    compiled = copy.deepcopy(model)
+    fn = torch.compile(compiled, backend=budget_backend(budget))
+    step = lambda: loss_fn(fn, *batch).backward()  # noqa: E731
+    step()
+    compiled.zero_grad(set_to_none=True)
     return compiled, step
 
 
