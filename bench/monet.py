@@ -11,8 +11,9 @@ reaches. Real models have hundreds of operator nodes, so both memplan solvers ru
 `hierarchical` (`inner = "monet"` / `"checkmate"`): the whole-graph MILPs of either do not finish on this
 machine (see `--curve`). Every memplan plan is solved on node costs (every implementation variant
 included) profiled in the same run, run with `runtime.load` (gradients compared with eager) and measured
-with `runtime.meter.PeakMeter` (which also sees torch.compile's code; each budget compiled by its own backend, bench/peers.py `budget_backend`); step times are medians of
-interleaved rounds (bench/peers.py's helpers). Then the ablation of the paper's Fig. 4: `monet` with no
+with `runtime.meter.PeakMeter`, which also sees torch.compile's code (each budget is compiled by its own
+backend: bench/peers.py `budget_backend`); step times are medians of interleaved rounds (bench/peers.py's
+helpers). Then the ablation of the paper's Fig. 4: `monet` with no
 variants (MONeT-NoOp), with each variant family of `runtime.variants.RULES` alone, and with all.
 
 `--curve SECONDS`: the solve-time curve (incumbent, bound, gap) of whole-graph `monet-noop` on the
