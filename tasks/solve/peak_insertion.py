@@ -1,0 +1,185 @@
+"""Peak-directed recomputation insertion: a greedy that lowers a topological order's peak to the budget.
+
+Start from a topological order with no recomputation (compute steps only: a copy is live from its step
+through its last read, the simulator's memory). While some step exceeds the budget, take the step of the
+peak p and, for each copy c live across p but not read there (value v, producer u, last read at or before
+p: r1, first read after p: r2), weigh the moves that drop c after r1 and compute u again before a step
+q in (p, r2] (later reads use the new copy):
+- plain: the inputs of u stay live until q (their copies extended);
+- inputs recomputed: the inputs of u whose extension would cross a step over the budget are recomputed
+  too, just before u (one level), the others extended;
+at q = r2 (the latest point) and at the first step after p where the inputs of u are still live. The
+move taken maximizes (excess before - excess after) / (cost of the inserted steps + epsilon), the excess
+being sum over steps of max(0, live bytes - budget); moves that do not lower the excess are never taken.
+Finally each recomputation is removed again, dearest first, when the schedule stays within the budget.
+Every schedule is evaluated by a vectorized simulation of compute-only schedules equal to
+`tasks.solve.simulator.simulate` (checked again by the caller).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tasks.solve.problem import Problem
+
+EPSILON = 1e-3
+"""Added to a move's cost, as a fraction of the mean node cost, so that free moves compare by excess."""
+
+
+class _Schedules:
+    """Vectorized simulation of compute-only schedules (default implementations) of one problem."""
+
+    def __init__(self, problem: Problem):
+        p = problem
+        internal = p.value_producer >= 0
+        ins = [[v for v in dict.fromkeys(vs) if internal[v]] for vs in p.node_inputs]
+        self.in_len = np.array([len(x) for x in ins], dtype=np.int64)
+        self.in_ptr = np.concatenate([[0], np.cumsum(self.in_len)])
+        self.in_idx = np.array([v for x in ins for v in x], dtype=np.int64)
+        self.out_len = np.array([len(x) for x in p.node_outputs], dtype=np.int64)
+        self.out_ptr = np.concatenate([[0], np.cumsum(self.out_len)])
+        self.out_idx = np.array([v for x in p.node_outputs for v in x], dtype=np.int64)
+        self.nbytes = p.value_bytes.astype(np.float64)
+        self.workspace = p.workspace.astype(np.float64)
+        self.outputs = np.asarray(p.outputs, dtype=np.int64)
+        self.inputs = ins
+
+    @staticmethod
+    def _gather(ptr: np.ndarray, lens: np.ndarray, idx: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = lens[steps]
+        total = int(n.sum())
+        owner = np.repeat(np.arange(len(steps)), n)
+        offset = np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+        return owner, idx[ptr[steps][owner] + offset]
+
+    def simulate(self, steps: np.ndarray):
+        """(live bytes per step, copy step, copy value, copy end, read step, read copy), or None when a
+        step reads a value not computed before it."""
+        m = len(steps)
+        cstep, cval = self._gather(self.out_ptr, self.out_len, self.out_idx, steps)
+        rstep, rval = self._gather(self.in_ptr, self.in_len, self.in_idx, steps)
+        key = cval * (m + 1) + cstep
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        at = np.searchsorted(sorted_key, rval * (m + 1) + rstep) - 1
+        if np.any(at < 0) or np.any(cval[order[np.maximum(at, 0)]] != rval):
+            return None
+        rcopy = order[at]
+        end = cstep.copy()
+        np.maximum.at(end, rcopy, rstep)
+        last = np.searchsorted(sorted_key, self.outputs * (m + 1) + m) - 1
+        if np.any(last < 0) or np.any(cval[order[np.maximum(last, 0)]] != self.outputs):
+            return None
+        end[order[last]] = m - 1
+        nbytes = self.nbytes[cval]
+        delta = np.bincount(cstep, nbytes, m + 1) - np.bincount(end + 1, nbytes, m + 1)
+        live = np.cumsum(delta)[:m] + self.workspace[steps]
+        return live, cstep, cval, end, rstep, rcopy
+
+
+def peak_insertion_schedule(problem: Problem, budget: int, order: np.ndarray | None = None,
+                            deadline: float | None = None, max_inserts: int | None = None
+                            ) -> list[tuple[str, int]] | None:
+    """The greedy's schedule (module docstring) from `order` (default: the problem's), or None when no move
+    lowers the excess, `deadline` (perf_counter seconds) passes or more than `max_inserts` (default: the
+    number of nodes) recomputations would be needed."""
+    p = problem
+    sims = _Schedules(p)
+    steps = np.asarray(p.order if order is None else order, dtype=np.int64)
+    cost = p.cost.astype(np.float64)
+    eps = EPSILON * max(float(cost.mean()), 1e-9)
+    producer = p.value_producer
+    recomputable = p.is_recomputable
+    is_output = p.is_output
+    max_inserts = p.num_nodes if max_inserts is None else max_inserts
+    inserted = 0
+
+    def excess(live: np.ndarray) -> float:
+        return float(np.maximum(live - budget, 0.0).sum())
+
+    state = sims.simulate(steps)
+    if state is None:
+        return None
+    while True:
+        live, cstep, cval, end, rstep, rcopy = state
+        base = excess(live)
+        if base <= 0:
+            break
+        if inserted >= max_inserts or (deadline is not None and time.perf_counter() > deadline):
+            return None
+        peak = int(np.argmax(live))
+        over = live > budget
+        over_prefix = np.concatenate([[0], np.cumsum(over)])
+        read_here = set(rcopy[rstep == peak].tolist())
+        candidates = np.flatnonzero((cstep < peak) & (end > peak))
+        best, best_score = None, 0.0
+        for c in candidates.tolist():
+            v = int(cval[c])
+            u = int(producer[v])
+            if c in read_here or is_output[v] or not recomputable[u]:
+                continue
+            reads = rstep[rcopy == c]
+            later = reads[reads > peak]
+            if later.size == 0:
+                continue
+            r2 = int(later.min())
+            for q, extra in _moves(sims, p, steps, u, peak, r2, cstep, cval, end, over_prefix):
+                new = np.insert(steps, q, extra + [u])
+                trial = sims.simulate(new)
+                if trial is None:
+                    continue
+                gain = base - excess(trial[0])
+                score = gain / (float(cost[extra + [u]].sum()) + eps)
+                if gain > 0 and score > best_score:
+                    best, best_score = (new, trial), score
+        if best is None:
+            return None
+        steps, state = best
+        inserted += 1
+    steps, state = _prune(sims, p, steps, state, budget)
+    return [("compute", int(v)) for v in steps]
+
+
+def _moves(sims: _Schedules, p: Problem, steps: np.ndarray, u: int, peak: int, r2: int, cstep, cval, end,
+           over_prefix: np.ndarray):
+    """(insertion step q, inputs of u recomputed first) pairs for recomputing u after `peak` by `r2`."""
+    producer = p.value_producer
+    ins = sims.inputs[u]
+    # each input's newest copy before r2 (the one u would read) and its last live step
+    newest = {}
+    for v in ins:
+        at = np.flatnonzero((cval == v) & (cstep < r2))
+        c = int(at[-1]) if at.size else -1
+        newest[v] = int(end[c]) if c >= 0 else -1
+    held = max((e for e in newest.values()), default=peak)
+    positions = {r2}
+    if peak < held < r2:
+        positions.add(held + 1)
+    for q in sorted(positions):
+        yield q, []
+        redo = [int(producer[v]) for v in ins if newest[v] < q - 1 and over_prefix[q] - over_prefix[newest[v] + 1] > 0
+                and p.is_recomputable[producer[v]]]
+        if redo:
+            order = sorted(set(redo), key=lambda w: int(p.position[w]))
+            yield q, order
+
+
+def _prune(sims: _Schedules, p: Problem, steps: np.ndarray, state, budget: int):
+    """Remove recomputations (not first computations), dearest first, while the schedule fits."""
+    seen: set[int] = set()
+    repeat = []
+    for i, v in enumerate(steps.tolist()):
+        if v in seen:
+            repeat.append(i)
+        seen.add(v)
+    keep = np.ones(len(steps), dtype=bool)
+    for i in sorted(repeat, key=lambda i: -float(p.cost[steps[i]])):
+        keep[i] = False
+        trial = sims.simulate(steps[keep])
+        if trial is None or trial[0].max() > budget:
+            keep[i] = True
+        else:
+            state = trial
+    return steps[keep], state
