@@ -23,10 +23,11 @@ evicted value the order still reads is computed from it. With `hold`, values tha
 recomputations read stay resident (evictable) until the step has run, rather than being freed at once.
 Every combination of the options (`DtrOptions`: the problem's order and/or moccasin's low-peak
 `memory_order`, heuristics, staleness, hold, budget allowances) is walked, each walk stopping once it
-costs more than the best so far. Before the walks, `insertion` runs the peak-directed recomputation
-insertion greedy (tasks/solve/peak_insertion.py) from each order: it does not thrash where the walks do
-(random layered graphs at 0.8). The simulator checks each schedule (a walk's peak is at most the walk's
-own count, since a copy is live only until its last read) and the cheapest within the budget is returned.
+costs more than the best so far (each better schedule is logged as progress). Before the walks,
+`insertion` runs the peak-directed recomputation insertion greedy (tasks/solve/peak_insertion.py) from
+each order: it does not thrash where the walks do (random layered graphs at 0.8). The simulator checks
+each schedule (a walk's peak is at most the walk's own count, since a copy is live only until its last
+read) and the cheapest within the budget is returned.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Literal
 import numpy as np
 import scipy.sparse as sp
 
+from tasks.solve.milp import Progress
 from tasks.solve.moccasin import keeps_random_order, memory_order
 from tasks.solve.peak_insertion import peak_insertion_schedule
 from tasks.solve.problem import Problem
@@ -316,7 +318,7 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
                         message=f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and "
                                 f"workspace")
     deadline = None if options.time_limit is None else start + options.time_limit
-    best, best_key, runs = None, None, 0
+    best, best_key, runs, progress = None, None, 0, []
     walks = {"default": problem}
     if "memory" in opts.orders:
         order = memory_order(problem)
@@ -329,6 +331,7 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
         key = (sim.compute_cost, sim.peak_bytes)
         if sim.peak_bytes <= budget and (best_key is None or key < best_key):
             best, best_key = schedule, key
+            progress.append(Progress(time.perf_counter() - start, sim.compute_cost, None))
 
     for order in opts.orders if opts.insertion else ():
         if order in walks and (deadline is None or time.perf_counter() < deadline):
@@ -352,4 +355,4 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
                                                      f"evictable values or cost more than max_cost = {opts.max_cost:g} "
                                                      f"x the sum of node costs, each insertion ran out of moves "
                                                      f"lowering the peak, or the time limit was reached"),
-                            min_budget_lower_bound=lower)
+                            min_budget_lower_bound=lower, progress=progress)

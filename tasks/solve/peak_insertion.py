@@ -80,69 +80,131 @@ class _Schedules:
 
 
 def peak_insertion_schedule(problem: Problem, budget: int, order: np.ndarray | None = None,
-                            deadline: float | None = None, max_inserts: int | None = None
+                            deadline: float | None = None, max_inserts: int | None = None,
+                            improve_passes: int = 0, max_copies: int | None = None
                             ) -> list[tuple[str, int]] | None:
     """The greedy's schedule (module docstring) from `order` (default: the problem's), or None when no move
     lowers the excess, `deadline` (perf_counter seconds) passes or more than `max_inserts` (default: the
-    number of nodes) recomputations would be needed."""
-    p = problem
-    sims = _Schedules(p)
-    steps = np.asarray(p.order if order is None else order, dtype=np.int64)
-    cost = p.cost.astype(np.float64)
-    eps = EPSILON * max(float(cost.mean()), 1e-9)
-    producer = p.value_producer
-    recomputable = p.is_recomputable
-    is_output = p.is_output
-    max_inserts = p.num_nodes if max_inserts is None else max_inserts
-    inserted = 0
-
-    def excess(live: np.ndarray) -> float:
-        return float(np.maximum(live - budget, 0.0).sum())
-
-    state = sims.simulate(steps)
-    if state is None:
+    number of nodes) recomputations would be needed. `improve_passes`: passes of remove-and-repair after
+    it (each recomputation, dearest first, removed and the greedy rerun; kept when cheaper), stopping at
+    `deadline` with the best schedule so far. `max_copies`: no node is computed more often."""
+    search = _Insertion(problem, budget, deadline, max_inserts, max_copies)
+    steps = search.repair(np.asarray(problem.order if order is None else order, dtype=np.int64))
+    if steps is None:
         return None
-    while True:
-        live, cstep, cval, end, rstep, rcopy = state
-        base = excess(live)
-        if base <= 0:
+    steps = search.prune(steps)
+    for _ in range(improve_passes):
+        better = search.improve(steps)
+        if better is None:
             break
-        if inserted >= max_inserts or (deadline is not None and time.perf_counter() > deadline):
-            return None
-        peak = int(np.argmax(live))
-        over = live > budget
-        over_prefix = np.concatenate([[0], np.cumsum(over)])
-        read_here = set(rcopy[rstep == peak].tolist())
-        candidates = np.flatnonzero((cstep < peak) & (end > peak))
-        best, best_score = None, 0.0
-        for c in candidates.tolist():
-            v = int(cval[c])
-            u = int(producer[v])
-            if c in read_here or is_output[v] or not recomputable[u]:
-                continue
-            reads = rstep[rcopy == c]
-            later = reads[reads > peak]
-            if later.size == 0:
-                continue
-            r2 = int(later.min())
-            for q, extra in _moves(sims, p, steps, u, peak, r2, cstep, cval, end, over_prefix):
-                new = np.insert(steps, q, extra + [u])
-                trial = sims.simulate(new)
-                if trial is None:
-                    continue
-                gain = base - excess(trial[0])
-                score = gain / (float(cost[extra + [u]].sum()) + eps)
-                if gain > 0 and score > best_score:
-                    best, best_score = (new, trial), score
-        if best is None:
-            return None
-        steps, state = best
-        inserted += 1
-    steps, state = _prune(sims, p, steps, state, budget)
+        steps = better
     return [("compute", int(v)) for v in steps]
 
 
-def _moves(sims: _Schedules, p: Problem, steps: np.ndarray, u: int, peak: int, r2: int, cstep, cval, end,
+class _Insertion:
+    """The greedy's moves on compute-only schedules of one problem within one budget."""
+
+    def __init__(self, problem: Problem, budget: int, deadline: float | None, max_inserts: int | None,
+                 max_copies: int | None):
+        self.p, self.budget, self.deadline, self.max_copies = problem, budget, deadline, max_copies
+        self.sims = _Schedules(problem)
+        self.cost = problem.cost.astype(np.float64)
+        self.eps = EPSILON * max(float(self.cost.mean()), 1e-9)
+        self.max_inserts = problem.num_nodes if max_inserts is None else max_inserts
+
+    def excess(self, live: np.ndarray) -> float:
+        return float(np.maximum(live - self.budget, 0.0).sum())
+
+    def late(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def repair(self, steps: np.ndarray, tabu: int = -1) -> np.ndarray | None:
+        """Insert recomputations into `steps` until it fits (module docstring), or None; the node `tabu`
+        is not recomputed by itself."""
+        p, sims, cost = self.p, self.sims, self.cost
+        producer, recomputable, is_output = p.value_producer, p.is_recomputable, p.is_output
+        state = sims.simulate(steps)
+        inserted = 0
+        while state is not None:
+            live, cstep, cval, end, rstep, rcopy = state
+            base = self.excess(live)
+            if base <= 0:
+                return steps
+            if inserted >= self.max_inserts or self.late():
+                return None
+            peak = int(np.argmax(live))
+            over = live > self.budget
+            over_prefix = np.concatenate([[0], np.cumsum(over)])
+            read_here = set(rcopy[rstep == peak].tolist())
+            copies = np.bincount(steps, minlength=p.num_nodes)
+            best, best_score = None, 0.0
+            for c in np.flatnonzero((cstep < peak) & (end > peak)).tolist():
+                v = int(cval[c])
+                u = int(producer[v])
+                if c in read_here or is_output[v] or not recomputable[u] or u == tabu:
+                    continue
+                reads = rstep[rcopy == c]
+                later = reads[reads > peak]
+                if later.size == 0:
+                    continue
+                for q, extra in _moves(sims, p, u, peak, int(later.min()), cstep, cval, end, over_prefix):
+                    if self.max_copies is not None and copies[extra + [u]].max() >= self.max_copies:
+                        continue
+                    new = np.insert(steps, q, extra + [u])
+                    trial = sims.simulate(new)
+                    if trial is None:
+                        continue
+                    gain = base - self.excess(trial[0])
+                    score = gain / (float(cost[extra + [u]].sum()) + self.eps)
+                    if gain > 0 and score > best_score:
+                        best, best_score = (new, trial), score
+            if best is None:
+                return None
+            steps, state = best
+            inserted += 1
+        return None
+
+    def prune(self, steps: np.ndarray) -> np.ndarray:
+        """Remove recomputations (not first computations), dearest first, while the schedule fits."""
+        keep = np.ones(len(steps), dtype=bool)
+        for i in sorted(_repeats(steps), key=lambda i: -float(self.cost[steps[i]])):
+            keep[i] = False
+            trial = self.sims.simulate(steps[keep])
+            if trial is None or trial[0].max() > self.budget:
+                keep[i] = True
+        return steps[keep]
+
+    def improve(self, steps: np.ndarray) -> np.ndarray | None:
+        """One pass of remove-and-repair over the recomputations of `steps` (dearest first): the cheaper
+        schedule at the end of the pass, or None when none was found."""
+        best, best_cost, improved = steps, float(self.cost[steps].sum()), False
+        for node in sorted({int(best[i]) for i in _repeats(best)}, key=lambda v: -float(self.cost[v])):
+            if self.late():
+                break
+            at = [i for i in _repeats(best) if best[i] == node]
+            if not at:
+                continue
+            trial = self.repair(np.delete(best, at[0]), tabu=node)
+            if trial is None:
+                continue
+            trial = self.prune(trial)
+            if float(self.cost[trial].sum()) < best_cost - 1e-9:
+                best, best_cost, improved = trial, float(self.cost[trial].sum()), True
+        return best if improved else None
+
+
+def _repeats(steps: np.ndarray) -> list[int]:
+    """Indices of the steps computing a node again (not its first computation)."""
+    seen: set[int] = set()
+    out = []
+    for i, v in enumerate(steps.tolist()):
+        if v in seen:
+            out.append(i)
+        seen.add(v)
+    return out
+
+
+def _moves(sims: _Schedules, p: Problem, u: int, peak: int, r2: int, cstep, cval, end,
            over_prefix: np.ndarray):
     """(insertion step q, inputs of u recomputed first) pairs for recomputing u after `peak` by `r2`."""
     producer = p.value_producer
@@ -164,22 +226,3 @@ def _moves(sims: _Schedules, p: Problem, steps: np.ndarray, u: int, peak: int, r
         if redo:
             order = sorted(set(redo), key=lambda w: int(p.position[w]))
             yield q, order
-
-
-def _prune(sims: _Schedules, p: Problem, steps: np.ndarray, state, budget: int):
-    """Remove recomputations (not first computations), dearest first, while the schedule fits."""
-    seen: set[int] = set()
-    repeat = []
-    for i, v in enumerate(steps.tolist()):
-        if v in seen:
-            repeat.append(i)
-        seen.add(v)
-    keep = np.ones(len(steps), dtype=bool)
-    for i in sorted(repeat, key=lambda i: -float(p.cost[steps[i]])):
-        keep[i] = False
-        trial = sims.simulate(steps[keep])
-        if trial is None or trial[0].max() > budget:
-            keep[i] = True
-        else:
-            state = trial
-    return steps[keep], state

@@ -1,6 +1,6 @@
 """Peak-directed recomputation insertion (tasks/solve/peak_insertion.py): its vectorized simulation equals the
-shared simulator, its schedules fit and are never cheaper than an exhaustive optimum over all schedules, and a
-hand-checked chain gets its optimum."""
+shared simulator, its schedules fit and are never cheaper than an exhaustive optimum over all schedules, a
+hand-checked chain gets its optimum, and moccasin takes its frontier-advancing form as a hint."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tasks.solve.moccasin import add_hint, build_model, frontier_slots, insertion_start
 from tasks.solve.peak_insertion import _Schedules, peak_insertion_schedule
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
@@ -80,3 +81,23 @@ def test_chain_gets_its_optimum():
 def test_budget_below_every_schedule_gives_none():
     problem = Problem.from_edges([1, 1, 1], [3, 5, 2], [(0, 1), (1, 2)])
     assert peak_insertion_schedule(problem, 7) is None
+
+
+@settings(max_examples=20, deadline=None)
+@given(small_dags(), st.floats(0.0, 1.0), st.integers(1, 3), st.integers(0, 2))
+def test_improved_schedules_fit_and_the_moccasin_start_is_a_valid_hint(problem, fraction, copies, passes):
+    eager = simulate(problem, default_schedule(problem)).peak_bytes
+    lower = min_budget_lower_bound(problem)
+    budget = int(lower + fraction * (eager - lower))
+    plain = peak_insertion_schedule(problem, budget, max_copies=copies)
+    improved = peak_insertion_schedule(problem, budget, max_copies=copies, improve_passes=passes)
+    if plain is not None:
+        assert simulate(problem, improved).compute_cost <= simulate(problem, plain).compute_cost
+    for schedule in (plain, improved):
+        if schedule is not None:
+            assert simulate(problem, schedule).peak_bytes <= budget
+            assert max(np.bincount([v for _, v in schedule])) <= copies
+    start = insertion_start(problem, budget, copies, None)
+    if start is not None:
+        assert simulate(problem, start).peak_bytes <= budget and frontier_slots(problem, start) is not None
+        assert add_hint(problem, build_model(problem, budget, copies), start)
