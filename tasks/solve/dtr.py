@@ -72,6 +72,9 @@ class DtrOptions:
     insertion: bool = field(default=True, metadata={
         "help": "also run the peak-directed recomputation insertion greedy (tasks/solve/peak_insertion.py) "
                 "from each order."})
+    insertion_passes: int = field(default=0, metadata={
+        "help": "remove-and-repair passes after each insertion run (random layered n250/n500 at 0.8: 0.4-0.5% "
+                "cheaper for 2-6x its time)."})
 
 
 LOOKAHEAD_DEPTH = 2
@@ -335,7 +338,8 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
 
     for order in opts.orders if opts.insertion else ():
         if order in walks and (deadline is None or time.perf_counter() < deadline):
-            schedule = peak_insertion_schedule(problem, budget, walks[order].order, deadline)
+            schedule = peak_insertion_schedule(problem, budget, walks[order].order, deadline,
+                                               improve_passes=opts.insertion_passes)
             runs += 1
             if schedule is not None:
                 consider(schedule)

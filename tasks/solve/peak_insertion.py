@@ -11,9 +11,10 @@ q in (p, r2] (later reads use the new copy):
 at q = r2 (the latest point) and at the first step after p where the inputs of u are still live. The
 move taken maximizes (excess before - excess after) / (cost of the inserted steps + epsilon), the excess
 being sum over steps of max(0, live bytes - budget); moves that do not lower the excess are never taken.
-Finally each recomputation is removed again, dearest first, when the schedule stays within the budget.
-Every schedule is evaluated by a vectorized simulation of compute-only schedules equal to
-`tasks.solve.simulator.simulate` (checked again by the caller).
+Moves are ranked by an estimate of that score (`_Insertion.estimate`) and the EXACT_MOVES best that lower
+the excess are simulated exactly, by a vectorized simulation of compute-only schedules equal to
+`tasks.solve.simulator.simulate` (the caller checks the result with it again). Finally each recomputation
+is removed again, dearest first, when the schedule stays within the budget.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import time
 import numpy as np
 
 from tasks.solve.problem import Problem
+
+EXACT_MOVES = 8
+"""Moves simulated exactly per insertion, the best by estimated score (`_Insertion.estimate`)."""
 
 EPSILON = 1e-3
 """Added to a move's cost, as a fraction of the mean node cost, so that free moves compare by excess."""
@@ -137,32 +141,70 @@ class _Insertion:
             over_prefix = np.concatenate([[0], np.cumsum(over)])
             read_here = set(rcopy[rstep == peak].tolist())
             copies = np.bincount(steps, minlength=p.num_nodes)
-            best, best_score = None, 0.0
+            cross = live - np.bincount(cstep, sims.nbytes[cval], len(steps)) - sims.workspace[steps]
+            by_value = np.argsort(cval * (len(steps) + 1) + cstep, kind="stable")
+            keys = (cval * (len(steps) + 1) + cstep)[by_value]
+
+            def newest_copy(values: np.ndarray, before: int) -> np.ndarray:
+                """The newest copy of each of `values` computed before step `before`."""
+                return by_value[np.searchsorted(keys, values * (len(steps) + 1) + before) - 1]
+
+            by_copy = np.argsort(rcopy, kind="stable")
+            read_steps = rstep[by_copy]
+            read_ptr = np.searchsorted(rcopy[by_copy], np.arange(len(cstep) + 1))
+            moves = []
             for c in np.flatnonzero((cstep < peak) & (end > peak)).tolist():
                 v = int(cval[c])
                 u = int(producer[v])
                 if c in read_here or is_output[v] or not recomputable[u] or u == tabu:
                     continue
-                reads = rstep[rcopy == c]
-                later = reads[reads > peak]
+                reads = read_steps[read_ptr[c]:read_ptr[c + 1]]
+                later, earlier = reads[reads > peak], reads[reads <= peak]
                 if later.size == 0:
                     continue
-                for q, extra in _moves(sims, p, u, peak, int(later.min()), cstep, cval, end, over_prefix):
+                r1 = int(earlier.max()) if earlier.size else int(cstep[c])
+                for q, extra, extended in _moves(sims, p, u, peak, int(later.min()), newest_copy, end, over_prefix):
                     if self.max_copies is not None and copies[extra + [u]].max() >= self.max_copies:
                         continue
-                    new = np.insert(steps, q, extra + [u])
-                    trial = sims.simulate(new)
-                    if trial is None:
-                        continue
-                    gain = base - self.excess(trial[0])
-                    score = gain / (float(cost[extra + [u]].sum()) + self.eps)
-                    if gain > 0 and score > best_score:
+                    gain = base - self.estimate(base, live, cross, v, r1, q, extra, extended)
+                    if gain > 0:
+                        moves.append((gain / (float(cost[extra + [u]].sum()) + self.eps), q, extra + [u]))
+            best, best_score, tried = None, 0.0, 0
+            for _, q, block in sorted(moves, key=lambda move: -move[0]):
+                if tried >= EXACT_MOVES:
+                    break
+                new = np.insert(steps, q, block)
+                trial = sims.simulate(new)
+                if trial is None:
+                    continue
+                gain = base - self.excess(trial[0])
+                if gain > 0:
+                    tried += 1
+                    score = gain / (float(cost[block].sum()) + self.eps)
+                    if score > best_score:
                         best, best_score = (new, trial), score
             if best is None:
                 return None
             steps, state = best
             inserted += 1
         return None
+
+    def estimate(self, base: float, live: np.ndarray, cross: np.ndarray, v: int, r1: int, q: int,
+                 extra: list[int], extended: dict[int, int]) -> float:
+        """Excess after the move, estimated for ranking: v's copy ends at r1 and a new one starts at q,
+        the `extended` inputs (value -> last live step) stay live until q, the inserted steps hold the
+        values live across q plus those inputs and the recomputed `extra` values."""
+        nbytes = self.sims.nbytes
+        lo = min([r1, *extended.values()]) + 1
+        delta = np.zeros(q - lo + 1)
+        delta[r1 + 1 - lo] -= nbytes[v]
+        for x, last in extended.items():
+            delta[last + 1 - lo] += nbytes[x]
+        window = live[lo:q]
+        after = self.excess(window + np.cumsum(delta[:-1])) - self.excess(window)
+        during = cross[q] + sum(nbytes[x] for x in extended) + sum(nbytes[list(self.p.node_outputs[w])].sum()
+                                                                    for w in extra)
+        return base + after + max(during - self.budget, 0.0)
 
     def prune(self, steps: np.ndarray) -> np.ndarray:
         """Remove recomputations (not first computations), dearest first, while the schedule fits."""
@@ -204,25 +246,27 @@ def _repeats(steps: np.ndarray) -> list[int]:
     return out
 
 
-def _moves(sims: _Schedules, p: Problem, u: int, peak: int, r2: int, cstep, cval, end,
+def _over_between(over_prefix: np.ndarray, last: int, q: int) -> bool:
+    """Whether a step over the budget lies in (last, q): extending a copy live through `last` to q adds to it."""
+    return over_prefix[q] - over_prefix[last + 1] > 0
+
+
+def _moves(sims: _Schedules, p: Problem, u: int, peak: int, r2: int, newest_copy, end: np.ndarray,
            over_prefix: np.ndarray):
-    """(insertion step q, inputs of u recomputed first) pairs for recomputing u after `peak` by `r2`."""
+    """(insertion step q, inputs of u recomputed first, inputs extended: value -> last live step) for
+    recomputing u after `peak` by `r2`."""
     producer = p.value_producer
     ins = sims.inputs[u]
-    # each input's newest copy before r2 (the one u would read) and its last live step
-    newest = {}
-    for v in ins:
-        at = np.flatnonzero((cval == v) & (cstep < r2))
-        c = int(at[-1]) if at.size else -1
-        newest[v] = int(end[c]) if c >= 0 else -1
-    held = max((e for e in newest.values()), default=peak)
+    # the last live step of each input's newest copy before r2 (the one u would read)
+    newest = dict(zip(ins, end[newest_copy(np.asarray(ins, dtype=np.int64), r2)].tolist())) if ins else {}
+    held = max(newest.values(), default=peak)
     positions = {r2}
     if peak < held < r2:
         positions.add(held + 1)
     for q in sorted(positions):
-        yield q, []
-        redo = [int(producer[v]) for v in ins if newest[v] < q - 1 and over_prefix[q] - over_prefix[newest[v] + 1] > 0
-                and p.is_recomputable[producer[v]]]
+        extended = {v: last for v, last in newest.items() if last < q}
+        yield q, [], extended
+        redo = [v for v in extended if _over_between(over_prefix, extended[v], q) and p.is_recomputable[producer[v]]]
         if redo:
-            order = sorted(set(redo), key=lambda w: int(p.position[w]))
-            yield q, order
+            order = sorted({int(producer[v]) for v in redo}, key=lambda w: int(p.position[w]))
+            yield q, order, {v: last for v, last in extended.items() if v not in redo}
