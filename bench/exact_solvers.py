@@ -20,6 +20,7 @@ Measured 2026-11-25 on the shared 2-core machine (load average 17-24 from other 
   presolve on the first (hinted) solution came only after 277 s.
 - random_layered_n500: no schedule in 600 s (phase 1 from 278270 to 277310 bytes, budget 227551).
 - random_layered_n1000: not run (n500 already out of reach at this share of a core).
+These moccasin rows predate its insertion start (phase 1 skipped): bench/random_layered.py has the newer ones.
 Operator graphs at 0.7 (unit costs, 120 s limits, same machine): ResNet-50 (408 nodes): moccasin and
 checkmate (MILP, 479k variables) find nothing; best known hierarchical 1.049x at 94 s (acg 1.22x, ap-greedy
 1.28x). GPT-2 6L (320 nodes): moccasin nothing; checkmate 1.081x at 22 s (its remat-greedy start, gap

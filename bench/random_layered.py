@@ -7,6 +7,27 @@ Columns, side by side for one run: status, cost / sum of node costs (a lower bou
 cost, so <= 1.05 proves a schedule within 5% of the optimum), peak / budget (the simulator's), solve
 seconds, and seconds to within 5% of sum(cost) (the first incumbent doing so, for the solvers that
 report progress; else the solve time when the answer is within 5%).
+
+Measured 2026-11-25 on the shared 2-core machine (load average 2.5-4 from other jobs), 1 thread
+(OMP_NUM_THREADS=1), budgets 0.9 and 0.8 of the default order's no-recomputation peak. cost / sum(cost)
+(within 5% of the optimum when <= 1.05), seconds to the first schedule (= to within 5% in every row) and
+in all:
+
+    graph   budget  dtr (600 s limit)        moccasin (300 s limit)
+    n100    0.9     1.0079  0.1 s / 0.3 s
+    n100    0.8     1.0230  0.1 s / 0.5 s
+    n250    0.9     1.0000  0.1 s / 0.5 s
+    n250    0.8     1.0236  0.3 s / 1.1 s    1.0160  1.0 s / 300 s
+    n500    0.9     1.0064  0.5 s / 2.2 s
+    n500    0.8     1.0319  0.9 s / 5.9 s    1.0369  3.9 s / 300 s
+    n1000   0.9     1.0043  2.2 s / 21 s
+    n1000   0.8     1.0241  4.8 s / 36 s     1.0240  32 s / 300 s
+
+dtr's schedules at these budgets come from its peak-directed insertion greedy (tasks/solve/peak_insertion.py;
+before it dtr found none within 5% at 0.8 and none for n1000); moccasin starts from that greedy's schedule
+made frontier-advancing (max_copies 2) and CP-SAT lowers the cost from there (n250: 1.0236 -> 1.0160;
+n500: 1.0441, its start with at most 2 copies, -> 1.0369; n1000: 1.0241 -> 1.0240). Before that start
+moccasin found no schedule for n500 in 600 s (bench/exact_solvers.py). The eight dtr rows take about 70 s.
 """
 
 from __future__ import annotations

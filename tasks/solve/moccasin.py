@@ -22,8 +22,10 @@ slots, so each slot holds at most one computation. Node v = order[k] has up to C
 With C >= n and the default order the model holds every frontier-advancing schedule, the space of
 Checkmate's MILP, so the two optima are equal (the bound is a bound within that space). Solving follows
 the paper's two phases: minimize `peak` down to the budget from the no-recomputation schedule, then
-minimize cost under peak <= budget from phase 1's schedule. The active copies sorted by slot are the
-schedule; the simulator checks it.
+minimize cost under peak <= budget from phase 1's schedule. Phase 1 is skipped when the start fits: by
+default (`insertion_start`) the start is the peak-directed insertion greedy's schedule
+(tasks/solve/peak_insertion.py) on the model's order, made frontier-advancing (`frontier_schedule`).
+The active copies sorted by slot are the schedule; the simulator checks it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 
 from tasks.solve.coarsen import solve_coarsened
 from tasks.solve.milp import Progress
+from tasks.solve.peak_insertion import peak_insertion_schedule
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
@@ -60,6 +63,10 @@ class MoccasinOptions:
     presolve: bool = field(default=False, metadata={
         "help": "CP-SAT presolve; off by default: on the random layered n250 graph it delays the first "
                 "solution from seconds to minutes."})
+    insertion_start: bool = field(default=True, metadata={
+        "help": "without a mip_start, when the no-recomputation schedule exceeds the budget, start from the "
+                "peak-directed insertion greedy's schedule (tasks/solve/peak_insertion.py) made frontier-advancing, "
+                "so that phase 1 is skipped when it fits."})
     coarsen: bool = field(default=False, metadata={
         "help": "solve on the graph with single-reader chains merged (tasks/solve/coarsen.py), then expand."})
 
@@ -253,6 +260,33 @@ def frontier_slots(problem: Problem, schedule: list) -> list[int] | None:
     return slots if stage == n else None
 
 
+def frontier_schedule(problem: Problem, schedule: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The compute steps of `schedule` (first computations in the order) made frontier-advancing: the
+    recomputations before each first computation run in order position, each node once there."""
+    pos, out, stage, seen = problem.position, [], [], set()
+    for kind, v in schedule:
+        if kind != "compute":
+            continue
+        if v not in seen:
+            out += sorted(set(stage), key=lambda u: int(pos[u])) + [v]
+            seen.add(v)
+            stage = []
+        else:
+            stage.append(v)
+    out += sorted(set(stage), key=lambda u: int(pos[u]))
+    return [("compute", int(v)) for v in out]
+
+
+def insertion_start(problem: Problem, budget: int, max_copies: int, deadline: float | None) -> list | None:
+    """The insertion greedy's schedule on `problem.order`, frontier-advancing, with at most `max_copies`
+    computations per node; None when it finds none or the frontier-advancing form exceeds the budget."""
+    schedule = peak_insertion_schedule(problem, budget, problem.order, deadline, max_copies=max_copies)
+    if schedule is None:
+        return None
+    schedule = frontier_schedule(problem, schedule)
+    return schedule if simulate(problem, schedule).peak_bytes <= budget else None
+
+
 def add_hint(problem: Problem, model: _Model, schedule: list) -> bool:
     """Hint every variable with `schedule`; False (no hint) when it is not frontier-advancing or computes a
     node more often than the model allows."""
@@ -298,8 +332,8 @@ def add_hint(problem: Problem, model: _Model, schedule: list) -> bool:
 
 def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """Two phases as in the paper, both by CP-SAT with `options.threads` workers (default 1) within
-    `options.time_limit` in all: (1) from the no-recomputation schedule, minimize the peak down to the
-    budget (skipped when the start already fits); (2) with the peak at most the budget, minimize the
+    `options.time_limit` in all: (1) from the start (`options.mip_start`, else the insertion start or the
+    no-recomputation schedule), minimize the peak down to the budget (skipped when the start fits); (2) with the peak at most the budget, minimize the
     compute cost from phase 1's schedule, to relative gap `options.gap`. A start that is not
     frontier-advancing or exceeds `max_copies` is not used as a hint."""
     from ortools.sat.python import cp_model
@@ -323,6 +357,8 @@ def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     unit = model.unit
     progress: list[Progress] = []
     start = options.mip_start if options.mip_start is not None else default_schedule(problem)
+    if options.mip_start is None and opts.insertion_start and simulate(problem, start).peak_bytes > budget:
+        start = insertion_start(problem, budget, opts.max_copies, deadline) or start
     size = dict(num_variables=len(model.cp.Proto().variables), num_constraints=len(model.cp.Proto().constraints))
 
     def run(objective, record: bool, gap: float):
