@@ -678,9 +678,9 @@ def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
     return x
 
 
-def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray) -> np.ndarray | None:
-    """A full start from fixed integer columns: the continuous columns by an LP with the integers
-    fixed (they are determined up to slack); None when the integers violate the model."""
+def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray, threads: int | None = None) -> np.ndarray | None:
+    """A full start from fixed integer columns: the continuous columns by an LP (on `threads`) with the
+    integers fixed (they are determined up to slack); None when the integers violate the model."""
     from tasks.solve.milp import MilpOptions, solve_milp
 
     n_int = L.num_vars
@@ -689,7 +689,7 @@ def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray) -> np.nd
     hi[:n_int] = x_int
     fixed = MilpModel(np.zeros(model.num_variables), model.A, model.row_lower, model.row_upper, lo, hi,
                       np.zeros(model.num_variables, dtype=bool))
-    res = solve_milp(fixed, MilpOptions(backend="highs", relax=True, time_limit=30.0))
+    res = solve_milp(fixed, MilpOptions(backend="highs", relax=True, time_limit=30.0, threads=threads))
     if res.x is None:
         return None
     x = res.x.copy()
