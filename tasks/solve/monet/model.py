@@ -248,6 +248,7 @@ def _membership(impls: list[_Impl], sets: str, a_of: np.ndarray, width: int) -> 
 
 
 def _padded(rows: list[np.ndarray], width: int) -> np.ndarray:
+    """Per-implementation vectors of the steps as one zero-padded (steps, width) array."""
     out = np.zeros((len(rows), width))
     for e, row in enumerate(rows):
         out[e, :len(row)] = row
