@@ -1,7 +1,7 @@
 """MONeT against its peers and its own ablation (the paper's Fig. 3-4, Table 5), measured side by side in one run.
 
     .venv/bin/python bench/monet.py [--workloads resnet50 vgg16 mobilenet_v2 gpt2] [--fractions 0.7 0.5 0.4]
-                                    [--image 128] [--batch 8] [--rounds 4] [--no-compile] [--curve 600]
+                                    [--image 128] [--batch 8] [--rounds 4] [--no-compile] [--curve 600] [--build]
 
 Per workload (random weights, CPU, 1 thread, small inputs): eager PyTorch; `checkpoint_sequential` with
 sqrt(n) segments over the model's sequential trunk (GPT-2: per-block `torch.utils.checkpoint`); torch.compile's
@@ -18,6 +18,9 @@ variants (MONeT-NoOp), with each variant family of `runtime.variants.RULES` alon
 
 `--curve SECONDS`: the solve-time curve (incumbent, bound, gap) of whole-graph `monet-noop` on the
 ResNet-50 operator graph at `--curve-fraction` (0.7) of its peak, bounded by SECONDS (the issue's target: a 5% gap in 10 minutes).
+
+`--build`: seconds to build MONeT's program (tasks/solve/monet/model.py; best of 3) and its size, `monet-noop` and
+`monet` (every variant) on each workload's whole operator graph at 0.7 of its peak (unit costs).
 """
 
 from __future__ import annotations
@@ -188,6 +191,28 @@ def solve_curve(seconds: float, fraction: float, image: int, batch_size: int, co
                   f"{sol.objective} (no recomputation: {problem.cost.sum():.0f}), gap {sol.gap}")
 
 
+def build_table(workloads: list[str], image: int, batch_size: int, console: Console) -> None:
+    """Build time and size of MONeT's whole-graph program per workload, without and with variants."""
+    from tasks.solve.monet.model import build_model
+
+    table = Table("workload", "solver", "nodes", "rows", "columns (integer)", "nonzeros", "build s",
+                  title="MONeT's program on the whole operator graph at 0.7x peak (best of 3 builds)")
+    for name in workloads:
+        model, loss_fn, batch, _, _ = bench_workload(name, image, batch_size)
+        graph = runtime.capture(model, loss_fn, batch)
+        for solver, problem in (("monet-noop", Problem.from_graph(graph)),
+                                ("monet", Problem.from_graph(graph, variants=graph_variants(graph)))):
+            budget = int(0.7 * simulate(problem, default_schedule(problem)).peak_bytes)
+            seconds = []
+            for _ in range(3):
+                start = time.perf_counter()
+                milp, layout = build_model(problem, budget)
+                seconds.append(time.perf_counter() - start)
+            table.add_row(name, solver, str(problem.num_nodes), str(milp.num_constraints),
+                          f"{milp.num_variables} ({layout.num_vars})", str(milp.num_nonzeros), f"{min(seconds):.3f}")
+    console.print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", default=["resnet50", "vgg16", "mobilenet_v2", "gpt2"])
@@ -199,11 +224,15 @@ def main() -> None:
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--curve", type=float, default=0.0, help="seconds for the monet-noop solve-time curve (0: skip)")
     ap.add_argument("--curve-fraction", type=float, default=0.7, help="budget of the curve, as a fraction of the peak")
+    ap.add_argument("--build", action="store_true", help="only time building MONeT's program on each workload's graph")
     args = ap.parse_args()
     torch.set_num_threads(1)
     console = Console(width=200)
     if args.curve:
         solve_curve(args.curve, args.curve_fraction, args.image, args.batch, console)
+        return
+    if args.build:
+        build_table(args.workloads, args.image, args.batch, console)
         return
     for name in args.workloads:
         rows = bench(name, args)

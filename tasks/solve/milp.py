@@ -166,7 +166,8 @@ def _highs(model: MilpModel, options: MilpOptions):
     h = highspy.Highs()
     h.setOptionValue("output_flag", not options.quiet)
     h.setOptionValue("mip_rel_gap", float(options.gap))
-    if options.threads is not None:
+    if options.threads is not None:     # HiGHS sizes one scheduler per calling thread at its first run and refuses
+        highspy.Highs.resetThreadScheduler(True)   # ("already initialized") a later run asking for another count
         h.setOptionValue("threads", int(options.threads))
     if options.relax:
         h.setOptionValue("solver", options.lp_method)

@@ -34,6 +34,15 @@ def test_highs_finds_the_brute_force_optimum():
     assert result.progress and result.progress[-1].incumbent == result.objective
 
 
+def test_a_solve_with_other_threads_than_the_first_still_solves():
+    """HiGHS keeps the scheduler of a thread's first run; a later run asking for other threads once failed
+    (status "Not Set", no solution), which made a 1-thread solve after any default one return nothing."""
+    assert solve_milp(_knapsack(), MilpOptions(backend="highs")).status == "optimal"
+    for threads in (1, 2, 1):
+        result = solve_milp(_knapsack(), MilpOptions(backend="highs", threads=threads))
+        assert result.status == "optimal" and result.objective == -_brute_force(), threads
+
+
 def test_lp_relaxation_bounds_the_optimum():
     result = solve_milp(_knapsack(), MilpOptions(backend="highs", relax=True))
     assert result.status == "optimal" and result.bound == result.objective < -_brute_force()

@@ -29,7 +29,9 @@ implementations is written aggregated: w_v^k >= s_v^{k+1}, w_v^k >= sum_{l: v in
 minimal assignment (s only where a later step reads the copy) equals the simulator's at every step:
 MONeT's optimum over this schedule space is exact (tests compare it with a brute force).
 
-Row blocks (tasks/solve/monet/model.py `build_model`)
+Row blocks (`build_model`). Columns: the integer ones (`layout`: df, db, r, dr, s), then F_0..F_N, then per
+stage k with any r or s: w^k, A^k, B^k, y^k. Each block is one set of COO triplets built by numpy index
+arithmetic over these column tables (no per-variable loops); the blocks are stacked into one CSR matrix.
 | block                               | rows                                                      | paper        |
 |-------------------------------------|-----------------------------------------------------------|--------------|
 | one implementation per step         | sum_l df_{i,l} <= 1; sum_l dr_{i,l}^k <= r_i^k; sum db <= 1| sec. 4 (sum_l delta = 1, = r) |
@@ -45,6 +47,10 @@ Row blocks (tasks/solve/monet/model.py `build_model`)
 | backward memory                     | hat-ws_k + |y_k| + G_k + B_N^k <= M                        | (5), (10), (14) |
 | retention (hierarchical ladders)    | const + sum_v |v| s_v^0 <= B_ret                           | -            |
 | objective                           | sum tau delta + sum hat-tau hat-delta + sum tau delta^k    | (9)          |
+
+Built by `_implementation_rows` (first row, objective), `_forward_rows` (forward availability, F_i,
+forward memory, retention), `_stage_rows` ((7), (8), w) and `_memory_rows` (A, B, y, memory during the
+backward pass).
 
 (12) and (13) are one row per (i, k): with r_i^k = 0 the step's workspace and output vanish and the row is
 (13), the memory between two steps. p(v) is the producer's forward position, c(v) the last forward
@@ -82,7 +88,9 @@ class _Impl:
 class MonetLayout:
     """Forward nodes `fwd` (position i), backward nodes `bwd` (stage k), variable forward values `vals`
     (index a: producer position p[a], last forward reader position c[a], last stage needing it
-    lastk[a]); column tables hold -1 where a variable does not exist."""
+    lastk[a]); column tables hold -1 where a variable does not exist. A step's non-default
+    implementations l = 1..n-1 have the consecutive columns start + l - 1 from its start: `df[i]`
+    (forward pass), `db[k]` (backward node), `dr[k, i]` (recomputation; -1 also where r[k, i] is)."""
 
     problem: Problem
     fwd: np.ndarray
@@ -94,10 +102,10 @@ class MonetLayout:
     nodelast: np.ndarray
     impl: dict[int, _Impl]
     unit: float
-    df: dict[tuple[int, int], int]
-    db: dict[tuple[int, int], int]
+    df: np.ndarray
+    db: np.ndarray
     r: np.ndarray
-    dr: dict[tuple[int, int, int], int]
+    dr: np.ndarray
     s: np.ndarray
     num_vars: int
 
@@ -134,32 +142,16 @@ def split_passes(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
     return fwd, bwd
 
 
-class _Rows:
-    """Constraint rows as COO triplets."""
+def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups of sizes `counts` (negative: empty) laid end to end: each element's group and its offset in it."""
+    counts = np.maximum(np.asarray(counts, dtype=np.int64), 0)
+    group = np.repeat(np.arange(len(counts)), counts)
+    return group, np.arange(len(group)) - (np.cumsum(counts) - counts)[group]
 
-    def __init__(self) -> None:
-        self.r: list[int] = []
-        self.c: list[int] = []
-        self.v: list[float] = []
-        self.lo: list[float] = []
-        self.hi: list[float] = []
 
-    def add(self, terms: dict[int, float], lo: float, hi: float) -> int:
-        row = len(self.lo)
-        for col, coef in terms.items():
-            if coef != 0.0:
-                self.r.append(row)
-                self.c.append(col)
-                self.v.append(coef)
-        self.lo.append(lo)
-        self.hi.append(hi)
-        return row
-
-    def matrix(self, ncols: int) -> tuple[sp.csr_matrix, np.ndarray, np.ndarray]:
-        A = sp.csr_matrix((np.asarray(self.v, dtype=np.float64), (np.asarray(self.r, dtype=np.int64),
-                                                                   np.asarray(self.c, dtype=np.int64))),
-                          shape=(len(self.lo), ncols))
-        return A, np.asarray(self.lo, dtype=np.float64), np.asarray(self.hi, dtype=np.float64)
+def _starts(counts: np.ndarray, first: int) -> np.ndarray:
+    """Column starts of consecutive blocks of `counts` columns from `first`; -1 for empty blocks."""
+    return np.where(counts > 0, first + np.cumsum(counts) - counts, -1)
 
 
 def layout(problem: Problem, budget: float) -> MonetLayout:
@@ -199,26 +191,20 @@ def layout(problem: Problem, budget: float) -> MonetLayout:
         for a in outs_of[i]:
             lastk[a] = max([lastk[a], *(nodelast[t] for t in fw_readers[a])])
         nodelast[i] = max((lastk[a] for a in outs_of[i]), default=-1)
+    extra_f = np.array([len(impl[x].names) - 1 for x in fwd.tolist()], dtype=np.int64)
+    extra_b = np.array([len(impl[x].names) - 1 for x in bwd.tolist()], dtype=np.int64)
     col = 0
-    df: dict[tuple[int, int], int] = {}
-    for i, x in enumerate(fwd.tolist()):
-        for l in range(1, len(impl[x].names)):
-            df[(i, l)] = col
-            col += 1
-    db: dict[tuple[int, int], int] = {}
-    for k, x in enumerate(bwd.tolist()):
-        for l in range(1, len(impl[x].names)):
-            db[(k, l)] = col
-            col += 1
+    df = _starts(extra_f, col)
+    col += int(extra_f.sum())
+    db = _starts(extra_b, col)
+    col += int(extra_b.sum())
     r = np.full((K, N), -1, dtype=np.int64)
     exists = np.arange(K)[:, None] <= nodelast[None, :]
     r[exists] = col + np.arange(int(exists.sum()))
     col += int(exists.sum())
-    dr: dict[tuple[int, int, int], int] = {}
-    for k, i in zip(*np.nonzero(exists)):
-        for l in range(1, len(impl[int(fwd[i])].names)):
-            dr[(int(k), int(i), l)] = col
-            col += 1
+    extra_r = np.where(exists, extra_f[None, :], 0)
+    dr = _starts(extra_r.ravel(), col).reshape(K, N)
+    col += int(extra_r.sum())
     s = np.full((K, len(vals)), -1, dtype=np.int64)
     exists = np.arange(K)[:, None] <= lastk[None, :]
     s[exists] = col + np.arange(int(exists.sum()))
@@ -226,322 +212,405 @@ def layout(problem: Problem, budget: float) -> MonetLayout:
     return MonetLayout(problem, fwd, bwd, vals, p, c, lastk, nodelast, impl, float(max(budget, 1)), df, db, r, dr, s, col)
 
 
-def build_model(problem: Problem, budget: float, retained: float | None = None) -> tuple[MilpModel, MonetLayout]:
-    """MONeT's program for `problem` under `budget` bytes (module docstring; `retained` adds the
-    retention row const + sum |v| s_v^0 <= retained)."""
-    L = layout(problem, budget)
+def _impl_terms(vals: np.ndarray, nimpl: np.ndarray, base: np.ndarray,
+                start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """sum_l delta_l vals[e, l] for each expression e (a step with nimpl[e] implementations), the default's
+    delta_0 = base[e] - sum_{l>=1} delta_l (base -1: the constant 1) and delta_l the column start[e] + l - 1:
+    (constant per e, then the terms as expression, column, coefficient; zero coefficients left out)."""
+    const = np.where(base < 0, vals[:, 0], 0.0)
+    m = (base >= 0) & (vals[:, 0] != 0)
+    expr, col, coef = [np.flatnonzero(m)], [base[m]], [vals[m, 0]]
+    for l in range(1, vals.shape[1]):
+        d = vals[:, l] - vals[:, 0]
+        m = (l < nimpl) & (d != 0)
+        expr.append(np.flatnonzero(m))
+        col.append(start[m] + l - 1)
+        coef.append(d[m])
+    return const, np.concatenate(expr), np.concatenate(col), np.concatenate(coef)
+
+
+def _membership(impls: list[_Impl], sets: str, a_of: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs (step j, variable value a) with a in the `sets` ("ins" or "outs") of some implementation of
+    impls[j], sorted by (a, j), and their rows m[pair, l] = [a in sets of implementation l]."""
+    j, v, l = [], [], []
+    for pos, im in enumerate(impls):
+        for li, members in enumerate(getattr(im, sets)):
+            j += [pos] * len(members)
+            v += list(members)
+            l += [li] * len(members)
+    j, v, l = (np.asarray(z, dtype=np.int64) for z in (j, v, l))
+    keep = a_of[v] >= 0
+    n = max(len(impls), 1)
+    pairs, pair = np.unique(a_of[v[keep]] * n + j[keep], return_inverse=True)
+    member = np.zeros((len(pairs), width))
+    member[pair, l[keep]] = 1.0
+    return pairs % n, pairs // n, member
+
+
+def _padded(rows: list[np.ndarray], width: int) -> np.ndarray:
+    """Per-implementation vectors of the steps as one zero-padded (steps, width) array."""
+    out = np.zeros((len(rows), width))
+    for e, row in enumerate(rows):
+        out[e, :len(row)] = row
+    return out
+
+
+class _Rows:
+    """Constraint rows, built block by block as COO triplets."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.lo: list[np.ndarray] = []
+        self.hi: list[np.ndarray] = []
+
+    def block(self, n: int, lo: float | np.ndarray, hi: float | np.ndarray) -> np.ndarray:
+        """Indices of n new rows lo <= . <= hi."""
+        self.lo.append(np.broadcast_to(np.asarray(lo, dtype=np.float64), (n,)))
+        self.hi.append(np.broadcast_to(np.asarray(hi, dtype=np.float64), (n,)))
+        self.n += n
+        return np.arange(self.n - n, self.n)
+
+    def add(self, rows: np.ndarray, cols: np.ndarray, coefs: float | np.ndarray) -> None:
+        """Entries coefs at (rows, cols), broadcast together."""
+        rows, cols, coefs = np.broadcast_arrays(rows, cols, np.asarray(coefs, dtype=np.float64))
+        self.parts.append((rows.ravel(), cols.ravel(), coefs.ravel()))
+
+    def matrix(self, ncols: int) -> tuple[sp.csr_matrix, np.ndarray, np.ndarray]:
+        r, c = (np.concatenate([np.zeros(0, np.int64), *(part[z] for part in self.parts)]) for z in range(2))
+        v = np.concatenate([np.zeros(0), *(part[2] for part in self.parts)])
+        A = sp.csr_matrix((v, (r, c)), shape=(self.n, ncols))
+        A.sum_duplicates()
+        A.eliminate_zeros()
+        return A, np.concatenate([np.zeros(0), *self.lo]), np.concatenate([np.zeros(0), *self.hi])
+
+
+@dataclass
+class _Program:
+    """Tables the row blocks index: per forward step i / backward stage k its implementations (nf, nb),
+    cost (units of the mean cost) and memory (workspace + outputs, units of the budget) per implementation;
+    forward reads (ri, ra, sorted by (a, i); `read[pair, l]`: implementation l reads a), backward reads D_k^l
+    (bk, ba, `dep`), `made_in[a, l]`: p(a)'s implementation l makes a; G_k (|hat L_k| + forward graph
+    outputs), `const_prefix[i]` (forward graph outputs made before i); the continuous columns: F_i
+    (`Fcol`), per stage with any r or s (`full`) w_v^k (`wcol`), A_i^k and B_i^k (from `Abase[k]`,
+    `Bbase[k]`), and y_{v,i}^k for the open pairs (oi, oa) (a open at i: p(a) < i <= c(a)), pair yj at
+    stage yk in column ycol (yfirst[j] + k indexes pair j's y at stage k)."""
+
+    L: MonetLayout
+    vb: np.ndarray
+    nf: np.ndarray
+    nb: np.ndarray
+    cost_unit: float
+    cost_f: np.ndarray
+    cost_b: np.ndarray
+    mem_f: np.ndarray
+    mem_b: np.ndarray
+    ri: np.ndarray
+    ra: np.ndarray
+    read: np.ndarray
+    bk: np.ndarray
+    ba: np.ndarray
+    dep: np.ndarray
+    made_in: np.ndarray
+    G: np.ndarray
+    const_prefix: np.ndarray
+    live: np.ndarray
+    full: np.ndarray
+    Fcol: np.ndarray
+    wcol: np.ndarray
+    Abase: np.ndarray
+    Bbase: np.ndarray
+    oi: np.ndarray
+    oa: np.ndarray
+    yj: np.ndarray
+    yk: np.ndarray
+    ycol: np.ndarray
+    yfirst: np.ndarray
+    ncols: int
+
+    def made(self, a: np.ndarray, k: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Indicator that the forward pass (k None) or stage k's recomputation makes value a, as
+        `_impl_terms` (none where p(a) has no r at stage k)."""
+        L = self.L
+        i = L.p[a]
+        if k is None:
+            return _impl_terms(self.made_in[a], self.nf[i], np.full(len(a), -1), L.df[i])
+        base = L.r[k, i]
+        const, e, col, coef = _impl_terms(self.made_in[a], self.nf[i], base, L.dr[k, i])
+        keep = base[e] >= 0
+        return np.where(base >= 0, const, 0.0), e[keep], col[keep], coef[keep]
+
+
+def _program(problem: Problem, L: MonetLayout) -> _Program:
+    """The tables and continuous columns of MONeT's program on layout L (`_Program`)."""
     N, K, M = L.N, L.K, L.unit
-    fwd, bwd, vals = L.fwd.tolist(), L.bwd.tolist(), L.vals
-    nv = len(vals)
-    vb = problem.value_bytes[vals].astype(np.float64) / M
-    a_of = {int(v): a for a, v in enumerate(vals.tolist())}
-    col = [L.num_vars]
-    integer_until = L.num_vars
-
-    def new(n: int) -> np.ndarray:
-        out = np.arange(col[0], col[0] + n)
-        col[0] += n
-        return out
-
-    rows = _Rows()
-    cost_terms: dict[int, float] = {}
-    offset = 0.0
-
-    # -- expressions -----------------------------------------------------------------------------
-    def indicator(im: _Impl, cols: list[int | None], base: int | None, v: int, sets: str) -> tuple[float, dict[int, float]]:
-        """sum over implementations l with v in sets_l of delta_l, delta_default = base - sum others
-        (base None: the constant 1)."""
-        member = [v in s for s in getattr(im, sets)]
-        terms: dict[int, float] = {}
-        const = 0.0
-        if member[0]:
-            if base is None:
-                const = 1.0
-            else:
-                terms[base] = 1.0
-        for l in range(1, len(member)):
-            coef = float(member[l]) - float(member[0])
-            if coef:
-                terms[cols[l]] = terms.get(cols[l], 0.0) + coef
-        return const, terms
-
-    def linear(im: _Impl, cols: list[int | None], base: int | None, values: np.ndarray) -> tuple[float, dict[int, float]]:
-        """sum_l delta_l values[l] with delta_default = base - sum others (base None: 1)."""
-        terms: dict[int, float] = {}
-        const = 0.0
-        if base is None:
-            const = float(values[0])
-        elif values[0]:
-            terms[base] = float(values[0])
-        for l in range(1, len(values)):
-            if values[l] != values[0]:
-                terms[cols[l]] = terms.get(cols[l], 0.0) + float(values[l] - values[0])
-        return const, terms
+    nv = len(L.vals)
+    cost_unit = float(problem.cost.mean()) if problem.num_nodes and problem.cost.mean() > 0 else 1.0
+    fim = [L.impl[x] for x in L.fwd.tolist()]
+    bim = [L.impl[x] for x in L.bwd.tolist()]
+    width = max([len(im.names) for im in fim + bim], default=1)
 
     def out_bytes(im: _Impl) -> np.ndarray:
         return np.array([problem.value_bytes[list(o)].sum() if o else 0 for o in im.outs], dtype=np.float64) / M
 
-    def add_into(dst: dict[int, float], src: dict[int, float], scale: float = 1.0) -> None:
-        for k_, v_ in src.items():
-            dst[k_] = dst.get(k_, 0.0) + scale * v_
-
-    cost_unit = float(problem.cost.mean()) if problem.num_nodes and problem.cost.mean() > 0 else 1.0
-
-    # forward pass implementation choice and cost (9, forward pass)
-    fcols = [[None] + [L.df[(i, l)] for l in range(1, len(L.impl[x].names))] for i, x in enumerate(fwd)]
-    for i, x in enumerate(fwd):
-        im = L.impl[x]
-        if len(im.names) > 1:
-            rows.add({cc: 1.0 for cc in fcols[i][1:]}, -np.inf, 1.0)
-        const, terms = linear(im, fcols[i], None, im.cost / cost_unit)
-        offset += const
-        add_into(cost_terms, terms)
-    bcols = [[None] + [L.db[(k, l)] for l in range(1, len(L.impl[x].names))] for k, x in enumerate(bwd)]
-    for k, x in enumerate(bwd):
-        im = L.impl[x]
-        if len(im.names) > 1:
-            rows.add({cc: 1.0 for cc in bcols[k][1:]}, -np.inf, 1.0)
-        const, terms = linear(im, bcols[k], None, im.cost / cost_unit)
-        offset += const
-        add_into(cost_terms, terms)
-
-    def made(a: int, k: int | None) -> tuple[float, dict[int, float]]:
-        """Indicator that the forward pass (k None) or stage k's recomputation makes value a."""
-        i = int(L.p[a])
-        x = fwd[i]
-        if k is None:
-            return indicator(L.impl[x], fcols[i], None, int(vals[a]), "outs")
-        if L.r[k, i] < 0:
-            return 0.0, {}
-        return indicator(L.impl[x], rcols(k, i), int(L.r[k, i]), int(vals[a]), "outs")
-
-    def rcols(k: int, i: int) -> list[int | None]:
-        return [None] + [L.dr[(k, i, l)] for l in range(1, len(L.impl[fwd[i]].names))]
+    a_of = np.full(problem.num_values, -1, dtype=np.int64)
+    a_of[L.vals] = np.arange(nv)
+    ri, ra, read = _membership(fim, "ins", a_of, width)
+    bk, ba, dep = _membership(bim, "ins", a_of, width)
+    _, oa, made_by = _membership(fim, "outs", a_of, width)
+    made_in = np.zeros((nv, width))
+    made_in[oa] = made_by
 
     # graph outputs made by forward nodes: resident from their producer on
-    fconst = [v for v in range(problem.num_values) if problem.is_output[v] and problem.value_producer[v] >= 0
-              and problem.is_recomputable[problem.value_producer[v]]]
-    fpos = {x: i for i, x in enumerate(fwd)}
+    fpos = np.full(problem.num_nodes, -1, dtype=np.int64)
+    fpos[L.fwd] = np.arange(N)
+    bpos = np.full(problem.num_nodes, -1, dtype=np.int64)
+    bpos[L.bwd] = np.arange(K)
+    producer = problem.value_producer
+    prod_f = np.where(producer >= 0, fpos[producer], -1)
+    prod_b = np.where(producer >= 0, bpos[producer], -1)
+    vbytes = problem.value_bytes.astype(np.float64) / M
+    fout = problem.is_output & (prod_f >= 0)
     const_from = np.zeros(N + 1)
-    for v in fconst:
-        const_from[fpos[int(problem.value_producer[v])] + 1] += problem.value_bytes[v] / M
-    const_prefix = np.cumsum(const_from)                      # bytes of forward graph outputs made before i
+    np.add.at(const_from, prod_f[fout] + 1, vbytes[fout])
+    const_prefix = np.cumsum(const_from)
     # gradients live during stage k (|hat L_k|): backward values made before k, read at k or later or outputs
-    bpos = {x: k for k, x in enumerate(bwd)}
+    last_reader = np.full(problem.num_values, -1, dtype=np.int64)
+    for k, im in enumerate(bim):
+        read_k = np.fromiter(set().union(*im.ins), dtype=np.int64)
+        last_reader[read_k] = np.maximum(last_reader[read_k], k)
+    grad = np.flatnonzero(prod_b >= 0)
+    made_at = prod_b[grad]
+    end = np.where(problem.is_output[grad], K - 1, np.where(last_reader[grad] >= 0, last_reader[grad], made_at))
+    span = end > made_at
     G = np.zeros(K + 1)
-    last_reader = {}
-    for x in bwd:
-        for v in set().union(*L.impl[x].ins):
-            last_reader[v] = max(last_reader.get(v, -1), bpos[x])
-    for v in range(problem.num_values):
-        prod = int(problem.value_producer[v])
-        if prod >= 0 and prod in bpos:
-            j = bpos[prod]
-            end = K - 1 if problem.is_output[v] else last_reader.get(v, j)
-            if end > j:
-                G[j + 1] += problem.value_bytes[v] / M
-                G[end + 1] -= problem.value_bytes[v] / M
+    np.add.at(G, made_at[span] + 1, vbytes[grad[span]])
+    np.add.at(G, end[span] + 1, -vbytes[grad[span]])
     G = np.cumsum(G)[:K] + const_prefix[N]
 
-    # forward availability (7): s_v^0 only for values the chosen implementation makes; variant inputs
-    for a in range(nv):
-        if L.s.shape[0] and L.s[0, a] >= 0:
-            const, terms = made(a, None)
-            if const < 1.0:
-                t = {int(L.s[0, a]): 1.0}
-                add_into(t, terms, -1.0)
-                rows.add(t, -np.inf, const)
-    for i, x in enumerate(fwd):
-        im = L.impl[x]
-        for v in set().union(*im.ins):
-            a = a_of.get(v)
-            if a is None:
-                continue
-            rconst, rterms = indicator(im, fcols[i], None, v, "ins")
-            mconst, mterms = made(a, None)
-            if rterms or mterms or rconst > mconst:
-                t = dict(rterms)
-                add_into(t, mterms, -1.0)
-                rows.add(t, -np.inf, mconst - rconst)
+    # continuous columns: F_0..F_N, then per stage with any r or s: w (live values), A, B, y in (i, a) order
+    live = L.s >= 0
+    full = live.any(axis=1) | (L.r >= 0).any(axis=1)
+    nlive = live.sum(axis=1)
+    oa, off = _ragged(L.c - L.p)
+    oi = L.p[oa] + 1 + off
+    order = np.lexsort((oa, oi))
+    oi, oa = oi[order], oa[order]
+    yj, yk = _ragged(np.minimum(L.nodelast[oi], L.lastk[oa]) + 1)
+    ny = np.bincount(yk, minlength=K)
+    size = np.where(full, nlive + 2 * N + 1, 0) + ny
+    wbase = L.num_vars + N + 1 + np.cumsum(size) - size
+    Abase = wbase + nlive
+    Bbase = Abase + N
+    ybase = Bbase + N + 1
+    by_stage = np.argsort(yk, kind="stable")
+    ycol = np.empty(len(yk), dtype=np.int64)
+    ycol[by_stage] = ybase[yk[by_stage]] + np.arange(len(yk)) - (np.cumsum(ny) - ny)[yk[by_stage]]
+    per_pair = np.bincount(yj, minlength=len(oi))
+    return _Program(
+        L, problem.value_bytes[L.vals].astype(np.float64) / M,
+        np.array([len(im.names) for im in fim], dtype=np.int64), np.array([len(im.names) for im in bim], dtype=np.int64),
+        cost_unit, _padded([im.cost / cost_unit for im in fim], width), _padded([im.cost / cost_unit for im in bim], width),
+        _padded([im.ws / M + out_bytes(im) for im in fim], width), _padded([im.ws / M + out_bytes(im) for im in bim], width),
+        ri, ra, read, bk, ba, dep, made_in, G, const_prefix, live, full, L.num_vars + np.arange(N + 1),
+        np.where(live, wbase[:, None] + np.cumsum(live, axis=1) - 1, -1), Abase, Bbase, oi, oa, yj, yk, ycol,
+        np.cumsum(per_pair) - per_pair, L.num_vars + N + 1 + int(size.sum()))
 
-    # forward memory (1): ws + out + open values (constant) + kept closed values F_i + graph outputs
-    open_fwd = np.zeros(N + 1)
-    for a in range(nv):
-        if L.c[a] > L.p[a]:
-            open_fwd[L.p[a] + 1] += vb[a]
-            open_fwd[L.c[a] + 1] -= vb[a]
+
+def _implementation_rows(P: _Program, rows: _Rows) -> tuple[float, np.ndarray, np.ndarray]:
+    """One implementation per step (sec. 4: sum_l delta = 1, written sum_{l>=1} df_{i,l} <= 1, sum db <= 1,
+    sum_l dr_{i,l}^k <= r_i^k) and the objective (9): (constant, columns, coefficients)."""
+    L, nf = P.L, P.nf
+    offset, cols, coefs = 0.0, [], []
+    for n, first, cost in ((nf, L.df, P.cost_f), (P.nb, L.db, P.cost_b)):
+        multi = np.flatnonzero(n > 1)
+        step, l = _ragged(n[multi] - 1)
+        rows.add(rows.block(len(multi), -np.inf, 1.0)[step], first[multi][step] + l, 1.0)
+        const, _, col, coef = _impl_terms(cost, n, np.full(len(n), -1), first)
+        offset += float(const.sum())
+        cols.append(col)
+        coefs.append(coef)
+    k, i = np.nonzero(L.r >= 0)
+    multi = np.flatnonzero(nf[i] > 1)
+    step, l = _ragged(nf[i[multi]] - 1)
+    rws = rows.block(len(multi), -np.inf, 0.0)
+    rows.add(rws[step], L.dr[k, i][multi][step] + l, 1.0)
+    rows.add(rws, L.r[k, i][multi], -1.0)
+    _, _, col, coef = _impl_terms(P.cost_f[i], nf[i], L.r[k, i], L.dr[k, i])
+    return offset, np.concatenate([*cols, col]), np.concatenate([*coefs, coef])
+
+
+def _forward_rows(P: _Program, rows: _Rows, retained: float | None) -> np.ndarray:
+    """The forward pass: availability (7) (s_v^0 <= made(v); read_{i,v} <= made(v) for variant inputs),
+    F_i = sum_{c(v)<i} |v| s_v^0 (1), memory (1), (14): ws_i + |x_i| + const_i + F_i <= M, and the
+    retention row const + sum_v |v| s_v^0 <= retained. Returns the memory rows."""
+    L, nf, vb = P.L, P.nf, P.vb
+    N, K, s, p, c = L.N, L.K, L.s, L.p, L.c
+    if K:
+        a = np.flatnonzero(P.live[0] & (P.made_in[:, 0] < 1.0))
+        const, e, col, coef = P.made(a, None)
+        rws = rows.block(len(a), -np.inf, const)
+        rows.add(rws, s[0, a], 1.0)
+        rows.add(rws[e], col, -coef)
+    rconst, re, rcol, rcoef = _impl_terms(P.read, nf[P.ri], np.full(len(P.ri), -1), L.df[P.ri])
+    mconst, me, mcol, mcoef = P.made(P.ra, None)
+    keep = (np.bincount(re, minlength=len(P.ri)) > 0) | (np.bincount(me, minlength=len(P.ri)) > 0) | (rconst > mconst)
+    row_of = np.full(len(P.ri), -1)
+    row_of[keep] = rows.block(int(keep.sum()), -np.inf, (mconst - rconst)[keep])
+    rows.add(row_of[re[keep[re]]], rcol[keep[re]], rcoef[keep[re]])
+    rows.add(row_of[me[keep[me]]], mcol[keep[me]], -mcoef[keep[me]])
+
+    open_fwd = np.zeros(N + 1)                                 # values made and still to be read: constant
+    opened = c > p
+    np.add.at(open_fwd, p[opened] + 1, vb[opened])
+    np.add.at(open_fwd, c[opened] + 1, -vb[opened])
     open_fwd = np.cumsum(open_fwd)
-    by_close: list[list[int]] = [[] for _ in range(N + 1)]
-    for a in range(nv):
-        by_close[int(L.c[a]) + 1].append(a)
-    Fcol = new(N + 1)
-    for i in range(N + 1):
-        t = {int(Fcol[i]): 1.0}
-        if i:
-            t[int(Fcol[i - 1])] = -1.0
-        for a in by_close[i]:
-            if L.s.shape[0] and L.s[0, a] >= 0:
-                t[int(L.s[0, a])] = t.get(int(L.s[0, a]), 0.0) - vb[a]
-        rows.add(t, 0.0, 0.0)
-    budget_rows = []
-    for i, x in enumerate(fwd):
-        im = L.impl[x]
-        const, terms = linear(im, fcols[i], None, im.ws / M + out_bytes(im))
-        t = dict(terms)
-        t[int(Fcol[i])] = 1.0
-        budget_rows.append(rows.add(t, -np.inf, 1.0 - const - open_fwd[i] - const_prefix[i]))
-
+    rws = rows.block(N + 1, 0.0, 0.0)                          # F_i - F_{i-1} - sum_{c(v) = i-1} |v| s_v^0 = 0
+    rows.add(rws, P.Fcol, 1.0)
+    rows.add(rws[1:], P.Fcol[:-1], -1.0)
+    if K:
+        a = np.flatnonzero(P.live[0])
+        rows.add(rws[c[a] + 1], s[0, a], -vb[a])
+    const, e, col, coef = _impl_terms(P.mem_f, nf, np.full(N, -1), L.df)
+    budget = rows.block(N, -np.inf, 1.0 - const - open_fwd[:N] - P.const_prefix[:N])
+    rows.add(budget[e], col, coef)
+    rows.add(budget, P.Fcol[:N], 1.0)
     if retained is not None and K:
-        t = {int(L.s[0, a]): float(vb[a]) for a in range(nv) if L.s[0, a] >= 0}
-        rows.add(t, -np.inf, float(retained) / M - const_prefix[N])
+        a = np.flatnonzero(P.live[0])
+        rows.add(rows.block(1, -np.inf, float(retained) / L.unit - P.const_prefix[N])[np.zeros(len(a), np.int64)],
+                 s[0, a], vb[a])
+    return budget
 
-    open_at: list[list[int]] = [[] for _ in range(N)]
-    for a in range(nv):
-        for i in range(int(L.p[a]) + 1, int(L.c[a]) + 1):
-            open_at[i].append(a)
-    by_prod: list[list[int]] = [[] for _ in range(N)]
-    for a in range(nv):
-        by_prod[int(L.p[a])].append(a)
-    readers_of: list[list[int]] = [[] for _ in range(nv)]
-    for i, x in enumerate(fwd):
-        for v in set().union(*L.impl[x].ins):
-            if v in a_of:
-                readers_of[a_of[v]].append(i)
 
-    for k, xb in enumerate(bwd):
-        active = np.flatnonzero(L.r[k] >= 0)
-        live = np.flatnonzero(L.s[k] >= 0)
-        if not len(live) and not len(active):
-            im = L.impl[xb]
-            const, terms = linear(im, bcols[k], None, im.ws / M + out_bytes(im))
-            budget_rows.append(rows.add(terms, -np.inf, 1.0 - const - G[k]))
-            continue
-        # recomputation implementation choice and cost (9, recomputation)
-        for i in active.tolist():
-            im = L.impl[fwd[i]]
-            rc = rcols(k, i)
-            if len(im.names) > 1:
-                t = {cc: 1.0 for cc in rc[1:]}
-                t[int(L.r[k, i])] = -1.0
-                rows.add(t, -np.inf, 0.0)
-            const, terms = linear(im, rc, int(L.r[k, i]), im.cost / cost_unit)
-            add_into(cost_terms, terms)
-        # recomputation inputs (7 left): read_{i,v}^k <= s_v^k + made_v^k
-        for i in active.tolist():
-            im = L.impl[fwd[i]]
-            for v in set().union(*im.ins):
-                a = a_of.get(v)
-                if a is None:
-                    continue
-                _, t = indicator(im, rcols(k, i), int(L.r[k, i]), v, "ins")
-                t = dict(t)
-                t[int(L.s[k, a])] = t.get(int(L.s[k, a]), 0.0) - 1.0
-                mconst, mterms = made(a, k)
-                add_into(t, mterms, -1.0)
-                rows.add(t, -np.inf, mconst)
-        # only stored or recomputed values are kept (7 right)
-        if k + 1 < K:
-            for a in np.flatnonzero(L.s[k + 1] >= 0).tolist():
-                t = {int(L.s[k + 1, a]): 1.0, int(L.s[k, a]): -1.0}
-                mconst, mterms = made(a, k)
-                add_into(t, mterms, -1.0)
-                rows.add(t, -np.inf, mconst)
-        # backward dependencies (8) and live-after-recomputation w (10, C.4)
-        im_b = L.impl[xb]
-        wcol = np.full(nv, -1, dtype=np.int64)
-        wcol[live] = new(len(live))
-        dep: dict[int, tuple[float, dict[int, float]]] = {}
-        for v in set().union(*im_b.ins):
-            a = a_of.get(v)
-            if a is not None:
-                dep[a] = indicator(im_b, bcols[k], None, v, "ins")
-        for a, (dconst, dterms) in dep.items():
-            t = {int(L.s[k, a]): -1.0}
-            add_into(t, dterms)
-            mconst, mterms = made(a, k)
-            add_into(t, mterms, -1.0)
-            rows.add(t, -np.inf, mconst - dconst)
-            t = {int(wcol[a]): 1.0}
-            add_into(t, dterms, -1.0)
-            rows.add(t, dconst, np.inf)
-        if k + 1 < K:
-            for a in np.flatnonzero(L.s[k + 1] >= 0).tolist():
-                rows.add({int(wcol[a]): 1.0, int(L.s[k + 1, a]): -1.0}, 0.0, np.inf)
-        # suffix A_i = sum_{p(v) > i} |v| s_v^k, prefix B_i = sum_{c(v) < i} |v| w_v^k
-        Acol = new(N)
-        Bcol = new(N + 1)
-        for i in range(N):
-            t = {int(Acol[i]): 1.0}
-            if i + 1 < N:
-                t[int(Acol[i + 1])] = -1.0
-                for a in by_prod[i + 1]:
-                    if L.s[k, a] >= 0:
-                        t[int(L.s[k, a])] = -vb[a]
-            rows.add(t, 0.0, 0.0)
-        for i in range(N + 1):
-            t = {int(Bcol[i]): 1.0}
-            if i:
-                t[int(Bcol[i - 1])] = -1.0
-            for a in by_close[i]:
-                if wcol[a] >= 0:
-                    t[int(wcol[a])] = t.get(int(wcol[a]), 0.0) - vb[a]
-            rows.add(t, 0.0, 0.0)
-        # recomputation memory (12)-(13) at each position i where something may run
-        for i in active.tolist():
-            im = L.impl[fwd[i]]
-            rc = rcols(k, i)
-            const, t = linear(im, rc, int(L.r[k, i]), im.ws / M + out_bytes(im))
-            t = dict(t)
-            t[int(Acol[i])] = 1.0
-            t[int(Bcol[i])] = 1.0
-            for a in open_at[i]:
-                if wcol[a] >= 0:
-                    y = int(new(1)[0])
-                    t[y] = vb[a]
-                    rows.add({y: 1.0, int(wcol[a]): -1.0}, 0.0, np.inf)
-                    for tt in readers_of[a]:
-                        if tt >= i and L.r[k, tt] >= 0:
-                            _, rt = indicator(L.impl[fwd[tt]], rcols(k, tt), int(L.r[k, tt]), int(vals[a]), "ins")
-                            row = {y: 1.0}
-                            add_into(row, rt, -1.0)
-                            rows.add(row, 0.0, np.inf)
-            budget_rows.append(rows.add(t, -np.inf, 1.0 - G[k] - const))
-        # backward memory (5)
-        const, t = linear(im_b, bcols[k], None, im_b.ws / M + out_bytes(im_b))
-        t = dict(t)
-        t[int(Bcol[N])] = 1.0
-        budget_rows.append(rows.add(t, -np.inf, 1.0 - G[k] - const))
+def _stage_rows(P: _Program, rows: _Rows) -> None:
+    """What each stage k keeps and reads: recomputation inputs (7 left) read_{i,v}^k <= s_v^k + made_v^k,
+    kept values (7 right) s_v^{k+1} <= s_v^k + made_v^k, backward dependencies (8)
+    sum_{l: v in D_k^l} db_{k,l} <= s_v^k + made_v^k, and live after recomputation (10, C.4)
+    w_v^k >= sum_{l: v in D_k^l} db_{k,l}, w_v^k >= s_v^{k+1}."""
+    L = P.L
+    r, dr, s = L.r, L.dr, L.s
+    q, k = _ragged(L.nodelast[P.ri] + 1)
+    i, a = P.ri[q], P.ra[q]
+    rws = rows.block(len(q), -np.inf, 0.0)
+    _, e, col, coef = _impl_terms(P.read[q], P.nf[i], r[k, i], dr[k, i])
+    rows.add(rws[e], col, coef)
+    rows.add(rws, s[k, a], -1.0)
+    _, e, col, coef = P.made(a, k)
+    rows.add(rws[e], col, -coef)
 
-    nvars = col[0]
-    A, lo, hi = rows.matrix(nvars)
-    c = np.zeros(nvars)
-    for cc, v in cost_terms.items():
-        c[cc] += v
-    col_lo = np.zeros(nvars)
-    col_hi = np.ones(nvars)
-    col_hi[integer_until:] = np.inf
-    integrality = np.zeros(nvars, dtype=bool)
-    integrality[:integer_until] = True
-    model = MilpModel(c, A, lo, hi, col_lo, col_hi, integrality, offset=offset, objective_scale=cost_unit,
-                      budget_rows=np.asarray(budget_rows, dtype=np.int32))
+    k, a = np.nonzero(P.live[1:])
+    rws = rows.block(len(k), -np.inf, 0.0)
+    rows.add(rws, s[k + 1, a], 1.0)
+    rows.add(rws, s[k, a], -1.0)
+    _, e, col, coef = P.made(a, k)
+    rows.add(rws[e], col, -coef)
+
+    bk, ba = P.bk, P.ba
+    dconst, de, dcol, dcoef = _impl_terms(P.dep, P.nb[bk], np.full(len(bk), -1), L.db[bk])
+    rws = rows.block(len(bk), -np.inf, -dconst)
+    rows.add(rws, s[bk, ba], -1.0)
+    rows.add(rws[de], dcol, dcoef)
+    _, e, col, coef = P.made(ba, bk)
+    rows.add(rws[e], col, -coef)
+
+    rws = rows.block(len(bk), dconst, np.inf)
+    rows.add(rws, P.wcol[bk, ba], 1.0)
+    rows.add(rws[de], dcol, -dcoef)
+    rws = rows.block(len(k), 0.0, np.inf)
+    rows.add(rws, P.wcol[k, a], 1.0)
+    rows.add(rws, s[k + 1, a], -1.0)
+
+
+def _memory_rows(P: _Program, rows: _Rows) -> np.ndarray:
+    """Memory during the backward pass: A_i^k = sum_{p(v)>i} |v| s_v^k, B_i^k = sum_{c(v)<i} |v| w_v^k (12);
+    recomputation (6), (12)-(14): ws_i^k + |x_i^k| + G_k + A_i^k + B_i^k + sum |v| y_{v,i}^k <= M at each
+    r_i^k, with y_{v,i}^k >= w_v^k and y_{v,i}^k >= read_{t,v}^k for readers t >= i (app. B); backward
+    (5), (10), (14): hat-ws_k + |y_k| + G_k + B_N^k <= M. Returns the memory rows."""
+    L, vb = P.L, P.vb
+    N, K, r, dr, s, p, c = L.N, L.K, L.r, L.dr, L.s, L.p, L.c
+    fk = np.flatnonzero(P.full)
+    stage_row = np.cumsum(P.full) - 1
+    rws = rows.block(len(fk) * N, 0.0, 0.0).reshape(len(fk), N)  # A_i - A_{i+1} - sum_{p(v) = i+1} |v| s_v = 0
+    rows.add(rws, P.Abase[fk][:, None] + np.arange(N), 1.0)
+    rows.add(rws[:, :-1], P.Abase[fk][:, None] + np.arange(1, N), -1.0)
+    k, a = np.nonzero(P.live & (p >= 1)[None, :])
+    rows.add(rws[stage_row[k], p[a] - 1], s[k, a], -vb[a])
+    rws = rows.block(len(fk) * (N + 1), 0.0, 0.0).reshape(len(fk), N + 1)  # B_i - B_{i-1} - sum_{c(v) = i-1} |v| w_v = 0
+    rows.add(rws, P.Bbase[fk][:, None] + np.arange(N + 1), 1.0)
+    rows.add(rws[:, 1:], P.Bbase[fk][:, None] + np.arange(N), -1.0)
+    k, a = np.nonzero(P.live)
+    rows.add(rws[stage_row[k], c[a] + 1], P.wcol[k, a], -vb[a])
+
+    k, i = np.nonzero(r >= 0)
+    budget_rec = rows.block(len(k), -np.inf, 1.0 - P.G[k])
+    _, e, col, coef = _impl_terms(P.mem_f[i], P.nf[i], r[k, i], dr[k, i])
+    rows.add(budget_rec[e], col, coef)
+    rows.add(budget_rec, P.Abase[k] + i, 1.0)
+    rows.add(budget_rec, P.Bbase[k] + i, 1.0)
+    rec_row = np.full((K, N), -1, dtype=np.int64)
+    rec_row[k, i] = budget_rec
+    oi, oa, yj, yk = P.oi, P.oa, P.yj, P.yk
+    rows.add(rec_row[yk, oi[yj]], P.ycol, vb[oa[yj]])
+    rws = rows.block(len(yj), 0.0, np.inf)
+    rows.add(rws, P.ycol, 1.0)
+    rows.add(rws, P.wcol[yk, oa[yj]], -1.0)
+    key = P.ra * N + P.ri                                      # forward reads, sorted
+    lo = np.searchsorted(key, oa * N + oi)
+    pair, off = _ragged(np.searchsorted(key, oa * N + N) - lo)  # (open pair, read by t >= i of its value)
+    q = lo[pair] + off
+    h, k = _ragged(np.minimum(np.minimum(L.nodelast[oi[pair]], L.lastk[oa[pair]]), L.nodelast[P.ri[q]]) + 1)
+    pair, q = pair[h], q[h]
+    t = P.ri[q]
+    rws = rows.block(len(h), 0.0, np.inf)
+    rows.add(rws, P.ycol[P.yfirst[pair] + k], 1.0)
+    _, e, col, coef = _impl_terms(P.read[q], P.nf[t], r[k, t], dr[k, t])
+    rows.add(rws[e], col, -coef)
+
+    const, e, col, coef = _impl_terms(P.mem_b, P.nb, np.full(K, -1), L.db)
+    budget_bwd = rows.block(K, -np.inf, 1.0 - P.G - const)
+    rows.add(budget_bwd[e], col, coef)
+    rows.add(budget_bwd[fk], P.Bbase[fk] + N, 1.0)             # stages without columns have no B_N^k
+    return np.concatenate([budget_rec, budget_bwd])
+
+
+def build_model(problem: Problem, budget: float, retained: float | None = None) -> tuple[MilpModel, MonetLayout]:
+    """MONeT's program for `problem` under `budget` bytes (module docstring; `retained` adds the
+    retention row const + sum |v| s_v^0 <= retained), each row block built as one block of COO triplets."""
+    L = layout(problem, budget)
+    P = _program(problem, L)
+    rows = _Rows()
+    offset, cost_cols, cost_coefs = _implementation_rows(P, rows)
+    budget_rows = [_forward_rows(P, rows, retained)]
+    _stage_rows(P, rows)
+    budget_rows.append(_memory_rows(P, rows))
+    A, lo, hi = rows.matrix(P.ncols)
+    c = np.zeros(P.ncols)
+    np.add.at(c, cost_cols, cost_coefs)
+    col_hi = np.ones(P.ncols)
+    col_hi[L.num_vars:] = np.inf
+    integrality = np.zeros(P.ncols, dtype=bool)
+    integrality[:L.num_vars] = True
+    model = MilpModel(c, A, lo, hi, np.zeros(P.ncols), col_hi, integrality, offset=offset, objective_scale=P.cost_unit,
+                      budget_rows=np.concatenate(budget_rows).astype(np.int32))
     return model, L
+
+
+def _chosen(L: MonetLayout, node: int, first: int, x: np.ndarray) -> tuple:
+    """The compute step of `node` with the implementation x picks among its columns from `first`."""
+    chosen = [l for l in range(1, len(L.impl[node].names)) if x[first + l - 1] > 0.5]
+    return ("compute", node, L.impl[node].names[chosen[0]]) if chosen else ("compute", node)
 
 
 def schedule_from_solution(L: MonetLayout, x: np.ndarray) -> list[tuple]:
     """Algorithms 1-2: the forward pass with its implementations, then per backward node its
     recomputations in forward order and the node itself."""
-    def step(node: int, cols: list[int | None]) -> tuple:
-        chosen = [l for l in range(1, len(cols)) if x[cols[l]] > 0.5]
-        name = L.impl[node].names[chosen[0]] if chosen else None
-        return ("compute", node) if name is None else ("compute", node, name)
-
     fwd, bwd = L.fwd.tolist(), L.bwd.tolist()
-    out = [step(node, [None] + [L.df[(i, l)] for l in range(1, len(L.impl[node].names))]) for i, node in enumerate(fwd)]
+    out = [_chosen(L, node, int(L.df[i]), x) for i, node in enumerate(fwd)]
     for k, node in enumerate(bwd):
         for i in np.flatnonzero(L.r[k] >= 0).tolist():
             if x[L.r[k, i]] > 0.5:
-                out.append(step(fwd[i], [None] + [L.dr[(k, i, l)] for l in range(1, len(L.impl[fwd[i]].names))]))
-        out.append(step(node, [None] + [L.db[(k, l)] for l in range(1, len(L.impl[node].names))]))
+                out.append(_chosen(L, fwd[i], int(L.dr[k, i]), x))
+        out.append(_chosen(L, node, int(L.db[k]), x))
     return out
 
 
@@ -567,7 +636,7 @@ def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
     for i, (_, st) in enumerate(computes[:N]):
         l = impl_index(st["compute"], st)
         if l:
-            x[L.df[(i, l)]] = 1.0
+            x[L.df[i] + l - 1] = 1.0
     stage_start = np.zeros(K, dtype=np.int64)
     k, last = 0, -1
     first_of_stage = True
@@ -583,7 +652,7 @@ def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
                 return None
             l = impl_index(node, st)
             if l:
-                x[L.db[(k, l)]] = 1.0
+                x[L.db[k] + l - 1] = 1.0
             k, last, first_of_stage = k + 1, -1, True
             continue
         i = fpos[node]
@@ -593,7 +662,7 @@ def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
         x[L.r[k, i]] = 1.0
         l = impl_index(node, st)
         if l:
-            x[L.dr[(k, i, l)]] = 1.0
+            x[L.dr[k, i] + l - 1] = 1.0
     if k != K:
         return None
     sim = simulate(problem, schedule)
@@ -610,9 +679,9 @@ def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
     return x
 
 
-def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray) -> np.ndarray | None:
-    """A full start from fixed integer columns: the continuous columns by an LP with the integers
-    fixed (they are determined up to slack); None when the integers violate the model."""
+def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray, threads: int | None = None) -> np.ndarray | None:
+    """A full start from fixed integer columns: the continuous columns by an LP (on `threads`) with the
+    integers fixed (they are determined up to slack); None when the integers violate the model."""
     from tasks.solve.milp import MilpOptions, solve_milp
 
     n_int = L.num_vars
@@ -621,7 +690,7 @@ def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray) -> np.nd
     hi[:n_int] = x_int
     fixed = MilpModel(np.zeros(model.num_variables), model.A, model.row_lower, model.row_upper, lo, hi,
                       np.zeros(model.num_variables, dtype=bool))
-    res = solve_milp(fixed, MilpOptions(backend="highs", relax=True, time_limit=30.0))
+    res = solve_milp(fixed, MilpOptions(backend="highs", relax=True, time_limit=30.0, threads=threads))
     if res.x is None:
         return None
     x = res.x.copy()

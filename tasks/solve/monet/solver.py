@@ -69,7 +69,7 @@ def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str 
     mip_start = None
     if incumbent is not None:
         x_int = integer_assignment(L, incumbent)
-        mip_start = None if x_int is None else complete_start(model, L, x_int)
+        mip_start = None if x_int is None else complete_start(model, L, x_int, options.threads)
         if mip_start is None:
             log.info("%s: the warm start is not in MONeT's schedule space or model; starting cold", name)
     left = None if options.time_limit is None else max(options.time_limit - (time.perf_counter() - start), 0.0)
