@@ -238,7 +238,7 @@ def main() -> None:
         rows = bench(name, args)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "solve s", "variant steps",
                       "schedule from",
-                      title=f"{name}: CPU, 1 thread, batch {args.batch}, median of {args.rounds} interleaved rounds")
+                      title=f"{name}: CPU, 1 thread, batch {args.batch if name != 'gpt2' else 4}, median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: (r["kind"] == "ablation", r["peak"])):
             table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.0f}", f"{r['err']:.2g}",
                           f"{r['solve_s']:.1f}" if "solve_s" in r else "", str(r.get("variants", "")), r.get("source", ""))
