@@ -175,3 +175,31 @@ def test_monet_returns_its_warm_schedule_when_the_milp_ends_on_a_costlier_one(mo
     monkeypatch.setattr(monet_solver, "schedule_from_solution", lambda L, x: costlier)
     sol = solve(p, "monet-noop", budget, ALONE)
     assert sol.feasible and sol.objective == pytest.approx(p.cost.sum()) and sol.status == "feasible"
+
+
+def test_monet_auto_warm_start_runs_hierarchical_then_ap_greedy_when_checkpoint_all_does_not_fit(monkeypatch):
+    """warm_start 'auto' below the eager peak: hierarchical's schedule seeds the MILP, and ap-greedy runs
+    only when hierarchical has none; the optimum is the brute force's either way."""
+    from tasks.solve import SOLVERS
+    from tasks.solve.solution import Solution
+
+    p = masked_chain(6, n=5).without_variants()
+    budget, optimum = next((b, s) for b in reversed(_budgets(p)[:-1])
+                           if (s := solve(p, "monet-noop", b, ALONE)).feasible)
+    assert simulate(p, [("compute", int(i)) for i in p.order]).peak_bytes > budget
+    calls = []
+
+    def fake_hierarchical(schedule):
+        def run(problem, b, options):
+            calls.append("hierarchical")
+            return Solution("hierarchical", b, "feasible" if schedule else "no_solution", schedule=schedule)
+        return run
+
+    real_ap = SOLVERS["ap-greedy"]
+    monkeypatch.setitem(SOLVERS, "ap-greedy", lambda *a: calls.append("ap-greedy") or real_ap(*a))
+    for schedule, expected in ((optimum.schedule, ["hierarchical"]), (None, ["hierarchical", "ap-greedy"])):
+        calls.clear()
+        monkeypatch.setitem(SOLVERS, "hierarchical", fake_hierarchical(schedule))
+        sol = solve(p, "monet-noop", budget, ALONE)
+        assert calls == expected
+        assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget))

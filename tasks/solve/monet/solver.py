@@ -2,8 +2,8 @@
 
 `monet` chooses checkpoints and every node's implementation variant jointly; `monet-noop` is the same
 program on the problem without variants (the paper's MONeT-NoOp). Both start from a cheaper solver's
-schedule when it fits and lies in MONeT's space (`warm_start`: checkpoint-all, else ap-greedy) and return
-it when the MILP finds nothing better in its time.
+schedule when it fits and lies in MONeT's space (`warm_start`: checkpoint-all, else hierarchical, else
+ap-greedy) and return it when the MILP finds nothing better in its time.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Iterator, Literal
 
 from tasks.solve.milp import MilpOptions, Progress, solve_milp
 from tasks.solve.monet.model import build_model, complete_start, integer_assignment, schedule_from_solution
@@ -29,25 +29,27 @@ class MonetOptions:
     warm_start: Literal["auto", "checkpoint-all", "hierarchical", "ap-greedy", "none"] = field(default="auto", metadata={
         "help": "solver whose schedule starts the MILP when it fits the budget and lies in MONeT's space "
                 "(forward pass once, recomputations before backward nodes); 'auto': checkpoint-all when it fits, "
-                "else ap-greedy; SolveOptions.mip_start wins."})
+                "else hierarchical (its Checkmate blocks), else ap-greedy; SolveOptions.mip_start wins."})
 
 
-def warm_schedule(problem: Problem, budget: int, how: str, options: SolveOptions) -> list | None:
-    """The schedule of the named cheaper solver at `budget` (None when it has none or none fits)."""
+def warm_schedules(problem: Problem, budget: int, how: str, options: SolveOptions) -> Iterator[list]:
+    """The fitting schedules of the named cheaper solver at `budget`, in turn for 'auto' (checkpoint-all,
+    hierarchical, ap-greedy), each computed only when the one before did not seed the MILP."""
     if how == "none":
-        return None
+        return
     if how in ("checkpoint-all", "auto"):
         schedule = default_schedule(problem)
         if simulate(problem, schedule).peak_bytes <= budget:
-            return schedule
+            yield schedule
         if how == "checkpoint-all":
-            return None
-        how = "ap-greedy"
+            return
     from tasks.solve import SOLVERS
 
-    sol = SOLVERS[how](problem, budget, SolveOptions(time_limit=options.time_limit, threads=options.threads,
-                                                      backend=options.backend, portfolio=False))
-    return sol.schedule
+    for name in ("hierarchical", "ap-greedy") if how == "auto" else (how,):
+        sol = SOLVERS[name](problem, budget, SolveOptions(time_limit=options.time_limit, threads=options.threads,
+                                                           backend=options.backend, portfolio=False))
+        if sol.schedule is not None:
+            yield sol.schedule
 
 
 def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str = "monet",
@@ -64,14 +66,15 @@ def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str 
     except ProblemError as exc:
         return Solution(name, budget, "no_solution", solve_seconds=time.perf_counter() - start, message=str(exc))
     opts: MonetOptions = options.params if isinstance(options.params, MonetOptions) else MonetOptions()
-    incumbent = options.mip_start if options.mip_start is not None else \
-        warm_schedule(problem, budget, opts.warm_start, options)
-    mip_start = None
-    if incumbent is not None:
-        x_int = integer_assignment(L, incumbent)
-        mip_start = None if x_int is None else complete_start(model, L, x_int, options.threads)
-        if mip_start is None:
-            log.info("%s: the warm start is not in MONeT's schedule space or model; starting cold", name)
+    tried, mip_start = [], None    # warm schedules, until one lies in MONeT's space and seeds the MILP
+    for schedule in [options.mip_start] if options.mip_start is not None else \
+            warm_schedules(problem, budget, opts.warm_start, options):
+        tried.append(schedule)
+        x_int = integer_assignment(L, schedule)
+        if x_int is not None and (mip_start := complete_start(model, L, x_int, options.threads)) is not None:
+            break
+    if tried and mip_start is None:
+        log.info("%s: no warm start is in MONeT's schedule space or model; starting cold", name)
     left = None if options.time_limit is None else max(options.time_limit - (time.perf_counter() - start), 0.0)
     offset = time.perf_counter() - start
     result = solve_milp(model, MilpOptions(backend=options.backend, time_limit=left, gap=options.gap,
@@ -82,11 +85,10 @@ def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str 
     if result.status == "infeasible":
         return Solution(name, budget, "infeasible", min_budget_lower_bound=lower,
                         message="the MILP proved that no schedule in MONeT's space fits", **common)
-    found = []                     # the MILP's schedule, and the warm schedule when it fits (it may lie
-    if result.x is not None:       # outside MONeT's space, where the MILP cannot reach or beat it)
+    found = []                     # the MILP's schedule, and the warm schedules that fit (they may lie
+    if result.x is not None:       # outside MONeT's space, where the MILP cannot reach or beat them)
         found.append((schedule_from_solution(L, result.x), "optimal" if result.status == "optimal" else "feasible"))
-    if incumbent is not None and simulate(problem, incumbent).peak_bytes <= budget:
-        found.append((incumbent, "feasible"))
+    found += [(schedule, "feasible") for schedule in tried if simulate(problem, schedule).peak_bytes <= budget]
     if found:
         schedule, status = min(found, key=lambda f: simulate(problem, f[0]).compute_cost)
     else:
