@@ -175,6 +175,10 @@ def test_monet_returns_its_warm_schedule_when_the_milp_ends_on_a_costlier_one(mo
     monkeypatch.setattr(monet_solver, "schedule_from_solution", lambda L, x: costlier)
     sol = solve(p, "monet-noop", budget, ALONE)
     assert sol.feasible and sol.objective == pytest.approx(p.cost.sum()) and sol.status == "feasible"
+    # a MILP answer the simulator refuses (a backward node before its input exists) is dropped, not raised
+    monkeypatch.setattr(monet_solver, "schedule_from_solution", lambda L, x: costlier[::-1])
+    sol = solve(p, "monet-noop", budget, ALONE)
+    assert sol.feasible and sol.objective == pytest.approx(p.cost.sum()) and sol.status == "feasible"
 
 
 def test_monet_auto_warm_start_runs_hierarchical_then_ap_greedy_when_checkpoint_all_does_not_fit(monkeypatch):

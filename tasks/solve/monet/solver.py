@@ -16,7 +16,7 @@ from typing import Iterator, Literal
 from tasks.solve.milp import MilpOptions, Progress, solve_milp
 from tasks.solve.monet.model import build_model, complete_start, integer_assignment, schedule_from_solution
 from tasks.solve.problem import Problem, ProblemError
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.simulator import InvalidSchedule, default_schedule, simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
@@ -87,7 +87,13 @@ def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str 
                         message="the MILP proved that no schedule in MONeT's space fits", **common)
     found = []                     # the MILP's schedule, and the warm schedules that fit (they may lie
     if result.x is not None:       # outside MONeT's space, where the MILP cannot reach or beat them)
-        found.append((schedule_from_solution(L, result.x), "optimal" if result.status == "optimal" else "feasible"))
+        milp_schedule = schedule_from_solution(L, result.x)
+        try:
+            simulate(problem, milp_schedule)
+            found.append((milp_schedule, "optimal" if result.status == "optimal" else "feasible"))
+        except InvalidSchedule as exc:  # seen once on a ResNet-50 block (a variant's value read, not made)
+            log.warning("%s: the MILP's answer (status %s) is not a schedule the simulator accepts, dropped: %s",
+                        name, result.status, exc)
     found += [(schedule, "feasible") for schedule in tried if simulate(problem, schedule).peak_bytes <= budget]
     if found:
         schedule, status = min(found, key=lambda f: simulate(problem, f[0]).compute_cost)
