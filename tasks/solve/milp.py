@@ -249,6 +249,7 @@ def _solve_highs(model: MilpModel, options: MilpOptions) -> MilpResult:
     if not options.relax:
         h.cbMipImprovingSolution.subscribe(record)
         h.cbMipLogging.subscribe(record)
+        h.cbMipInterrupt.subscribe(record)      # also fires during the root node: bound moves while quiet
         if options.mip_start is not None:
             h.setSolution(model.num_variables, np.arange(model.num_variables, dtype=np.int32),
                           np.asarray(options.mip_start, dtype=np.float64))
