@@ -333,8 +333,9 @@ def add_hint(problem: Problem, model: _Model, schedule: list) -> bool:
 def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """Two phases as in the paper, both by CP-SAT with `options.threads` workers (default 1) within
     `options.time_limit` in all: (1) from the start (`options.mip_start`, else the insertion start or the
-    no-recomputation schedule), minimize the peak down to the budget (skipped when the start fits); (2) with the peak at most the budget, minimize the
-    compute cost from phase 1's schedule, to relative gap `options.gap`. A start that is not
+    no-recomputation schedule), minimize the peak down to the budget (skipped when the start fits); (2)
+    with the peak at most the budget, minimize the compute cost from phase 1's schedule, to relative gap
+    `options.gap`. A start that is not
     frontier-advancing or exceeds `max_copies` is not used as a hint."""
     from ortools.sat.python import cp_model
 
