@@ -85,18 +85,21 @@ def solve_monet(problem: Problem, budget: int, options: SolveOptions, name: str 
     if result.status == "infeasible":
         return Solution(name, budget, "infeasible", min_budget_lower_bound=lower,
                         message="the MILP proved that no schedule in MONeT's space fits", **common)
-    found = []                     # the MILP's schedule, and the warm schedules that fit (they may lie
-    if result.x is not None:       # outside MONeT's space, where the MILP cannot reach or beat them)
+    found = []                     # (cost, schedule, status): the MILP's schedule, and the warm schedules that
+    if result.x is not None:       # fit (they may lie outside MONeT's space, where the MILP cannot reach them)
         milp_schedule = schedule_from_solution(L, result.x)
         try:
-            simulate(problem, milp_schedule)
-            found.append((milp_schedule, "optimal" if result.status == "optimal" else "feasible"))
+            found.append((simulate(problem, milp_schedule).compute_cost, milp_schedule,
+                          "optimal" if result.status == "optimal" else "feasible"))
         except InvalidSchedule as exc:  # seen once on a ResNet-50 block (a variant's value read, not made)
             log.warning("%s: the MILP's answer (status %s) is not a schedule the simulator accepts, dropped: %s",
                         name, result.status, exc)
-    found += [(schedule, "feasible") for schedule in tried if simulate(problem, schedule).peak_bytes <= budget]
+    for schedule in tried:
+        sim = simulate(problem, schedule)
+        if sim.peak_bytes <= budget:
+            found.append((sim.compute_cost, schedule, "feasible"))
     if found:
-        schedule, status = min(found, key=lambda f: simulate(problem, f[0]).compute_cost)
+        _, schedule, status = min(found, key=lambda f: f[0])
     else:
         schedule, status = None, "time_limit" if result.status == "time_limit" else "no_solution"
     return checked_solution(problem, name, budget, schedule, status=status, message=result.message, **common)
