@@ -77,10 +77,12 @@ def test_a_large_matmul_measures_far_more_than_a_small_relu():
 
 def test_repeated_profiles_agree_within_tolerance(cnn_graph):
     """Stated tolerance: back-to-back runs agree on the fastest sample (`time_ms_min`) within a factor
-    1.5 for every node taking at least 0.1 ms, and within 20% summed over all nodes; every median lies at
-    or above its minimum. The minimum is the statistic contention cannot deflate and rarely inflates: on
-    this 2-core machine shared with the rest of the suite, one node's median moved by 2.3x and the sum of
-    the medians by 43% between two runs while the minima stayed within a few percent."""
+    1.5 for at least 90% of the nodes taking at least 0.1 ms, their median ratio lies within 10% of 1, and
+    the sums over all nodes agree within 20%; every median lies at or above its minimum. The minimum is the
+    statistic contention cannot deflate and rarely inflates: on this 2-core machine shared with the rest of
+    the suite, one node's median moved by 2.3x and the sum of the medians by 43% between two runs while the
+    minima stayed within a few percent. Rarely is not never: in one CI run all 15 samples of one node were
+    inflated by 1.58x, so a single node is allowed to stray."""
     settings = ProfileSettings(warmup=2, repeats=5, rounds=3, threads=1)
     measure_graph(cnn_graph, "cpu", FAST, model="cnn", progress=False)
     first, second = (measure_graph(cnn_graph, "cpu", settings, model="cnn", progress=False) for _ in range(2))
@@ -90,7 +92,9 @@ def test_repeated_profiles_agree_within_tolerance(cnn_graph):
     big = (fastest[0] >= 0.1) & (fastest[1] >= 0.1)
     assert big.sum() >= 5
     ratio = fastest[1][big] / fastest[0][big]
-    assert ratio.min() > 1 / 1.5 and ratio.max() < 1.5, ratio
+    agree = (ratio > 1 / 1.5) & (ratio < 1.5)
+    assert agree.mean() >= 0.9, ratio
+    assert abs(np.median(ratio) - 1) < 0.1, ratio
     assert abs(fastest[1].sum() / fastest[0].sum() - 1) < 0.2
 
 
