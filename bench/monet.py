@@ -31,7 +31,6 @@ import math
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +41,10 @@ from torch.utils.checkpoint import checkpoint_sequential
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import runtime  # noqa: E402
-from peers import compiled_step, median_ms, peak_and_grads, workload  # noqa: E402
+from peers import compiled_step, median_ms, peak_and_grads, profiled_costs, workload  # noqa: E402
 from runtime.variants import RULES, graph_variants  # noqa: E402
-from tasks.profile import ProfileSettings, measure_graph  # noqa: E402
 from tasks.solve import solve  # noqa: E402
-from tasks.solve.problem import DEFAULT_IMPL, Problem  # noqa: E402
+from tasks.solve.problem import Problem  # noqa: E402
 from tasks.solve.simulator import default_schedule, simulate  # noqa: E402
 from tasks.solve.solution import SolveOptions  # noqa: E402
 
@@ -83,21 +81,6 @@ def bench_workload(name: str, image: int, batch_size: int):
     return model, loss_fn, batch, (hand, sequential_step), f"checkpoint_sequential({segments})"
 
 
-def profiled_problem(graph, name: str) -> Problem:
-    """The graph's problem with every variant, priced by one profile of every node and variant on this CPU."""
-    rows = measure_graph(graph, "cpu", ProfileSettings(rounds=1), model=name, progress=False)
-
-    class Costs(dict):
-        variants: dict
-
-    costs = Costs({r["node_id"]: (r["time_ms"], r["workspace_bytes"]) for r in rows if r["impl"] == DEFAULT_IMPL})
-    costs.variants = {}
-    for r in rows:
-        costs.variants.setdefault(r["node_id"], {})[r["impl"]] = SimpleNamespace(time_ms=r["time_ms"],
-                                                                                 workspace_bytes=r["workspace_bytes"])
-    return Problem.from_graph(graph, costs, graph_variants(graph))
-
-
 def hierarchical_options(inner: str, limit: float) -> SolveOptions:
     return SolveOptions(time_limit=limit, params={"inner": inner, "inner_time_limit": 5.0})
 
@@ -105,7 +88,8 @@ def hierarchical_options(inner: str, limit: float) -> SolveOptions:
 def bench(name: str, args) -> list[dict]:
     model, loss_fn, batch, (hand, hand_step), hand_label = bench_workload(name, args.image, args.batch)
     graph = runtime.capture(model, loss_fn, batch)
-    problem = profiled_problem(graph, name)
+    costs = profiled_costs(graph, name)
+    problem = Problem.from_graph(graph, costs, graph_variants(graph))
     full = simulate(problem, default_schedule(problem)).peak_bytes
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step)}
     points = {"eager": {"kind": "pytorch"}, hand_label: {"kind": "pytorch"}}
@@ -144,7 +128,7 @@ def bench(name: str, args) -> list[dict]:
     families = {"none": ()} | {rule: (rule,) for rule in RULES} | {"all": tuple(RULES)}
     for family, rules in families.items():
         variants = graph_variants(graph, rules) if rules else None
-        prob = Problem.from_graph(graph, _costs_of(problem), variants)
+        prob = Problem.from_graph(graph, costs, variants)
         plan(f"ablation {family} @ {ab:.2f}", "hierarchical", prob, int(ab * full), hierarchical_options("monet", args.limit),
              "ablation")
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
@@ -156,18 +140,6 @@ def bench(name: str, args) -> list[dict]:
         points[label]["ms"] = ms
     eager_ms = points["eager"]["ms"]
     return [{"label": k, **v, "time": v["ms"] / eager_ms} for k, v in points.items()]
-
-
-def _costs_of(problem: Problem):
-    """The profiled costs of `problem` (default and variants) in the form Problem.from_graph takes."""
-    class Costs(dict):
-        variants: dict
-
-    costs = Costs({i: (float(problem.cost[i]), int(problem.workspace[i])) for i in range(problem.num_nodes)})
-    costs.variants = {i: {v.name: SimpleNamespace(time_ms=v.cost, workspace_bytes=v.workspace)
-                          for v in (problem.variants[i] if problem.variants else ())}
-                      for i in range(problem.num_nodes)}
-    return costs
 
 
 def solve_curve(seconds: float, fraction: float, image: int, batch_size: int, console: Console) -> None:

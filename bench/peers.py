@@ -117,16 +117,20 @@ def median_ms(runs: dict, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def profiled_problem(graph, name: str, variants: bool = False) -> Problem:
-    """The graph's problem priced by one profile of every node on this CPU; with `variants`, every
-    implementation variant the graph offers (runtime.variants), priced by the same profile."""
+def profiled_costs(graph, name: str) -> CostTable:
+    """One profile of every node and every implementation variant of the graph on this CPU."""
     rows = measure_graph(graph, "cpu", ProfileSettings(rounds=1), model=name, progress=False)
     measured: dict[int, dict[str, VariantCost]] = {}
     for r in rows:
         measured.setdefault(r["node_id"], {})[r["impl"]] = VariantCost(r["time_ms"], r["workspace_bytes"],
                                                                        r["output_bytes"])
-    costs = CostTable(graph.fingerprint, "cpu", name, "bench", datetime.now(timezone.utc), measured)
-    return Problem.from_graph(graph, costs, graph_variants(graph) if variants else None)
+    return CostTable(graph.fingerprint, "cpu", name, "bench", datetime.now(timezone.utc), measured)
+
+
+def profiled_problem(graph, name: str, variants: bool = False) -> Problem:
+    """The graph's problem priced by `profiled_costs`; with `variants`, every implementation variant the
+    graph offers (runtime.variants), priced by the same profile."""
+    return Problem.from_graph(graph, profiled_costs(graph, name), graph_variants(graph) if variants else None)
 
 
 def budget_backend(budget: float):
