@@ -40,7 +40,7 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
                baselines.ModuleCheckpointOptions),
     SolverSpec("remat-greedy", greedy.remat_greedy, "greedy: keep the values whose recomputation is dearest per byte."),
     SolverSpec("dtr", dtr, "Dynamic Tensor Rematerialization run offline: evict by h = cost / (bytes * staleness).",
-               DtrOptions),
+               DtrOptions, variants=True),
     SolverSpec("checkmate-approx", checkmate.checkmate_approx, "Checkmate's LP relaxation + two-phase rounding.",
                checkmate.CheckmateApproxOptions, portfolio=True),
     SolverSpec("checkmate", checkmate.checkmate, "Checkmate's optimal rematerialization MILP (eq. 9).",

@@ -27,7 +27,9 @@ costs more than the best so far (each better schedule is logged as progress). Be
 `insertion` runs the peak-directed recomputation insertion greedy (tasks/solve/peak_insertion.py) from
 each order: it does not thrash where the walks do (random layered graphs at 0.8). The simulator checks
 each schedule (a walk's peak is at most the walk's own count, since a copy is live only until its last
-read) and the cheapest within the budget is returned.
+read) and the cheapest within the budget is returned. When the problem offers implementation variants,
+all of this runs once per candidate choice of them (tasks/solve/fixed_variants.py: none, and the
+memory-saving families fixed on every node offering them), each schedule running its choice's variants.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from itertools import product
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import scipy.sparse as sp
 
+from tasks.solve.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
 from tasks.solve.milp import Progress
 from tasks.solve.moccasin import keeps_random_order, memory_order
 from tasks.solve.peak_insertion import peak_insertion_schedule
@@ -72,6 +75,10 @@ class DtrOptions:
     insertion: bool = field(default=True, metadata={
         "help": "also run the peak-directed recomputation insertion greedy (tasks/solve/peak_insertion.py) "
                 "from each order."})
+    variants: bool = field(default=True, metadata={
+        "help": "when the problem offers implementation variants, also plan with each candidate choice of them "
+                "fixed (tasks/solve/fixed_variants.py: the memory-saving families, e.g. ReLU masks), an equal share "
+                "of the time each."})
     insertion_passes: int = field(default=0, metadata={
         "help": "remove-and-repair passes after each insertion run (random layered n250/n500 at 0.8: 0.4-0.5% "
                 "cheaper for 2-6x its time)."})
@@ -306,36 +313,16 @@ def dtr_schedule(problem: Problem, budget: int, heuristic: Heuristic = "eq", sta
         return None
 
 
-def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
-    """The cheapest simulated schedule within `budget` over the option runs (`DtrOptions`)."""
-    start = time.perf_counter()
-    opts: DtrOptions = options.params
-    if any(not 0 < a <= 1 for a in opts.allowances) or not all(
-            (opts.orders, opts.heuristics, opts.staleness, opts.hold, opts.allowances)):
-        raise ValueError(f"dtr options: allowances {opts.allowances!r} must be fractions in (0, 1], and orders, "
-                         f"heuristics, staleness, hold and allowances must each list at least one choice.")
-    lower = min_budget_lower_bound(problem)
-    if budget < lower:
-        return Solution("dtr", budget, "infeasible", solve_seconds=time.perf_counter() - start,
-                        min_budget_lower_bound=lower,
-                        message=f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and "
-                                f"workspace")
-    deadline = None if options.time_limit is None else start + options.time_limit
-    best, best_key, runs, progress = None, None, 0, []
+def _walk_all(problem: Problem, budget: int, opts: DtrOptions, deadline: float | None, consider: Callable,
+              best_cost: Callable[[], float]) -> int:
+    """Run the insertion greedy and every walk of `opts` on `problem` until `deadline`, passing each schedule
+    found to `consider`; a walk stops once it costs more than `best_cost()`. Returns the number of runs."""
+    start, runs = time.perf_counter(), 0
     walks = {"default": problem}
     if "memory" in opts.orders:
         order = memory_order(problem)
         if keeps_random_order(problem, order):
             walks["memory"] = replace(problem, order=order)
-
-    def consider(schedule) -> None:
-        nonlocal best, best_key
-        sim = simulate(problem, schedule)
-        key = (sim.compute_cost, sim.peak_bytes)
-        if sim.peak_bytes <= budget and (best_key is None or key < best_key):
-            best, best_key = schedule, key
-            progress.append(Progress(time.perf_counter() - start, sim.compute_cost, None))
-
     # the insertion greedy gets at most half the time: on large operator graphs (a 24-layer GPT-2 at 0.3
     # of its peak) it can take minutes where the walks find the same schedule in seconds
     insertion_deadline = None if deadline is None else start + (deadline - start) / 2
@@ -352,11 +339,46 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
             break
         if order not in walks:
             continue
-        limit = opts.max_cost * float(problem.cost.sum()) if best_key is None else best_key[0]
+        limit = min(opts.max_cost * float(problem.cost.sum()), best_cost())
         schedule = dtr_schedule(walks[order], int(allowance * budget), heuristic, staleness, hold, deadline, limit)
         runs += 1
         if schedule is not None:
             consider(schedule)
+    return runs
+
+
+def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
+    """The cheapest simulated schedule within `budget` over the option runs (`DtrOptions`)."""
+    start = time.perf_counter()
+    opts: DtrOptions = options.params
+    if any(not 0 < a <= 1 for a in opts.allowances) or not all(
+            (opts.orders, opts.heuristics, opts.staleness, opts.hold, opts.allowances)):
+        raise ValueError(f"dtr options: allowances {opts.allowances!r} must be fractions in (0, 1], and orders, "
+                         f"heuristics, staleness, hold and allowances must each list at least one choice.")
+    lower = min_budget_lower_bound(problem)
+    if budget < lower:
+        return Solution("dtr", budget, "infeasible", solve_seconds=time.perf_counter() - start,
+                        min_budget_lower_bound=lower,
+                        message=f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and "
+                                f"workspace")
+    deadline = None if options.time_limit is None else start + options.time_limit
+    best, best_key, runs, progress = None, None, 0, []
+    choices = candidate_choices(problem) if opts.variants else [{}]
+
+    def consider(schedule, choice: Choice) -> None:
+        nonlocal best, best_key
+        schedule = tag_schedule(schedule, choice)
+        sim = simulate(problem, schedule)
+        key = (sim.compute_cost, sim.peak_bytes)
+        if sim.peak_bytes <= budget and (best_key is None or key < best_key):
+            best, best_key = schedule, key
+            progress.append(Progress(time.perf_counter() - start, sim.compute_cost, None))
+
+    for c, choice in enumerate(choices):           # each choice gets an equal share of the time left
+        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(choices) - c)
+        runs += _walk_all(fixed_problem(problem, choice) if problem.has_variants else problem, budget, opts, share,
+                          lambda schedule, choice=choice: consider(schedule, choice),
+                          lambda: float("inf") if best_key is None else best_key[0])
     return checked_solution(problem, "dtr", budget, best, solve_seconds=time.perf_counter() - start,
                             message="" if best else (f"no DTR walk nor insertion ({runs} run) fit: each walk ran out of "
                                                      f"evictable values or cost more than max_cost = {opts.max_cost:g} "

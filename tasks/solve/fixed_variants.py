@@ -1,0 +1,102 @@
+"""Implementation variants chosen greedily, family by family, so that a recompute-only solver can use them.
+
+MONeT (Gupta et al. 2021, sec. 4) chooses every operator's implementation jointly with the checkpoints;
+its program is exact but large. The cheap alternative here fixes one implementation per node first and
+then plans recomputation on the result with a recompute-only solver (`dtr`):
+
+- a **family** is a variant name (`mask`, `bitmask`, `output`, `compact`, ...); fixing it runs that
+  variant on every node offering it, so a forward node and the backward node reading what it keeps
+  (the ReLU that makes the mask and the backward that reads it) switch together. A node whose fixed
+  variant reads a value no fixed implementation makes falls back to its default, until none does;
+- a family is **memory-saving** when fixing it alone lowers the peak of the checkpoint-all schedule
+  (every node once, default order): it keeps fewer bytes for the backward pass;
+- the candidate choices are no variants, and every memory-saving family together, once with each of
+  the families that compete for the same nodes (`mask` or `bitmask` on one ReLU) in turn.
+
+`fixed_problem` turns a choice into a problem without variants whose per-node arrays are the chosen
+implementations (value ids unchanged: the values no chosen implementation makes, such as the int64
+indices a compact max-pool replaces, keep their ids with no bytes and no producer), so any recompute-only solver plans on it; `tag_schedule` names the chosen
+implementation on each compute step, and the simulator checks the schedule on the original problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from itertools import product
+
+import numpy as np
+
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+
+Choice = dict[int, str]
+"""Node -> the name of its fixed non-default implementation (nodes left out run their default)."""
+
+
+def fixed_problem(problem: Problem, choice: Choice) -> Problem:
+    """`problem` with node i's default replaced by its implementation `choice[i]`, and no variants."""
+    impl = [problem.variant(node, choice.get(node)) for node in range(problem.num_nodes)]
+    made = np.zeros(problem.num_values, dtype=bool)
+    for v in impl:
+        made[list(v.outputs)] = True
+    orphan = (problem.value_producer >= 0) & ~made            # made by no chosen implementation
+    return replace(problem, cost=np.array([v.cost for v in impl]),
+                   workspace=np.array([v.workspace for v in impl], dtype=np.int64),
+                   node_inputs=tuple(v.inputs for v in impl), node_outputs=tuple(v.outputs for v in impl),
+                   value_bytes=np.where(orphan, 0, problem.value_bytes),
+                   value_producer=np.where(orphan, -1, problem.value_producer), variants=(), num_variant_values=0)
+
+
+def tag_schedule(schedule: list, choice: Choice) -> list:
+    """The schedule with each compute step of a node in `choice` running that implementation."""
+    return [("compute", s[1], choice[s[1]]) if s[0] == "compute" and s[1] in choice else s for s in schedule]
+
+
+def family_choice(problem: Problem, families: tuple[str, ...]) -> Choice:
+    """Each node offering one of `families` runs the first it offers; nodes reading a value that no chosen
+    implementation makes fall back to their default, until every read is made (module docstring)."""
+    choice = {node: next(f for f in families if f in names)
+              for node in range(problem.num_nodes)
+              for names in [problem.impls(node)] if any(f in names for f in families)}
+    base = problem.num_values - problem.num_variant_values
+    while True:
+        made = set()
+        for node in range(problem.num_nodes):
+            made.update(problem.variant(node, choice.get(node)).outputs)
+        broken = [node for node, name in choice.items()
+                  if any(v >= base and v not in made for v in problem.variant(node, name).inputs)]
+        if not broken:
+            return choice
+        for node in broken:
+            del choice[node]
+
+
+def candidate_choices(problem: Problem) -> list[Choice]:
+    """No variants, then every memory-saving family together, one alternative per combination of the
+    families competing for the same nodes (module docstring); duplicates removed."""
+    if not problem.has_variants:
+        return [{}]
+    full = simulate(problem, default_schedule(problem)).peak_bytes
+    names = sorted({v.name for offered in problem.variants for v in offered})
+    saving = []
+    for name in names:
+        choice = family_choice(problem, (name,))
+        if choice and simulate(problem, tag_schedule(default_schedule(problem), choice)).peak_bytes < full:
+            saving.append((name, frozenset(choice)))
+    groups: list[list[str]] = []                              # families sharing nodes compete
+    for name, nodes in saving:
+        group = next((g for g in groups if any(nodes & dict(saving)[other] for other in g)), None)
+        if group is None:
+            groups.append([name])
+        else:
+            group.append(name)
+    found: list[Choice] = [{}]
+    for firsts in product(*groups):
+        order = (*firsts, *(n for g in groups for n in g if n not in firsts))
+        choice = family_choice(problem, order)
+        if choice not in found:
+            found.append(choice)
+    return found
+
+
+__all__ = ["Choice", "candidate_choices", "family_choice", "fixed_problem", "tag_schedule"]

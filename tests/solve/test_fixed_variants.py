@@ -1,0 +1,78 @@
+"""Variants fixed family by family (tasks/solve/fixed_variants.py) and `dtr` planning with them: the fixed
+problem simulates exactly as the original with the chosen implementations named, and `dtr` uses a
+variant where only a variant fits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tasks.solve import solve
+from tasks.solve.fixed_variants import candidate_choices, family_choice, fixed_problem, tag_schedule
+from tasks.solve.problem import Problem, Variant
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+from tests.solve.test_monet import _budgets, brute_force, masked_chain, two_masks
+
+
+def random_schedule(problem: Problem, rng: np.random.Generator) -> list:
+    """The default order with, before each backward node, a random subset of the forward nodes recomputed."""
+    fwd = [int(i) for i in problem.order if problem.is_recomputable[i]]
+    out = [("compute", i) for i in fwd]
+    for node in problem.order:
+        if not problem.is_recomputable[node]:
+            out += [("compute", i) for i in fwd if rng.random() < 0.3] + [("compute", int(node))]
+    return out
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6, 9])
+def test_a_fixed_problem_simulates_like_the_original_running_the_chosen_variants(seed):
+    p = masked_chain(seed)
+    rng = np.random.default_rng(seed)
+    choices = candidate_choices(p)
+    assert choices[0] == {} and len(choices) >= 1 + bool(p.has_variants)
+    for choice in choices:
+        fixed = fixed_problem(p, choice)
+        assert not fixed.has_variants
+        for schedule in [default_schedule(fixed), *(random_schedule(fixed, rng) for _ in range(5))]:
+            a, b = simulate(fixed, schedule), simulate(p, tag_schedule(schedule, choice))
+            assert (a.peak_bytes, a.compute_cost) == (b.peak_bytes, pytest.approx(b.compute_cost)), (choice, schedule)
+
+
+def test_a_variant_whose_producer_cannot_make_what_it_reads_is_not_chosen():
+    """Only the backward node offers "mask" here (the forward has no variant making the mask): fixing the
+    family chooses nothing."""
+    p = two_masks(1.5, 2.5)
+    lone = Problem(**{**p.__dict__, "variants": ((), (), p.variants[2])})
+    assert family_choice(p, ("mask",)) == {0: "mask", 2: "mask"}
+    assert family_choice(lone, ("mask",)) == {}
+
+
+def test_competing_families_are_tried_one_against_the_other():
+    p = two_masks(1.5, 2.5)
+    assert candidate_choices(p) == [{}, {0: "bitmask", 2: "bitmask"}, {0: "mask", 2: "mask"}]
+
+
+@pytest.mark.parametrize("mask_cost, bitmask_cost", [(1.5, 2.5), (2.5, 1.5)])
+def test_dtr_runs_the_variant_that_fits_and_the_cheaper_when_both_do(mask_cost, bitmask_cost):
+    p = two_masks(mask_cost, bitmask_cost)
+    peak = {impl: simulate(p, [("compute", 0, impl), ("compute", 1), ("compute", 2, impl)]).peak_bytes
+            for impl in ("mask", "bitmask")}
+    for budget in (peak["mask"], peak["bitmask"]):
+        assert not solve(p, "dtr", budget, SolveOptions(params={"variants": False})).feasible
+        sol = solve(p, "dtr", budget)
+        assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget)), (budget, sol.schedule)
+        assert sol.predicted_peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6, 9])
+def test_dtr_with_variants_is_valid_and_never_worse_than_without(seed):
+    """With no time limit the walks are deterministic and the no-variant choice is among those tried."""
+    p = masked_chain(seed)
+    for budget in _budgets(p):
+        plain = solve(p, "dtr", budget, SolveOptions(params={"variants": False}))
+        sol = solve(p, "dtr", budget)
+        assert sol.feasible or not plain.feasible
+        if sol.feasible:
+            assert sol.predicted_peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
+            assert not plain.feasible or sol.objective <= plain.objective + 1e-9
