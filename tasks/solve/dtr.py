@@ -375,8 +375,11 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
             progress.append(Progress(time.perf_counter() - start, sim.compute_cost, None))
 
     for c, choice in enumerate(choices):           # each choice gets an equal share of the time left
+        fixed = fixed_problem(problem, choice) if problem.has_variants else problem
+        if best_key is not None and fixed.cost.sum() >= best_key[0]:
+            continue                                 # every node once already costs more than the best
         share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(choices) - c)
-        runs += _walk_all(fixed_problem(problem, choice) if problem.has_variants else problem, budget, opts, share,
+        runs += _walk_all(fixed, budget, opts, share,
                           lambda schedule, choice=choice: consider(schedule, choice),
                           lambda: float("inf") if best_key is None else best_key[0])
     return checked_solution(problem, "dtr", budget, best, solve_seconds=time.perf_counter() - start,
