@@ -53,22 +53,27 @@ def tag_schedule(schedule: list, choice: Choice) -> list:
 
 
 def family_choice(problem: Problem, families: tuple[str, ...]) -> Choice:
-    """Each node offering one of `families` runs the first it offers; nodes reading a value that no chosen
-    implementation makes fall back to their default, until every read is made (module docstring)."""
+    """Each node offering one of `families` runs the first it offers; a node reading a value that no chosen
+    implementation makes falls back to its default (or, running its default already, the producers it
+    reads do: a compact max-pool whose backward keeps the default), until every read is made."""
     choice = {node: next(f for f in families if f in names)
               for node in range(problem.num_nodes)
               for names in [problem.impls(node)] if any(f in names for f in families)}
-    base = problem.num_values - problem.num_variant_values
     while True:
         made = set()
         for node in range(problem.num_nodes):
             made.update(problem.variant(node, choice.get(node)).outputs)
-        broken = [node for node, name in choice.items()
-                  if any(v >= base and v not in made for v in problem.variant(node, name).inputs)]
+        broken = [node for node in range(problem.num_nodes)
+                  if any(problem.value_producer[v] >= 0 and v not in made
+                         for v in problem.variant(node, choice.get(node)).inputs)]
         if not broken:
             return choice
-        for node in broken:
-            del choice[node]
+        for node in broken:                   # its own variant, or the variant of the producer it reads
+            if node in choice:
+                del choice[node]
+            else:
+                for v in problem.node_inputs[node]:
+                    choice.pop(int(problem.value_producer[v]), None)
 
 
 def candidate_choices(problem: Problem) -> list[Choice]:

@@ -76,3 +76,15 @@ def test_dtr_with_variants_is_valid_and_never_worse_than_without(seed):
         if sol.feasible:
             assert sol.predicted_peak_bytes == simulate(p, sol.schedule).peak_bytes <= budget
             assert not plain.feasible or sol.objective <= plain.objective + 1e-9
+
+
+def test_a_forward_variant_replacing_what_a_default_backward_reads_is_not_chosen():
+    """Node 0's "compact" variant makes value 4 instead of value 1, which the backward (offering no such
+    variant) reads: fixing the family must leave node 0 on its default."""
+    p = Problem(name="compact", cost=np.ones(3), workspace=np.zeros(3, np.int64), phase=("forward", "loss", "backward"),
+                node_inputs=((0,), (1,), (1,)), node_outputs=((1,), (2,), (3,)),
+                value_bytes=np.array([4, 16, 4, 16, 2], np.int64), value_producer=np.array([-1, 0, 1, 2, 0]),
+                outputs=(2, 3), order=np.arange(3), num_variant_values=1,
+                variants=((Variant("compact", 1.0, 0, (0,), (4,)),), (), ()))
+    assert family_choice(p, ("compact",)) == {}
+    assert candidate_choices(p) == [{}]
