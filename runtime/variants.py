@@ -55,7 +55,8 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 @dataclass(frozen=True)
 class VariantSpec:
     """Variant `name` of node `node`: the values it reads and allocates, its workspace (bytes, analytic;
-    a profile's measured workspace takes precedence) and the rule whose code the executor runs."""
+    a profile's measured workspace takes precedence) and the rule whose code the executor runs.
+    `overwrites`: pairs (output, input), the output computed in place into the input's storage."""
 
     node: int
     name: str
@@ -63,6 +64,14 @@ class VariantSpec:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     workspace: int = 0
+    overwrites: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for out, inp in self.overwrites:
+            if out not in self.outputs or inp not in self.inputs:
+                raise ValueError(f"variant {self.name!r} of node {self.node} overwrites input {inp} with output "
+                                 f"{out}, but its inputs are {self.inputs} and outputs {self.outputs}; an in-place "
+                                 f"pair names one of each.")
 
 
 @dataclass(frozen=True)
