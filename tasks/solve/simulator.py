@@ -172,8 +172,8 @@ def simulate(problem: Problem, schedule: Iterable[Any],
             if producer[v] < 0:
                 raise InvalidSchedule(f"schedule[{i}] frees value {v}, a graph input; graph inputs are always resident.")
             if current[v] < 0:
-                raise InvalidSchedule(f"schedule[{i}] frees value {v}, which is not resident: "
-                                      f"{_why_absent(problem, v, freed_at, overwritten_at)}.")
+                why = f": {_why_absent(problem, v, freed_at, overwritten_at)}" if v in overwritten_at else ""
+                raise InvalidSchedule(f"schedule[{i}] frees value {v}, which is not resident{why}.")
             current[v] = -1
             freed_at[v] = i
             overwritten_at.pop(v, None)
