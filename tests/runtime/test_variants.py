@@ -209,6 +209,9 @@ def test_in_place_relu_trains_exactly_like_eager_at_the_simulated_peak_and_in_ar
     loss = runtime.load(Plan(g.fingerprint, schedule, addresses), trained, loss_fn, graph=g, arena=True)(*batch)
     assert torch.equal(loss, eager.loss)
     assert all(torch.equal(p.grad, eager.grads[k]) for k, p in trained.named_parameters())
+    c = int(np.flatnonzero(sim.in_place)[0])                   # the BatchNorm output the ReLU overwrites
+    with pytest.raises(PlanError, match="a copy that an in-place step overwrites or writes into"):
+        Plan(g.fingerprint, schedule, {(int(sim.copy_start[c]), int(sim.copy_value[c])): 0}).validate(g, variants)
     # the output-activated BatchNorm backward reads the BatchNorm output, which the ReLU overwrote: refused
     schedule = [dict(s, impl="output") if "output" in variants.specs.get(s["compute"], {}) else s for s in schedule]
     with pytest.raises(PlanError, match=r"reads value %d .*but schedule\[\d+\] overwrote it in place" % x):
