@@ -242,8 +242,8 @@ def _in_place(step: VariantStep) -> dict[int, fx.Node]:
                            f"not ReLU; the graph's variants do not match its captured program.")
     x = step.resolve(head.args[0])
     made = {}
+    masks = {s.outputs[-1]: s.rule for s in step.variants.specs[spec.node].values() if s.rule in ("mask", "bitmask")}
     for v in spec.outputs[1:]:
-        masks = {s.outputs[-1]: s.rule for s in step.variants.specs[spec.node].values() if s.rule in ("mask", "bitmask")}
         if masks.get(v) == "mask":
             made[v] = step.call(aten.le.Scalar, x, 0)
         elif masks.get(v) == "bitmask":

@@ -36,7 +36,6 @@ Rules shipped (`RULES`):
 - `math` on the CPU flash attention (`aten._scaled_dot_product_flash_attention_for_cpu`) and its
   backward: the math backend, whose forward keeps the attention probabilities (B x H x L x S) instead of
   the log-sum-exp and whose backward reads them, not the output. Within the validation tolerance.
-
 - `inplace` on a forward ReLU (`aten.relu`) whose input is an activation read by nothing else in the
   whole graph (no other forward node, no backward node; not a graph output): the forward runs `relu_` on
   its input, writing the output into the input's storage (MONeT's in-place operators, appendix C.3), so
@@ -45,8 +44,10 @@ Rules shipped (`RULES`):
   (`tasks.solve.simulator`). Offered as `inplace` (the default backward, reading the output), and where
   the node offers `mask` / `bitmask` also as `mask-inplace` / `bitmask-inplace`: the same mask value as
   `mask` / `bitmask` (so the backward's `mask` / `bitmask` variant reads it), computed from the input
-  before `relu_` overwrites it. Bit-identical. The executor does not place in-place copies in an arena
-  (their addresses are refused; `runtime.arena` runs the step as a fallback).
+  before `relu_` overwrites it. Bit-identical. Another node's variant may still read the input (the
+  `output` BatchNorm backward reads the BatchNorm output): then a schedule running the ReLU in place must
+  compute the input again before that read (the simulator and plan validation refuse it otherwise).
+  In-place copies get no arena address (refused; `runtime.arena` runs the step as a fallback).
 
 A convolution's backward split into weight- and input-gradient nodes (MONeT appendix D) is not a variant:
 `runtime.capture` always splits it (docs/plan-format.md).
