@@ -319,7 +319,8 @@ def _relu_in_place(b: _Builder) -> None:
     readers = _readers(g)
     outputs = set(g.outputs)
     for node in g.nodes:
-        if node.phase == "backward" or node.targets[0] != "aten.relu.default" or len(node.outputs) != 1:
+        if node.phase == "backward" or node.targets[0] != "aten.relu.default" or len(node.outputs) != 1 \
+                or len(set(node.inputs)) != 1:
             continue
         (x,), out = tuple(dict.fromkeys(node.inputs)), node.outputs[0]
         if g.values[x].kind != "activation" or readers.get(x) != [node.id] or x in outputs \
