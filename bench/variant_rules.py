@@ -49,7 +49,7 @@ from rich.table import Table
 import runtime
 from runtime.variants import graph_variants
 from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.simulator import InvalidSchedule, simulate
 from variants_arena import measure  # bench/ is the script folder: the same eager/plan step meter
 
 
@@ -89,7 +89,8 @@ def variant_groups(graph, variants, rules: set[str]) -> list[dict[int, str]]:
 
 def where_it_helps(graph, problem, groups) -> tuple[list[dict], int]:
     """The default order with each group's variants kept when they do not raise the simulated peak and
-    lower the simulated bytes x steps; returns the schedule and the number of groups kept."""
+    lower the simulated bytes x steps (a group making the schedule invalid is skipped); returns the schedule
+    and the number of groups kept."""
     chosen: dict[int, str] = {}
 
     def schedule(choice):
@@ -98,7 +99,10 @@ def where_it_helps(graph, problem, groups) -> tuple[list[dict], int]:
     best = simulate(problem, schedule(chosen))
     kept = 0
     for group in groups:
-        trial = simulate(problem, schedule({**chosen, **group}))
+        try:
+            trial = simulate(problem, schedule({**chosen, **group}))
+        except InvalidSchedule:     # an in-place ReLU whose input a chosen variant (the `output` BatchNorm) reads
+            continue
         if trial.peak_bytes <= best.peak_bytes and trial.timeline.sum() < best.timeline.sum():
             chosen.update(group)
             best, kept = trial, kept + 1

@@ -178,8 +178,10 @@ class Plan:
         graph inputs always are; a value is resident once computed (by a variant that allocates it),
         until an explicit free; freeing a value that is not resident or is a graph input is an error;
         graph outputs must be resident at the end; each compute's `impl` is a variant the node offers;
+        an in-place variant's overwritten input is no longer resident after its step;
         each address names a value that its step allocates and that does not outlive the step (the
-        final copy of a graph output). Returns the graph's variants."""
+        final copy of a graph output) nor shares storage through an in-place step. Returns the graph's
+        variants."""
         if self.fingerprint != graph.fingerprint:
             raise PlanError(
                 f"plan fingerprint {self.fingerprint} does not match the graph being executed "
@@ -190,6 +192,8 @@ class Plan:
         n_values = len(graph.values) + len(variants.values)
         resident = {v.id for v in graph.values if v.producer is None}
         freed_at: dict[int, int] = {}
+        overwritten_at: dict[int, int] = {}            # value -> the in-place step that overwrote it
+        shared: set[Copy] = set()                       # copies of in-place steps (no address may place them)
         allocated: dict[int, tuple[int, ...]] = {}
         last_copy: dict[int, int] = {}
         for i, step in enumerate(self.schedule):
@@ -203,12 +207,19 @@ class Plan:
                     raise PlanError(f"schedule[{i}]: {exc.args[0]}") from None
                 for v in inputs:
                     if v not in resident:
-                        why = (f"it was freed at schedule[{freed_at[v]}]" if v in freed_at
+                        why = (f"it was freed at schedule[{freed_at[v]}]" if v in freed_at else
+                               f"schedule[{overwritten_at[v]}] overwrote it in place" if v in overwritten_at
                                else f"its producer node {variants.value(graph, v).producer} has not been "
                                     f"computed by a variant that allocates it")
                         raise PlanError(
                             f"schedule[{i}] computes node {n} ({graph.nodes[n].name}), which reads value {v} "
                             f"({variants.value(graph, v).name}), but {why}. Compute the producer first.")
+                spec = variants.spec(n, step.get("impl"))
+                for out, v in spec.overwrites if spec is not None else ():
+                    resident.discard(v)
+                    freed_at.pop(v, None)
+                    overwritten_at[v] = i
+                    shared.update({(last_copy[v], v), (i, out)})
                 resident.update(outputs)
                 allocated[i] = outputs
                 last_copy.update((v, i) for v in outputs)
@@ -224,6 +235,7 @@ class Plan:
                                     f"resident.")
                 resident.discard(x)
                 freed_at[x] = i
+                overwritten_at.pop(x, None)
         missing = [v for v in graph.outputs if v not in resident]
         if missing:
             raise PlanError(
@@ -236,6 +248,10 @@ class Plan:
             if value not in allocated.get(step, ()):
                 raise PlanError(f"plan addresses name value {value} at schedule[{step}], but that step does not "
                                 f"allocate it; an address is keyed by the compute step that allocates the copy.")
+            if (step, value) in shared:
+                raise PlanError(f"plan addresses place value {value} ({variants.value(graph, value).name}) at "
+                                f"schedule[{step}], a copy that an in-place step overwrites or writes into; their "
+                                f"shared storage outlives the copy, so it cannot live in the arena: drop that address.")
             if value in graph.outputs and last_copy[value] == step:
                 raise PlanError(f"plan addresses place value {value} ({graph.values[value].name}) at "
                                 f"schedule[{step}], its final copy as a graph output, which outlives the step and so "

@@ -206,11 +206,7 @@ def _bitmask(step: VariantStep) -> dict[int, fx.Node]:
         raise VariantError(f"variant 'bitmask' of node {step.spec.node} ({step.head.name}) runs {target}, which is "
                            f"not ReLU, hardtanh or their backward; the graph's variants do not match its program.")
     x = forward.args[0].meta["val"]
-    order = dense_order(list(x.shape), list(x.stride()))
-    if order is None:
-        raise VariantError(f"node {step.spec.node} ({step.head.name}): the input of {forward.name} has strides "
-                           f"{list(x.stride())} with gaps or overlaps, which a bit mask in memory order cannot "
-                           f"mirror; run it as the default or `mask` variant.")
+    order = _bit_order(step, forward)
     if step.head is forward:
         step.copy_group()
         low, high = (0, None) if target is aten.relu.default else (_arg(forward, 1), _arg(forward, 2))
@@ -223,6 +219,40 @@ def _bitmask(step: VariantStep) -> dict[int, fx.Node]:
         return {}
     raise VariantError(f"variant 'bitmask' of node {step.spec.node} ({step.head.name}) runs {target}, which is "
                        f"not the backward of {forward.name}; the graph's variants do not match its program.")
+
+
+def _bit_order(step: VariantStep, forward: fx.Node) -> list[int]:
+    """The memory order of the input of ReLU / hardtanh `forward`, in which its bit mask is packed."""
+    x = forward.args[0].meta["val"]
+    order = dense_order(list(x.shape), list(x.stride()))
+    if order is None:
+        raise VariantError(f"node {step.spec.node} ({step.head.name}): the input of {forward.name} has strides "
+                           f"{list(x.stride())} with gaps or overlaps, which a bit mask in memory order cannot "
+                           f"mirror; run it as the default or `mask` variant.")
+    return order
+
+
+def _in_place(step: VariantStep) -> dict[int, fx.Node]:
+    """Rule `inplace` (runtime.variants): `relu_(x)` in place of `relu(x)`; `mask-inplace` / `bitmask-inplace`
+    first compute the mask of rule `mask` (`le(x, 0)`) / `bitmask` (`pack_zero_bits`) from x, so the step holds
+    x (then the output in its storage) and the mask, as the simulator charges."""
+    head, spec = step.head, step.spec
+    if head.target is not aten.relu.default:
+        raise VariantError(f"variant {spec.name!r} of node {spec.node} ({head.name}) runs {head.target}, which is "
+                           f"not ReLU; the graph's variants do not match its captured program.")
+    x = step.resolve(head.args[0])
+    made = {}
+    masks = {s.outputs[-1]: s.rule for s in step.variants.specs[spec.node].values() if s.rule in ("mask", "bitmask")}
+    for v in spec.outputs[1:]:
+        if masks.get(v) == "mask":
+            made[v] = step.call(aten.le.Scalar, x, 0)
+        elif masks.get(v) == "bitmask":
+            made[v] = step.call(pack_zero_bits, x, 0, None, _bit_order(step, head))
+        else:
+            raise VariantError(f"variant {spec.name!r} of node {spec.node} ({head.name}) allocates value {v}, which "
+                               f"is neither its `mask` nor its `bitmask`; the graph's variants do not match.")
+    step.copy_group(lambda: step.call(aten.relu_.default, x))
+    return made
 
 
 def _graph_value(step: VariantStep, value: int) -> fx.Node:
@@ -467,4 +497,4 @@ def _math(step: VariantStep) -> dict[int, fx.Node]:
 
 RULES: dict[str, Callable[[VariantStep], dict[int, fx.Node]]] = {"mask": _mask, "output": _norm_output,
                                                                  "compact": _compact, "math": _math,
-                                                                 "bitmask": _bitmask}
+                                                                 "bitmask": _bitmask, "inplace": _in_place}

@@ -36,6 +36,18 @@ Rules shipped (`RULES`):
 - `math` on the CPU flash attention (`aten._scaled_dot_product_flash_attention_for_cpu`) and its
   backward: the math backend, whose forward keeps the attention probabilities (B x H x L x S) instead of
   the log-sum-exp and whose backward reads them, not the output. Within the validation tolerance.
+- `inplace` on a forward ReLU (`aten.relu`) whose input is an activation read by nothing else in the
+  whole graph (no other forward node, no backward node; not a graph output): the forward runs `relu_` on
+  its input, writing the output into the input's storage (MONeT's in-place operators, appendix C.3), so
+  the step allocates nothing. The spec declares it as data: `overwrites = ((output, input),)`; planners
+  then count the output in the input's bytes and must not read the input after the step
+  (`tasks.solve.simulator`). Offered as `inplace` (the default backward, reading the output), and where
+  the node offers `mask` / `bitmask` also as `mask-inplace` / `bitmask-inplace`: the same mask value as
+  `mask` / `bitmask` (so the backward's `mask` / `bitmask` variant reads it), computed from the input
+  before `relu_` overwrites it. Bit-identical. Another node's variant may still read the input (the
+  `output` BatchNorm backward reads the BatchNorm output): then a schedule running the ReLU in place must
+  compute the input again before that read (the simulator and plan validation refuse it otherwise).
+  In-place copies get no arena address (refused; `runtime.arena` runs the step as a fallback).
 
 A convolution's backward split into weight- and input-gradient nodes (MONeT appendix D) is not a variant:
 `runtime.capture` always splits it (docs/plan-format.md).
@@ -55,7 +67,8 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 @dataclass(frozen=True)
 class VariantSpec:
     """Variant `name` of node `node`: the values it reads and allocates, its workspace (bytes, analytic;
-    a profile's measured workspace takes precedence) and the rule whose code the executor runs."""
+    a profile's measured workspace takes precedence) and the rule whose code the executor runs.
+    `overwrites`: pairs (output, input), the output computed in place into the input's storage."""
 
     node: int
     name: str
@@ -63,6 +76,14 @@ class VariantSpec:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     workspace: int = 0
+    overwrites: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for out, inp in self.overwrites:
+            if out not in self.outputs or inp not in self.inputs:
+                raise ValueError(f"variant {self.name!r} of node {self.node} overwrites input {inp} with output "
+                                 f"{out}, but its inputs are {self.inputs} and outputs {self.outputs}; an in-place "
+                                 f"pair names one of each.")
 
 
 @dataclass(frozen=True)
@@ -291,10 +312,32 @@ def _attention_math(b: _Builder) -> None:
                               nbytes + out.bytes))   # dS, and one gradient before its copy into place
 
 
+def _relu_in_place(b: _Builder) -> None:
+    """Rule `inplace` (module docstring): ReLU forward into its input's storage, alone or with the mask /
+    bitmask of rules `mask` / `bitmask` (which must run first to offer those combinations)."""
+    g = b.graph
+    readers = _readers(g)
+    outputs = set(g.outputs)
+    for node in g.nodes:
+        if node.phase == "backward" or node.targets[0] != "aten.relu.default" or len(node.outputs) != 1 \
+                or len(set(node.inputs)) != 1:
+            continue
+        (x,), out = tuple(dict.fromkeys(node.inputs)), node.outputs[0]
+        if g.values[x].kind != "activation" or readers.get(x) != [node.id] or x in outputs \
+                or g.values[x].bytes != g.values[out].bytes:
+            continue
+        b.add(VariantSpec(node.id, "inplace", "inplace", (x,), (out,), 0, ((out, x),)))
+        for rule in ("mask", "bitmask"):
+            spec = b.specs.get(node.id, {}).get(rule)
+            if spec is not None:
+                b.add(VariantSpec(node.id, f"{rule}-inplace", "inplace", (x,), spec.outputs, spec.workspace,
+                                  ((out, x),)))
+
+
 # registry order numbers the variant values: a new rule goes last, so plans written before it keep their ids
 RULES: dict[str, Callable[[_Builder], None]] = {"mask": _zero_mask, "output": _norm_output,
                                                 "compact": _maxpool_compact, "math": _attention_math,
-                                                "bitmask": _zero_bitmask}
+                                                "bitmask": _zero_bitmask, "inplace": _relu_in_place}
 
 
 def graph_variants(graph: OpGraph, rules: tuple[str, ...] | None = None) -> GraphVariants:

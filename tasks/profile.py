@@ -210,8 +210,9 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
         raise ValueError("Name the model being profiled (model=...): the graph's meta has no 'model'.")
     variants = graph_variants(graph)
     specs = [list(variants.specs.get(node.id, {}).values()) for node in graph.nodes]
-    functions = [[(DEFAULT_IMPL, node.inputs, node.outputs, node_function(graph, node.id))] +
-                 [(s.name, s.inputs, s.outputs, variant_function(graph, node.id, s.name)) for s in specs[node.id]]
+    functions = [[(DEFAULT_IMPL, node.inputs, node.outputs, (), node_function(graph, node.id))] +
+                 [(s.name, s.inputs, s.outputs, tuple(i for _, i in s.overwrites),
+                   variant_function(graph, node.id, s.name)) for s in specs[node.id]]
                  for node in graph.nodes]
     times: dict[tuple[int, str], list[float]] = {}
     memory: dict[tuple[int, str], tuple[int, int]] = {}
@@ -224,7 +225,7 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
     created = datetime.now(timezone.utc)
     rows = []
     for node in graph.nodes:
-        for impl, inputs, _, _ in functions[node.id]:
+        for impl, inputs, _, _, _ in functions[node.id]:
             samples = times[node.id, impl]
             output, workspace = memory[node.id, impl]
             q25, q75 = np.percentile(samples, [25, 75])
@@ -244,13 +245,15 @@ def _run_round(graph, functions: list, last: dict[int, int], device: torch.devic
     """One pass over the graph in node order: time every implementation of every node, append its samples
     to `times[node, impl]`, and when `memory` is given set its (output_bytes, workspace_bytes) from one
     metered call. The default's outputs feed the later nodes, a variant's variant values (e.g. a mask) the
-    later variants; a value is dropped after its last reader (`last`)."""
+    later variants; a value is dropped after its last reader (`last`). An in-place variant runs on a copy of
+    the inputs it overwrites, made before its calls (so its output allocates nothing and the inputs stay
+    intact for the other variants)."""
     from runtime.meter import PeakMeter
 
     live = graph_inputs(graph, device, settings.seed)
     for node, implementations in zip(graph.nodes, functions):
-        for impl, inputs, outputs_ids, fn in implementations:
-            args = [live[v] for v in inputs]
+        for impl, inputs, outputs_ids, overwritten, fn in implementations:
+            args = [live[v].clone() if v in overwritten else live[v] for v in inputs]
             where = node.name if impl == DEFAULT_IMPL else f"{node.name}, variant {impl}"
             try:
                 times.setdefault((node.id, impl), []).extend(_time_calls(fn, args, device, settings))
@@ -270,7 +273,7 @@ def _run_round(graph, functions: list, last: dict[int, int], device: torch.devic
                 ((v, t) for v, t in zip(outputs_ids, outputs) if v >= len(graph.values))
             live.update(fresh)
             del args, outputs
-        for v in {v for _, inputs, outputs_ids, _ in implementations for v in (*inputs, *outputs_ids)}:
+        for v in {v for _, inputs, outputs_ids, _, _ in implementations for v in (*inputs, *outputs_ids)}:
             if last.get(v, -1) <= node.id:
                 live.pop(v, None)
         advance()

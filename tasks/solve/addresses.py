@@ -4,7 +4,8 @@
 al. 2022, sec. 4.4): copies in decreasing size (longer lifetime first on ties), each at the lowest-waste
 gap ("best fit") among the copies already placed whose lifetimes overlap its own, or on top of them.
 Every copy a step allocates is placed except the final copy of a graph output, which outlives the step
-(the simulator's `check_addresses` refuses such an address), empty copies, and the copies of steps the
+(the simulator's `check_addresses` refuses such an address), the copies an in-place step overwrites or
+writes (they share storage beyond one copy's lifetime; refused likewise), empty copies, and the copies of steps the
 runtime cannot write in place (`steps`, from `runtime.arena.in_place_nodes`): a slot for those would
 stay an unused hole in the arena.
 """
@@ -21,10 +22,11 @@ ALIGNMENT = 64
 
 
 def placeable(problem: Problem, sim: Simulation, steps: np.ndarray | None = None) -> np.ndarray:
-    """Copies that may get an address: non-empty, not the final copy of a graph output, and computed at
-    a step that `steps` (a boolean mask over schedule steps; None: all) allows."""
+    """Copies that may get an address: non-empty, not the final copy of a graph output, not a copy of an
+    in-place step (`Simulation.in_place`), and computed at a step that `steps` (a boolean mask over
+    schedule steps; None: all) allows."""
     allowed = np.ones(len(sim.copy_value), dtype=bool) if steps is None else np.asarray(steps)[sim.copy_start]
-    return (sim.copy_bytes > 0) & ~sim.outlives_step(problem) & allowed
+    return (sim.copy_bytes > 0) & ~sim.outlives_step(problem) & ~sim.in_place & allowed
 
 
 def greedy_addresses(problem: Problem, sim: Simulation, steps: np.ndarray | None = None,

@@ -30,6 +30,8 @@ class ProblemError(ValueError):
 @dataclass(frozen=True)
 class Variant:
     """One implementation of a node: compute cost, workspace bytes, values read and values allocated.
+    `overwrites`: pairs (output, input) of an in-place implementation, the output written into the input's
+    storage (it allocates nothing; the input's copy ends as the step starts, `tasks.solve.simulator`).
     A node's default variant is its entry in the problem's per-node arrays."""
 
     name: str
@@ -37,6 +39,7 @@ class Variant:
     workspace: int
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
+    overwrites: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,7 +199,7 @@ class Problem:
             offered.append(tuple(
                 Variant(s.name, *((1.0, s.workspace) if costs is None else
                                   (float(measured[s.name].time_ms), int(measured[s.name].workspace_bytes))),
-                        s.inputs, s.outputs)
+                        s.inputs, s.outputs, s.overwrites)
                 for s in specs if costs is None or s.name in measured))
         if random_nodes is None:                 # a captured graph knows them; pass them for a loaded one
             random_nodes = getattr(graph.program, "random_devices", {})
@@ -324,6 +327,19 @@ def _edges(links: list, src: str, dst: str, path: Path) -> list[tuple[int, int]]
         raise ProblemError(f"{path}: every link must hold integer {src!r} and {dst!r} keys.") from None
 
 
+def _check_overwrites(p: Problem, node: int, v: Variant) -> None:
+    """An in-place pair (output, input) names one of the variant's outputs and one of its inputs of the same
+    size, each at most once; the input is made by a node (not a graph input) and is not a graph output."""
+    outs, ins = [o for o, _ in v.overwrites], [i for _, i in v.overwrites]
+    for o, i in v.overwrites:
+        if o not in v.outputs or i not in v.inputs or outs.count(o) > 1 or ins.count(i) > 1 or \
+                p.value_bytes[o] != p.value_bytes[i] or p.value_producer[i] < 0 or i in p.outputs:
+            raise ProblemError(
+                f"problem {p.name!r}: variant {v.name!r} of {p.node_label(node)} overwrites input {i} with output {o}; "
+                f"an in-place pair must name one of the variant's outputs and one of its inputs, each once, of equal "
+                f"bytes, the input made by a node (not a graph input) and not a graph output.")
+
+
 def _check(p: Problem) -> None:
     """Consistent sizes, ids in range, costs finite and non-negative, each value allocated by the node
     that lists it, and `order` a topological order of all nodes."""
@@ -361,6 +377,7 @@ def _check(p: Problem) -> None:
                     any(p.value_producer[x] != node for x in v.outputs):
                 raise ProblemError(f"problem {p.name!r}: variant {v.name!r} of {p.node_label(node)} needs a finite "
                                    f"non-negative cost and workspace, existing values, and outputs produced by the node.")
+            _check_overwrites(p, node, v)
     if np.any(p.value_producer[base:] < 0):
         raise ProblemError(f"problem {p.name!r}: variant-only values must name their producer node.")
     if sorted(p.order.tolist()) != list(range(n)):

@@ -11,6 +11,11 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
 - live memory during a compute step = live copies + the node's workspace; the peak is its maximum;
 - a compute step runs the implementation variant its `impl` names (default: the node as listed): the
   variant's inputs, outputs, workspace and cost are charged;
+- an in-place variant (`Variant.overwrites`, pairs (output, input)) writes each such output into its
+  input's storage: the input's copy ends with the step before, the output's copy takes its bytes from the
+  step on, so during the step only one of the two counts. The input value is then gone (as if freed): the
+  schedule is invalid (InvalidSchedule) if a later step reads it or frees it before it is computed again;
+  the problem refuses an overwritten input that is a graph input or a graph output;
 - with addresses (copy (step, value) -> byte offset), `arena_bytes` is the extent they span and
   `arena_peak_bytes` = arena_bytes + max over compute steps of (unplaced live copies + workspace): the
   arena is one allocation for the whole step, copies without an address are allocated as usual.
@@ -43,7 +48,8 @@ class Simulation:
     step shows what stays live after it). `peak_step` is the first compute step reaching the peak.
     Copy c of value `copy_value[c]` is live during steps `copy_start[c]..copy_end[c]` (`copy_start` is
     the step computing it, so (copy_start[c], copy_value[c]) is the copy's key in plan addresses).
-    `arena_bytes` / `arena_peak_bytes` are set when the schedule was simulated with addresses."""
+    `arena_bytes` / `arena_peak_bytes` are set when the schedule was simulated with addresses;
+    `shares_storage` marks the copies of in-place steps (`in_place`)."""
 
     peak_bytes: int
     peak_step: int
@@ -59,6 +65,13 @@ class Simulation:
     is_compute: np.ndarray
     arena_bytes: int | None = None
     arena_peak_bytes: int | None = None
+    shares_storage: np.ndarray | None = None
+
+    @property
+    def in_place(self) -> np.ndarray:
+        """Copies that share storage through an in-place step: each overwritten input copy and the output
+        copy written into it (no address may place them: the output outlives the input's slot)."""
+        return np.zeros(len(self.copy_value), dtype=bool) if self.shares_storage is None else self.shares_storage
 
     def live_values(self, step: int) -> np.ndarray:
         """Values with a copy live during `step`."""
@@ -104,6 +117,8 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     producer = problem.value_producer
     current = np.full(nv, -1, dtype=np.int64)     # value -> index of its newest resident copy
     freed_at: dict[int, int] = {}
+    overwritten_at: dict[int, tuple[int, int]] = {}   # value -> (step, node) that overwrote its copy in place
+    shared: list[int] = []                            # copies of in-place steps (Simulation.in_place)
     copy_value: list[int] = []
     copy_start: list[int] = []
     copy_end: list[int] = []                      # last step the copy is live
@@ -116,6 +131,7 @@ def simulate(problem: Problem, schedule: Iterable[Any],
             if node >= n:
                 raise InvalidSchedule(f"schedule[{i}] computes node {node}, which does not exist (0..{n - 1}).")
             impl = step.get("impl")
+            overwrites = ()
             if impl is None or impl == DEFAULT_IMPL:
                 inputs, outputs = problem.node_inputs[node], problem.node_outputs[node]
                 node_workspace, node_cost = problem.workspace[node], problem.cost[node]
@@ -124,19 +140,23 @@ def simulate(problem: Problem, schedule: Iterable[Any],
                     variant = problem.variant(node, impl)
                 except KeyError as exc:
                     raise InvalidSchedule(f"schedule[{i}]: {exc.args[0]}") from None
-                inputs, outputs = variant.inputs, variant.outputs
+                inputs, outputs, overwrites = variant.inputs, variant.outputs, variant.overwrites
                 node_workspace, node_cost = variant.workspace, variant.cost
             for v in inputs:
                 if producer[v] < 0:
                     continue
                 c = current[v]
                 if c < 0:
-                    why = (f"it was freed at schedule[{freed_at[v]}]" if v in freed_at
-                           else f"its producer {problem.node_label(int(producer[v]))} has not been computed "
-                                f"by a variant that allocates it ({', '.join(_allocating(problem, v))})")
                     raise InvalidSchedule(f"schedule[{i}] computes {problem.node_label(node)}, which reads "
-                                          f"value {v}, but {why}.")
+                                          f"value {v}, but {_why_absent(problem, v, freed_at, overwritten_at)}.")
                 copy_end[c] = i
+            for _, v in overwrites:                  # the input's copy ends with the step before
+                copy_end[current[v]] = i - 1
+                shared.append(int(current[v]))
+                current[v] = -1
+                freed_at.pop(v, None)
+                overwritten_at[v] = (i, node)
+            shared.extend(len(copy_value) + outputs.index(o) for o, _ in overwrites)
             for v in outputs:
                 current[v] = len(copy_value)
                 copy_value.append(v)
@@ -152,9 +172,11 @@ def simulate(problem: Problem, schedule: Iterable[Any],
             if producer[v] < 0:
                 raise InvalidSchedule(f"schedule[{i}] frees value {v}, a graph input; graph inputs are always resident.")
             if current[v] < 0:
-                raise InvalidSchedule(f"schedule[{i}] frees value {v}, which is not resident.")
+                why = f": {_why_absent(problem, v, freed_at, overwritten_at)}" if v in overwritten_at else ""
+                raise InvalidSchedule(f"schedule[{i}] frees value {v}, which is not resident{why}.")
             current[v] = -1
             freed_at[v] = i
+            overwritten_at.pop(v, None)
     missing = [v for v in problem.outputs if current[v] < 0]
     if missing:
         raise InvalidSchedule(f"graph outputs {missing[:10]} are not resident at the end of the schedule "
@@ -180,6 +202,7 @@ def simulate(problem: Problem, schedule: Iterable[Any],
         copy_bytes=nbytes,
         workspace=workspace,
         is_compute=is_compute,
+        shares_storage=np.isin(np.arange(len(values)), shared) if shared else None,
     )
     if addresses is None:
         return sim
@@ -192,12 +215,13 @@ def simulate(problem: Problem, schedule: Iterable[Any],
 def check_addresses(problem: Problem, sim: Simulation,
                     addresses: Mapping[tuple[int, int], int]) -> tuple[np.ndarray, np.ndarray]:
     """Refuse (AddressConflict) an address that names no copy of the schedule, one for the final copy of a
-    graph output (it outlives the step, so it cannot live in the step's arena), or two copies live at a
+    graph output (it outlives the step, so it cannot live in the step's arena), one for a copy of an
+    in-place step (`Simulation.in_place`), or two copies live at a
     common step whose byte ranges [offset, offset + bytes) overlap. Returns (placed mask, offset per copy)."""
     index = sim.copy_index()
     placed = np.zeros(len(sim.copy_value), dtype=bool)
     offsets = np.zeros(len(sim.copy_value), dtype=np.int64)
-    outlives = sim.outlives_step(problem)
+    outlives, in_place = sim.outlives_step(problem), sim.in_place
     for (step, value), offset in addresses.items():
         c = index.get((int(step), int(value)))
         if c is None:
@@ -206,6 +230,10 @@ def check_addresses(problem: Problem, sim: Simulation,
         if outlives[c]:
             raise AddressConflict(f"address for value {value} at schedule[{step}]: it is the final copy of a "
                                   f"graph output, which outlives the step and cannot live in its arena.")
+        if in_place[c]:
+            raise AddressConflict(f"address for value {value} at schedule[{step}]: that copy is overwritten in "
+                                  f"place by a later step, or written in place into another copy; in-place copies "
+                                  f"live outside the arena, so drop the address (or run that step out of place).")
         placed[c], offsets[c] = True, int(offset)
     ids = np.flatnonzero(placed & (sim.copy_bytes > 0))
     start, end = sim.copy_start[ids], sim.copy_end[ids]
@@ -220,6 +248,19 @@ def check_addresses(problem: Problem, sim: Simulation,
                 f"value {sim.copy_value[b]} (computed at schedule[{sim.copy_start[b]}], bytes {lo[j]}..{hi[j]}) "
                 f"are live together from schedule[{max(start[k], start[j])}] but their addresses overlap.")
     return placed, offsets
+
+
+def _why_absent(problem: Problem, v: int, freed_at: Mapping[int, int],
+                overwritten_at: Mapping[int, tuple[int, int]]) -> str:
+    """Why value `v` has no resident copy: freed, overwritten in place, or never computed."""
+    if v in freed_at:
+        return f"it was freed at schedule[{freed_at[v]}]"
+    if v in overwritten_at:
+        step, node = overwritten_at[v]
+        return (f"schedule[{step}] ran {problem.node_label(node)} in place, overwriting it; compute value {v} "
+                f"again before this step or run that step without overwriting it")
+    return (f"its producer {problem.node_label(int(problem.value_producer[v]))} has not been computed "
+            f"by a variant that allocates it ({', '.join(_allocating(problem, v))})")
 
 
 def _allocating(problem: Problem, value: int) -> list[str]:

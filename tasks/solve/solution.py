@@ -145,13 +145,15 @@ def checked_solution(problem: Problem, solver: str, budget: int, schedule: list 
 
 def min_budget_lower_bound(problem: Problem) -> int:
     """A budget below which no schedule exists: every compute step holds the node's internal inputs,
-    outputs and workspace (under its leanest implementation variant), and the last step holds every
+    outputs and workspace (under its leanest implementation variant; an in-place output counted once with
+    its input), and the last step holds every
     graph output."""
     internal = problem.value_producer >= 0
 
-    def held(v) -> int:
+    def held(v) -> int:      # an in-place output shares its input's bytes
         return int(problem.value_bytes[[x for x in v.inputs if internal[x]]].sum()
-                   + problem.value_bytes[list(v.outputs)].sum()) + int(v.workspace)
+                   + problem.value_bytes[list(v.outputs)].sum()
+                   - problem.value_bytes[[o for o, _ in v.overwrites]].sum()) + int(v.workspace)
 
     per_node = np.array([min(held(problem.variant(node, impl)) for impl in problem.impls(node))
                          for node in range(problem.num_nodes)], dtype=np.int64)

@@ -55,9 +55,17 @@ def test_mask_variants_get_rows_that_planners_price(store, graph):
     for node in (relu, backward, hardtanh):               # measured workspace == the declared one
         assert by[node, "bitmask"][2] == variants.specs[node]["bitmask"].workspace > 0, node
 
+    # the ReLU in place (its input, the convolution's output, has no other reader): the output allocates
+    # nothing; the in-place mask variants allocate just the mask, with the mask rules' workspace
+    assert {k for k in by if "inplace" in k[1]} == {(relu, f"{r}inplace") for r in ("", "mask-", "bitmask-")}
+    assert by[relu, "inplace"][1] == 0 and by[relu, "inplace"][2] == 0
+    assert by[relu, "mask-inplace"][1] == variants.value(graph, mask).bytes and by[relu, "mask-inplace"][2] == 0
+    assert by[relu, "bitmask-inplace"][1:] == ((numel + 7) // 8, variants.specs[relu]["bitmask"].workspace)
+
     costs = load_costs(graph.fingerprint, "cpu")
     problem = Problem.from_graph(graph, costs, variants)
     assert problem.variant(backward, "mask").cost == costs.variants[backward]["mask"].time_ms > 0
+    assert problem.variant(relu, "inplace").overwrites == ((out, graph.nodes[relu].inputs[0]),)
 
 
 class TinyAttention(nn.Module):
@@ -81,7 +89,7 @@ def test_every_rule_gets_rows_and_the_compact_backward_reads_less(store):
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
     graphs = [runtime.capture(cnn, loss_fn, (torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))),
               runtime.capture(TinyAttention(), loss_fn, (torch.randn(2, 8, 16), torch.zeros(2, dtype=torch.long)))]
-    for graph, rules in zip(graphs, [{"mask", "bitmask", "output", "compact"}, {"output", "math"}]):
+    for graph, rules in zip(graphs, [{"mask", "bitmask", "output", "compact", "inplace"}, {"output", "math"}]):
         profile_graph(graph, "cpu", FAST, model="tiny", progress=False)
         variants = graph_variants(graph)
         assert {s.rule for specs in variants.specs.values() for s in specs.values()} == rules

@@ -16,14 +16,16 @@ from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions, min_budget_lower_bound
 
 aten = torch.ops.aten
-EXACT_RULES = {"mask", "bitmask", "compact"}   # bit-identical to ATen; the others within the validation tolerance
-EXPECTED = {"resnet18": {"mask", "bitmask", "output", "compact"}, "mobilenet_v2": {"mask", "bitmask", "output"},
-            "vgg11": {"mask", "bitmask", "compact"}, "gpt2_sdpa": {"output", "math"}}
+# bit-identical to ATen (rules, and the variant names of rule `inplace`); the others within the validation tolerance
+EXACT_RULES = {"mask", "bitmask", "compact", "inplace", "mask-inplace", "bitmask-inplace"}
+EXPECTED = {"resnet18": {"mask", "bitmask", "output", "compact", "inplace"}, "mobilenet_v2": {"mask", "bitmask", "output"},
+            "vgg11": {"mask", "bitmask", "compact", "inplace"}, "gpt2_sdpa": {"output", "math"}}
 
 
 def variant_schedule(graph, variants, rules):
     """The default order, every node offering a variant of `rules` run as it; where a ReLU offers both
-    `mask` and `bitmask`, every other ReLU (in forward order) takes `bitmask`, its backward the same."""
+    `mask` and `bitmask`, every other ReLU (in forward order) takes `bitmask`, its backward the same; with
+    rule `inplace`, a ReLU offering it runs in place (`mask-inplace` / `bitmask-inplace` with its mask)."""
     masks = sorted(spec.outputs[-1] for specs in variants.specs.values() for spec in specs.values()
                    if spec.rule == "bitmask" and spec.outputs[-1] >= variants.num_graph_values)
     packed = set(masks[1::2])
@@ -34,8 +36,19 @@ def variant_schedule(graph, variants, rules):
         if {"mask", "bitmask"} <= set(names):
             keep = "bitmask" if packed & {*specs["bitmask"].inputs, *specs["bitmask"].outputs} else "mask"
             names = [name for name in names if name not in {"mask", "bitmask"} - {keep}]
+        if any(specs[name].rule == "inplace" for name in names):
+            mask = [name for name in names if name in ("mask", "bitmask")]
+            names = [f"{mask[0]}-inplace" if mask else "inplace"]
         assert len(names) <= 1, (node, names)
         steps.append({"compute": node.id, "impl": names[0]} if names else {"compute": node.id})
+    # a ReLU runs in place only where no other step's variant reads its input (the `output` BatchNorm backward
+    # reads the BatchNorm output, the ReLU's input): it keeps its mask variant, or the default
+    reads = [set(variants.io(graph, s["compute"], s.get("impl"))[0]) for s in steps]
+    for i, s in enumerate(steps):
+        spec = variants.spec(s["compute"], s.get("impl"))
+        if spec is not None and spec.overwrites and any(spec.overwrites[0][1] in r for j, r in enumerate(reads) if j != i):
+            steps[i] = {"compute": s["compute"], "impl": s["impl"].removesuffix("-inplace")} \
+                if s["impl"] != "inplace" else {"compute": s["compute"]}
     return steps
 
 
@@ -177,7 +190,7 @@ def test_max_pool_window_positions_rebuild_atens_indices_and_gradient(kernel, st
 
 def test_registry_lists_every_rule_the_executor_runs():
     from runtime.variant_ops import RULES as CODE
-    assert set(RULES) == set(CODE) == {"mask", "output", "compact", "math", "bitmask"}
+    assert set(RULES) == set(CODE) == {"mask", "output", "compact", "math", "bitmask", "inplace"}
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 23, 64, 1001])

@@ -3,6 +3,7 @@ PyTorch, its measured peak is the simulated one, and inconsistent variant plans 
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from runtime.plan import Plan, PlanError
 from runtime.variant_ops import VariantError
 from runtime.variants import graph_variants
 from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.simulator import InvalidSchedule, simulate
 
 _CAPTURES = {}
 
@@ -134,3 +135,86 @@ def test_hardtanh_backward_with_other_bounds_than_its_forward_is_refused():
     plan = Plan(g.fingerprint, mask_schedule(g))
     with pytest.raises(VariantError, match=r"min/max \(-1.0, 6.0\).*min/max \(0, 6\)"):
         runtime.load(plan, copy.deepcopy(model), loss_fn, graph=g)(*batch)
+
+
+class ConvBnReLU(nn.Module):
+    """conv-bn-relu, then conv-bn whose output is read by a ReLU and by the residual add (so that ReLU may
+    not run in place), then a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.b2(self.c2(F.relu(self.b1(self.c1(x)))))
+        return self.fc((F.relu(h) + h).mean((2, 3)))
+
+
+def in_place_schedule(graph, variants, impl="inplace"):
+    """The default order, every ReLU that offers `impl` run as it (a mask variant's backward as `mask` or
+    `bitmask`)."""
+    rule = impl.removesuffix("-inplace") if impl != "inplace" else None
+    masks = {v for specs in variants.specs.values() for s in specs.values() if s.name == impl for v in s.outputs}
+    steps = []
+    for n in graph.nodes:
+        specs = variants.specs.get(n.id, {})
+        if impl in specs:
+            steps.append({"compute": n.id, "impl": impl})
+        elif rule in specs and masks & set(specs[rule].inputs):
+            steps.append({"compute": n.id, "impl": rule})
+        else:
+            steps.append({"compute": n.id})
+    return steps
+
+
+@pytest.mark.filterwarnings("ignore:arena mode")            # copies of steps without an out= kernel: expected
+def test_in_place_relu_trains_exactly_like_eager_at_the_simulated_peak_and_in_arena_mode(helpers):
+    from tasks.solve.addresses import greedy_addresses
+
+    torch.manual_seed(0)
+    model = ConvBnReLU()
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4,)))
+    g = runtime.capture(model, loss_fn, batch)
+    variants = graph_variants(g)
+    relus = [n.id for n in g.nodes if n.targets[0] == "aten.relu.default"]
+    assert len(relus) == 2
+    # the first ReLU's input (a BatchNorm output) is read by it alone; the second's also by the add
+    assert {"inplace", "mask-inplace", "bitmask-inplace"} <= set(variants.specs[relus[0]])
+    assert not any(s.overwrites for s in variants.specs.get(relus[1], {}).values())
+    x = g.nodes[relus[0]].inputs[0]
+    assert variants.specs[relus[0]]["inplace"].overwrites == ((g.nodes[relus[0]].outputs[0], x),)
+    problem = Problem.from_graph(g, None, variants)
+    default = simulate(problem, runtime.default_plan(g).schedule)
+    eager = helpers.train_eager(model, loss_fn, batch)
+    for impl in ("inplace", "mask-inplace", "bitmask-inplace"):
+        schedule = in_place_schedule(g, variants, impl)
+        result = helpers.train_plan(model, loss_fn, batch, Plan(g.fingerprint, schedule), graph=g)
+        assert_equal_step(eager, result)
+        sim = simulate(problem, schedule)
+        helpers.assert_peak_matches(result.peak, sim.peak_bytes)
+        if impl == "inplace":    # the ReLU step holds one copy of the activation, not two
+            step = next(i for i, s in enumerate(schedule) if s.get("impl") == impl)
+            assert sim.timeline[step] == default.timeline[step] - g.values[x].bytes
+            assert sim.peak_bytes <= default.peak_bytes
+    # arena mode: the in-place copies get no address, every other copy is placed; the step trains like eager
+    schedule = in_place_schedule(g, variants)
+    sim = simulate(problem, schedule)
+    addresses = greedy_addresses(problem, sim)
+    assert addresses and not {(int(sim.copy_start[c]), int(sim.copy_value[c])) for c in np.flatnonzero(sim.in_place)} \
+        & set(addresses)
+    trained = copy.deepcopy(model)
+    loss = runtime.load(Plan(g.fingerprint, schedule, addresses), trained, loss_fn, graph=g, arena=True)(*batch)
+    assert torch.equal(loss, eager.loss)
+    assert all(torch.equal(p.grad, eager.grads[k]) for k, p in trained.named_parameters())
+    c = int(np.flatnonzero(sim.in_place)[0])                   # the BatchNorm output the ReLU overwrites
+    with pytest.raises(PlanError, match="a copy that an in-place step overwrites or writes into"):
+        Plan(g.fingerprint, schedule, {(int(sim.copy_start[c]), int(sim.copy_value[c])): 0}).validate(g, variants)
+    # the output-activated BatchNorm backward reads the BatchNorm output, which the ReLU overwrote: refused
+    schedule = [dict(s, impl="output") if "output" in variants.specs.get(s["compute"], {}) else s for s in schedule]
+    with pytest.raises(PlanError, match=r"reads value %d .*but schedule\[\d+\] overwrote it in place" % x):
+        Plan(g.fingerprint, schedule).validate(g, variants)
+    with pytest.raises(InvalidSchedule, match=r"reads value %d, but schedule\[\d+\] ran node %d .* in place" % (x, relus[0])):
+        simulate(problem, schedule)

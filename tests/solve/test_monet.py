@@ -3,8 +3,10 @@ than MONeT-NoOp, MONeT-NoOp close to Checkmate, predictions from the simulator."
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -71,7 +73,15 @@ def masked_chain(seed: int, n: int = 4) -> Problem:
 
 
 def brute_force(problem: Problem, budget: int) -> float | None:
-    """Cheapest simulated schedule of MONeT's space within `budget`: the forward pass once (each node any
+    """Cheapest simulated schedule of MONeT's space (`schedule_space`) within `budget`."""
+    peaks, costs = schedule_space(problem)
+    fit = costs[peaks <= budget]
+    return float(fit.min()) if len(fit) else None
+
+
+@functools.lru_cache(maxsize=4)
+def schedule_space(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """(peak, cost) of every valid schedule of MONeT's space: the forward pass once (each node any
     implementation), then before each backward node (any implementation) any set of forward nodes
     recomputed in forward order, each with any implementation."""
     fwd = [i for i in range(problem.num_nodes) if problem.is_recomputable[i]]
@@ -87,7 +97,7 @@ def brute_force(problem: Problem, budget: int) -> float | None:
 
     # backward node b_j (stage n-2-j) reads values of f_0..f_j only, so later nodes are never worth recomputing
     stage_sets = [recompute_sets(len(bwd) - k) for k in range(len(bwd))]
-    best = None
+    found = []
     for forward in itertools.product(*(steps_of(i) for i in fwd)):
         for stages in itertools.product(*([r + [b] for r in sets for b in steps_of(node)]
                                           for node, sets in zip(bwd, stage_sets))):
@@ -96,9 +106,9 @@ def brute_force(problem: Problem, budget: int) -> float | None:
                 sim = simulate(problem, schedule)
             except InvalidSchedule:
                 continue
-            if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best):
-                best = sim.compute_cost
-    return best
+            found.append((sim.peak_bytes, sim.compute_cost))
+    peaks, costs = np.array(found, dtype=float).reshape(-1, 2).T
+    return peaks, costs
 
 
 def _budgets(problem: Problem) -> list[int]:
@@ -207,3 +217,49 @@ def test_monet_auto_warm_start_runs_hierarchical_then_ap_greedy_when_checkpoint_
         sol = solve(p, "monet-noop", budget, ALONE)
         assert calls == expected
         assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget))
+
+
+def relu_chain(seed: int) -> Problem:
+    """f0: batch -> a; f1 (ReLU): a -> r, its input read by it alone; loss f2: r -> l; backward b2 reads r,
+    b1 (the ReLU's) reads its gradient and r, b0 its gradient and the batch. Variants of f1: "mask" (also a
+    mask m, which b1's "mask" reads instead of r), "inplace" (r written into a) and "mask-inplace"; b0's
+    cheaper "output" reads a instead of the batch (after an in-place f1, only a recomputed a). Random bytes."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(6, 13))
+    g2, g1, g0 = (int(x) for x in rng.integers(2, 7, 3))
+    m = int(rng.integers(1, 3))
+    #                  batch a  r  l  g2  g1  g0  m
+    value_bytes = np.array([3, B, B, 1, g2, g1, g0, m], np.int64)
+    a, r, l, vg2, vg1, vg0, vm = range(1, 8)
+    return Problem(
+        name=f"relu-chain-{seed}", cost=np.array([2.0, 1.0, 1.0, 1.0, 1.0, 4.0]), workspace=np.zeros(6, np.int64),
+        phase=("forward", "forward", "loss", "backward", "backward", "backward"),
+        node_inputs=((0,), (a,), (r,), (r,), (vg2, r), (vg1, 0)),
+        node_outputs=((a,), (r,), (l,), (vg2,), (vg1,), (vg0,)),
+        value_bytes=value_bytes, value_producer=np.array([-1, 0, 1, 2, 3, 4, 5, 1]), outputs=(l, vg0),
+        order=np.arange(6), num_variant_values=1,
+        variants=((), (Variant("mask", 1.5, 0, (a,), (r, vm)), Variant("inplace", 0.75, 0, (a,), (r,), ((r, a),)),
+                       Variant("mask-inplace", 1.25, 0, (a,), (r, vm), ((r, a),))),
+                  (), (), (Variant("mask", 1.0, 0, (vg2, vm), (vg1,)),), (Variant("output", 0.5, 0, (vg1, a), (vg0,)),)))
+
+
+def out_of_place(p: Problem) -> Problem:
+    """`p` without its in-place implementations."""
+    return replace(p, variants=tuple(tuple(v for v in offered if not v.overwrites) for offered in p.variants))
+
+
+def test_monet_with_in_place_relu_equals_brute_force_and_in_place_lowers_the_smallest_budget():
+    p = relu_chain(0)
+    lower = min_budget_lower_bound(p)
+    eager = simulate(p, [("compute", int(i)) for i in p.order]).peak_bytes
+    for q in (p, out_of_place(p)):
+        for budget in [*range(lower, eager + 1), int(p.value_bytes.sum())]:   # and one where everything fits
+            expected = brute_force(q, budget)
+            sol = solve(q, "monet", budget, ALONE)
+            assert (sol.objective if sol.feasible else None) == pytest.approx(expected), (q.name, budget, sol.schedule)
+            assert not sol.feasible or sol.predicted_peak_bytes == simulate(q, sol.schedule).peak_bytes <= budget
+    # the smallest budget any schedule fits needs the ReLU in place: without it, nothing fits there
+    smallest = next(b for b in range(lower, eager + 1) if brute_force(p, b) is not None)
+    assert brute_force(out_of_place(p), smallest) is None and smallest < eager
+    sol = solve(p, "monet", smallest, ALONE)
+    assert any(s[1] == 1 and s[2].endswith("inplace") for s in sol.schedule if len(s) > 2)

@@ -76,3 +76,61 @@ def test_unread_copy_counts_only_during_its_step():
 def test_invalid_schedules_are_rejected(schedule, message):
     with pytest.raises(InvalidSchedule, match=message):
         simulate(_diamond(), schedule)
+
+
+def _in_place_relu(extra_reader: bool = False) -> Problem:
+    """f0: x (input, 4 B) -> a (16 B); f1 (ReLU-like): a -> b (16 B), variant "inplace" writes b into a;
+    loss f2: b (and a, with `extra_reader`) -> l (4 B); backward b0: b -> g (4 B). Outputs l and g."""
+    from tasks.solve.problem import Variant
+
+    f2_inputs = (2, 1) if extra_reader else (2,)
+    return Problem(name="in-place-relu", cost=np.ones(4), workspace=np.zeros(4, np.int64),
+                   phase=("forward", "forward", "loss", "backward"), node_inputs=((0,), (1,), f2_inputs, (2,)),
+                   node_outputs=((1,), (2,), (3,), (4,)), value_bytes=np.array([4, 16, 16, 4, 4], np.int64),
+                   value_producer=np.array([-1, 0, 1, 2, 3]), outputs=(3, 4), order=np.arange(4),
+                   variants=((), (Variant("inplace", 1.0, 0, (1,), (2,), ((2, 1),)),), (), ()))
+
+
+def test_an_in_place_step_allocates_nothing_for_its_output():
+    p = _in_place_relu()
+    default = simulate(p, default_schedule(p))
+    in_place = simulate(p, [("compute", 0), ("compute", 1, "inplace"), ("compute", 2), ("compute", 3)])
+    # by hand: a | a + b | b + l | b + l + g, and in place a's copy ends before step 1 where b takes its bytes
+    assert default.timeline.tolist() == [16, 32, 20, 24] and default.peak_bytes == 32
+    assert in_place.timeline.tolist() == [16, 16, 20, 24] and in_place.peak_bytes == 24
+    assert in_place.in_place.tolist() == [True, True, False, False] and not default.in_place.any()
+
+
+def test_reading_or_freeing_an_overwritten_value_is_refused_until_it_is_computed_again():
+    p = _in_place_relu(extra_reader=True)
+    with pytest.raises(InvalidSchedule, match=r"schedule\[2\] computes node 2, which reads value 1, but "
+                                              r"schedule\[1\] ran node 1 in place, overwriting it"):
+        simulate(p, [("compute", 0), ("compute", 1, "inplace"), ("compute", 2), ("compute", 3)])
+    with pytest.raises(InvalidSchedule, match=r"frees value 1, which is not resident: schedule\[1\] ran node 1 in place"):
+        simulate(p, [("compute", 0), ("compute", 1, "inplace"), ("free", 1)])
+    again = simulate(p, [("compute", 0), ("compute", 1, "inplace"), ("compute", 0), ("compute", 2), ("compute", 3)])
+    assert again.timeline.tolist() == [16, 16, 32, 36, 24] and again.compute_cost == 5
+
+
+def test_an_in_place_pair_must_overwrite_an_internal_value_of_equal_size():
+    from dataclasses import replace
+
+    from tasks.solve.problem import ProblemError, Variant
+
+    p = _in_place_relu()
+    for overwrites, outputs in [(((2, 0),), (3, 4)), (((2, 1),), (1, 3, 4))]:   # a graph input; a graph output
+        variant = Variant("inplace", 1.0, 0, (0, 1), (2,), overwrites)
+        with pytest.raises(ProblemError, match="overwrites input .* with output 2; an in-place pair"):
+            replace(p, variants=((), (variant,), (), ()), outputs=outputs)
+
+
+def test_copies_of_an_in_place_step_get_no_address():
+    from tasks.solve.addresses import greedy_addresses
+    from tasks.solve.simulator import AddressConflict
+
+    p = _in_place_relu()
+    schedule = [("compute", 0), ("compute", 1, "inplace"), ("compute", 2), ("compute", 3)]
+    sim = simulate(p, schedule)
+    assert greedy_addresses(p, sim) == {}                      # a and b share storage; l and g are outputs
+    with pytest.raises(AddressConflict, match=r"value 1 at schedule\[0\]: that copy is overwritten in place"):
+        simulate(p, schedule, {(0, 1): 0})

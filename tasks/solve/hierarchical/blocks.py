@@ -159,7 +159,8 @@ def _block(problem: Problem, index: int, forward: list[int], backward: list[int]
         for v in (*problem.node_inputs[node], *problem.node_outputs[node]):
             local_of.setdefault(v, len(local_of))
     local_node = {int(g): i for i, g in enumerate(nodes)}
-    variants, num_variant_values = _block_variants(problem, nodes, local_node, local_of)
+    variants, num_variant_values = _block_variants(problem, nodes, local_of,
+                                                   lambda v: problem.is_output[v] or readers[v] - {index})
     values = np.fromiter(local_of, dtype=np.int64, count=len(local_of))
     producer = np.array([local_node.get(int(problem.value_producer[v]), -1) for v in values], dtype=np.int64)
     outputs = tuple(local_of[v] for v in values[:len(values) - num_variant_values].tolist()
@@ -183,15 +184,16 @@ def _block(problem: Problem, index: int, forward: list[int], backward: list[int]
     )
     text = repr((len(forward), names, sub.node_inputs, sub.node_outputs, sub.value_bytes.tolist(),
                  producer.tolist(), outputs, sub.workspace.tolist(),
-                 [[(v.name, v.inputs, v.outputs, v.workspace) for v in offered] for offered in variants]))
+                 [[(v.name, v.inputs, v.outputs, v.workspace, *([v.overwrites] if v.overwrites else [])) for v in offered] for offered in variants]))
     return Block(nodes, len(forward), sub, hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
-def _block_variants(problem: Problem, nodes: np.ndarray, local_node: dict[int, int],
-                    local_of: dict[int, int]) -> tuple[tuple[tuple[Variant, ...], ...], int]:
+def _block_variants(problem: Problem, nodes: np.ndarray, local_of: dict[int, int],
+                    exported) -> tuple[tuple[tuple[Variant, ...], ...], int]:
     """The block's implementation variants in local ids (variant-only values made in the block appended to
     `local_of`, last); a variant reading a value of another block that the block does not hold is left
-    out (its partner then makes a value nobody reads, which no solver picks)."""
+    out (its partner then makes a value nobody reads, which no solver picks), and so is an in-place one
+    whose overwritten input the block does not make or `exported(value)` (a block output)."""
     if not problem.variants:
         return (), 0
     base = problem.num_values - problem.num_variant_values
@@ -199,9 +201,12 @@ def _block_variants(problem: Problem, nodes: np.ndarray, local_node: dict[int, i
             if v >= base and v not in local_of]
     for v in dict.fromkeys(made):
         local_of[v] = len(local_of)
+    inside = set(nodes.tolist())
     offered = tuple(tuple(Variant(x.name, x.cost, x.workspace, tuple(local_of[v] for v in x.inputs),
-                                  tuple(local_of[v] for v in x.outputs))
-                          for x in problem.variants[g] if all(v in local_of for v in x.inputs))
+                                  tuple(local_of[v] for v in x.outputs),
+                                  tuple((local_of[o], local_of[i]) for o, i in x.overwrites))
+                          for x in problem.variants[g] if all(v in local_of for v in x.inputs)
+                          and all(problem.value_producer[i] in inside and not exported(i) for _, i in x.overwrites))
                     for g in nodes.tolist())
     return (offered if any(offered) else ()), len(dict.fromkeys(made))
 

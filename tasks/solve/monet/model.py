@@ -45,20 +45,31 @@ arithmetic over these column tables (no per-variable loops); the blocks are stac
 | forward memory                      | ws_i + |x_i| + const_i + F_i <= M                          | (1), (14)    |
 | recomputation memory                | ws_i^k + |x_i^k| + G_k + A_i^k + B_i^k + sum |v| y_{v,i}^k <= M | (6), (12), (13), (14) |
 | backward memory                     | hat-ws_k + |y_k| + G_k + B_N^k <= M                        | (5), (10), (14) |
+| in-place: overwritten value gone    | read_{t,a} + q_{i,a} <= 1 (t > i), D_k(a) + q_{i,a}^k <= 1, s_a^{next} + q_{i,a} <= 1 | C.3 (15), (16) |
 | retention (hierarchical ladders)    | const + sum_v |v| s_v^0 <= B_ret                           | -            |
 | objective                           | sum tau delta + sum hat-tau hat-delta + sum tau delta^k    | (9)          |
 
 Built by `_implementation_rows` (first row, objective), `_forward_rows` (forward availability, F_i,
-forward memory, retention), `_stage_rows` ((7), (8), w) and `_memory_rows` (A, B, y, memory during the
-backward pass).
+forward memory, retention), `_stage_rows` ((7), (8), w), `_in_place_rows` (C.3) and `_memory_rows` (A, B,
+y, memory during the backward pass).
 
 (12) and (13) are one row per (i, k): with r_i^k = 0 the step's workspace and output vanish and the row is
 (13), the memory between two steps. p(v) is the producer's forward position, c(v) the last forward
 position reading v (any implementation). Nodes and values that no backward node at stage >= k needs
 (directly or through forward consumers) have no r or s at stage k.
 
-In-place (C.3, eq. 15-16): the problem's variants carry no in-place implementations (a variant
-allocates its outputs), so no q/p variables are built.
+In-place (C.3, eq. 15-16). An in-place implementation of forward node i (`Variant.overwrites`: its output
+written into input a) is one more implementation l, so the paper's q_i^k is the sum of i's in-place
+implementation columns that overwrite a (df in the forward pass, dr^k in stage k), and q <= r (16) is the
+one-implementation row. Its memory is its outputs less the overwritten bytes: a is read by i, so a is counted
+at step i exactly once (the forward pass's open values; y_{a,i}^k >= read_{i,a}^k in a stage), and the
+in-place step's |x_i| - |a| is the simulator's (a's copy ends before the step, the output takes its bytes).
+Instead of the paper's p_j^k (r_j^k unless overwritten, replacing r in (7)) a is made unavailable after step i
+directly: no later reader t > i in the same pass or stage (read_{t,a} + q <= 1; MONeT recomputes in forward
+order, so a cannot be made again after i within the stage), not stage k's backward node (D_k(a) + q^k <= 1),
+not kept into the next stage (s_a^{k+1} + q^k <= 1, s_a^0 + q <= 1 for the forward pass: (15)'s
+s <= 2 - 2q). In-place backward implementations are refused (`split_passes`). The model stays exact on
+MONeT's space (tests compare it with a brute force on a graph with an in-place ReLU).
 """
 
 from __future__ import annotations
@@ -75,13 +86,15 @@ from tasks.solve.simulator import normalize_schedule, simulate
 
 @dataclass
 class _Impl:
-    """Implementations of one node: names (default first), inputs, outputs, workspace, cost."""
+    """Implementations of one node: names (default first), inputs, outputs, workspace, cost, and the inputs
+    each overwrites in place (`over`)."""
 
     names: tuple[str, ...]
     ins: list[frozenset[int]]
     outs: list[frozenset[int]]
     ws: np.ndarray
     cost: np.ndarray
+    over: list[frozenset[int]]
 
 
 @dataclass
@@ -121,7 +134,8 @@ class MonetLayout:
 def _impls(problem: Problem, node: int) -> _Impl:
     vs = [problem.variant(node, name) for name in problem.impls(node)]
     return _Impl(tuple(v.name for v in vs), [frozenset(v.inputs) for v in vs], [frozenset(v.outputs) for v in vs],
-                 np.array([v.workspace for v in vs], dtype=np.float64), np.array([v.cost for v in vs], dtype=np.float64))
+                 np.array([v.workspace for v in vs], dtype=np.float64), np.array([v.cost for v in vs], dtype=np.float64),
+                 [frozenset(i for _, i in v.overwrites) for v in vs])
 
 
 def split_passes(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -139,6 +153,10 @@ def split_passes(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
                     raise ProblemError(f"problem {problem.name!r}: forward {problem.node_label(node)} reads value {v} "
                                        f"of backward {problem.node_label(int(prod))}; MONeT runs the whole forward "
                                        f"pass first, so forward nodes may read only forward values and inputs.")
+    for node in bwd.tolist():
+        if any(problem.variant(node, impl).overwrites for impl in problem.impls(node)):
+            raise ProblemError(f"problem {problem.name!r}: backward {problem.node_label(node)} has an in-place "
+                               f"implementation; MONeT's program models in-place forward nodes only (C.3).")
     return fwd, bwd
 
 
@@ -294,7 +312,8 @@ class _Program:
     outputs), `const_prefix[i]` (forward graph outputs made before i); the continuous columns: F_i
     (`Fcol`), per stage with any r or s (`full`) w_v^k (`wcol`), A_i^k and B_i^k (from `Abase[k]`,
     `Bbase[k]`), and y_{v,i}^k for the open pairs (oi, oa) (a open at i: p(a) < i <= c(a)), pair yj at
-    stage yk in column ycol (yfirst[j] + k indexes pair j's y at stage k)."""
+    stage yk in column ycol (yfirst[j] + k indexes pair j's y at stage k); in-place pairs (wi, wa) with
+    `over[pair, l]`: implementation l of forward step wi overwrites value wa."""
 
     L: MonetLayout
     vb: np.ndarray
@@ -327,6 +346,9 @@ class _Program:
     ycol: np.ndarray
     yfirst: np.ndarray
     ncols: int
+    wi: np.ndarray
+    wa: np.ndarray
+    over: np.ndarray
 
     def made(self, a: np.ndarray, k: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Indicator that the forward pass (k None) or stage k's recomputation makes value a, as
@@ -350,8 +372,9 @@ def _program(problem: Problem, L: MonetLayout) -> _Program:
     bim = [L.impl[x] for x in L.bwd.tolist()]
     width = max([len(im.names) for im in fim + bim], default=1)
 
-    def out_bytes(im: _Impl) -> np.ndarray:
-        return np.array([problem.value_bytes[list(o)].sum() if o else 0 for o in im.outs], dtype=np.float64) / M
+    def out_bytes(im: _Impl) -> np.ndarray:        # an in-place output takes its input's bytes (C.3)
+        return np.array([problem.value_bytes[list(o)].sum() - problem.value_bytes[list(w)].sum()
+                         for o, w in zip(im.outs, im.over)], dtype=np.float64) / M
 
     a_of = np.full(problem.num_values, -1, dtype=np.int64)
     a_of[L.vals] = np.arange(nv)
@@ -360,6 +383,7 @@ def _program(problem: Problem, L: MonetLayout) -> _Program:
     _, oa, made_by = _membership(fim, "outs", a_of, width)
     made_in = np.zeros((nv, width))
     made_in[oa] = made_by
+    wi, wa, over = _membership(fim, "over", a_of, width)      # (i, a): implementations of i overwriting a
 
     # graph outputs made by forward nodes: resident from their producer on
     fpos = np.full(problem.num_nodes, -1, dtype=np.int64)
@@ -414,7 +438,7 @@ def _program(problem: Problem, L: MonetLayout) -> _Program:
         _padded([im.ws / M + out_bytes(im) for im in fim], width), _padded([im.ws / M + out_bytes(im) for im in bim], width),
         ri, ra, read, bk, ba, dep, made_in, G, const_prefix, live, full, L.num_vars + np.arange(N + 1),
         np.where(live, wbase[:, None] + np.cumsum(live, axis=1) - 1, -1), Abase, Bbase, oi, oa, yj, yk, ycol,
-        np.cumsum(per_pair) - per_pair, L.num_vars + N + 1 + int(size.sum()))
+        np.cumsum(per_pair) - per_pair, L.num_vars + N + 1 + int(size.sum()), wi, wa, over)
 
 
 def _implementation_rows(P: _Program, rows: _Rows) -> tuple[float, np.ndarray, np.ndarray]:
@@ -573,6 +597,77 @@ def _memory_rows(P: _Program, rows: _Rows) -> np.ndarray:
     return np.concatenate([budget_rec, budget_bwd])
 
 
+def _repeat_terms(e: np.ndarray, n: int, owner: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Terms (by expression `e`, of n expressions) repeated for each row j of `owner[j]`'s expression:
+    (row j, term index) pairs."""
+    count = np.bincount(e, minlength=n)
+    by_expr = np.argsort(e, kind="stable")
+    j, off = _ragged(count[owner])
+    return j, by_expr[(np.cumsum(count) - count)[owner[j]] + off]
+
+
+def _in_place_rows(P: _Program, rows: _Rows) -> None:
+    """In-place implementations (C.3, eq. 15-16) for each forward node i and value a it may overwrite, with
+    q = the sum of i's implementations overwriting a (df in the forward pass, dr^k in stage k; q <= 1 and
+    q <= r, eq. 16, by the one-implementation rows): a is gone for the rest of the pass or stage, so its
+    readers t > i in it (eq. 15's p replacing r in (7)) read_{t,a} + q <= 1, stage k's backward node
+    D_k(a) + q^k <= 1, and it is not kept (eq. 15's s <= 2 - 2q) s_a^0 + q <= 1, s_a^{k+1} + q^k <= 1. The
+    memory rows charge an in-place step its outputs less the bytes it overwrites (`_program`)."""
+    L, nf = P.L, P.nf
+    N, K, wi, wa = L.N, L.K, P.wi, P.wa
+    if not len(wi):
+        return
+    key = P.ra * N + P.ri                                      # forward reads, sorted
+    lo, hi = np.searchsorted(key, wa * N + wi + 1), np.searchsorted(key, wa * N + N)
+    entry, off = _ragged(hi - lo)                              # (entry, a read of its value by t > i)
+    q = lo[entry] + off
+    t = P.ri[q]
+
+    def add(rws: np.ndarray, owner: np.ndarray, qe: np.ndarray, qcol: np.ndarray, qcoef: np.ndarray, n: int) -> None:
+        j, term = _repeat_terms(qe, n, owner)
+        rows.add(rws[j], qcol[term], qcoef[term])
+
+    # the forward pass
+    _, qe, qcol, qcoef = _impl_terms(P.over, nf[wi], np.full(len(wi), -1), L.df[wi])
+    const, e, col, coef = _impl_terms(P.read[q], nf[t], np.full(len(q), -1), L.df[t])
+    rws = rows.block(len(q), -np.inf, 1.0 - const)
+    rows.add(rws[e], col, coef)
+    add(rws, entry, qe, qcol, qcoef, len(wi))
+    if K:
+        kept = np.flatnonzero(L.s[0, wa] >= 0)
+        rws = rows.block(len(kept), -np.inf, 1.0)
+        rows.add(rws, L.s[0, wa[kept]], 1.0)
+        add(rws, kept, qe, qcol, qcoef, len(wi))
+
+    # each stage k where i is recomputed
+    k, x = np.nonzero(L.r[:, wi] >= 0)                         # (stage, entry)
+    i, a = wi[x], wa[x]
+    _, qe, qcol, qcoef = _impl_terms(P.over[x], nf[i], L.r[k, i], L.dr[k, i])
+    n = len(x)
+    z, off = _ragged(hi[x] - lo[x])                            # later readers t of a recomputed in stage k
+    q = lo[x[z]] + off
+    t = P.ri[q]
+    keep = L.r[k[z], t] >= 0
+    z, q, t = z[keep], q[keep], t[keep]
+    _, e, col, coef = _impl_terms(P.read[q], nf[t], L.r[k[z], t], L.dr[k[z], t])
+    rws = rows.block(len(z), -np.inf, 1.0)
+    rows.add(rws[e], col, coef)
+    add(rws, z, qe, qcol, qcoef, n)
+    nxt = np.flatnonzero(k + 1 < K)
+    kept = nxt[L.s[k[nxt] + 1, a[nxt]] >= 0]
+    rws = rows.block(len(kept), -np.inf, 1.0)
+    rows.add(rws, L.s[k[kept] + 1, a[kept]], 1.0)
+    add(rws, kept, qe, qcol, qcoef, n)
+    dkey = P.ba * K + P.bk                                     # backward reads D_k, sorted
+    pos = np.minimum(np.searchsorted(dkey, a * K + k), max(len(dkey) - 1, 0))
+    read = np.flatnonzero(dkey[pos] == a * K + k) if len(dkey) else np.zeros(0, np.int64)
+    pos = pos[read]
+    const, e, col, coef = _impl_terms(P.dep[pos], P.nb[k[read]], np.full(len(read), -1), L.db[k[read]])
+    rws = rows.block(len(read), -np.inf, 1.0 - const)
+    rows.add(rws[e], col, coef)
+    add(rws, read, qe, qcol, qcoef, n)
+
+
 def build_model(problem: Problem, budget: float, retained: float | None = None) -> tuple[MilpModel, MonetLayout]:
     """MONeT's program for `problem` under `budget` bytes (module docstring; `retained` adds the
     retention row const + sum |v| s_v^0 <= retained), each row block built as one block of COO triplets."""
@@ -582,6 +677,7 @@ def build_model(problem: Problem, budget: float, retained: float | None = None) 
     offset, cost_cols, cost_coefs = _implementation_rows(P, rows)
     budget_rows = [_forward_rows(P, rows, retained)]
     _stage_rows(P, rows)
+    _in_place_rows(P, rows)
     budget_rows.append(_memory_rows(P, rows))
     A, lo, hi = rows.matrix(P.ncols)
     c = np.zeros(P.ncols)
