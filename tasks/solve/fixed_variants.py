@@ -53,12 +53,13 @@ def tag_schedule(schedule: list, choice: Choice) -> list:
 
 
 def family_choice(problem: Problem, families: tuple[str, ...]) -> Choice:
-    """Each node offering one of `families` runs the first it offers; a node reading a value that no chosen
+    """Each node offering one of `families` runs the first it offers (never an in-place one, which a problem
+    without variants cannot state); a node reading a value that no chosen
     implementation makes falls back to its default (or, running its default already, the producers it
     reads do: a compact max-pool whose backward keeps the default), until every read is made."""
-    choice = {node: next(f for f in families if f in names)
-              for node in range(problem.num_nodes)
-              for names in [problem.impls(node)] if any(f in names for f in families)}
+    choice = {node: names[0] for node in range(problem.num_nodes)
+              for names in [[f for f in families if f in problem.impls(node)
+                             and not problem.variant(node, f).overwrites]] if names}
     while True:
         made = set()
         for node in range(problem.num_nodes):

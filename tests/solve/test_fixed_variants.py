@@ -88,3 +88,13 @@ def test_a_forward_variant_replacing_what_a_default_backward_reads_is_not_chosen
                 variants=((Variant("compact", 1.0, 0, (0,), (4,)),), (), ()))
     assert family_choice(p, ("compact",)) == {}
     assert candidate_choices(p) == [{}]
+
+
+def test_in_place_variants_are_never_fixed():
+    """A problem without variants cannot say that a step writes into its input: `inplace` is skipped."""
+    relu = Problem(name="relu", cost=np.ones(3), workspace=np.zeros(3, np.int64), phase=("forward", "forward", "loss"),
+                   node_inputs=((0,), (1,), (2,)), node_outputs=((1,), (2,), (3,)),
+                   value_bytes=np.array([4, 8, 8, 4], np.int64), value_producer=np.array([-1, 0, 1, 2]),
+                   outputs=(3,), order=np.arange(3),
+                   variants=((), (Variant("inplace", 1.0, 0, (1,), (2,), ((2, 1),)),), ()))
+    assert family_choice(relu, ("inplace",)) == {} and candidate_choices(relu) == [{}]
