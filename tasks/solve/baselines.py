@@ -176,15 +176,17 @@ def module_instances(problem: Problem) -> list[list[int]]:
 def module_checkpoints(problem: Problem, every: int) -> list[int]:
     """What `torch.utils.checkpoint` around every `every` consecutive modules keeps (values): each
     segment's outputs (values its nodes make and a forward node outside it reads) and every value made
-    by a forward node outside the modules (a user checkpoints the layers, not the rest)."""
+    by a forward node outside the modules (a user checkpoints the layers, not the rest). Graph outputs
+    made inside a segment (BatchNorm's running statistics) are resident anyway and are not segment
+    boundaries: as checkpoints they cut every block at each BatchNorm, whose recomputed inputs then stayed
+    live until the backward (ResNet-50: no saving at all)."""
     runs = module_instances(problem)
     inside = {node for run in runs for node in run}
     kept = [v for node in forward_nodes(problem) if node not in inside for v in problem.node_outputs[node]]
     for i in range(0, len(runs), every):
         nodes = {node for run in runs[i:i + every] for node in run}
         kept += [v for node in nodes for v in problem.node_outputs[node]
-                 if problem.is_output[v] or any(problem.is_recomputable[u] and u not in nodes
-                                                for u in problem.value_users[v])]
+                 if any(problem.is_recomputable[u] and u not in nodes for u in problem.value_users[v])]
     return kept
 
 
