@@ -193,11 +193,13 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
 
     `node_function(graph, node_id)` gives the callable of a node, `variant_function(graph, node_id, impl)`
     that of a variant; they default to `runtime.node_function` / `runtime.variant_function`, which need a
-    graph made by `runtime.capture` on the same device. `model` names the model in the store (default: the
-    graph's `meta["model"]`).
+    graph made by `runtime.capture` on the same device; given a `node_function` and no `variant_function`
+    (a graph built by hand), only the default implementations are measured. `model` names the model in the
+    store (default: the graph's `meta["model"]`).
     """
-    from runtime.variants import graph_variants
+    from runtime.variants import GraphVariants, graph_variants
 
+    defaults_only = node_function is not None and variant_function is None
     if node_function is None:
         from runtime import node_function
     if variant_function is None:
@@ -208,7 +210,7 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
     model = model or graph.meta.get("model")
     if not model:
         raise ValueError("Name the model being profiled (model=...): the graph's meta has no 'model'.")
-    variants = graph_variants(graph)
+    variants = GraphVariants(len(graph.values), (), {}) if defaults_only else graph_variants(graph)
     specs = [list(variants.specs.get(node.id, {}).values()) for node in graph.nodes]
     functions = [[(DEFAULT_IMPL, node.inputs, node.outputs, (), node_function(graph, node.id))] +
                  [(s.name, s.inputs, s.outputs, tuple(i for _, i in s.overwrites),

@@ -68,9 +68,6 @@ def _build_on_cpu(name: str, n: int):
                             eos_token_id=0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh")
         return GPT2LMHeadModel(config).train(), lm_loss, (torch.randint(0, 128, (n, 32)),)
     import torchvision
-    if name == "inception_v3":                 # the smallest input it takes; no auxiliary head output
-        model = torchvision.models.inception_v3(num_classes=10, aux_logits=False, init_weights=False)
-        return model, cross_entropy, (torch.randn(n, 3, 75, 75), torch.randint(0, 10, (n,)))
     model = getattr(torchvision.models, name)(num_classes=10)
     return model, cross_entropy, (torch.randn(n, 3, 64, 64), torch.randint(0, 10, (n,)))
 

@@ -23,7 +23,8 @@ def acg_plan(graph, budget_fraction=None):
     return solution.to_plan(problem), solution
 
 
-@pytest.mark.parametrize("name", ["resnet50", "densenet121", "inception_v3", "vgg16"])
+@pytest.mark.parametrize("name", ["resnet50", "densenet121"])     # residual and dense branching (inception_v3 and
+# vgg16 were dropped for the suite's 10 minutes: 52 s of its time; bench/acg_paper_table.py plans both)
 def test_memory_optimal_acg_plan_trains_like_eager(captured, helpers, name):
     model, loss_fn, batch, graph = captured(name)
     plan, solution = acg_plan(graph)
