@@ -184,7 +184,7 @@ def _block(problem: Problem, index: int, forward: list[int], backward: list[int]
     )
     text = repr((len(forward), names, sub.node_inputs, sub.node_outputs, sub.value_bytes.tolist(),
                  producer.tolist(), outputs, sub.workspace.tolist(),
-                 [[(v.name, v.inputs, v.outputs, v.workspace, *([v.overwrites] if v.overwrites else [])) for v in offered] for offered in variants]))
+                 [[(v.name, v.inputs, v.outputs, v.workspace, v.overwrites) for v in offered] for offered in variants]))
     return Block(nodes, len(forward), sub, hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
