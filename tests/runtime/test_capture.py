@@ -197,3 +197,42 @@ def test_concatenations_of_growing_lists_are_chained(helpers):
     plan = runtime.default_plan(g)
     helpers.assert_same_step(helpers.train_eager(model, loss_fn, batch),
                              helpers.train_plan(model, loss_fn, batch, plan, graph=g))
+
+
+class _Pointwise(torch.nn.Module):
+    """A 3x3 convolution, then pointwise ones (one strided): only the stride-1 pointwise input gradients
+    are matrix products."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.expand, self.project = torch.nn.Conv2d(8, 16, 1), torch.nn.Conv2d(16, 8, 1, bias=False)
+        self.down = torch.nn.Conv2d(8, 4, 1, stride=2)
+
+    def forward(self, x):
+        return self.down(self.project(torch.relu(self.expand(torch.relu(self.stem(x)))))).mean((2, 3))
+
+
+@pytest.mark.parametrize("dtype, threads, products", [(torch.float32, 1, 2), (torch.float64, 2, 2),
+                                                      (torch.float32, 2, 0)])
+def test_pointwise_input_gradients_are_matrix_products_where_aten_uses_its_gemm_path(helpers, dtype, threads,
+                                                                                      products):
+    torch.manual_seed(0)
+    model = _Pointwise().to(dtype)
+    batch = (torch.randn(3, 3, 9, 9, dtype=dtype), torch.randint(0, 4, (3,)))
+    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = runtime.capture(model, loss_fn, batch)
+        eager = helpers.train_eager(model, loss_fn, batch)
+        planned = helpers.train_plan(model, loss_fn, batch, runtime.default_plan(g), graph=g)
+    finally:
+        torch.set_num_threads(before)
+    bmm = [n for n in g.nodes if n.targets[0] == "aten.bmm.default"]
+    transposed = [n for n in g.nodes if n.phase == "backward" and n.targets[0] == "aten.convolution.default"]
+    assert len(bmm) == products and len(transposed) == 3 - products   # the stem has no input gradient
+    forward_inputs = {n.inputs[0] for n in g.nodes if n.phase == "forward" and n.targets[0] == "aten.convolution.default"}
+    assert not any(forward_inputs & set(n.inputs) for n in bmm)    # the forward input can go after the weight gradient
+    assert torch.equal(eager.loss, planned.loss)
+    assert all(torch.equal(eager.grads[k], planned.grads[k]) for k in eager.grads)
