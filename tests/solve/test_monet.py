@@ -219,6 +219,24 @@ def test_monet_auto_warm_start_runs_hierarchical_then_ap_greedy_when_checkpoint_
         assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget))
 
 
+def test_monet_auto_warm_start_on_a_problem_with_variants_is_monet_noops_answer(monkeypatch):
+    """Below the eager peak, `monet` first solves MONeT-NoOp's program (every node at its default) and
+    starts its own MILP from that answer, so it cannot end worse than `monet-noop`."""
+    monet_solver = importlib.import_module("tasks.solve.monet.solver")
+    p = masked_chain(6)                                       # variants beat NoOp here (see above)
+    eager = simulate(p, [("compute", int(i)) for i in p.order]).peak_bytes
+    budget = next(b for b in reversed(_budgets(p)) if b < eager and solve(p, "monet-noop", b, ALONE).feasible)
+    runs, real = [], monet_solver.solve_milp
+    monkeypatch.setattr(monet_solver, "solve_milp", lambda model, opts: runs.append((model, opts.mip_start))
+                        or real(model, opts))
+    sol = solve(p, "monet", budget, ALONE)
+    noop = solve(p, "monet-noop", budget, ALONE)
+    (noop_model, _), (model, start), _ = runs               # monet-noop inside monet, monet, monet-noop alone
+    assert noop_model.num_variables < model.num_variables and start is not None
+    assert sol.feasible and noop.feasible and sol.objective < noop.objective
+    assert sol.objective == pytest.approx(brute_force(p, budget))
+
+
 def relu_chain(seed: int) -> Problem:
     """f0: batch -> a; f1 (ReLU): a -> r, its input read by it alone; loss f2: r -> l; backward b2 reads r,
     b1 (the ReLU's) reads its gradient and r, b0 its gradient and the batch. Variants of f1: "mask" (also a

@@ -3,14 +3,17 @@
 `monet` chooses checkpoints and every node's implementation variant jointly; `monet-noop` is the same
 program on the problem without variants (the paper's MONeT-NoOp). Both start from a cheaper solver's
 schedule when it fits and lies in MONeT's space (`warm_start`: checkpoint-all, else hierarchical, else
-ap-greedy) and return it when the MILP finds nothing better in its time.
+ap-greedy) and return it when the MILP finds nothing better in its time. `monet` on a problem with
+variants starts from `monet-noop`'s answer instead (solved in a third of the time): MONeT-NoOp's program
+is MONeT's with every node held to its default, so its schedule always seeds MONeT's MILP and `monet`
+ends no worse than `monet-noop` did.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Literal
 
 from tasks.solve.milp import MilpOptions, Progress, solve_milp
@@ -26,15 +29,22 @@ log = logging.getLogger("memplan.solve")
 class MonetOptions:
     """Options of `monet` and `monet-noop`."""
 
-    warm_start: Literal["auto", "checkpoint-all", "hierarchical", "ap-greedy", "none"] = field(default="auto", metadata={
-        "help": "solver whose schedule starts the MILP when it fits the budget and lies in MONeT's space "
-                "(forward pass once, recomputations before backward nodes); 'auto': checkpoint-all when it fits, "
-                "else hierarchical (its Checkmate blocks), else ap-greedy; SolveOptions.mip_start wins."})
+    warm_start: Literal["auto", "checkpoint-all", "monet-noop", "hierarchical", "ap-greedy", "none"] = field(
+        default="auto", metadata={
+            "help": "solver whose schedule starts the MILP when it fits the budget and lies in MONeT's space "
+                    "(forward pass once, recomputations before backward nodes); 'auto': checkpoint-all when it "
+                    "fits, else for `monet` on a problem with variants monet-noop (in a third of the time limit), "
+                    "else hierarchical (its Checkmate blocks), else ap-greedy; SolveOptions.mip_start wins."})
+
+
+NOOP_SHARE = 1 / 3
+"""Share of `monet`'s time limit that its `monet-noop` warm start may take."""
 
 
 def warm_schedules(problem: Problem, budget: int, how: str, options: SolveOptions) -> Iterator[list]:
     """The fitting schedules of the named cheaper solver at `budget`, in turn for 'auto' (checkpoint-all,
-    hierarchical, ap-greedy), each computed only when the one before did not seed the MILP."""
+    monet-noop where `problem` has variants, hierarchical, ap-greedy), each computed only when the one
+    before did not seed the MILP."""
     if how == "none":
         return
     if how in ("checkpoint-all", "auto"):
@@ -42,6 +52,14 @@ def warm_schedules(problem: Problem, budget: int, how: str, options: SolveOption
         if simulate(problem, schedule).peak_bytes <= budget:
             yield schedule
         if how == "checkpoint-all":
+            return
+    if how == "monet-noop" or (how == "auto" and problem.has_variants):
+        limit = None if options.time_limit is None else options.time_limit * NOOP_SHARE
+        noop = solve_monet(problem.without_variants(), budget, replace(options, time_limit=limit, mip_start=None,
+                                                                       params=MonetOptions()), "monet-noop")
+        if noop.schedule is not None:
+            yield noop.schedule
+        if how == "monet-noop":
             return
     from tasks.solve import SOLVERS
 
