@@ -46,7 +46,7 @@ from runtime.variants import RULES, graph_variants  # noqa: E402
 from tasks.solve import solve  # noqa: E402
 from tasks.solve.problem import Problem  # noqa: E402
 from tasks.solve.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve.solution import SolveOptions  # noqa: E402
+from tasks.solve.solution import SolveOptions, min_budget_lower_bound  # noqa: E402
 
 FRACTIONS = (0.7, 0.5, 0.4)
 
@@ -98,6 +98,9 @@ def bench(name: str, args) -> list[dict]:
         start = time.perf_counter()
         sol = solve(prob, solver, budget, options)
         if not sol.feasible:
+            lower = min_budget_lower_bound(prob) / full
+            print(f"{name}: {label}: no plan ({sol.status}; no schedule fits below {lower:.3f} of the peak, "
+                  f"a bound): {sol.message}"[:400])
             return False
         planned = copy.deepcopy(model)
         step = runtime.load(sol.to_plan(prob), planned, loss_fn, graph=graph)
