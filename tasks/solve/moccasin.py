@@ -336,7 +336,8 @@ def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     no-recomputation schedule), minimize the peak down to the budget (skipped when the start fits); (2)
     with the peak at most the budget, minimize the compute cost from phase 1's schedule, to relative gap
     `options.gap`. A start that is not
-    frontier-advancing or exceeds `max_copies` is not used as a hint."""
+    frontier-advancing or exceeds `max_copies` is not used as a hint, but is returned when it fits and
+    phase 1 finds nothing."""
     from ortools.sat.python import cp_model
 
     t0 = time.perf_counter()
@@ -397,6 +398,11 @@ def moccasin(problem: Problem, budget: int, options: SolveOptions) -> Solution:
                    f"{opts.max_copies} computations per node fits" if status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
                    else "time limit reached before a schedule within the budget was found")
             kind = "infeasible" if status in (cp_model.OPTIMAL, cp_model.INFEASIBLE) else "no_solution"
+            if options.mip_start is not None and simulate(fine, options.mip_start).peak_bytes <= budget:
+                return checked_solution(fine, "moccasin", budget, options.mip_start, status="feasible",
+                                        solve_seconds=time.perf_counter() - t0, backend="cp-sat",
+                                        message=f"{why}; returned the start schedule, which lies outside that space",
+                                        **size)
             return Solution("moccasin", budget, kind, solve_seconds=time.perf_counter() - t0, backend="cp-sat",
                             min_budget_lower_bound=max(lower, budget + 1) if kind == "infeasible" else lower,
                             message=why, **size)

@@ -1,6 +1,8 @@
 """MOCCASIN's CP model (tasks/solve/moccasin.py) against independent optima: the exhaustive search over
 all schedules of Checkmate's linear graph, a closed form, and Checkmate's MILP on a random DAG."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -72,6 +74,16 @@ def test_fewer_copies_can_only_cost_more(linear):
     assert one.objective == 9                      # the eager schedule fits
     assert moccasin(problem, 5, exact(1)).status == "infeasible"
     assert moccasin(problem, 5, exact(2)).objective == 10
+
+
+def test_a_fitting_start_outside_the_model_is_returned_when_the_model_has_none(linear):
+    """With one copy per node nothing fits budget 5 in the model; a start that recomputes (two copies)
+    fits, cannot be a hint, and is the answer rather than 'infeasible'."""
+    problem = linear(4)
+    start = moccasin(problem, 5, exact(2)).schedule
+    sol = moccasin(problem, 5, replace(exact(1), mip_start=start))
+    check(problem, 5, sol)
+    assert sol.status == "feasible" and sol.schedule == start and sol.objective == 10
 
 
 def test_portfolio_answer_is_never_worse_than_the_cheap_solvers(benchmark_paths):
