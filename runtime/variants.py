@@ -341,10 +341,17 @@ RULES: dict[str, Callable[[_Builder], None]] = {"mask": _zero_mask, "output": _n
 
 
 def graph_variants(graph: OpGraph, rules: tuple[str, ...] | None = None) -> GraphVariants:
-    """The variants `graph` offers under `rules` (default: every rule in `RULES`, in registry order)."""
+    """The variants `graph` offers under `rules` (default: every rule in `RULES`). Every rule runs, in
+    registry order, and the specs of those not chosen are dropped, so variant value ids do not depend on
+    `rules`: a plan made with some rules names the values that `graph_variants(graph)` (the executor's,
+    the plan checker's) numbers alike. A dropped rule's values stay listed, allocated by no variant."""
+    unknown = [name for name in rules or () if name not in RULES]
+    if unknown:
+        raise KeyError(f"unknown variant rule {unknown[0]!r}; known rules: {', '.join(RULES)}.")
     b = _Builder(graph)
-    for name in RULES if rules is None else rules:
-        if name not in RULES:
-            raise KeyError(f"unknown variant rule {name!r}; known rules: {', '.join(RULES)}.")
-        RULES[name](b)
+    for name, rule in RULES.items():
+        kept = {node: dict(specs) for node, specs in b.specs.items()}
+        rule(b)
+        if rules is not None and name not in rules:
+            b.specs = kept
     return GraphVariants(len(graph.values), tuple(b.values), b.specs)
