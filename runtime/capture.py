@@ -10,7 +10,9 @@ shapes and dtypes that the fingerprint already fixes.
 Before folding, concatenations are chained (`_chain_concatenations`): a `cat` whose list extends the
 list of an earlier `cat` along the same dimension reads that result instead of the pieces again. The
 value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
-each piece is needed only until the next concatenation.
+each piece is needed only until the next concatenation. Each convolution backward is split into its
+weight- and input-gradient halves (`_split_convolution_backward`), and the cross-entropy backward's two
+logits-sized ops become one (`_fuse_cross_entropy_backward`, runtime/fused_loss.py); both bit-identical.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
 
+from runtime import fused_loss  # noqa: F401  (registers memplan::log_softmax_nll_backward)
 from runtime.graph import Node, OpGraph, Value
 from runtime.modules import META_KEY, boundary_hooks, strip_boundaries
 
@@ -115,6 +118,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     gm.graph.eliminate_dead_code()
     _chain_concatenations(gm.graph)
     _split_convolution_backward(gm.graph)
+    _fuse_cross_entropy_backward(gm.graph)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
@@ -179,6 +183,36 @@ def _split_convolution_backward(graph: fx.Graph) -> None:
             else:
                 user.args = (weight_grad, user.args[1])
         graph.erase_node(n)
+
+
+def _fuse_cross_entropy_backward(graph: fx.Graph) -> None:
+    """Replace each `_log_softmax_backward_data(nll_loss_backward(g, lp, ...), lp, 1, dtype)` whose loss
+    gradient has no other reader, `lp` a contiguous rows x classes tensor of `dtype`, by one
+    `memplan::log_softmax_nll_backward` (runtime/fused_loss.py): the same gradient, bit for bit, without
+    the logits-sized loss gradient."""
+    aten = torch.ops.aten
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
+            continue
+        nll, saved, dim, dtype = n.args
+        log_probs = saved
+        while isinstance(log_probs, fx.Node) and log_probs.target is aten.alias.default:   # the joint graph
+            log_probs = log_probs.args[0]                                                   # saves an alias
+        if not (isinstance(nll, fx.Node) and nll.target is aten.nll_loss_backward.default and len(nll.users) == 1
+                and len(nll.args) == 7 and nll.args[1] is log_probs):
+            continue
+        lp = log_probs.meta["val"]
+        if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
+            continue
+        with graph.inserting_before(n):
+            fused = graph.call_function(torch.ops.memplan.log_softmax_nll_backward.default, (*nll.args, dtype))
+        fused.meta = {**n.meta}
+        n.replace_all_uses_with(fused)
+        graph.erase_node(n)
+        graph.erase_node(nll)
+        while saved is not log_probs and not saved.users:
+            saved, dead = saved.args[0], saved
+            graph.erase_node(dead)
 
 
 def _pointwise(grad: fx.Node, weight: fx.Node, input_grad: torch.Tensor, stride, padding, groups) -> bool:
