@@ -12,7 +12,7 @@ list of an earlier `cat` along the same dimension reads that result instead of t
 value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
 each piece is needed only until the next concatenation. Each convolution backward is split into its
 weight- and input-gradient halves (`_split_convolution_backward`), and the cross-entropy backward's two
-logits-sized ops become one (`_fuse_cross_entropy_backward`, runtime/fused_loss.py); both bit-identical.
+logits-sized ops become fewer (`_fuse_cross_entropy`, runtime/fused_loss.py); both bit-identical.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     gm.graph.eliminate_dead_code()
     _chain_concatenations(gm.graph)
     _split_convolution_backward(gm.graph)
-    _fuse_cross_entropy_backward(gm.graph)
+    _fuse_cross_entropy(gm.graph)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
@@ -185,34 +185,105 @@ def _split_convolution_backward(graph: fx.Graph) -> None:
         graph.erase_node(n)
 
 
-def _fuse_cross_entropy_backward(graph: fx.Graph) -> None:
-    """Replace each `_log_softmax_backward_data(nll_loss_backward(g, lp, ...), lp, 1, dtype)` whose loss
-    gradient has no other reader, `lp` a contiguous rows x classes tensor of `dtype`, by one
-    `memplan::log_softmax_nll_backward` (runtime/fused_loss.py): the same gradient, bit for bit, without
-    the logits-sized loss gradient."""
+def _fuse_cross_entropy(graph: fx.Graph) -> None:
+    """Rewrite each cross-entropy loss into the ops of runtime/fused_loss.py (bit-identical, fewer
+    logits-sized tensors): the whole loss, from the logits' `mm` / `addmm` to the logits' gradient, into
+    `memplan::linear_cross_entropy` where the logits and log-probabilities feed nothing else and the
+    backward's seed is `ones_like(loss)`; else the backward pair into `memplan::log_softmax_nll_backward`.
+    Either needs a contiguous rows x classes `_log_softmax` over dimension 1 whose loss gradient has no
+    other reader."""
     aten = torch.ops.aten
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
             continue
         nll, saved, dim, dtype = n.args
-        log_probs = saved
-        while isinstance(log_probs, fx.Node) and log_probs.target is aten.alias.default:   # the joint graph
-            log_probs = log_probs.args[0]                                                   # saves an alias
+        log_probs = _alias_base(saved)
         if not (isinstance(nll, fx.Node) and nll.target is aten.nll_loss_backward.default and len(nll.users) == 1
                 and len(nll.args) == 7 and nll.args[1] is log_probs):
             continue
         lp = log_probs.meta["val"]
         if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
             continue
-        with graph.inserting_before(n):
-            fused = graph.call_function(torch.ops.memplan.log_softmax_nll_backward.default, (*nll.args, dtype))
-        fused.meta = {**n.meta}
-        n.replace_all_uses_with(fused)
-        graph.erase_node(n)
-        graph.erase_node(nll)
-        while saved is not log_probs and not saved.users:
-            saved, dead = saved.args[0], saved
-            graph.erase_node(dead)
+        order = {m: i for i, m in enumerate(graph.nodes)}
+        whole = _whole_loss(log_probs, nll, n)
+        if whole is None:
+            with graph.inserting_before(n):
+                fused = graph.call_function(torch.ops.memplan.log_softmax_nll_backward.default, (*nll.args, dtype))
+            fused.meta = {**n.meta}
+            n.replace_all_uses_with(fused)
+            replaced = [n, nll, saved]
+        else:
+            forward, product, chain = whole
+            bias, *factors = (None, *product.args) if product.target is aten.mm.default else product.args
+            with graph.inserting_before(forward):
+                fused = graph.call_function(torch.ops.memplan.linear_cross_entropy.default,
+                                            (bias, *factors, *forward.args[1:5]))
+                grad = graph.call_function(operator.getitem, (fused, 2))
+            fused.meta = {"val": (*forward.meta["val"], n.meta["val"])}
+            grad.meta = {**n.meta}
+            for item in list(forward.users):             # the loss and its total weight keep their nodes
+                item.args = (fused, item.args[1])
+            n.replace_all_uses_with(grad)
+            replaced = [n, nll, nll.args[0], saved, forward, *chain]
+        for m in sorted(dict.fromkeys(replaced), key=order.__getitem__, reverse=True):   # readers first
+            while m.target is aten.alias.default and not m.users:
+                m, dead = m.args[0], m
+                graph.erase_node(dead)
+            if all(_is_check(u) for u in m.users):
+                for check in list(m.users):
+                    graph.erase_node(check)
+                graph.erase_node(m)
+
+
+def _is_check(node: fx.Node) -> bool:
+    """A shape or dtype assertion: an op returning nothing."""
+    return isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns
+
+
+def _alias_base(node: fx.Node) -> fx.Node:
+    """`node` without the `aten.alias` chain through which the joint graph saves tensors."""
+    while isinstance(node, fx.Node) and node.target is torch.ops.aten.alias.default:
+        node = node.args[0]
+    return node
+
+
+def _whole_loss(log_probs: fx.Node, nll: fx.Node,
+                backward: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(the `nll_loss_forward`, the logits' `mm` / `addmm`, the nodes from `log_probs` to the product) of
+    the loss whose backward is `nll` then `backward`, where `memplan::linear_cross_entropy` can replace all
+    of it: the seed is `ones_like(loss)`, the forward reads `log_probs` with the backward's target, weight,
+    reduction and ignore index, and the product (viewed with its own shape) and `log_probs` feed nothing
+    else."""
+    aten = torch.ops.aten
+    seed, _, target, weight, reduction, ignore_index, total_weight = nll.args
+    if not (isinstance(seed, fx.Node) and seed.target is aten.ones_like.default and len(seed.users) == 1
+            and len(seed.args) == 1 and seed.args[0].target is operator.getitem and seed.args[0].args[1] == 0):
+        return None
+    forward = seed.args[0].args[0]
+    if not (forward.target is aten.nll_loss_forward.default
+            and tuple(forward.args) == (log_probs, target, weight, reduction, ignore_index)
+            and isinstance(total_weight, fx.Node) and total_weight.target is operator.getitem
+            and total_weight.args == (forward, 1) and set(total_weight.users) == {nll}
+            and len(log_probs.args) == 3 and log_probs.args[1] in (1, -1) and log_probs.args[2] is False
+            and _only_users(log_probs, {forward, nll, backward})):
+        return None
+    chain, product = [log_probs], log_probs.args[0]
+    while product.target in (aten.view.default, aten._unsafe_view.default) and _only_users(product, {chain[-1]}):
+        chain.append(product)
+        product = product.args[0]
+    mm = product.target is aten.mm.default and len(product.args) == 2
+    addmm = product.target is aten.addmm.default and len(product.args) == 3 and not product.kwargs
+    if not ((mm or addmm) and _only_users(product, {chain[-1]})
+            and tuple(product.meta["val"].shape) == tuple(log_probs.meta["val"].shape)):
+        return None
+    return forward, product, [*chain, product]
+
+
+def _only_users(node: fx.Node, allowed: set[fx.Node]) -> bool:
+    """Whether every reader of `node` is in `allowed`, a shape check, or an `aten.alias` of it that only
+    such readers read."""
+    return all(user in allowed or _is_check(user)
+               or (user.target is torch.ops.aten.alias.default and _only_users(user, allowed)) for user in node.users)
 
 
 def _pointwise(grad: fx.Node, weight: fx.Node, input_grad: torch.Tensor, stride, padding, groups) -> bool:

@@ -1,22 +1,41 @@
-"""The cross-entropy backward as one op: `memplan::log_softmax_nll_backward`.
+"""Cross-entropy's logits-sized tensors, fewer: two ops `runtime.capture` rewrites the loss into.
 
-AOTAutograd differentiates `cross_entropy = nll_loss(log_softmax(x))` into two ops, each allocating a
-tensor the size of the logits: `nll_loss_backward` (the loss gradient scattered into zeros) and
-`_log_softmax_backward_data` reading it. With the forward's log-probabilities still live, the step holds
-three logits-sized tensors: the peak of an eager training step of a language model. This op runs the same
-two ATen kernels into one result tensor, the second in place over the first's output: the log-softmax
-backward reads each element of the loss gradient before it writes that element (a row's sum first, then
-element by element), so the result is bit-identical (tested) and the step holds two such tensors, not
-three. `runtime.capture` rewrites the pair into it.
+AOTAutograd captures `cross_entropy(x @ W^T, target)` as a forward `mm` (the logits), `_log_softmax`
+(the log-probabilities, kept for the backward) and `nll_loss_forward`, and a backward `nll_loss_backward`
+(the loss gradient: zeros with one entry per row) read by `_log_softmax_backward_data` (the logits'
+gradient). Four logits-sized tensors, three of them live at once around the loss's backward: the peak of
+an eager language-model step. Both ops below run those same ATen kernels, so their results are
+bit-identical (tested); they only reuse storage:
+
+- `memplan::log_softmax_nll_backward` (the backward pair): the loss gradient goes into the result, and the
+  log-softmax backward runs over it in place (each element is read before it is written: a row's sum
+  first, then element by element). One logits-sized tensor fewer.
+- `memplan::linear_cross_entropy` (the whole loss, where the seed of the backward is `ones_like(loss)`):
+  the logits, then the log-probabilities in place over them, the loss, and then, a block of rows at a
+  time, the gradient in place over the log-probabilities, each block's loss gradient a temporary of at
+  most `max(BLOCK_BYTES, 1/BLOCKS)` of the logits. The gradient is computed in the loss step (the seed is
+  known), so one logits-sized tensor lives from the loss step to the backward's matrix products, where
+  there were three.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 aten = torch.ops.aten
+
+BLOCKS = 16
+"""`linear_cross_entropy` computes the gradient in at most this many blocks of rows, ..."""
+BLOCK_BYTES = 1 << 16
+"""... each of at least this many bytes of loss gradient (one row at least), so small losses take one."""
+
+
+def block_rows(rows: int, row_bytes: int) -> int:
+    """Rows per gradient block of a rows x classes loss whose rows take `row_bytes` each."""
+    return min(rows, max(math.ceil(rows / BLOCKS), math.ceil(BLOCK_BYTES / max(row_bytes, 1))))
 
 
 @torch.library.custom_op("memplan::log_softmax_nll_backward", mutates_args=())
@@ -35,3 +54,32 @@ def log_softmax_nll_backward(grad_loss: torch.Tensor, log_probs: torch.Tensor, t
 @log_softmax_nll_backward.register_fake
 def _(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, dtype):
     return torch.empty_like(log_probs)
+
+
+@torch.library.custom_op("memplan::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(bias: Optional[torch.Tensor], input: torch.Tensor, weight_t: torch.Tensor,
+                         target: torch.Tensor, weight: Optional[torch.Tensor], reduction: int,
+                         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, total weight, gradient of the loss with respect to the logits) of `nll_loss(log_softmax(
+    addmm(bias, input, weight_t) or mm(input, weight_t), 1), target, weight, reduction, ignore_index)`,
+    the gradient for the seed `ones_like(loss)`, in one logits-sized tensor (module docstring)."""
+    grad = aten.mm(input, weight_t) if bias is None else aten.addmm(bias, input, weight_t)
+    aten._log_softmax.out(grad, 1, False, out=grad)
+    loss, total_weight = aten.nll_loss_forward(grad, target, weight, reduction, ignore_index)
+    seed = torch.ones_like(loss)
+    rows = grad.shape[0]
+    step = block_rows(rows, grad.shape[1] * grad.element_size())
+    for start in range(0, rows, step):
+        block = slice(start, start + step)
+        loss_grad = aten.nll_loss_backward(seed[block] if reduction == 0 else seed, grad[block], target[block],
+                                           weight, reduction, ignore_index, total_weight)
+        aten._log_softmax_backward_data.out(loss_grad, grad[block], 1, grad.dtype, out=grad[block])
+        del loss_grad
+    return loss, total_weight, grad
+
+
+@linear_cross_entropy.register_fake
+def _(bias, input, weight_t, target, weight, reduction, ignore_index):
+    logits = input.new_empty((input.shape[0], weight_t.shape[1]))
+    loss = logits.new_empty((input.shape[0],) if reduction == 0 else ())
+    return loss, logits.new_empty(()), logits
