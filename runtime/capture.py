@@ -219,8 +219,8 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
                 fused = graph.call_function(torch.ops.memplan.linear_cross_entropy.default,
                                             (bias, *factors, *forward.args[1:5]))
                 grad = graph.call_function(operator.getitem, (fused, 2))
-            fused.meta = {"val": (*forward.meta["val"], n.meta["val"])}
-            grad.meta = {**n.meta}
+            fused.meta = {"val": _fake_call(fused, n.meta["val"])}   # the gradient shares its scratch's storage
+            grad.meta = {**n.meta, "val": fused.meta["val"][2]}
             for item in list(forward.users):             # the loss and its total weight keep their nodes
                 item.args = (fused, item.args[1])
             n.replace_all_uses_with(grad)
@@ -233,6 +233,15 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
                 for check in list(m.users):
                     graph.erase_node(check)
                 graph.erase_node(m)
+
+
+def _fake_call(node: fx.Node, like: torch.Tensor):
+    """The result of `node`'s op on fake tensors shaped like its arguments' values, made in the fake mode
+    of `like` (a value the trace computed: the placeholders' values may come from another mode)."""
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args]
+    with getattr(like, "fake_mode", None) or nullcontext():
+        return node.target(*(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                             if isinstance(v, torch.Tensor) else v for v in vals))
 
 
 def _is_check(node: fx.Node) -> bool:
@@ -307,14 +316,10 @@ def _pointwise_input_gradient(graph: fx.Graph, grad: fx.Node, weight: fx.Node, i
     g, w = grad.meta["val"], weight.meta["val"]
     n, c_out, c_in = g.shape[0], w.shape[0], w.shape[1]
     steps = [(aten.view.default, [c_out, c_in]), (aten.t.default,), (aten.expand.default, [n, c_in, c_out])]
-    fake = getattr(g, "fake_mode", None) or nullcontext()   # the placeholders' vals may come from another mode
 
     def add(op, *args):
         node = graph.call_function(op, args)
-        with fake:
-            vals = [torch.empty_strided(a.meta["val"].shape, a.meta["val"].stride(), dtype=a.meta["val"].dtype,
-                                        device=a.meta["val"].device) if isinstance(a, fx.Node) else a for a in args]
-            node.meta = {"val": op(*vals)}
+        node.meta = {"val": _fake_call(node, g)}
         return node
 
     w_t = weight

@@ -12,10 +12,11 @@ bit-identical (tested); they only reuse storage:
   first, then element by element). One logits-sized tensor fewer.
 - `memplan::linear_cross_entropy` (the whole loss, where the seed of the backward is `ones_like(loss)`):
   the logits, then the log-probabilities in place over them, the loss, and then, a block of rows at a
-  time, the gradient in place over the log-probabilities, each block's loss gradient a temporary of at
-  most `max(BLOCK_BYTES, 1/BLOCKS)` of the logits. The gradient is computed in the loss step (the seed is
-  known), so one logits-sized tensor lives from the loss step to the backward's matrix products, where
-  there were three.
+  time, the gradient in place over the log-probabilities, each block's loss gradient written into scratch
+  rows that share the result's storage (one block: `max(BLOCK_BYTES, 1/BLOCKS)` of the logits, so every
+  byte the op allocates is in its results, where planners and the meter count it). The gradient is
+  computed in the loss step (the seed is known), so one logits-sized tensor lives from the loss step to
+  the backward's matrix products, where there were three.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ BLOCKS = 16
 """`linear_cross_entropy` computes the gradient in at most this many blocks of rows, ..."""
 BLOCK_BYTES = 1 << 16
 """... each of at least this many bytes of loss gradient (one row at least), so small losses take one."""
+ALIGN = 512
+"""The logits start where an allocation of their own would (CUDA's caching allocator rounds blocks to 512
+bytes, the CPU allocator aligns to 64): a BLAS kernel may choose its path by the output's alignment (a
+37 x 11 product on this CPU differs in its last bits 4 bytes off), and the logits must be bit-identical."""
 
 
 def block_rows(rows: int, row_bytes: int) -> int:
@@ -62,24 +67,37 @@ def linear_cross_entropy(bias: Optional[torch.Tensor], input: torch.Tensor, weig
                          ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, total weight, gradient of the loss with respect to the logits) of `nll_loss(log_softmax(
     addmm(bias, input, weight_t) or mm(input, weight_t), 1), target, weight, reduction, ignore_index)`,
-    the gradient for the seed `ones_like(loss)`, in one logits-sized tensor (module docstring)."""
-    grad = aten.mm(input, weight_t) if bias is None else aten.addmm(bias, input, weight_t)
+    the gradient for the seed `ones_like(loss)`, in one logits-sized tensor (module docstring). The
+    gradient is a view of one storage that also holds the blocks' scratch rows, ahead of it."""
+    scratch, grad = _buffer(input, weight_t)
+    if bias is None:
+        aten.mm.out(input, weight_t, out=grad)
+    else:
+        aten.addmm.out(bias, input, weight_t, out=grad)
     aten._log_softmax.out(grad, 1, False, out=grad)
     loss, total_weight = aten.nll_loss_forward(grad, target, weight, reduction, ignore_index)
     seed = torch.ones_like(loss)
-    rows = grad.shape[0]
-    step = block_rows(rows, grad.shape[1] * grad.element_size())
-    for start in range(0, rows, step):
+    step = scratch.shape[0]
+    for start in range(0, grad.shape[0], step):
         block = slice(start, start + step)
-        loss_grad = aten.nll_loss_backward(seed[block] if reduction == 0 else seed, grad[block], target[block],
-                                           weight, reduction, ignore_index, total_weight)
+        loss_grad = scratch[:grad[block].shape[0]]
+        aten.nll_loss_backward.grad_input(seed[block] if reduction == 0 else seed, grad[block], target[block],
+                                          weight, reduction, ignore_index, total_weight, grad_input=loss_grad)
         aten._log_softmax_backward_data.out(loss_grad, grad[block], 1, grad.dtype, out=grad[block])
-        del loss_grad
     return loss, total_weight, grad
+
+
+def _buffer(input: torch.Tensor, weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scratch rows for one block's loss gradient, the logits' rows) of one new storage, the logits'
+    rows starting ALIGN bytes into it or a multiple of that."""
+    rows, classes, size = input.shape[0], weight_t.shape[1], input.element_size()
+    step = block_rows(rows, classes * size)
+    start = -(-step * classes * size // ALIGN) * ALIGN // size
+    flat = input.new_empty(start + rows * classes)
+    return flat[:step * classes].view(step, classes), flat[start:].view(rows, classes)
 
 
 @linear_cross_entropy.register_fake
 def _(bias, input, weight_t, target, weight, reduction, ignore_index):
-    logits = input.new_empty((input.shape[0], weight_t.shape[1]))
-    loss = logits.new_empty((input.shape[0],) if reduction == 0 else ())
-    return loss, logits.new_empty(()), logits
+    grad = _buffer(input, weight_t)[1]
+    return grad.new_empty((input.shape[0],) if reduction == 0 else ()), grad.new_empty(()), grad

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,8 +66,8 @@ def test_whole_loss_op_equals_the_aten_ops_bit_for_bit_in_any_number_of_blocks(r
 
 def test_fused_ops_hold_one_logits_tensor():
     """The backward op writes the loss gradient into its result and the log-softmax backward over it; the
-    whole-loss op computes the logits, log-probabilities and gradient in one tensor (the CPU meter sees
-    the op's results; its block temporaries are ATen calls inside it)."""
+    whole-loss op computes the logits, log-probabilities and gradient in one storage, with one block of
+    scratch rows: all it allocates is in its results, where the meter and the planners count it."""
     torch.manual_seed(0)
     x, w_t, target = torch.randn(256, 16), torch.randn(16, 1024), torch.randint(0, 1024, (256,))
     log_probs, loss, total_weight, _ = _aten_loss(x @ w_t, target, None, 1)
@@ -76,7 +78,9 @@ def test_fused_ops_hold_one_logits_tensor():
     assert meter.peak_bytes == out.numel() * 4
     with PeakMeter("cpu") as meter:
         *_, grad = torch.ops.memplan.linear_cross_entropy(None, x, w_t, target, None, 1, -100)
-    assert meter.peak_bytes == grad.numel() * 4 + 8              # and the loss and total weight scalars
+    scratch = fused_loss.block_rows(256, 1024 * 4) * 1024 * 4      # one block of rows ahead of the logits'
+    assert grad.untyped_storage().nbytes() == grad.numel() * 4 + scratch == 17 * 64 * 1024
+    assert meter.peak_bytes == grad.untyped_storage().nbytes() + 8   # and the loss and total weight scalars
 
 
 class TinyLM(nn.Module):
@@ -142,12 +146,12 @@ def test_capture_fuses_the_loss_saving_logits_tensors_with_eager_gradients(helpe
 
     monkeypatch.setattr(capture_module, "_fuse_cross_entropy", lambda graph: None)
     unfused = runtime.capture(model, loss_fn, batch)
-    logits = max(g.values[v].bytes for v in fused[0].outputs)
+    logits = max(math.prod(g.values[v].shape) * 4 for v in fused[0].outputs)
     assert logits >= 126 * 4096 * 4
     # captured as is, three logits-sized tensors meet at the loss backward, the step's peak; fused, fewer
-    # (beside the small embedding, its gradients and the tokens)
+    # (beside one block of scratch rows, 1/16 of the logits, and the embedding and head gradients, 1/4)
     assert _peak(unfused) >= 3 * logits
-    assert _peak(g) < (3 - logits_fewer + 0.2) * logits
+    assert _peak(g) < (3 - logits_fewer + 0.35) * logits
 
 
 def test_a_loss_backward_of_another_shape_is_left_as_captured(helpers):
