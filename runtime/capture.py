@@ -11,8 +11,8 @@ Before folding, concatenations are chained (`_chain_concatenations`): a `cat` wh
 list of an earlier `cat` along the same dimension reads that result instead of the pieces again. The
 value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
 each piece is needed only until the next concatenation. Each convolution backward is split into its
-weight- and input-gradient halves (`_split_convolution_backward`), and the cross-entropy backward's two
-logits-sized ops become fewer (`_fuse_cross_entropy`, runtime/fused_loss.py); both bit-identical.
+weight- and input-gradient halves (`_split_convolution_backward`), and cross-entropy is fused into ops
+that hold fewer logits-sized tensors (`_fuse_cross_entropy`, runtime/fused_loss.py); both bit-identical.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
 
-from runtime import fused_loss  # noqa: F401  (registers memplan::log_softmax_nll_backward)
+from runtime import fused_loss  # noqa: F401  (registers the memplan:: ops the loss is fused into)
 from runtime.graph import Node, OpGraph, Value
 from runtime.modules import META_KEY, boundary_hooks, strip_boundaries
 
