@@ -58,7 +58,8 @@ def test_whole_loss_op_equals_the_aten_ops_bit_for_bit_in_any_number_of_blocks(r
     x, w_t, b = torch.randn(rows, 16), torch.randn(16, classes), torch.randn(classes)
     logits = aten.addmm(b, x, w_t) if bias else aten.mm(x, w_t)
     _, loss, total_weight, grad = _aten_loss(logits, target, weight, reduction)
-    for block_bytes in (1, fused_loss.BLOCK_BYTES):             # one row per block, and the default
+    for blocks, block_bytes in ((rows, 1), (fused_loss.BLOCKS, fused_loss.BLOCK_BYTES)):   # one row each; default
+        monkeypatch.setattr(fused_loss, "BLOCKS", blocks)
         monkeypatch.setattr(fused_loss, "BLOCK_BYTES", block_bytes)
         got = torch.ops.memplan.linear_cross_entropy(b if bias else None, x, w_t, target, weight, reduction, -100)
         assert all(torch.equal(a, e) for a, e in zip(got, (loss, total_weight, grad)))
