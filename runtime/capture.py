@@ -116,6 +116,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     strip_boundaries(gm.graph)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()
+    _drop_empty_concatenations(gm.graph)
     _chain_concatenations(gm.graph)
     _split_convolution_backward(gm.graph)
     _fuse_cross_entropy(gm.graph)
@@ -124,6 +125,57 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
     graph.program.batch_signature = batch_signature(model, batch)
     return graph
+
+
+def _drop_empty_concatenations(graph: fx.Graph) -> None:
+    """Replace `cat([e, ..., x, ...], d)` whose pieces other than `x` are empty by `x` itself. Transformers'
+    key/value cache starts each layer's keys and values as `cat([tensor([]), k], -2)`: a copy of `k`, which
+    attention's backward then saves beside the projection `k` is a view of (GPT-2: 2 of the 5 MiB a layer's
+    attention saves here; attention then reads the keys and values `use_cache=False` gives it). The copy is
+    dropped where `x` has the result's strides or every reader reads its operands through their strides
+    (`_STRIDED_READERS`), and where `x` pins no larger storage than the copy did (`_pins_more`)."""
+    cat = torch.ops.aten.cat.default
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not cat:
+            continue
+        pieces = [p for p in n.args[0] if p.meta["val"].numel() > 0]
+        if len(pieces) != 1 or any(u.op == "output" for u in n.users):
+            continue
+        x, val = pieces[0].meta["val"], n.meta["val"]
+        if (x.shape, x.dtype, x.device) != (val.shape, val.dtype, val.device):
+            continue
+        if x.stride() != val.stride() and any(u.target not in _STRIDED_READERS for u in n.users):
+            continue
+        if _pins_more(pieces[0], n):
+            continue
+        n.replace_all_uses_with(pieces[0])
+        graph.erase_node(n)
+
+
+def _pins_more(piece: fx.Node, copy: fx.Node) -> bool:
+    """Whether the copy's readers, reading `piece` instead, would keep a larger storage alive: `piece` views
+    an activation larger than the copy that some reader does not read already."""
+    base = _storage_root(piece)
+    if base is piece or base.op in ("placeholder", "get_attr") or \
+            _storage_bytes(base.meta["val"]) <= _storage_bytes(copy.meta["val"]):
+        return False
+    return any(base not in {_storage_root(a) for a in u.all_input_nodes} for u in copy.users)
+
+
+_STRIDED_READERS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+"""Ops whose results are bit-identical on strided and contiguous operands (tested)."""
+
+
+def _storage_root(node: fx.Node) -> fx.Node:
+    """The node that allocated the storage `node` views (`node` itself if it allocates; an element of an
+    allocating multi-output op is its `getitem`)."""
+    while node.op == "call_function":
+        view = node.args[0] if node.target is operator.getitem else node    # an element of split's list views
+        if not isinstance(view.target, torch._ops.OpOverload) or (base := _view_base(view)) is None:
+            return node
+        node = base
+    return node
 
 
 def _chain_concatenations(graph: fx.Graph) -> None:
