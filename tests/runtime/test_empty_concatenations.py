@@ -98,7 +98,7 @@ class EmptyCat(nn.Module):
         h = self.linear(x)                                       # 6 x 8, allocated
         piece = {"contiguous": h, "reshaped": h.view(8, 6), "transposed": h.t(),
                  "rows of a larger tensor": h[:3]}[self.kind]
-        copy = torch.cat([torch.tensor([]), piece])
+        copy = torch.cat([torch.tensor([], device=x.device), piece])         # as transformers' cache starts
         return copy + piece if self.kind == "transposed" else torch.tanh(copy)
 
 
