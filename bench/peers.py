@@ -240,8 +240,9 @@ def verdict(rows: list[dict]) -> str:
     """Which points of each side are dominated, and by what. Eager is the reference, and so is a PyTorch
     point that saves nothing (eager's very peak: Llama with its cache off, whose cache copies die with
     their sources): it is listed as such, not weighed."""
-    same = [r for r in rows if r["kind"] == "pytorch" and r["label"] != "eager" and r["peak"] == 1.0]
-    torch_points = [r for r in rows if r["kind"] == "pytorch" and r["label"] != "eager" and r not in same]
+    peers = [r for r in rows if r["kind"] == "pytorch" and r["label"] != "eager"]
+    same = [r for r in peers if r["peak"] == 1.0]
+    torch_points = [r for r in peers if r["peak"] != 1.0]
     ours = [r for r in rows if r["kind"] == "memplan"]
     lines = [f"{r['label']} ({r['time']:.3f}x time) peaks at eager's peak: a reference like eager" for r in same]
     for p in torch_points:
