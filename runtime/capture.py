@@ -12,7 +12,9 @@ list of an earlier `cat` along the same dimension reads that result instead of t
 value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
 each piece is needed only until the next concatenation. Each convolution backward is split into its
 weight- and input-gradient halves (`_split_convolution_backward`), and cross-entropy is fused into ops
-that hold fewer logits-sized tensors (`_fuse_cross_entropy`, runtime/fused_loss.py); both bit-identical.
+that hold fewer logits-sized tensors (`_fuse_cross_entropy`, runtime/fused_loss.py), and the written-out
+tanh GELU into ops that keep two of its four saved tensors (`_fuse_tanh_gelu`, runtime/fused_gelu.py); all
+bit-identical.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
 
-from runtime import fused_loss  # noqa: F401  (registers the memplan:: ops the loss is fused into)
+from runtime import fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops fused into)
 from runtime.graph import Node, OpGraph, Value
 from runtime.modules import META_KEY, boundary_hooks, strip_boundaries
 
@@ -120,6 +122,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     _chain_concatenations(gm.graph)
     _split_convolution_backward(gm.graph)
     _fuse_cross_entropy(gm.graph)
+    _fuse_tanh_gelu(gm.graph)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
@@ -285,6 +288,119 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
                 for check in list(m.users):
                     graph.erase_node(check)
                 graph.erase_node(m)
+
+
+def _fuse_tanh_gelu(graph: fx.Graph) -> None:
+    """Rewrite each written-out tanh GELU, `(x * h) * (tanh((x + x ** p * k) * c) + 1)` (transformers'
+    `gelu_new`), and its backward into the ops of runtime/fused_gelu.py (bit-identical; the backward keeps
+    `x` and the tanh where it kept four tensors). Only where the graph holds exactly the ops autograd
+    writes for it, every intermediate feeds only the GELU and its backward, and `x`, the output gradient
+    and every intermediate are non-empty, contiguous and of one shape, dtype and device."""
+    for tb in list(graph.nodes):
+        if tb.op != "call_function" or tb.target is not torch.ops.aten.tanh_backward.default:
+            continue
+        match = _tanh_gelu(tb)
+        if match is None:
+            continue
+        x, g, consts, forward, backward = match
+        y, grad_x = forward[-1], backward[-1]
+        half, power, coeff, scale, one = consts
+        with graph.inserting_before(y):
+            t_new = graph.call_function(torch.ops.memplan.gelu_tanh_inner.default, (x, power, coeff, scale))
+            y_new = graph.call_function(torch.ops.memplan.gelu_tanh_outer.default, (x, t_new, half, one))
+        for node in (t_new, y_new):
+            node.meta = {**y.meta, "val": _fake_call(node, y.meta["val"])}
+        with graph.inserting_before(grad_x):
+            fused_grad = graph.call_function(torch.ops.memplan.gelu_tanh_backward.default, (g, x, t_new, *consts))
+        fused_grad.meta = {**grad_x.meta, "val": _fake_call(fused_grad, grad_x.meta["val"])}
+        y.replace_all_uses_with(y_new)
+        grad_x.replace_all_uses_with(fused_grad)
+        order = {m: i for i, m in enumerate(graph.nodes)}
+        for m in sorted({*forward, *backward, tb.args[1]}, key=order.__getitem__, reverse=True):   # readers first
+            while m.target is torch.ops.aten.alias.default and not m.users:
+                m, dead = m.args[0], m
+                graph.erase_node(dead)
+            if all(_is_check(u) for u in m.users):
+                for check in list(m.users):
+                    graph.erase_node(check)
+                graph.erase_node(m)
+
+
+def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], list[fx.Node]] | None:
+    """(x, the output gradient, the constants (h, p, k, c, 1), the forward's nodes ending with its result,
+    the backward's nodes ending with x's gradient) of the tanh GELU whose backward runs `tb`, the
+    `tanh_backward`; None unless `_fuse_tanh_gelu` may rewrite it."""
+    aten = torch.ops.aten
+
+    def op(node, target, *args) -> bool:
+        """Whether `node` is `target(*args)`; an argument `_NODE` matches any FX node, `_NUMBER` any number."""
+        return (isinstance(node, fx.Node) and node.target is target and not node.kwargs
+                and len(node.args) == len(args) and all(_argument_matches(b, a) for a, b in zip(args, node.args)))
+
+    def only(nodes) -> fx.Node | None:
+        nodes = list(nodes)
+        return nodes[0] if len(nodes) == 1 else None
+
+    a59, saved = tb.args
+    tanh = _alias_base(saved)
+    if not op(tanh, aten.tanh.default, _NODE):
+        return None
+    m2 = tanh.args[0]
+    if not (op(m2, aten.mul.Tensor, _NODE, _NUMBER) and op(a3 := m2.args[0], aten.add.Tensor, _NODE, _NODE)):
+        return None
+    x, m1 = a3.args
+    if not (op(m1, aten.mul.Tensor, _NODE, _NUMBER) and op(p1 := m1.args[0], aten.pow.Tensor_Scalar, x, _NUMBER)):
+        return None
+    power, coeff, scale = p1.args[1], m1.args[1], m2.args[1]
+    a4 = only(u for u in tanh.users if op(u, aten.add.Tensor, tanh, _NUMBER))
+    if a4 is None or len(a4.users) != 2:
+        return None
+    one = a4.args[1]
+    y = only(u for u in a4.users if op(u, aten.mul.Tensor, _NODE, a4) and op(u.args[0], aten.mul.Tensor, x, _NUMBER))
+    if y is None or not op(a59, aten.mul.Tensor, _NODE, y.args[0]):
+        return None
+    h, g = y.args[0], a59.args[0]
+    half = h.args[1]
+    m60 = only(u for u in a4.users if u is not y)
+    m61 = only(tb.users)
+    if not (op(m60, aten.mul.Tensor, g, a4) and op(m61, aten.mul.Tensor, tb, scale)):
+        return None
+    m62 = only(u for u in m61.users if op(u, aten.mul.Tensor, m61, coeff))
+    a46 = only(u for u in m61.users if u is not m62)
+    if not (m62 is not None and op(a46, aten.add.Tensor, m61, _NODE)
+            and op(m64 := a46.args[1], aten.mul.Tensor, m62, _NODE)
+            and op(m63 := m64.args[1], aten.mul.Scalar, _NODE, power)
+            and op(p12 := m63.args[0], aten.pow.Tensor_Scalar, x, power - 1)):
+        return None
+    a47, m65 = only(a46.users), only(m60.users)
+    if not (op(m65, aten.mul.Tensor, m60, half) and op(a47, aten.add.Tensor, a46, m65)):
+        return None
+    forward, backward = [h, p1, m1, a3, m2, tanh, a4, y], [a59, m60, tb, m61, m62, p12, m63, m64, a46, m65, a47]
+    readers = {h: {y, a59}, p1: {m1}, m1: {a3}, a3: {m2}, m2: {tanh}, tanh: {a4, tb}, a4: {y, m60}, a59: {tb},
+               m60: {m65}, tb: {m61}, m61: {m62, a46}, m62: {m64}, p12: {m63}, m63: {m64}, m64: {a46},
+               a46: {a47}, m65: {a47}}
+    vals = [n.meta["val"] for n in (x, g, *forward, *backward)]
+    first = vals[0]
+    if not (all(_only_users(n, allowed) for n, allowed in readers.items()) and first.numel() > 0
+            and first.is_floating_point()
+            and all((v.shape, v.dtype, v.device) == (first.shape, first.dtype, first.device) and v.is_contiguous()
+                    for v in vals)):
+        return None
+    return x, g, (half, power, coeff, scale, one), forward, backward
+
+
+_NODE, _NUMBER = object(), object()
+"""Wildcards of `_tanh_gelu`'s pattern: any FX node, any number."""
+
+
+def _argument_matches(value: Any, pattern: Any) -> bool:
+    """Whether an FX argument `value` matches `pattern`: a wildcard, or a node or number equal to it."""
+    if pattern is _NODE:
+        return isinstance(value, fx.Node)
+    if pattern is _NUMBER or not isinstance(pattern, fx.Node):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number and (pattern is _NUMBER or value == pattern)
+    return value is pattern
 
 
 def _fake_call(node: fx.Node, like: torch.Tensor):
