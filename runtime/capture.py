@@ -259,7 +259,6 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
         lp = log_probs.meta["val"]
         if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
             continue
-        order = {m: i for i, m in enumerate(graph.nodes)}
         whole = _whole_loss(log_probs, nll, n)
         if whole is None:
             with graph.inserting_before(n):
@@ -280,14 +279,7 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
                 item.args = (fused, item.args[1])
             n.replace_all_uses_with(grad)
             replaced = [n, nll, nll.args[0], saved, forward, *chain]
-        for m in sorted(dict.fromkeys(replaced), key=order.__getitem__, reverse=True):   # readers first
-            while m.target is aten.alias.default and not m.users:
-                m, dead = m.args[0], m
-                graph.erase_node(dead)
-            if all(_is_check(u) for u in m.users):
-                for check in list(m.users):
-                    graph.erase_node(check)
-                graph.erase_node(m)
+        _erase_replaced(graph, replaced)
 
 
 def _fuse_tanh_gelu(graph: fx.Graph) -> None:
@@ -315,19 +307,11 @@ def _fuse_tanh_gelu(graph: fx.Graph) -> None:
         fused_grad.meta = {**grad_x.meta, "val": _fake_call(fused_grad, grad_x.meta["val"])}
         y.replace_all_uses_with(y_new)
         grad_x.replace_all_uses_with(fused_grad)
-        order = {m: i for i, m in enumerate(graph.nodes)}
-        for m in sorted({*forward, *backward, tb.args[1]}, key=order.__getitem__, reverse=True):   # readers first
-            while m.target is torch.ops.aten.alias.default and not m.users:
-                m, dead = m.args[0], m
-                graph.erase_node(dead)
-            if all(_is_check(u) for u in m.users):
-                for check in list(m.users):
-                    graph.erase_node(check)
-                graph.erase_node(m)
+        _erase_replaced(graph, [*forward, *backward, tb.args[1]])
 
 
 def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], list[fx.Node]] | None:
-    """(x, the output gradient, the constants (h, p, k, c, 1), the forward's nodes ending with its result,
+    """(x, the output gradient, the constants (half_x, p, k, c, 1), the forward's nodes ending with its result,
     the backward's nodes ending with x's gradient) of the tanh GELU whose backward runs `tb`, the
     `tanh_backward`; None unless `_fuse_tanh_gelu` may rewrite it."""
     aten = torch.ops.aten
@@ -341,44 +325,50 @@ def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], lis
         nodes = list(nodes)
         return nodes[0] if len(nodes) == 1 else None
 
-    a59, saved = tb.args
+    g_half_x, saved = tb.args
     tanh = _alias_base(saved)
     if not op(tanh, aten.tanh.default, _NODE):
         return None
-    m2 = tanh.args[0]
-    if not (op(m2, aten.mul.Tensor, _NODE, _NUMBER) and op(a3 := m2.args[0], aten.add.Tensor, _NODE, _NODE)):
+    arg = tanh.args[0]
+    if not (op(arg, aten.mul.Tensor, _NODE, _NUMBER)
+            and op(x_plus := arg.args[0], aten.add.Tensor, _NODE, _NODE)):
         return None
-    x, m1 = a3.args
-    if not (op(m1, aten.mul.Tensor, _NODE, _NUMBER) and op(p1 := m1.args[0], aten.pow.Tensor_Scalar, x, _NUMBER)):
+    x, cube_k = x_plus.args
+    if not (op(cube_k, aten.mul.Tensor, _NODE, _NUMBER)
+            and op(cube := cube_k.args[0], aten.pow.Tensor_Scalar, x, _NUMBER)):
         return None
-    power, coeff, scale = p1.args[1], m1.args[1], m2.args[1]
-    a4 = only(u for u in tanh.users if op(u, aten.add.Tensor, tanh, _NUMBER))
-    if a4 is None or len(a4.users) != 2:
+    power, coeff, scale = cube.args[1], cube_k.args[1], arg.args[1]
+    one_plus = only(u for u in tanh.users if op(u, aten.add.Tensor, tanh, _NUMBER))
+    if one_plus is None or len(one_plus.users) != 2:
         return None
-    one = a4.args[1]
-    y = only(u for u in a4.users if op(u, aten.mul.Tensor, _NODE, a4) and op(u.args[0], aten.mul.Tensor, x, _NUMBER))
-    if y is None or not op(a59, aten.mul.Tensor, _NODE, y.args[0]):
+    one = one_plus.args[1]
+    y = only(u for u in one_plus.users
+             if op(u, aten.mul.Tensor, _NODE, one_plus) and op(u.args[0], aten.mul.Tensor, x, _NUMBER))
+    if y is None or not op(g_half_x, aten.mul.Tensor, _NODE, y.args[0]):
         return None
-    h, g = y.args[0], a59.args[0]
-    half = h.args[1]
-    m60 = only(u for u in a4.users if u is not y)
-    m61 = only(tb.users)
-    if not (op(m60, aten.mul.Tensor, g, a4) and op(m61, aten.mul.Tensor, tb, scale)):
+    half_x, g = y.args[0], g_half_x.args[0]
+    half = half_x.args[1]
+    g_one_plus = only(u for u in one_plus.users if u is not y)
+    d = only(tb.users)
+    if not (op(g_one_plus, aten.mul.Tensor, g, one_plus) and op(d, aten.mul.Tensor, tb, scale)):
         return None
-    m62 = only(u for u in m61.users if op(u, aten.mul.Tensor, m61, coeff))
-    a46 = only(u for u in m61.users if u is not m62)
-    if not (m62 is not None and op(a46, aten.add.Tensor, m61, _NODE)
-            and op(m64 := a46.args[1], aten.mul.Tensor, m62, _NODE)
-            and op(m63 := m64.args[1], aten.mul.Scalar, _NODE, power)
-            and op(p12 := m63.args[0], aten.pow.Tensor_Scalar, x, power - 1)):
+    d_k = only(u for u in d.users if op(u, aten.mul.Tensor, d, coeff))
+    d_sum = only(u for u in d.users if u is not d_k)
+    if not (d_k is not None and op(d_sum, aten.add.Tensor, d, _NODE)
+            and op(d_k_sq := d_sum.args[1], aten.mul.Tensor, d_k, _NODE)
+            and op(sq_p := d_k_sq.args[1], aten.mul.Scalar, _NODE, power)
+            and op(sq := sq_p.args[0], aten.pow.Tensor_Scalar, x, power - 1)):
         return None
-    a47, m65 = only(a46.users), only(m60.users)
-    if not (op(m65, aten.mul.Tensor, m60, half) and op(a47, aten.add.Tensor, a46, m65)):
+    grad_x, g_one_plus_half = only(d_sum.users), only(g_one_plus.users)
+    if not (op(g_one_plus_half, aten.mul.Tensor, g_one_plus, half)
+            and op(grad_x, aten.add.Tensor, d_sum, g_one_plus_half)):
         return None
-    forward, backward = [h, p1, m1, a3, m2, tanh, a4, y], [a59, m60, tb, m61, m62, p12, m63, m64, a46, m65, a47]
-    readers = {h: {y, a59}, p1: {m1}, m1: {a3}, a3: {m2}, m2: {tanh}, tanh: {a4, tb}, a4: {y, m60}, a59: {tb},
-               m60: {m65}, tb: {m61}, m61: {m62, a46}, m62: {m64}, p12: {m63}, m63: {m64}, m64: {a46},
-               a46: {a47}, m65: {a47}}
+    forward = [half_x, cube, cube_k, x_plus, arg, tanh, one_plus, y]
+    backward = [g_half_x, g_one_plus, tb, d, d_k, sq, sq_p, d_k_sq, d_sum, g_one_plus_half, grad_x]
+    readers = {half_x: {y, g_half_x}, cube: {cube_k}, cube_k: {x_plus}, x_plus: {arg}, arg: {tanh},
+               tanh: {one_plus, tb}, one_plus: {y, g_one_plus}, g_half_x: {tb}, g_one_plus: {g_one_plus_half},
+               tb: {d}, d: {d_k, d_sum}, d_k: {d_k_sq}, sq: {sq_p}, sq_p: {d_k_sq}, d_k_sq: {d_sum},
+               d_sum: {grad_x}, g_one_plus_half: {grad_x}}
     vals = [n.meta["val"] for n in (x, g, *forward, *backward)]
     first = vals[0]
     if not (all(_only_users(n, allowed) for n, allowed in readers.items()) and first.numel() > 0
@@ -401,6 +391,20 @@ def _argument_matches(value: Any, pattern: Any) -> bool:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         return number and (pattern is _NUMBER or value == pattern)
     return value is pattern
+
+
+def _erase_replaced(graph: fx.Graph, replaced: list[fx.Node]) -> None:
+    """Erase the `replaced` nodes that nothing but shape checks reads any more (and those checks), readers
+    first, each with the chain of `aten.alias` nodes left unread above it."""
+    order = {m: i for i, m in enumerate(graph.nodes)}
+    for m in sorted(dict.fromkeys(replaced), key=order.__getitem__, reverse=True):
+        while m.target is torch.ops.aten.alias.default and not m.users:
+            m, dead = m.args[0], m
+            graph.erase_node(dead)
+        if all(_is_check(u) for u in m.users):
+            for check in list(m.users):
+                graph.erase_node(check)
+            graph.erase_node(m)
 
 
 def _fake_call(node: fx.Node, like: torch.Tensor):
