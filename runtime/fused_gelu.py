@@ -8,8 +8,8 @@ storage:
 
 - `memplan::gelu_tanh_inner(x)` is the tanh: its argument is built in the result's storage and the tanh
   runs in place over it.
-- `memplan::gelu_tanh_outer(x, tanh)` is the GELU's output. Apart from the inner op, a planner can keep
-  the tanh and recompute the output cheaply (one pass), or the other way round.
+- `memplan::gelu_tanh_outer(x, tanh)` is the GELU's output. It is an op of its own so that a planner can
+  keep the tanh and recompute the output cheaply (one pass), or the other way round.
 - `memplan::gelu_tanh_backward(grad, x, tanh)` is the input gradient, in one x-sized result. It recomputes
   `0.5 x` and `1 + tanh` (one cheap op each), so the backward keeps `x` and the tanh only: two x-sized
   tensors fewer from the forward to the backward. The whole-tensor steps (`grad * 0.5 x`,
