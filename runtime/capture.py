@@ -311,7 +311,7 @@ def _fuse_tanh_gelu(graph: fx.Graph) -> None:
 
 
 def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], list[fx.Node]] | None:
-    """(x, the output gradient, the constants (half_x, p, k, c, 1), the forward's nodes ending with its result,
+    """(x, the output gradient, the constants (h, p, k, c, 1), the forward's nodes ending with its result,
     the backward's nodes ending with x's gradient) of the tanh GELU whose backward runs `tb`, the
     `tanh_backward`; None unless `_fuse_tanh_gelu` may rewrite it."""
     aten = torch.ops.aten

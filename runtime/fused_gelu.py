@@ -20,12 +20,14 @@ takes the kernels' vectorized or scalar path as it does over the whole tensor; o
 multiplications and additions run blockwise (the tanh and its derivative, where a compiler may fuse a
 multiply-add in one path and not the other, run over the whole tensor). Every byte an op allocates is
 in its result, where planners and the meter count it: the scratch blocks lead the storage of the
-output (one block) and of the input gradient (two).
+output (one block) and of the input gradient (two), as runtime/fused_loss.py's `scratch_ahead` lays out.
 """
 
 from __future__ import annotations
 
 import torch
+
+from runtime.fused_loss import scratch_ahead
 
 aten = torch.ops.aten
 
@@ -33,8 +35,6 @@ BLOCKS = 16
 """Blockwise steps run in at most this many blocks ..."""
 BLOCK_ELEMENTS = 256
 """... of a multiple of this many elements (a multiple of every CPU vector loop's stride)."""
-ALIGN = 512
-"""The results start where an allocation of their own would (runtime/fused_loss.py's ALIGN)."""
 
 
 def block_elements(n: int) -> int:
@@ -43,13 +43,11 @@ def block_elements(n: int) -> int:
 
 
 def _with_scratch(x: torch.Tensor, blocks: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(`blocks` flat scratch blocks, an x-shaped contiguous result starting ALIGN bytes into the same
-    storage or a multiple of that)."""
-    n, size = x.numel(), x.element_size()
+    """(`blocks` flat scratch blocks, an x-shaped contiguous result) of one new storage (`scratch_ahead`)."""
+    n = x.numel()
     step = min(block_elements(n), n)
-    start = -(-blocks * step * size // ALIGN) * ALIGN // size
-    flat = x.new_empty(start + n)
-    return [flat[i * step:(i + 1) * step] for i in range(blocks)], flat[start:].view(x.shape)
+    scratch, result = scratch_ahead(x, blocks * step, n)
+    return list(scratch.split(step)), result.view(x.shape)
 
 
 def _blocks(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:

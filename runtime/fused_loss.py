@@ -33,9 +33,10 @@ BLOCKS = 16
 BLOCK_BYTES = 1 << 16
 """... each of at least this many bytes of loss gradient (one row at least), so small losses take one."""
 ALIGN = 512
-"""The logits start where an allocation of their own would (CUDA's caching allocator rounds blocks to 512
-bytes, the CPU allocator aligns to 64): a BLAS kernel may choose its path by the output's alignment (a
-37 x 11 product on this CPU differs in its last bits 4 bytes off), and the logits must be bit-identical."""
+"""A result with scratch ahead of it (the logits, `scratch_ahead`) starts where an allocation of its own
+would (CUDA's caching allocator rounds blocks to 512 bytes, the CPU allocator aligns to 64): a BLAS kernel
+may choose its path by the output's alignment (a 37 x 11 product on this CPU differs in its last bits 4
+bytes off), and results must be bit-identical."""
 
 
 def block_rows(rows: int, row_bytes: int) -> int:
@@ -87,14 +88,22 @@ def linear_cross_entropy(bias: Optional[torch.Tensor], input: torch.Tensor, weig
     return loss, total_weight, grad
 
 
+def scratch_ahead(like: torch.Tensor, scratch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`scratch` flat elements, then `n` flat elements starting ALIGN bytes into the storage or a multiple
+    of that) of one new storage of `like`'s dtype and device: an op's result with its scratch ahead of it,
+    so that every byte the op allocates is in its result."""
+    size = like.element_size()
+    start = -(-scratch * size // ALIGN) * ALIGN // size
+    flat = like.new_empty(start + n)
+    return flat[:scratch], flat[start:]
+
+
 def _buffer(input: torch.Tensor, weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scratch rows for one block's loss gradient, the logits' rows) of one new storage, the logits'
-    rows starting ALIGN bytes into it or a multiple of that."""
-    rows, classes, size = input.shape[0], weight_t.shape[1], input.element_size()
-    step = block_rows(rows, classes * size)
-    start = -(-step * classes * size // ALIGN) * ALIGN // size
-    flat = input.new_empty(start + rows * classes)
-    return flat[:step * classes].view(step, classes), flat[start:].view(rows, classes)
+    """(scratch rows for one block's loss gradient, the logits' rows) of one new storage (`scratch_ahead`)."""
+    rows, classes = input.shape[0], weight_t.shape[1]
+    step = block_rows(rows, classes * input.element_size())
+    scratch, logits = scratch_ahead(input, step * classes, rows * classes)
+    return scratch.view(step, classes), logits.view(rows, classes)
 
 
 @linear_cross_entropy.register_fake
