@@ -2,9 +2,10 @@
 
     .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
                                     [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
-                                    [--fractions 0.5 0.26] [--variants]
+                                    [--fractions 0.5 0.26] [--variants] [--device cpu]
 
-Per workload (random weights, CPU): eager PyTorch (for transformers models also with the key/value
+Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised and its peaks
+read from the caching allocator, workspace included): eager PyTorch (for transformers models also with the key/value
 cache off); the PyTorch checkpointing a user writes by hand (transformers' per-block
 `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's top-level children);
 `torch.compile(backend="aot_eager_decomp_partition")` with `torch._functorch.config.
@@ -53,8 +54,8 @@ SMALLER = (0.4, 0.3, 0.26, 0.22, 0.2, 0.18, 0.15, 0.12, 0.1)
 COMPILE_BUDGETS = (1.0, 0.7, 0.5, 0.3)
 
 
-def workload(name: str):
-    """(model, loss_fn, batch, hand-checkpointed step or None, its label)."""
+def workload(name: str, device: str = "cpu"):
+    """(model, loss_fn, batch, hand-checkpointed step or None, its label), on `device`."""
     torch.manual_seed(0)
     if name in ("gpt2", "llama"):
         import transformers
@@ -70,16 +71,17 @@ def workload(name: str):
                                               max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
                                               pad_token_id=0)
             model = transformers.LlamaForCausalLM(config)
+        model.to(device)
         loss_fn = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
-        batch = (torch.randint(0, 2048, (4, 256)),)
+        batch = (torch.randint(0, 2048, (4, 256)).to(device),)
         hand = copy.deepcopy(model)
         hand.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model, loss_fn, batch, (hand, lambda: loss_fn(hand, *batch).backward()), "checkpoint per block"
     import torchvision
 
-    model = getattr(torchvision.models, name)(num_classes=10)
+    model = getattr(torchvision.models, name)(num_classes=10).to(device)
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
-    batch = (torch.randn(8, 3, 128, 128), torch.randint(0, 10, (8,)))
+    batch = (torch.randn(8, 3, 128, 128).to(device), torch.randint(0, 10, (8,)).to(device))
     hand = copy.deepcopy(model)
     for module in hand.modules():            # checkpointed segments must not modify their saved inputs in place
         if hasattr(module, "inplace"):
@@ -106,42 +108,45 @@ def no_cache_step(model, loss_fn, batch) -> dict:
     return {"eager, use_cache=False": (off, lambda: loss_fn(off, *batch).backward())}
 
 
-def peak_and_grads(model, step):
+def peak_and_grads(model, step, device: str = "cpu"):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    with PeakMeter("cpu") as meter:
+    with PeakMeter(device) as meter:
         step()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return meter.peak_bytes, grads
 
 
-def median_ms(runs: dict, rounds: int) -> dict[str, float]:
+def median_ms(runs: dict, rounds: int, device: str = "cpu") -> dict[str, float]:
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     times = {k: [] for k in runs}
     for i in range(rounds + 1):                       # the first round warms up
         for k, (model, step) in runs.items():
             model.zero_grad(set_to_none=True)
+            sync()
             start = time.perf_counter()
             step()
+            sync()
             if i:
                 times[k].append((time.perf_counter() - start) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def profiled_costs(graph, name: str) -> CostTable:
-    """One profile of every node and every implementation variant of the graph on this CPU."""
-    rows = measure_graph(graph, "cpu", ProfileSettings(rounds=1), model=name, progress=False)
+def profiled_costs(graph, name: str, device: str = "cpu") -> CostTable:
+    """One profile of every node and every implementation variant of the graph on `device`."""
+    rows = measure_graph(graph, device, ProfileSettings(rounds=1), model=name, progress=False)
     measured: dict[int, dict[str, VariantCost]] = {}
     for r in rows:
         measured.setdefault(r["node_id"], {})[r["impl"]] = VariantCost(r["time_ms"], r["workspace_bytes"],
                                                                        r["output_bytes"])
-    return CostTable(graph.fingerprint, "cpu", name, "bench", datetime.now(timezone.utc), measured)
+    return CostTable(graph.fingerprint, rows[0]["device"], name, "bench", datetime.now(timezone.utc), measured)
 
 
-def profiled_problem(graph, name: str, variants: bool = False) -> Problem:
+def profiled_problem(graph, name: str, variants: bool = False, device: str = "cpu") -> Problem:
     """The graph's problem priced by `profiled_costs`; with `variants`, every implementation variant the
     graph offers (runtime.variants), priced by the same profile."""
-    return Problem.from_graph(graph, profiled_costs(graph, name), graph_variants(graph) if variants else None)
+    return Problem.from_graph(graph, profiled_costs(graph, name, device), graph_variants(graph) if variants else None)
 
 
 def budget_backend(budget: float):
@@ -189,10 +194,11 @@ def smallest_fraction(problem: Problem, solver: str, options: SolveOptions, full
 
 
 def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[float],
-          variants: bool = False, fractions: list[float] | None = None) -> tuple[list[dict], str]:
-    model, loss_fn, batch, (hand, hand_step), hand_label = workload(name)
+          variants: bool = False, fractions: list[float] | None = None,
+          device: str = "cpu") -> tuple[list[dict], str]:
+    model, loss_fn, batch, (hand, hand_step), hand_label = workload(name, device)
     graph = runtime.capture(model, loss_fn, batch)
-    problem = profiled_problem(graph, name, variants)
+    problem = profiled_problem(graph, name, variants, device)
     full = simulate(problem, default_schedule(problem)).peak_bytes
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step),
             **no_cache_step(model, loss_fn, batch)}
@@ -220,12 +226,12 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
             points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start, "search_s": search_s,
                              "source": sol.source or solver, "predicted": sol.predicted_peak_bytes / full,
                              "predicted_time": sol.objective / problem.cost.sum()}
-    eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
+    eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1], device)
     for label, (m, step) in runs.items():
-        peak, grads = peak_and_grads(m, step)
+        peak, grads = peak_and_grads(m, step, device)
         points[label] |= {"peak": peak / eager_peak,
                           "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
-    for label, ms in median_ms(runs, rounds).items():
+    for label, ms in median_ms(runs, rounds, device).items():
         points[label]["ms"] = ms
     eager_ms = points["eager"]["ms"]
     rows = [{"label": k, **v, "time": v["ms"] / eager_ms} for k, v in points.items()]
@@ -271,14 +277,18 @@ def main() -> None:
                     help="plan at these fractions only (default: 0.9 / 0.7 / 0.5 and each solver's smallest)")
     ap.add_argument("--variants", action="store_true",
                     help="offer the solvers every implementation variant (runtime.variants), as the pipeline does")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=200)
+    where = (f"CPU, {args.threads} thread(s)" if torch.device(args.device).type == "cpu" else
+             f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}")
     for name in args.workloads:
-        rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions)
+        rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions,
+                           args.device)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
                       "predicted time", "solve s", "smallest search s", "schedule from",
-                      title=f"{name}: CPU, {args.threads} thread(s), median of {args.rounds} interleaved rounds")
+                      title=f"{name}: {where}, median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: r["peak"]):
             table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.0f}", f"{r['err']:.2g}",
                           *(f"{r[k]:.3f}" if k in r else "" for k in ("predicted", "predicted_time")),

@@ -14,7 +14,10 @@ each piece is needed only until the next concatenation. Each convolution backwar
 weight- and input-gradient halves (`_split_convolution_backward`), and cross-entropy is fused into ops
 that hold fewer logits-sized tensors (`_fuse_cross_entropy`, runtime/fused_loss.py), and the written-out
 tanh GELU into ops that keep two of its four saved tensors (`_fuse_tanh_gelu`, runtime/fused_gelu.py); all
-bit-identical.
+bit-identical. The two fusions apply to CPU graphs only: their ops run block by block, a few small kernels
+per block, and on a GPU those launches cost more than the memory saves (measured on an H200, GPT-2 of
+bench/peers.py: eager 13 ms a step, the fused graph's no-recomputation schedule 28 ms, the captured one's
+0.88x eager's time).
 """
 
 from __future__ import annotations
@@ -245,8 +248,8 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
     logits-sized tensors): the whole loss, from the logits' `mm` / `addmm` to the logits' gradient, into
     `memplan::linear_cross_entropy` where the logits and log-probabilities feed nothing else and the
     backward's seed is `ones_like(loss)`; else the backward pair into `memplan::log_softmax_nll_backward`.
-    Either needs a contiguous rows x classes `_log_softmax` over dimension 1 whose loss gradient has no
-    other reader."""
+    Either needs a contiguous rows x classes `_log_softmax` on the CPU (module docstring) over dimension 1
+    whose loss gradient has no other reader."""
     aten = torch.ops.aten
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
@@ -257,7 +260,7 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
                 and len(nll.args) == 7 and nll.args[1] is log_probs):
             continue
         lp = log_probs.meta["val"]
-        if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
+        if lp.device.type != "cpu" or lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
             continue
         whole = _whole_loss(log_probs, nll, n)
         if whole is None:
@@ -287,7 +290,8 @@ def _fuse_tanh_gelu(graph: fx.Graph) -> None:
     `gelu_new`), and its backward into the ops of runtime/fused_gelu.py (bit-identical; the backward keeps
     `x` and the tanh where it kept four tensors). Only where the graph holds exactly the ops autograd
     writes for it, every intermediate feeds only the GELU and its backward, and `x`, the output gradient
-    and every intermediate are non-empty, contiguous and of one shape, dtype and device."""
+    and every intermediate are non-empty, contiguous and of one shape, dtype and device, the CPU (module
+    docstring)."""
     for tb in list(graph.nodes):
         if tb.op != "call_function" or tb.target is not torch.ops.aten.tanh_backward.default:
             continue
@@ -372,7 +376,7 @@ def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], lis
     vals = [n.meta["val"] for n in (x, g, *forward, *backward)]
     first = vals[0]
     if not (all(_only_users(n, allowed) for n, allowed in readers.items()) and first.numel() > 0
-            and first.is_floating_point()
+            and first.is_floating_point() and first.device.type == "cpu"
             and all((v.shape, v.dtype, v.device) == (first.shape, first.dtype, first.device) and v.is_contiguous()
                     for v in vals)):
         return None
@@ -395,10 +399,10 @@ def _argument_matches(value: Any, pattern: Any) -> bool:
 
 def _erase_replaced(graph: fx.Graph, replaced: list[fx.Node]) -> None:
     """Erase the `replaced` nodes that nothing but shape checks reads any more (and those checks), readers
-    first, each with the chain of `aten.alias` nodes left unread above it."""
+    first, each with the chain of saving aliases (`_saving_alias`) left unread above it."""
     order = {m: i for i, m in enumerate(graph.nodes)}
     for m in sorted(dict.fromkeys(replaced), key=order.__getitem__, reverse=True):
-        while m.target is torch.ops.aten.alias.default and not m.users:
+        while _saving_alias(m) and not m.users:
             m, dead = m.args[0], m
             graph.erase_node(dead)
         if all(_is_check(u) for u in m.users):
@@ -422,8 +426,9 @@ def _is_check(node: fx.Node) -> bool:
 
 
 def _alias_base(node: fx.Node) -> fx.Node:
-    """`node` without the `aten.alias` chain through which the joint graph saves tensors."""
-    while isinstance(node, fx.Node) and node.target is torch.ops.aten.alias.default:
+    """`node` without the chain of saving aliases (`_saving_alias`) through which the joint graph saves
+    tensors."""
+    while _saving_alias(node):
         node = node.args[0]
     return node
 
@@ -461,10 +466,16 @@ def _whole_loss(log_probs: fx.Node, nll: fx.Node,
 
 
 def _only_users(node: fx.Node, allowed: set[fx.Node]) -> bool:
-    """Whether every reader of `node` is in `allowed`, a shape check, or an `aten.alias` of it that only
-    such readers read."""
-    return all(user in allowed or _is_check(user)
-               or (user.target is torch.ops.aten.alias.default and _only_users(user, allowed)) for user in node.users)
+    """Whether every reader of `node` is in `allowed`, a shape check, or a saving alias of it
+    (`_saving_alias`) that only such readers read."""
+    return all(user in allowed or _is_check(user) or (_saving_alias(user) and _only_users(user, allowed))
+               for user in node.users)
+
+
+def _saving_alias(node: Any) -> bool:
+    """Whether `node` is an identity op through which the joint graph saves a tensor for the backward:
+    `aten.alias` (torch 2.14) or `aten.detach` (torch 2.11, seen on a GPU host)."""
+    return isinstance(node, fx.Node) and node.target in (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
 
 
 def _pointwise(grad: fx.Node, weight: fx.Node, input_grad: torch.Tensor, stride, padding, groups) -> bool:

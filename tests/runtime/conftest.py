@@ -3,8 +3,10 @@ builders and an independent memory simulation (exposed as fixtures: importlib mo
 imports).
 
 Models and batches live on $MEMPLAN_TEST_DEVICE (default cpu): `MEMPLAN_TEST_DEVICE=cuda pytest
-tests/runtime/test_executor.py tests/runtime/test_acg_plans.py` runs the equivalence tests on a GPU, each
-step with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`, as tasks/validate.py compares)."""
+tests/runtime/test_executor.py tests/runtime/test_acg_plans.py tests/runtime/test_fused_loss.py
+tests/runtime/test_fused_gelu.py` runs the equivalence tests and the fused ops' bit-identity tests on a
+GPU, each step with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`, as tasks/validate.py
+compares)."""
 
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ class SmallConvNet(nn.Module):
 
 def test_monet_plans_train_exactly_like_eager_at_the_simulated_peak(helpers):
     torch.manual_seed(0)
-    model = SmallConvNet()
+    model = SmallConvNet().to(helpers.device)
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
-    batch = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    batch = (torch.randn(4, 3, 16, 16).to(helpers.device), torch.randint(0, 10, (4,)).to(helpers.device))
     graph = runtime.capture(model, loss_fn, batch)
     problem = Problem.from_graph(graph, None, graph_variants(graph, rules=("mask", "compact", "inplace")))
     eager_peak = simulate(problem, default_schedule(problem)).peak_bytes

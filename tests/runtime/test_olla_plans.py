@@ -10,6 +10,7 @@ import torch
 
 import runtime
 from runtime.arena import ArenaFallbackWarning, in_place_nodes
+from runtime.exact import exact_fp32
 from runtime.plan import Plan
 from tasks.solve import solve
 from tasks.solve.olla import olla_addresses
@@ -23,14 +24,16 @@ ORDER = SolveOptions(time_limit=None, params={"whole_graph": False})
 
 
 def train_arena(helpers, model, loss_fn, batch, plan, graph):
-    """Loss and gradients of one step in arena mode on a copy of `model` (seeded as helpers.train_eager)."""
+    """Loss and gradients of one step in arena mode on a copy of `model` (seeded and with ATen's own fp32
+    kernels, as helpers.train_eager)."""
     model = copy.deepcopy(model)
     step = runtime.load(plan, model, loss_fn, graph=graph, arena=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ArenaFallbackWarning)     # ops without an in-place out= overload
         step.compile(*batch)
     torch.manual_seed(1)
-    loss = step(*batch)
+    with exact_fp32(str(helpers.device)):
+        loss = step(*batch)
     (report,) = step.arena_report.values()
     return loss.detach(), {k: p.grad for k, p in model.named_parameters()}, report
 
