@@ -193,14 +193,21 @@ def mse(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.T
 
 
 def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: logits at position t predict token t+1.
+    """Next-token cross-entropy: logits at position t predict token t+1, the mean over positions 0..T-2.
 
-    Models whose forward takes `attention_mask` get an all-ones mask: the same attention as no mask,
-    without transformers' data-dependent packed-sequence check, which AOTAutograd cannot trace."""
-    if "attention_mask" in inspect.signature(model.forward).parameters:
-        logits = _logits(model(input_ids, attention_mask=torch.ones_like(input_ids)))
-    else:
-        logits = _logits(model(input_ids))
+    A model whose forward takes `labels` (transformers' `*ForCausalLM`) computes it itself from
+    `labels=input_ids`, as its users train it: capture then fuses the LM head with the loss in CPU
+    graphs (runtime/fused_loss.py). A transformers model without a key/value cache (`use_cache=False`) gets an
+    all-ones attention mask: without mask or cache, transformers checks the position ids for packed
+    sequences, a data-dependent branch that capture cannot trace. With the cache on, no mask is passed,
+    so SDPA attention stays one fused op (a mask makes transformers materialise it)."""
+    params = inspect.signature(model.forward).parameters
+    kwargs = {}
+    if "attention_mask" in params and getattr(getattr(model, "config", None), "use_cache", True) is False:
+        kwargs["attention_mask"] = torch.ones_like(input_ids)
+    if "labels" in params:
+        return model(input_ids, labels=input_ids, **kwargs).loss
+    logits = _logits(model(input_ids, **kwargs))
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
 
 

@@ -43,6 +43,33 @@ def test_transformers_model_is_built_from_a_config_and_causal_lm_loss_is_next_to
     assert torch.allclose(build_loss(spec)(model, ids), expected)
 
 
+@pytest.mark.parametrize("kwargs, attention", [
+    ({}, "aten._softmax.default"),                                       # memplan's defaults: no cache, eager
+    ({"use_cache": True, "attn_implementation": "sdpa"}, "aten._scaled_dot_product_flash_attention_for_cpu.default"),
+])
+def test_causal_lm_of_a_transformers_lm_is_its_labels_loss_and_capture_fuses_it_with_the_head(kwargs, attention):
+    """`causal_lm` of a `*ForCausalLM` is the model's own `labels=` loss, equal to next-token cross-entropy
+    of its logits; capture traces it (with memplan's defaults through the all-ones mask, with the cache on
+    through no mask, so SDPA stays one op) and fuses the LM head with the loss."""
+    from tasks.trace import capture_model
+
+    spec = model_spec(
+        transformers="gpt2",
+        kwargs={"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 16, "bos_token_id": 0,
+                "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} | kwargs,
+        loss="causal_lm",
+        inputs=[{"shape": [16], "dtype": "int64", "high": 50}],
+    )
+    model = build_model(spec, 0)
+    (ids,) = build_batch(spec, 3, 0)
+    logits = model(ids).logits
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(build_loss(spec)(model, ids), expected)
+    targets = [t for n in capture_model(spec, 3, "cpu", 0).nodes for t in n.targets]
+    assert "memplan.linear_cross_entropy.default" in targets and attention in targets
+    assert ("aten.ones_like.default" in targets) == (not kwargs)       # the mask only without the cache
+
+
 def test_import_path_factory_and_loss(tmp_path, monkeypatch):
     (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
         import torch
