@@ -133,14 +133,12 @@ def _torchvision(name: str, kwargs: dict[str, Any], where: str) -> nn.Module:
 
 
 def _transformers(model_type: str, auto_class: str, kwargs: dict[str, Any], where: str) -> nn.Module:
-    """A transformers model from `AutoConfig.for_model(model_type, **kwargs)`: no hub access.
-
-    Defaults: `use_cache=False` (no key/value cache in training) and `attn_implementation="eager"`
-    (attention as plain ATen ops the planner can see)."""
+    """A transformers model from `AutoConfig.for_model(model_type, **kwargs)`: no hub access, and
+    transformers' own defaults (SDPA attention, the key/value cache on), as its users train it."""
     import transformers
 
     _known(model_type, list(transformers.CONFIG_MAPPING), f"{where}: transformers {transformers.__version__} has no model type")
-    config = transformers.AutoConfig.for_model(model_type, **({"use_cache": False, "attn_implementation": "eager"} | kwargs))
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
     return getattr(transformers, auto_class).from_config(config)
 
 
@@ -197,14 +195,19 @@ def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
     A model whose forward takes `labels` (transformers' `*ForCausalLM`) computes it itself from
     `labels=input_ids`, as its users train it: capture then fuses the LM head with the loss in CPU
-    graphs (runtime/fused_loss.py). A transformers model without a key/value cache (`use_cache=False`) gets an
-    all-ones attention mask: without mask or cache, transformers checks the position ids for packed
-    sequences, a data-dependent branch that capture cannot trace. With the cache on, no mask is passed,
-    so SDPA attention stays one fused op (a mask makes transformers materialise it)."""
+    graphs (runtime/fused_loss.py). Without a key/value cache or an attention mask, transformers checks
+    the position ids for packed sequences, a data-dependent branch that capture cannot trace, so a
+    forward that takes `use_cache` runs with the cache on (capture drops the cache's copies of keys and
+    values where SDPA reads them); an all-ones mask instead would make SDPA check the mask, which cannot
+    be traced either. Eager attention with the cache off in the config gets the all-ones mask: its
+    scores take the mask, and the keys and values are not copied."""
     params = inspect.signature(model.forward).parameters
+    config = getattr(model, "config", None)
     kwargs = {}
-    if "attention_mask" in params and getattr(getattr(model, "config", None), "use_cache", True) is False:
-        kwargs["attention_mask"] = torch.ones_like(input_ids)
+    if "use_cache" in params:
+        eager_without_cache = getattr(config, "use_cache", None) is False and \
+            getattr(config, "_attn_implementation", None) == "eager" and "attention_mask" in params
+        kwargs = {"attention_mask": torch.ones_like(input_ids)} if eager_without_cache else {"use_cache": True}
     if "labels" in params:
         return model(input_ids, labels=input_ids, **kwargs).loss
     logits = _logits(model(input_ids, **kwargs))

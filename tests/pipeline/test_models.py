@@ -35,7 +35,7 @@ def test_transformers_model_is_built_from_a_config_and_causal_lm_loss_is_next_to
         inputs=[{"shape": [16], "dtype": "int64", "high": 50}],
     )
     model = build_model(spec, 0)
-    assert model.config.n_layer == 1 and model.config.use_cache is False
+    assert model.config.n_layer == 1 and model.config._attn_implementation == "sdpa"     # transformers' default
     (ids,) = build_batch(spec, 3, 0)
     assert ids.shape == (3, 16) and ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < 50
     logits = model(ids).logits
@@ -44,13 +44,16 @@ def test_transformers_model_is_built_from_a_config_and_causal_lm_loss_is_next_to
 
 
 @pytest.mark.parametrize("kwargs, attention", [
-    ({}, "aten._softmax.default"),                                       # memplan's defaults: no cache, eager
-    ({"use_cache": True, "attn_implementation": "sdpa"}, "aten._scaled_dot_product_flash_attention_for_cpu.default"),
+    ({}, "aten._scaled_dot_product_flash_attention_for_cpu.default"),          # transformers' defaults
+    ({"use_cache": False}, "aten._scaled_dot_product_flash_attention_for_cpu.default"),
+    ({"use_cache": False, "attn_implementation": "eager"}, "aten._softmax.default"),
 ])
 def test_causal_lm_of_a_transformers_lm_is_its_labels_loss_and_capture_fuses_it_with_the_head(kwargs, attention):
     """`causal_lm` of a `*ForCausalLM` is the model's own `labels=` loss, equal to next-token cross-entropy
-    of its logits; capture traces it (with memplan's defaults through the all-ones mask, with the cache on
-    through no mask, so SDPA stays one op) and fuses the LM head with the loss."""
+    of its logits. Capture traces it whatever the config's cache and attention settings (the loss runs
+    the forward with the cache on, or eager attention without it with an all-ones mask: either skips
+    transformers' untraceable packed-sequence check), holds no copy of the keys and values and fuses the
+    LM head with the loss."""
     from tasks.trace import capture_model
 
     spec = model_spec(
@@ -65,9 +68,11 @@ def test_causal_lm_of_a_transformers_lm_is_its_labels_loss_and_capture_fuses_it_
     logits = model(ids).logits
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
     torch.testing.assert_close(build_loss(spec)(model, ids), expected)
-    targets = [t for n in capture_model(spec, 3, "cpu", 0).nodes for t in n.targets]
+    graph = capture_model(spec, 3, "cpu", 0)
+    targets = [t for n in graph.nodes for t in n.targets]
     assert "memplan.linear_cross_entropy.default" in targets and attention in targets
-    assert ("aten.ones_like.default" in targets) == (not kwargs)       # the mask only without the cache
+    keys = [v for v in graph.values if v.kind == "activation" and v.shape == (3, 2, 16, 16)]   # batch, heads, tokens, head dim
+    assert not any(graph.nodes[v.producer].targets[0] == "aten.cat.default" for v in keys)     # no cache copies
 
 
 def test_import_path_factory_and_loss(tmp_path, monkeypatch):
