@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import sys
+import traceback
 import types
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from runtime import fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops fused into)
 from runtime.graph import Node, OpGraph, Value
@@ -118,6 +121,15 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                 "same gradient tensor (parameters that enter the model only through their sum, such as "
                 "`x @ (a + b)`), and the export names gradients by tensor. Make them one parameter, or give "
                 "one of them an op of its own (`a + b * 1`).") from exc
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise CaptureError(
+                f"the training step depends on a tensor's values at {_caller(exc)}, which capture cannot trace: "
+                "it records one step's ops for every batch, so no Python branch may read a tensor (`if t`, "
+                "`.item()`, `bool(t)`) and no op's output shape may depend on the data (`nonzero`, "
+                "`masked_select`). Compute the branch with tensor ops (`torch.where`) or move it out of the "
+                "step. transformers language models take such a branch when run with neither a key/value "
+                "cache nor an attention mask (a check for packed sequences): run them with `use_cache=True` "
+                "or pass `attention_mask`, as memplan's `causal_lm` loss does.") from exc
     strip_boundaries(gm.graph)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()
@@ -131,6 +143,14 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
     graph.program.batch_signature = batch_signature(model, batch)
     return graph
+
+
+def _caller(exc: BaseException) -> str:
+    """`file:line in function` of the innermost frame of `exc`'s traceback outside torch: the model's or
+    the loss's line that read a tensor's value."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "an unknown line"
 
 
 def _drop_empty_concatenations(graph: fx.Graph) -> None:

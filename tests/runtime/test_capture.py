@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from torch import fx
+from torch import fx, nn
 
 import runtime
 from runtime import fused_loss
@@ -110,6 +110,42 @@ def test_bad_batch_and_loss_are_refused(captured):
         runtime.capture(model, loss_fn, (x, 3))
     with pytest.raises(CaptureError, match="scalar tensor"):
         runtime.capture(model, lambda m, x: m(x), (x,))
+
+
+class _Branching(nn.Module):
+    """A branch on a tensor's value (`if`), or an op whose output shape depends on the data."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.lin, self.kind = nn.Linear(4, 4), kind
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.kind == "branch":
+            if h.sum() > 0:                                  # reads a value: line named in the error
+                h = h * 2
+            return h
+        return h[h > 0]                                      # a shape that depends on the data
+
+
+@pytest.mark.parametrize("kind, line", [("branch", "if h.sum() > 0"), ("shape", "return h[h > 0]")])
+def test_a_step_that_depends_on_tensor_values_is_refused_naming_the_line(kind, line):
+    import inspect
+
+    source, first = inspect.getsourcelines(_Branching.forward)
+    lineno = first + next(i for i, text in enumerate(source) if line in text)
+    with pytest.raises(CaptureError, match=rf"depends on a tensor's values at .*test_capture\.py:{lineno} in forward"):
+        runtime.capture(_Branching(kind), lambda m, x: m(x).sum(), (torch.randn(2, 4),))
+
+
+def test_a_transformers_lm_run_without_cache_or_mask_is_refused_with_the_fix():
+    """transformers' packed-sequence check (no key/value cache, no attention mask) reads position ids."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, use_cache=False)
+    with pytest.raises(CaptureError, match=r"masking_utils\.py:\d+ .*`use_cache=True` or pass `attention_mask`"):
+        runtime.capture(GPT2LMHeadModel(config), lambda m, ids: m(ids, labels=ids).loss,
+                        (torch.randint(0, 32, (2, 8)),))
 
 
 class _Recorder(fx.Interpreter):
