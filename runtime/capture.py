@@ -136,8 +136,9 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     _drop_empty_concatenations(gm.graph)
     _chain_concatenations(gm.graph)
     _split_convolution_backward(gm.graph)
-    _fuse_cross_entropy(gm.graph)
-    _fuse_tanh_gelu(gm.graph)
+    if all(t.device.type == "cpu" for t in [*batch, *model.parameters()]):   # CPU graphs only (module docstring)
+        _fuse_cross_entropy(gm.graph)
+        _fuse_tanh_gelu(gm.graph)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
@@ -268,8 +269,8 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
     logits-sized tensors): the whole loss, from the logits' `mm` / `addmm` to the logits' gradient, into
     `memplan::linear_cross_entropy` where the logits and log-probabilities feed nothing else and the
     backward's seed is `ones_like(loss)`; else the backward pair into `memplan::log_softmax_nll_backward`.
-    Either needs a contiguous rows x classes `_log_softmax` on the CPU (module docstring) over dimension 1
-    whose loss gradient has no other reader."""
+    Either needs a contiguous rows x classes `_log_softmax` over dimension 1 whose loss gradient has no
+    other reader."""
     aten = torch.ops.aten
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
@@ -280,7 +281,7 @@ def _fuse_cross_entropy(graph: fx.Graph) -> None:
                 and len(nll.args) == 7 and nll.args[1] is log_probs):
             continue
         lp = log_probs.meta["val"]
-        if lp.device.type != "cpu" or lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
+        if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
             continue
         whole = _whole_loss(log_probs, nll, n)
         if whole is None:
@@ -310,8 +311,7 @@ def _fuse_tanh_gelu(graph: fx.Graph) -> None:
     `gelu_new`), and its backward into the ops of runtime/fused_gelu.py (bit-identical; the backward keeps
     `x` and the tanh where it kept four tensors). Only where the graph holds exactly the ops autograd
     writes for it, every intermediate feeds only the GELU and its backward, and `x`, the output gradient
-    and every intermediate are non-empty, contiguous and of one shape, dtype and device, the CPU (module
-    docstring)."""
+    and every intermediate are non-empty, contiguous and of one shape, dtype and device."""
     for tb in list(graph.nodes):
         if tb.op != "call_function" or tb.target is not torch.ops.aten.tanh_backward.default:
             continue
@@ -396,7 +396,7 @@ def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], lis
     vals = [n.meta["val"] for n in (x, g, *forward, *backward)]
     first = vals[0]
     if not (all(_only_users(n, allowed) for n, allowed in readers.items()) and first.numel() > 0
-            and first.is_floating_point() and first.device.type == "cpu"
+            and first.is_floating_point()
             and all((v.shape, v.dtype, v.device) == (first.shape, first.dtype, first.device) and v.is_contiguous()
                     for v in vals)):
         return None

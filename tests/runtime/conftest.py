@@ -178,6 +178,16 @@ def train_plan(model, loss_fn, batch, plan, graph=None, seed=1):
     return _result(model, loss, meter.peak_bytes)
 
 
+def train_like_eager_bitwise(model, loss_fn, batch, graph):
+    """One step of `graph`'s default plan and one eager step give the same loss and gradients, bit for bit;
+    returns the plan's step (for its peak)."""
+    eager = train_eager(model, loss_fn, batch)
+    planned = train_plan(model, loss_fn, batch, runtime.default_plan(graph), graph=graph)
+    assert torch.equal(eager.loss, planned.loss)
+    assert all(torch.equal(eager.grads[k], planned.grads[k]) for k in eager.grads)
+    return planned
+
+
 def _result(model, loss, peak):
     rng = torch.cuda.get_rng_state(DEVICE) if DEVICE.type == "cuda" else torch.get_rng_state()
     return SimpleNamespace(loss=loss.detach(), peak=peak, rng=rng,
@@ -212,4 +222,5 @@ def assert_same_step(a, b, rtol=1e-4, atol=1e-5):
 def helpers():
     return SimpleNamespace(build=build, recompute_schedule=recompute_schedule, chen_sqrt_n_drop=chen_sqrt_n_drop,
                            simulated_peak=simulated_peak, train_eager=train_eager, train_plan=train_plan,
+                           train_like_eager_bitwise=train_like_eager_bitwise,
                            assert_same_step=assert_same_step, assert_peak_matches=assert_peak_matches, device=DEVICE)

@@ -170,10 +170,7 @@ def test_gelu_is_fused_only_where_its_intermediates_feed_nothing_else_in_gelu_ne
     targets = _targets(g)
     fused = fused and helpers.device.type == "cpu"        # fused in CPU graphs only (runtime/capture.py)
     assert [op in targets for op in (*FUSED, "aten.tanh_backward.default")] == [fused] * 3 + [not fused]
-    eager = helpers.train_eager(model, loss_fn, batch)
-    planned = helpers.train_plan(model, loss_fn, batch, runtime.default_plan(g), graph=g)
-    assert torch.equal(eager.loss, planned.loss)
-    assert all(torch.equal(eager.grads[k], planned.grads[k]) for k in eager.grads)
+    planned = helpers.train_like_eager_bitwise(model, loss_fn, batch, g)
     helpers.assert_peak_matches(planned.peak, _peak(g))
 
 
@@ -215,7 +212,4 @@ def test_rewrites_see_through_detach_chains_as_torch_2_11_saves_tensors(helpers,
     targets = _targets(g)
     assert [targets.count(t) for t in (*FUSED, "memplan.linear_cross_entropy.default")] == \
         [int(helpers.device.type == "cpu")] * 4
-    eager = helpers.train_eager(model, loss_fn, batch)
-    planned = helpers.train_plan(model, loss_fn, batch, runtime.default_plan(g), graph=g)
-    assert torch.equal(eager.loss, planned.loss)
-    assert all(torch.equal(eager.grads[k], planned.grads[k]) for k in eager.grads)
+    helpers.train_like_eager_bitwise(model, loss_fn, batch, g)
