@@ -3,14 +3,15 @@
     .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
                                     [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
                                     [--fractions 0.5 0.26] [--variants] [--device cpu]
+                                    [--compile-backend aot_eager_decomp_partition|inductor]
 
 Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised and its peaks
 read from the caching allocator, workspace included): eager PyTorch (for transformers models also with the key/value
 cache off); the PyTorch checkpointing a user writes by hand (transformers' per-block
 `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's top-level children);
-`torch.compile(backend="aot_eager_decomp_partition")` with `torch._functorch.config.
-activation_memory_budget` at each of `--compile-budgets` (the meter ignores compile internals, so the
-compiled code runs and is measured); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak
+`torch.compile(backend="aot_eager_decomp_partition")` (or `--compile-backend inductor`, what a GPU user
+compiles with) with `torch._functorch.config.activation_memory_budget` at each of `--compile-budgets`
+(the meter ignores compile internals, so the compiled code runs and is measured); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak
 and at the smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
 (`hierarchical:inner=monet`), and `--variants` offers the solvers every implementation variant.
 Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
@@ -149,24 +150,35 @@ def profiled_problem(graph, name: str, variants: bool = False, device: str = "cp
     return Problem.from_graph(graph, profiled_costs(graph, name, device), graph_variants(graph) if variants else None)
 
 
-def budget_backend(budget: float):
-    """torch.compile's `aot_eager_decomp_partition` backend partitioning with `activation_memory_budget` =
-    budget. One backend callable per budget: Dynamo guards compiled code on its backend (BACKEND_MATCH),
+def inductor(gm, example_inputs, **kwargs):
+    """torch.compile's default backend, as a callable `budget_backend` can wrap."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs)
+
+
+COMPILE_BACKENDS = {"aot_eager_decomp_partition": aot_eager_decomp_partition, "inductor": inductor}
+
+
+def budget_backend(budget: float, backend_name: str = "aot_eager_decomp_partition"):
+    """torch.compile's `backend_name` backend (`COMPILE_BACKENDS`) partitioning with
+    `activation_memory_budget` = budget. One backend callable per budget: Dynamo guards compiled code on its backend (BACKEND_MATCH),
     so every compiled copy keeps running the graphs partitioned at its own budget. (Resetting Dynamo
     between budgets, as this bench did before, dropped the earlier copies' graphs, and since the guards
     do not tell deep copies apart, every copy then ran the last budget's graphs: one peak for all.)"""
+    compiler = COMPILE_BACKENDS[backend_name]
+
     def backend(gm, example_inputs, **kwargs):
         with torch._functorch.config.patch(activation_memory_budget=budget):
-            return aot_eager_decomp_partition(gm, example_inputs, **kwargs)
+            return compiler(gm, example_inputs, **kwargs)
 
     return backend
 
 
-def compiled_step(model, loss_fn, batch, budget: float):
-    """A copy of `model` under torch.compile with `activation_memory_budget` = budget, compiled by its
-    first step, and that step."""
+def compiled_step(model, loss_fn, batch, budget: float, backend_name: str = "aot_eager_decomp_partition"):
+    """A copy of `model` under torch.compile (`backend_name`) with `activation_memory_budget` = budget,
+    compiled by its first step, and that step."""
     compiled = copy.deepcopy(model)
-    fn = torch.compile(compiled, backend=budget_backend(budget))
+    fn = torch.compile(compiled, backend=budget_backend(budget, backend_name))
     step = lambda: loss_fn(fn, *batch).backward()  # noqa: E731
     step()
     compiled.zero_grad(set_to_none=True)
@@ -195,7 +207,7 @@ def smallest_fraction(problem: Problem, solver: str, options: SolveOptions, full
 
 def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[float],
           variants: bool = False, fractions: list[float] | None = None,
-          device: str = "cpu") -> tuple[list[dict], str]:
+          device: str = "cpu", compile_backend: str = "aot_eager_decomp_partition") -> tuple[list[dict], str]:
     model, loss_fn, batch, (hand, hand_step), hand_label = workload(name, device)
     graph = runtime.capture(model, loss_fn, batch)
     problem = profiled_problem(graph, name, variants, device)
@@ -204,9 +216,9 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
             **no_cache_step(model, loss_fn, batch)}
     points = {label: {"kind": "pytorch"} for label in runs}
     for budget in compile_budgets:
-        label = f"compile budget {budget:.1f}"
+        label = f"{'inductor' if compile_backend == 'inductor' else 'compile'} budget {budget:.1f}"
         start = time.perf_counter()
-        runs[label] = compiled_step(model, loss_fn, batch, budget)
+        runs[label] = compiled_step(model, loss_fn, batch, budget, compile_backend)
         points[label] = {"kind": "pytorch", "solve_s": time.perf_counter() - start}
     for solver in solvers:
         solver_name, options = solver_options(solver)
@@ -278,6 +290,8 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="offer the solvers every implementation variant (runtime.variants), as the pipeline does")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    ap.add_argument("--compile-backend", choices=list(COMPILE_BACKENDS), default="aot_eager_decomp_partition",
+                    help="torch.compile's backend for the budget points (inductor: the default user's, on CUDA)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=200)
@@ -285,7 +299,7 @@ def main() -> None:
              f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}")
     for name in args.workloads:
         rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions,
-                           args.device)
+                           args.device, args.compile_backend)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
                       "predicted time", "solve s", "smallest search s", "schedule from",
                       title=f"{name}: {where}, median of {args.rounds} interleaved rounds")

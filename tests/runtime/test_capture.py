@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 
 import runtime
+import runtime.capture as capture_module
 from runtime import fused_loss
 from runtime.capture import CaptureError
 from runtime.graph import OpGraph
@@ -277,3 +278,35 @@ def test_pointwise_input_gradients_are_matrix_products_where_aten_uses_its_gemm_
     assert not any(forward_inputs & set(n.inputs) for n in bmm)    # the forward input can go after the weight gradient
     assert torch.equal(eager.loss, planned.loss)
     assert all(torch.equal(eager.grads[k], planned.grads[k]) for k in eager.grads)
+
+
+class _Depthwise(torch.nn.Module):
+    """A 3x3 convolution, a depthwise one (8 groups) and a 2x2 one: the last two have input gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.mix = torch.nn.Conv2d(8, 4, 2)
+
+    def forward(self, x):
+        return self.mix(torch.relu(self.depthwise(torch.relu(self.stem(x))))).mean((2, 3))
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_grouped_convolution_backwards_split_on_cpu_graphs_only(helpers, monkeypatch, on_cpu):
+    """A GPU graph (`_cpu_graph` False) keeps the depthwise backward joint, where CUDA rounds its split
+    halves differently; the ungrouped ones split everywhere. Either graph trains like eager, bit for bit."""
+    if on_cpu and helpers.device.type != "cpu":
+        pytest.skip("a CPU graph's grouped split is bit-identical on the CPU only")
+    torch.manual_seed(0)
+    model = _Depthwise().to(helpers.device)
+    batch = (torch.randn(3, 3, 9, 9, device=helpers.device), torch.randint(0, 4, (3,), device=helpers.device))
+    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    monkeypatch.setattr(capture_module, "_cpu_graph", lambda model, batch: on_cpu)
+    g = runtime.capture(model, loss_fn, batch)
+    backward = [n for n in g.nodes if n.phase == "backward"]
+    transposed = [n for n in backward if n.targets[0] == "aten.convolution.default"]
+    joint = [n for n in backward if n.targets[0] == "aten.convolution_backward.default" and len(n.outputs) > 2]
+    assert (len(transposed), len(joint)) == ((2, 0) if on_cpu else (1, 1))    # the stem has no input gradient
+    helpers.train_like_eager_bitwise(model, loss_fn, batch, g)
