@@ -5,21 +5,23 @@
                                     [--fractions 0.5 0.26] [--variants] [--device cpu]
                                     [--compile-backend aot_eager_decomp_partition|inductor]
 
-Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised and its peaks
-read from the caching allocator, workspace included): eager PyTorch (for transformers models also with the key/value
-cache off); the PyTorch checkpointing a user writes by hand (transformers' per-block
-`torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's top-level children);
-`torch.compile(backend="aot_eager_decomp_partition")` (or `--compile-backend inductor`, what a GPU user
-compiles with) with `torch._functorch.config.activation_memory_budget` at each of `--compile-budgets`
-(the meter ignores compile internals, so the compiled code runs and is measured); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak
-and at the smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
+Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised): eager PyTorch
+(for transformers models also with the key/value cache off); the PyTorch checkpointing a user writes by
+hand (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's
+top-level children); `torch.compile(backend="aot_eager_decomp_partition")` (or `--compile-backend
+inductor`, what a GPU user compiles with) with `torch._functorch.config.activation_memory_budget` at each
+of `--compile-budgets`; memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
+smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
 (`hierarchical:inner=monet`), and `--variants` offers the solvers every implementation variant.
 Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
 `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8, 128 px).
-Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`), run
-with `runtime.load` (gradients compared with eager) and measured with `runtime.meter.PeakMeter`; step
-times are medians of interleaved rounds. The verdict lists each PyTorch point and the memplan plans that
-dominate it (no more peak at no more time), and each memplan plan a PyTorch point dominates.
+Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`) and
+run with `runtime.load` (gradients compared with eager). Peaks are the allocator's, kernels' own buffers
+included: `runtime.meter.PeakMeter(allocator=True)`, which on CPU reads torch.profiler's memory events
+and so also sees the buffers inductor's kernels allocate outside the dispatcher, and on CUDA the caching
+allocator. Step times are medians of interleaved rounds. The verdict lists each PyTorch point and the
+memplan plans that dominate it (no more peak at no more time), and each memplan plan a PyTorch point
+dominates.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def no_cache_step(model, loss_fn, batch) -> dict:
 def peak_and_grads(model, step, device: str = "cpu"):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    with PeakMeter(device) as meter:
+    with PeakMeter(device, allocator=True) as meter:
         step()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -161,10 +163,11 @@ COMPILE_BACKENDS = {"aot_eager_decomp_partition": aot_eager_decomp_partition, "i
 
 def budget_backend(budget: float, backend_name: str = "aot_eager_decomp_partition"):
     """torch.compile's `backend_name` backend (`COMPILE_BACKENDS`) partitioning with
-    `activation_memory_budget` = budget. One backend callable per budget: Dynamo guards compiled code on its backend (BACKEND_MATCH),
-    so every compiled copy keeps running the graphs partitioned at its own budget. (Resetting Dynamo
-    between budgets, as this bench did before, dropped the earlier copies' graphs, and since the guards
-    do not tell deep copies apart, every copy then ran the last budget's graphs: one peak for all.)"""
+    `activation_memory_budget` = budget. One backend callable per budget: Dynamo guards compiled code on
+    its backend (BACKEND_MATCH), so every compiled copy keeps running the graphs partitioned at its own
+    budget. (Resetting Dynamo between budgets, as this bench did before, dropped the earlier copies'
+    graphs, and since the guards do not tell deep copies apart, every copy then ran the last budget's
+    graphs: one peak for all.)"""
     compiler = COMPILE_BACKENDS[backend_name]
 
     def backend(gm, example_inputs, **kwargs):
