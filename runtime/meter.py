@@ -15,6 +15,7 @@ step and its `aot_eager_decomp_partition`-compiled step the two agreed to the by
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 
 import torch
@@ -87,6 +88,7 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         elif self.device.type == "cpu" and self.allocator:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")    # no kineto lines on stderr per block
             self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True)
             self._profile.__enter__()

@@ -5,10 +5,13 @@ the graph's shapes and dtypes, every other input is the value its producer compu
 integer tensors (pooling indices, labels) are valid. The graph is run `rounds` times in node order; in
 each round every node gets `warmup` untimed calls and `repeats` timed calls (CUDA events on GPU,
 `time.perf_counter` on CPU); time_ms is the median of all timed calls, with their minimum and
-interquartile range. In the first round one more call runs under `runtime.meter.PeakMeter`:
+interquartile range. In the first round one more call runs under `runtime.meter.PeakMeter(allocator=True)`:
     output_bytes    = bytes the call left allocated (its outputs),
     workspace_bytes = max(0, peak bytes during the call - output_bytes)
-(inputs exist before the call, so the meter never counts them). Columns: docs/profile-schema.md.
+(inputs exist before the call, so the meter never counts them). The meter reads the allocator (CUDA's
+caching allocator, the CPU allocator through torch.profiler), so scratch a kernel allocates for itself
+counts as workspace: on CPU, oneDNN's copy of a depthwise convolution's input, for one. Columns:
+docs/profile-schema.md.
 
 Every implementation variant the graph offers (`runtime.variants`) is measured the same way, right after
 its node's default (`runtime.variant_function`), into a row with `impl` = the variant's name. It reads the
@@ -262,7 +265,7 @@ def _run_round(graph, functions: list, last: dict[int, int], device: torch.devic
                 if memory is None:
                     outputs = fn(*args)
                 else:
-                    with PeakMeter(device) as meter:
+                    with PeakMeter(device, allocator=True) as meter:
                         outputs = fn(*args)
                     memory[node.id, impl] = (meter.end_bytes, max(0, meter.peak_bytes - meter.end_bytes))
             except Exception as exc:

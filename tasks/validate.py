@@ -8,10 +8,10 @@ What counts:
   both steps run with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`: cuDNN and TF32
   off), since eager cuDNN kernels round differently from the graph's ATen kernels by more than the
   tolerance; the timed and metered steps keep the process's settings;
-- memory: `runtime.meter.PeakMeter` measures the peak of tensor bytes allocated during the step
-  (activations, gradients, outputs, temporaries; not the parameters, buffers and batch that exist before
-  it, the same split as the plan's `peak_bytes` vs `constant_bytes`). It must not exceed
-  `budget_bytes * (1 + peak_rtol)`;
+- memory: `runtime.meter.PeakMeter(allocator=True)` measures the peak of bytes allocated during the step
+  (activations, gradients, outputs, temporaries, kernels' own scratch, which the profile's workspace
+  counts too; not the parameters, buffers and batch that exist before it, the same split as the plan's
+  `peak_bytes` vs `constant_bytes`). It must not exceed `budget_bytes * (1 + peak_rtol)`;
 - time: median over `steps` timed steps after `warmup` untimed ones, for the plan and for eager;
   overhead = plan time / eager time - 1;
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
@@ -209,7 +209,7 @@ def _first_steps(
     with exact_fp32(device):
         state = step_state(model, step())
     model.zero_grad(set_to_none=True)
-    with PeakMeter(device) as meter:
+    with PeakMeter(device, allocator=True) as meter:
         step()
     model.zero_grad(set_to_none=True)
     return state, meter.peak_bytes

@@ -59,9 +59,10 @@ def test_step_state_holds_loss_gradients_and_buffers():
     assert int(state["buffer:num_batches_tracked"]) == 1
 
 
-def test_a_plan_with_addresses_is_validated_in_arena_mode_too():
+def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     """Arena mode runs on its own copy of the model, compared with eager before any timed step moves its
-    BatchNorm statistics; it reports its peak and places every copy of the in-place nodes."""
+    BatchNorm statistics; it reports its peak (the allocator's: its kernels' scratch included, which the
+    graph's profile prices as workspace) and places every copy of the in-place nodes."""
     import numpy as np
 
     import runtime
@@ -71,13 +72,16 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too():
     from tasks.models import build_batch, build_loss, build_model
     from tasks.solve.addresses import greedy_addresses
     from tasks.solve.problem import Problem
+    from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve.simulator import default_schedule, simulate
+    from tasks.store import load_costs
     from tasks.validate import validate_plan
 
     spec = ModelConfig(name="r18", torchvision="resnet18", kwargs={"num_classes": 4},
                        inputs=[{"shape": [3, 32, 32]}, {"shape": [], "dtype": "int64", "high": 4}])
     graph = runtime.capture(build_model(spec, 0), build_loss(spec), build_batch(spec, 2, 0, "cpu"))
-    problem = Problem.from_graph(graph)
+    profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    problem = Problem.from_graph(graph, load_costs(graph.fingerprint, "cpu", tmp_path))
     schedule = default_schedule(problem)
     nodes = in_place_nodes(graph, "cpu")
     addresses = greedy_addresses(problem, simulate(problem, schedule), np.array([n in nodes for _, n in schedule]))

@@ -14,6 +14,9 @@ from tasks.solve.problem import Problem
 from tasks.store import connect, load_costs
 
 FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)
+SCALARS = 16
+"""Bytes of the 0-dim tensors wrapping an op's scalar operands, which the profile's allocator meter sees
+and a variant rule does not declare."""
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,8 @@ def test_mask_variants_get_rows_that_planners_price(store, graph):
     assert by[backward, "default"][0] - by[backward, "mask"][0] == graph.values[out].bytes - variants.value(graph, mask).bytes
 
     hardtanh = next(n.id for n in graph.nodes if n.targets[0] == "aten.hardtanh.default")
-    assert by[hardtanh, "mask"][2] == variants.specs[hardtanh]["mask"].workspace > 0   # the ge temporary
+    declared = variants.specs[hardtanh]["mask"].workspace                  # the ge temporary
+    assert 0 < declared <= by[hardtanh, "mask"][2] <= declared + SCALARS
 
     numel = graph.values[out].bytes // 4                  # the bit mask: 1 bit per element, 8 per byte
     packed = variants.specs[relu]["bitmask"].outputs[-1]
@@ -53,14 +57,17 @@ def test_mask_variants_get_rows_that_planners_price(store, graph):
     assert by[relu, "bitmask"][1] == by[relu, "default"][1] + (numel + 7) // 8
     assert by[backward, "bitmask"][0] == by[backward, "mask"][0] - numel + (numel + 7) // 8
     for node in (relu, backward, hardtanh):               # measured workspace == the declared one
-        assert by[node, "bitmask"][2] == variants.specs[node]["bitmask"].workspace > 0, node
+        declared = variants.specs[node]["bitmask"].workspace
+        assert 0 < declared <= by[node, "bitmask"][2] <= declared + SCALARS, node
 
     # the ReLU in place (its input, the convolution's output, has no other reader): the output allocates
     # nothing; the in-place mask variants allocate just the mask, with the mask rules' workspace
     assert {k for k in by if "inplace" in k[1]} == {(relu, f"{r}inplace") for r in ("", "mask-", "bitmask-")}
-    assert by[relu, "inplace"][1] == 0 and by[relu, "inplace"][2] == 0
-    assert by[relu, "mask-inplace"][1] == variants.value(graph, mask).bytes and by[relu, "mask-inplace"][2] == 0
-    assert by[relu, "bitmask-inplace"][1:] == ((numel + 7) // 8, variants.specs[relu]["bitmask"].workspace)
+    assert by[relu, "inplace"][1] == 0 and by[relu, "inplace"][2] <= SCALARS
+    assert by[relu, "mask-inplace"][1] == variants.value(graph, mask).bytes and by[relu, "mask-inplace"][2] <= SCALARS
+    declared = variants.specs[relu]["bitmask"].workspace
+    assert by[relu, "bitmask-inplace"][1] == (numel + 7) // 8
+    assert declared <= by[relu, "bitmask-inplace"][2] <= declared + SCALARS
 
     costs = load_costs(graph.fingerprint, "cpu")
     problem = Problem.from_graph(graph, costs, variants)
