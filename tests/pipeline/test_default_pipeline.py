@@ -26,7 +26,8 @@ def test_the_default_pipeline_runs_end_to_end(tmp_path, harness):
     plans land in tmp_path): all 12 cells are solved, validated against eager PyTorch and published, and on
     the CPU each plan's measured peak (the CPU allocator's, kernels' scratch included, which the profile
     prices as workspace) is its predicted peak to 0.1%, within the budget (when measured, 10 of 12 were
-    exact and the two `ap-greedy` gpt2-tiny plans 5056 bytes above)."""
+    exact and the two `ap-greedy` gpt2-tiny plans 5056 bytes above: a saved CPU generator state for a
+    recomputed dropout, docs/plan-format.md)."""
     import shutil
 
     import torch
