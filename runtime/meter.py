@@ -88,6 +88,11 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         elif self.device.type == "cpu" and self.allocator:
+            if torch.autograd.profiler._is_profiler_enabled:
+                raise RuntimeError("PeakMeter(allocator=True) reads the CPU allocator through a torch.profiler "
+                                   "session of its own, and another profiler session is running: ending the "
+                                   "inner one would end both. Measure outside that profiler, or with the "
+                                   "dispatch meter (allocator=False), which does not see kernels' own scratch.")
             os.environ.setdefault("KINETO_LOG_LEVEL", "6")    # no kineto lines on stderr per block
             self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                    profile_memory=True)

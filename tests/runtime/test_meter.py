@@ -106,3 +106,9 @@ def test_only_the_allocator_meter_sees_buffers_made_outside_the_dispatcher():
         pass
     with pytest.raises(ValueError, match="dispatch meter"):
         m.peak_without([])
+
+
+def test_the_allocator_meter_refuses_to_nest_in_another_profiler():
+    with torch.profiler.profile(), pytest.raises(RuntimeError, match="another profiler session"):
+        with PeakMeter(allocator=True):
+            pass
