@@ -3,14 +3,14 @@
     .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
                                     [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
                                     [--fractions 0.5 0.26] [--variants] [--device cpu]
-                                    [--compile-backend aot_eager_decomp_partition|inductor]
+                                    [--compile-backend aot_eager_decomp_partition|inductor]  (default: by device)
 
 Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised): eager PyTorch
 (for transformers models also with the key/value cache off); the PyTorch checkpointing a user writes by
 hand (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's
-top-level children); `torch.compile(backend="aot_eager_decomp_partition")` (or `--compile-backend
-inductor`, what a GPU user compiles with) with `torch._functorch.config.activation_memory_budget` at each
-of `--compile-budgets`; memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
+top-level children); `torch.compile` with `torch._functorch.config.activation_memory_budget` at each of
+`--compile-budgets`, by `--compile-backend` (default: `aot_eager_decomp_partition` on CPU; inductor,
+what a GPU user compiles with, on CUDA); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
 smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
 (`hierarchical:inner=monet`), and `--variants` offers the solvers every implementation variant.
 Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
@@ -293,16 +293,19 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true",
                     help="offer the solvers every implementation variant (runtime.variants), as the pipeline does")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    ap.add_argument("--compile-backend", choices=list(COMPILE_BACKENDS), default="aot_eager_decomp_partition",
-                    help="torch.compile's backend for the budget points (inductor: the default user's, on CUDA)")
+    ap.add_argument("--compile-backend", choices=list(COMPILE_BACKENDS),
+                    help="torch.compile's backend for the budget points (default: aot_eager_decomp_partition on "
+                         "CPU, inductor on CUDA)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=200)
-    where = (f"CPU, {args.threads} thread(s)" if torch.device(args.device).type == "cpu" else
+    on_cpu = torch.device(args.device).type == "cpu"
+    backend = args.compile_backend or ("aot_eager_decomp_partition" if on_cpu else "inductor")
+    where = (f"CPU, {args.threads} thread(s)" if on_cpu else
              f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}")
     for name in args.workloads:
         rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions,
-                           args.device, args.compile_backend)
+                           args.device, backend)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
                       "predicted time", "solve s", "smallest search s", "schedule from",
                       title=f"{name}: {where}, median of {args.rounds} interleaved rounds")
