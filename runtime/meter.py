@@ -9,7 +9,9 @@ CPU with `allocator=True`: the CPU allocator's allocations and frees during the 
 memory events. It also sees buffers that bypass the dispatcher, as torch.compile's inductor kernels
 allocate theirs (the dispatch meter saw 25 of 103 MiB of an inductor-compiled GPT-2 step), and kernels'
 own small buffers (a wrapped scalar, a reduction's scratch), at the profiler's cost. On GPT-2's eager
-step and its `aot_eager_decomp_partition`-compiled step the two agreed to the byte.
+step and its `aot_eager_decomp_partition`-compiled step the two agreed to the byte. As with the dispatch
+meter, tensors allocated before the block never count: the profiler reports the frees of allocations it
+saw only.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class PeakMeter:
             self._profile.__exit__(*exc)
             memory = [e for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"]
             live = list(itertools.accumulate((e.nbytes() for e in sorted(memory, key=lambda e: e.start_ns())),
-                                             initial=0))    # frees of earlier allocations count, as on CUDA
+                                             initial=0))    # frees of earlier allocations are not reported
             self.peak_bytes, self.end_bytes = max(live), live[-1]
         else:
             self._tracker.__exit__(*exc)

@@ -12,6 +12,16 @@ METERS = pytest.mark.parametrize("allocator", [False, True], ids=["dispatch", "a
 
 
 @METERS
+def test_tensors_freed_in_the_block_but_allocated_before_it_do_not_count(allocator):
+    before = torch.empty(MB, dtype=torch.uint8)
+    with PeakMeter(allocator=allocator) as m:
+        del before
+        x = torch.empty(1000, dtype=torch.uint8)
+    assert (m.peak_bytes, m.end_bytes) == (1000, 1000)
+    del x
+
+
+@METERS
 def test_peak_counts_live_allocations_only(allocator):
     with PeakMeter(allocator=allocator) as m:
         a = torch.empty(MB, dtype=torch.uint8)
