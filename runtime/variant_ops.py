@@ -17,6 +17,7 @@ from typing import Callable, Mapping
 import torch
 from torch import fx
 
+from runtime.fused_gelu import gelu_tanh_inner_by_sigmoid
 from runtime.graph import OpGraph
 from runtime.variants import GraphVariants, VariantSpec
 
@@ -495,6 +496,17 @@ def _math(step: VariantStep) -> dict[int, fx.Node]:
                        f"the CPU flash attention or its backward; the graph's variants do not match its program.")
 
 
+def _sigmoid(step: VariantStep) -> dict[int, fx.Node]:
+    """Rule `sigmoid` (runtime.variants): the fused GELU's tanh as `2 sigmoid(2 z) - 1`."""
+    head = step.head
+    if head.target is not torch.ops.memplan.gelu_tanh_inner.default:
+        raise VariantError(f"variant 'sigmoid' of node {step.spec.node} ({head.name}) runs {head.target}, which is "
+                           f"not memplan's fused GELU tanh; the graph's variants do not match its program.")
+    step.copy_group(lambda: step.call(gelu_tanh_inner_by_sigmoid, *fx.node.map_arg(head.args, step.resolve)))
+    return {}
+
+
 RULES: dict[str, Callable[[VariantStep], dict[int, fx.Node]]] = {"mask": _mask, "output": _norm_output,
                                                                  "compact": _compact, "math": _math,
-                                                                 "bitmask": _bitmask, "inplace": _in_place}
+                                                                 "bitmask": _bitmask, "inplace": _in_place,
+                                                                 "sigmoid": _sigmoid}

@@ -28,8 +28,9 @@ costs more than the best so far (each better schedule is logged as progress). Be
 each order: it does not thrash where the walks do (random layered graphs at 0.8). The simulator checks
 each schedule (a walk's peak is at most the walk's own count, since a copy is live only until its last
 read) and the cheapest within the budget is returned. When the problem offers implementation variants,
-all of this runs once per candidate choice of them (tasks/solve/fixed_variants.py: none, and the
-memory-saving families fixed on every node offering them), each schedule running its choice's variants;
+all of this runs once per candidate choice of them (tasks/solve/fixed_variants.py: the time-saving
+families, such as the GELU's tanh by its sigmoid identity, alone and with the memory-saving families,
+each fixed on every node offering it), each schedule running its choice's variants;
 a choice whose nodes, each computed once, already cost more than the best schedule found is skipped (as
 profiled on this CPU, MobileNet-V2's masks and output-activated BatchNorm add 36-61% to the step, more
 than the recomputation they could save).
@@ -80,7 +81,7 @@ class DtrOptions:
                 "from each order."})
     variants: bool = field(default=True, metadata={
         "help": "when the problem offers implementation variants, also plan with each candidate choice of them "
-                "fixed (tasks/solve/fixed_variants.py: the memory-saving families, e.g. ReLU masks), an equal share "
+                "fixed (tasks/solve/fixed_variants.py: the memory- and time-saving families, e.g. ReLU masks), an equal share "
                 "of the time each."})
     insertion_passes: int = field(default=0, metadata={
         "help": "remove-and-repair passes after each insertion run (random layered n250/n500 at 0.8: 0.4-0.5% "

@@ -10,8 +10,13 @@ then plans recomputation on the result with a recompute-only solver (`dtr`):
   variant reads a value no fixed implementation makes falls back to its default, until none does;
 - a family is **memory-saving** when fixing it alone lowers the peak of the checkpoint-all schedule
   (every node once, default order): it keeps fewer bytes for the backward pass;
-- the candidate choices are no variants, and every memory-saving family together, once with each of
-  the families that compete for the same nodes (`mask` or `bitmask` on one ReLU) in turn.
+- a family is **time-saving** when its variants read and allocate the values their defaults do, with no
+  more workspace, and its nodes, as profiled, cost at least `TIME_SAVING` less together than their
+  defaults (the fused GELU's tanh by its sigmoid identity): every schedule then holds the same memory and
+  costs less, so every candidate fixes it;
+- the candidate choices are the time-saving families alone, and with every memory-saving family
+  together, once with each of the families that compete for the same nodes (`mask` or `bitmask` on one
+  ReLU) in turn.
 
 `fixed_problem` turns a choice into a problem without variants whose per-node arrays are the chosen
 implementations (value ids unchanged: the values no chosen implementation makes, such as the int64
@@ -31,6 +36,10 @@ from tasks.solve.simulator import default_schedule, simulate
 
 Choice = dict[int, str]
 """Node -> the name of its fixed non-default implementation (nodes left out run their default)."""
+
+TIME_SAVING = 0.05
+"""The least relative saving of a time-saving family: profiled times of one op move a few percent between
+runs, and a variant within tolerance of its default (not bit-identical) is not worth less."""
 
 
 def fixed_problem(problem: Problem, choice: Choice) -> Problem:
@@ -77,17 +86,32 @@ def family_choice(problem: Problem, families: tuple[str, ...]) -> Choice:
                     choice.pop(int(problem.value_producer[v]), None)
 
 
+def _time_saving(problem: Problem, choice: Choice) -> bool:
+    """Whether `choice` runs only variants reading and allocating their defaults' values, with no more workspace,
+    that cost at least `TIME_SAVING` less together than the defaults (module docstring)."""
+    chosen = [(n, problem.variant(n, impl)) for n, impl in choice.items()]
+    same = all(set(v.inputs) == set(problem.node_inputs[n]) and tuple(v.outputs) == tuple(problem.node_outputs[n])
+               and not v.overwrites and v.workspace <= problem.workspace[n] for n, v in chosen)
+    return same and sum(v.cost for _, v in chosen) <= (1 - TIME_SAVING) * sum(problem.cost[n] for n, _ in chosen)
+
+
 def candidate_choices(problem: Problem) -> list[Choice]:
-    """No variants, then every memory-saving family together, one alternative per combination of the
-    families competing for the same nodes (module docstring); duplicates removed."""
+    """The time-saving families alone, then with every memory-saving family together, one alternative per
+    combination of the memory-saving families competing for the same nodes (module docstring); duplicates
+    removed (without time-saving families the first choice is no variants)."""
     if not problem.has_variants:
         return [{}]
-    full = simulate(problem, default_schedule(problem)).peak_bytes
+    schedule = default_schedule(problem)
+    full = simulate(problem, schedule).peak_bytes
     names = sorted({v.name for offered in problem.variants for v in offered})
-    saving = []
+    saving, timed = [], []
     for name in names:
         choice = family_choice(problem, (name,))
-        if choice and simulate(problem, tag_schedule(default_schedule(problem), choice)).peak_bytes < full:
+        if not choice:
+            continue
+        if _time_saving(problem, choice):
+            timed.append(name)
+        elif simulate(problem, tag_schedule(schedule, choice)).peak_bytes < full:
             saving.append((name, frozenset(choice)))
     groups: list[list[str]] = []                              # families sharing nodes compete
     for name, nodes in saving:
@@ -96,13 +120,13 @@ def candidate_choices(problem: Problem) -> list[Choice]:
             groups.append([name])
         else:
             group.append(name)
-    found: list[Choice] = [{}]
+    found: list[Choice] = [family_choice(problem, tuple(timed))]
     for firsts in product(*groups):
-        order = (*firsts, *(n for g in groups for n in g if n not in firsts))
+        order = (*firsts, *(n for g in groups for n in g if n not in firsts), *timed)
         choice = family_choice(problem, order)
         if choice not in found:
             found.append(choice)
     return found
 
 
-__all__ = ["Choice", "candidate_choices", "family_choice", "fixed_problem", "tag_schedule"]
+__all__ = ["TIME_SAVING", "Choice", "candidate_choices", "family_choice", "fixed_problem", "tag_schedule"]

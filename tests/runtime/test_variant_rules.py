@@ -190,7 +190,7 @@ def test_max_pool_window_positions_rebuild_atens_indices_and_gradient(kernel, st
 
 def test_registry_lists_every_rule_the_executor_runs():
     from runtime.variant_ops import RULES as CODE
-    assert set(RULES) == set(CODE) == {"mask", "output", "compact", "math", "bitmask", "inplace"}
+    assert set(RULES) == set(CODE) == {"mask", "output", "compact", "math", "bitmask", "inplace", "sigmoid"}
 
 
 @pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 23, 64, 1001])

@@ -98,3 +98,30 @@ def test_in_place_variants_are_never_fixed():
                    outputs=(3,), order=np.arange(3),
                    variants=((), (Variant("inplace", 1.0, 0, (1,), (2,), ((2, 1),)),), ()))
     assert family_choice(relu, ("inplace",)) == {} and candidate_choices(relu) == [{}]
+
+
+def fast_first(cost: float, workspace: int = 0) -> Problem:
+    """f_0 -> f_1 -> loss; b_1 reads the loss and f_0's output, b_0 b_1's and the input. f_0 (cost 2) offers
+    "fast": the same reads and values at `cost`, with `workspace`. Checkpoint-all peaks at 20 bytes (the loss
+    step); 16 bytes need f_0 recomputed for b_1."""
+    return Problem(name="fast-first", cost=np.array([2.0, 2.0, 1.0, 1.0, 1.0]), workspace=np.zeros(5, np.int64),
+                   phase=("forward", "forward", "loss", "backward", "backward"),
+                   node_inputs=((0,), (1,), (2,), (3, 1), (4, 0)), node_outputs=((1,), (2,), (3,), (4,), (5,)),
+                   value_bytes=np.array([4, 8, 8, 4, 2, 4], np.int64), value_producer=np.array([-1, 0, 1, 2, 3, 4]),
+                   outputs=(3, 5), order=np.arange(5),
+                   variants=((Variant("fast", cost, workspace, (0,), (1,)),), (), (), (), ()))
+
+
+@pytest.mark.parametrize("cost, workspace, fixed", [(1.0, 0, True), (1.9, 0, True), (1.95, 0, False), (1.0, 4, False)])
+def test_a_variant_that_only_saves_time_is_fixed_in_every_choice(cost, workspace, fixed):
+    """Same reads and values, no more workspace and at least 5% cheaper (1.9 of 2): every candidate runs it, and
+    `dtr` reaches the cheapest schedule of MONeT's space with and without recomputing f_0, running it each time;
+    2.5% cheaper, or more workspace: not fixed (nor memory-saving: it saves no bytes)."""
+    p = fast_first(cost, workspace)
+    assert candidate_choices(p) == ([{0: "fast"}] if fixed else [{}])
+    if not fixed:
+        return
+    for budget, runs in [(20, 1), (16, 2)]:
+        sol = solve(p, "dtr", budget)
+        assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget)), (budget, sol.schedule)
+        assert [s[2:] for s in sol.schedule if s[0] == "compute" and s[1] == 0] == [("fast",)] * runs
