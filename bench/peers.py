@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
                                     [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
-                                    [--fractions 0.5 0.26] [--variants] [--device cpu]
+                                    [--fractions 0.5 0.26] [--no-variants] [--device cpu]
                                     [--compile-backend aot_eager_decomp_partition|inductor]  (default: by device)
 
 Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised): eager PyTorch
@@ -12,7 +12,9 @@ top-level children); `torch.compile` with `torch._functorch.config.activation_me
 `--compile-budgets`, by `--compile-backend` (default: `aot_eager_decomp_partition` on CPU; inductor,
 what a GPU user compiles with, on CUDA); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
 smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
-(`hierarchical:inner=monet`), and `--variants` offers the solvers every implementation variant.
+(`hierarchical:inner=monet`). The solvers are offered every implementation variant (runtime.variants), as
+the pipeline offers them; `--no-variants` plans with the captured ops only, whose plans are bit-identical
+to eager (some variants are within the validation tolerance instead: the gradient column shows it).
 Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
 `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8, 128 px).
 Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`) and
@@ -290,8 +292,9 @@ def main() -> None:
     ap.add_argument("--compile-budgets", nargs="*", type=float, default=list(COMPILE_BUDGETS))
     ap.add_argument("--fractions", nargs="+", type=float,
                     help="plan at these fractions only (default: 0.9 / 0.7 / 0.5 and each solver's smallest)")
-    ap.add_argument("--variants", action="store_true",
-                    help="offer the solvers every implementation variant (runtime.variants), as the pipeline does")
+    ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                    help="offer the solvers every implementation variant (runtime.variants), as the pipeline does "
+                         "(default); --no-variants: the captured ops only")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     ap.add_argument("--compile-backend", choices=list(COMPILE_BACKENDS),
                     help="torch.compile's backend for the budget points (default: aot_eager_decomp_partition on "
