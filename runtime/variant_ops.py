@@ -496,13 +496,24 @@ def _math(step: VariantStep) -> dict[int, fx.Node]:
                        f"the CPU flash attention or its backward; the graph's variants do not match its program.")
 
 
+def tanh_by_sigmoid(z: torch.Tensor) -> torch.Tensor:
+    """Rule `sigmoid`'s `aten.tanh`: `2 sigmoid(2 z) - 1`, each step in the result's storage."""
+    t = torch.mul(z, 2.0)
+    torch.sigmoid(t, out=t)
+    torch.mul(t, 2.0, out=t)
+    return torch.sub(t, 1.0, out=t)
+
+
 def _sigmoid(step: VariantStep) -> dict[int, fx.Node]:
-    """Rule `sigmoid` (runtime.variants): the fused GELU's tanh as `2 sigmoid(2 z) - 1`."""
+    """Rule `sigmoid` (runtime.variants): a tanh, or the fused GELU's, as `2 sigmoid(2 z) - 1`."""
     head = step.head
-    if head.target is not torch.ops.memplan.gelu_tanh_inner.default:
+    code = {aten.tanh.default: tanh_by_sigmoid,
+            torch.ops.memplan.gelu_tanh_inner.default: gelu_tanh_inner_by_sigmoid}.get(head.target)
+    if code is None:
         raise VariantError(f"variant 'sigmoid' of node {step.spec.node} ({head.name}) runs {head.target}, which is "
-                           f"not memplan's fused GELU tanh; the graph's variants do not match its program.")
-    step.copy_group(lambda: step.call(gelu_tanh_inner_by_sigmoid, *fx.node.map_arg(head.args, step.resolve)))
+                           f"neither aten.tanh nor memplan's fused GELU tanh; the graph's variants do not match its "
+                           f"program.")
+    step.copy_group(lambda: step.call(code, *fx.node.map_arg(head.args, step.resolve)))
     return {}
 
 

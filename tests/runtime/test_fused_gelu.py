@@ -231,17 +231,20 @@ def test_sigmoid_identity_is_within_2e_7_of_the_tanh_and_exact_at_the_ends():
 
 
 def test_sigmoid_variant_runs_every_fused_tanh_within_tolerance_at_the_simulated_peak(helpers):
-    """Rule `sigmoid` offers itself on each fused tanh only; a plan running it there trains like eager within the
-    tolerance (and not bit for bit: the variant did run), at the peak the simulator predicts for it."""
+    """Rule `sigmoid` offers itself on each fused tanh (a GPU graph, not fused, on each `aten.tanh`); a plan running
+    it there trains like eager within the tolerance (and not bit for bit: the variant did run), at the peak the
+    simulator predicts for it."""
     from runtime.variants import graph_variants
     model, batch = _gpt2(helpers.device)
     g = runtime.capture(model, lm_loss, batch)
     variants = graph_variants(g, ("sigmoid",))
     inner = [n.id for n in g.nodes if n.targets[0] == FUSED[0]]
-    assert sorted(n for n, specs in variants.specs.items() if "sigmoid" in specs) == inner
-    if helpers.device.type != "cpu":                  # no fused GELU in GPU graphs, so nothing to run
-        assert inner == []
+    tanh = [n.id for n in g.nodes if n.targets[0] == "aten.tanh.default"]
+    assert sorted(n for n, specs in variants.specs.items() if "sigmoid" in specs) == sorted(inner + tanh)
+    if helpers.device.type != "cpu":                  # no fused GELU in GPU graphs (their tanh: test_variant_rules)
+        assert inner == [] and len(tanh) == 2
         return
+    assert tanh == []
     assert len(inner) == 2
     schedule = [{"compute": n.id, "impl": "sigmoid"} if n.id in inner else {"compute": n.id} for n in g.nodes]
     eager = helpers.train_eager(model, lm_loss, batch)

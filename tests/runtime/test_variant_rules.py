@@ -6,9 +6,11 @@ backward."""
 import pytest
 import torch
 
+import runtime
 from runtime.plan import Plan
 from runtime.variant_ops import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
-                                 max_pool_backward_from_windows, pack_zero_bits, unpack_zero_bits, window_positions)
+                                 max_pool_backward_from_windows, pack_zero_bits, tanh_by_sigmoid, unpack_zero_bits,
+                                 window_positions)
 from runtime.variants import RULES, graph_variants
 from tasks.solve import solve
 from tasks.solve.problem import Problem
@@ -234,3 +236,28 @@ def test_attention_math_variant_pairs_the_probabilities_with_the_backward(captur
         assert g.nodes[n].outputs[1] not in spec.outputs                # no logsumexp
         backward = [m for m, s in variants.specs.items() if "math" in s and probs.id in s["math"].inputs]
         assert len(backward) == 1 and g.nodes[n].outputs[1] not in variants.specs[backward[0]]["math"].inputs
+
+
+def test_tanh_by_its_sigmoid_identity_trains_within_tolerance_at_the_simulated_peak(helpers):
+    """Rule `sigmoid` on a plain `aten.tanh`: the variant's value is within 2.5e-7 of ATen's tanh (exact at 0 and
+    +-inf, NaN kept), and a plan running it trains like eager within the tolerance, not bit for bit (the variant
+    ran), at the simulated peak."""
+    torch.manual_seed(0)
+    z = torch.cat([torch.randn(10_000) * 4, torch.tensor([0.0, float("inf"), float("-inf"), float("nan")])])
+    got, want = tanh_by_sigmoid(z), torch.tanh(z)
+    assert not torch.equal(got[:-1], want[:-1]) and float((got - want)[:-1].abs().max()) <= 2.5e-7
+    assert got[-4:-1].tolist() == [0.0, 1.0, -1.0] and torch.isnan(got[-1])
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(helpers.device)
+    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    batch = (torch.randn(6, 8).to(helpers.device), torch.randint(0, 4, (6,)).to(helpers.device))
+    g = runtime.capture(model, loss_fn, batch)
+    variants = graph_variants(g)
+    tanh = [n.id for n in g.nodes if n.targets[0] == "aten.tanh.default"]
+    assert len(tanh) == 1 and {n: list(s) for n, s in variants.specs.items()} == {tanh[0]: ["sigmoid"]}
+    schedule = [{"compute": n.id, "impl": "sigmoid"} if n.id in tanh else {"compute": n.id} for n in g.nodes]
+    eager = helpers.train_eager(model, loss_fn, batch)
+    planned = helpers.train_plan(model, loss_fn, batch, Plan(g.fingerprint, schedule), graph=g)
+    helpers.assert_same_step(eager, planned)
+    assert not equal_step(eager, planned)
+    helpers.assert_peak_matches(planned.peak, simulate(Problem.from_graph(g, None, variants), schedule).peak_bytes)
