@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
                                     [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
-                                    [--fractions 0.5 0.26] [--no-variants] [--device cpu]
+                                    [--fractions 0.5 0.26] [--variants all] [--device cpu]
                                     [--compile-backend aot_eager_decomp_partition|inductor]  (default: by device)
 
 Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised): eager PyTorch
@@ -12,9 +12,10 @@ top-level children); `torch.compile` with `torch._functorch.config.activation_me
 `--compile-budgets`, by `--compile-backend` (default: `aot_eager_decomp_partition` on CPU; inductor,
 what a GPU user compiles with, on CUDA); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
 smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
-(`hierarchical:inner=monet`). The solvers are offered every implementation variant (runtime.variants), as
-the pipeline offers them; `--no-variants` plans with the captured ops only, whose plans are bit-identical
-to eager (some variants are within the validation tolerance instead: the gradient column shows it).
+(`hierarchical:inner=monet`). `--variants` is a plan's `variants` setting (docs/config.md): by default the
+solvers are offered every implementation variant (runtime.variants), as the pipeline offers them;
+`bit-identical` or `none` keep the plans bit-identical to eager (some variants are within the validation
+tolerance instead: the gradient column shows it).
 Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
 `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8, 128 px).
 Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`) and
@@ -45,6 +46,7 @@ import runtime
 from runtime.meter import PeakMeter
 from runtime.variants import graph_variants
 from tasks.config import parse_option_text
+from tasks.problems import VARIANT_RULES, VariantChoice
 from tasks.profile import ProfileSettings, measure_graph
 from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
 from tasks.solve.problem import Problem
@@ -148,10 +150,11 @@ def profiled_costs(graph, name: str, device: str = "cpu") -> CostTable:
     return CostTable(graph.fingerprint, rows[0]["device"], name, "bench", datetime.now(timezone.utc), measured)
 
 
-def profiled_problem(graph, name: str, variants: bool = False, device: str = "cpu") -> Problem:
-    """The graph's problem priced by `profiled_costs`; with `variants`, every implementation variant the
-    graph offers (runtime.variants), priced by the same profile."""
-    return Problem.from_graph(graph, profiled_costs(graph, name, device), graph_variants(graph) if variants else None)
+def profiled_problem(graph, name: str, variants: VariantChoice = "none", device: str = "cpu") -> Problem:
+    """The graph's problem priced by `profiled_costs`, with the implementation variants of `variants`
+    (`tasks.problems.VARIANT_RULES`) the graph offers, priced by the same profile."""
+    offered = None if variants == "none" else graph_variants(graph, VARIANT_RULES[variants])
+    return Problem.from_graph(graph, profiled_costs(graph, name, device), offered)
 
 
 def inductor(gm, example_inputs, **kwargs):
@@ -211,7 +214,7 @@ def smallest_fraction(problem: Problem, solver: str, options: SolveOptions, full
 
 
 def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[float],
-          variants: bool = False, fractions: list[float] | None = None,
+          variants: VariantChoice = "all", fractions: list[float] | None = None,
           device: str = "cpu", compile_backend: str = "aot_eager_decomp_partition") -> tuple[list[dict], str]:
     model, loss_fn, batch, (hand, hand_step), hand_label = workload(name, device)
     graph = runtime.capture(model, loss_fn, batch)
@@ -292,9 +295,9 @@ def main() -> None:
     ap.add_argument("--compile-budgets", nargs="*", type=float, default=list(COMPILE_BUDGETS))
     ap.add_argument("--fractions", nargs="+", type=float,
                     help="plan at these fractions only (default: 0.9 / 0.7 / 0.5 and each solver's smallest)")
-    ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
-                    help="offer the solvers every implementation variant (runtime.variants), as the pipeline does "
-                         "(default); --no-variants: the captured ops only")
+    ap.add_argument("--variants", choices=list(VARIANT_RULES), default="all",
+                    help="implementation variants the solvers may choose, as a plan's `variants` setting: all (the "
+                         "pipeline's default), bit-identical or none")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     ap.add_argument("--compile-backend", choices=list(COMPILE_BACKENDS),
                     help="torch.compile's backend for the budget points (default: aot_eager_decomp_partition on "

@@ -120,9 +120,9 @@ def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, bud
     from tasks.solve.solution import SolveOptions
     from tasks.solve_stage import solve_case
 
-    options = SolveOptions(**{k: v for k, v in settings.items() if k != "addresses"})
+    options = SolveOptions(**{k: v for k, v in settings.items() if k not in ("addresses", "variants")})
     return solve_case(_existing(traced["path"], "trace"), solver, budget, options, profile["device"], store, plan_path,
-                      settings["addresses"]).to_json()
+                      settings["addresses"], settings["variants"]).to_json()
 
 
 # -- validate ----------------------------------------------------------------------------------------

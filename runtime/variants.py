@@ -346,6 +346,11 @@ def _tanh_by_sigmoid(b: _Builder) -> None:
             b.add(VariantSpec(node.id, "sigmoid", "sigmoid", tuple(dict.fromkeys(node.inputs)), tuple(node.outputs)))
 
 
+BIT_IDENTICAL_RULES = ("mask", "bitmask", "compact", "inplace")
+"""The rules whose code gives ATen's bits (module docstring): a plan using only these trains exactly like eager.
+The others (`output`, `math`, `sigmoid`) are within the validation tolerance."""
+
+
 # registry order numbers the variant values: a new rule goes last, so plans written before it keep their ids
 RULES: dict[str, Callable[[_Builder], None]] = {"mask": _zero_mask, "output": _norm_output,
                                                 "compact": _maxpool_compact, "math": _attention_math,

@@ -275,6 +275,11 @@ class PlanConfig(Section):
         "none", description="Plan an arena address for every value copy: 'greedy' (largest first, best gap), "
         "'olla' (OLLA's location ILP, never above greedy's arena; within time_limit_s) or 'none'. Plans with "
         "addresses run in arena mode with runtime.load(..., arena=True).")
+    variants: Literal["all", "bit-identical", "none"] = Field(
+        "all", description="Implementation variants the solver may choose (docs/plan-format.md): 'all'; "
+        "'bit-identical' (ReLU masks, compact max-pool, in-place ReLU: every op gives the captured op's result "
+        "bit for bit); 'none' (the captured ops only). The others ('output', 'math', 'sigmoid') are within the validation "
+        "tolerance.")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")
@@ -306,9 +311,9 @@ class PlanConfig(Section):
         return options
 
     def solve_settings(self) -> dict[str, Any]:
-        """What the solve stage needs, as JSON: the `SolveOptions` keywords and `addresses`."""
+        """What the solve stage needs, as JSON: the `SolveOptions` keywords, `addresses` and `variants`."""
         return {"backend": self.backend, "time_limit": self.time_limit_s, "gap": self.gap,
-                "params": dict(self.options), "addresses": self.addresses}
+                "params": dict(self.options), "addresses": self.addresses, "variants": self.variants}
 
 
 class ValidateConfig(Section):

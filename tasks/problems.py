@@ -7,11 +7,18 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from runtime.graph import OpGraph
-from runtime.variants import graph_variants
+from runtime.variants import BIT_IDENTICAL_RULES, graph_variants
 from tasks.solve.problem import Problem, ProblemError
 from tasks.store import CostTable, load_costs
+
+
+VariantChoice = Literal["all", "bit-identical", "none"]
+VARIANT_RULES: dict[str, tuple[str, ...] | None] = {"all": None, "bit-identical": BIT_IDENTICAL_RULES, "none": ()}
+"""The implementation-variant rules (runtime.variants) a solver may choose from, by the name a plan's `variants`
+setting gives: every rule; those whose code gives ATen's bits; none (the captured ops only)."""
 
 
 @dataclass(frozen=True)
@@ -32,11 +39,13 @@ class LoadedProblem:
 
 
 def load_problem(path: str | os.PathLike, *, device: str | None = None,
-                 store: str | os.PathLike | None = None) -> LoadedProblem:
+                 store: str | os.PathLike | None = None, variants: VariantChoice = "all") -> LoadedProblem:
     """The problem of a memplan-graph JSON, priced by the newest complete profile of that graph in
-    `store` (on `device` if given; `tasks.store.ProfileNotFoundError` says what to profile), with every
-    implementation variant the graph offers and the profile measured; or of a node-link benchmark graph
-    (shared/benchmarks/README.md)."""
+    `store` (on `device` if given; `tasks.store.ProfileNotFoundError` says what to profile), with the
+    implementation variants of `variants` (`VARIANT_RULES`) that the graph offers and the profile measured;
+    or of a node-link benchmark graph (shared/benchmarks/README.md)."""
+    if variants not in VARIANT_RULES:
+        raise ProblemError(f"variants = {variants!r} is not a choice; use one of {', '.join(map(repr, VARIANT_RULES))}.")
     path = Path(path)
     try:
         head = json.loads(path.read_text())
@@ -46,7 +55,7 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
     if isinstance(head, dict) and head.get("format") == "memplan-graph":
         graph = OpGraph.from_json(head, source=f"graph file {path}")
         costs = load_costs(graph.fingerprint, device, root=store)
-        problem = Problem.from_graph(graph, costs, graph_variants(graph), random_nodes(graph))
+        problem = Problem.from_graph(graph, costs, graph_variants(graph, VARIANT_RULES[variants]), random_nodes(graph))
         return LoadedProblem(problem, graph, costs)
     return LoadedProblem(Problem.from_node_link(path), None, None)
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 
 from tasks.config import Budget
-from tasks.problems import LoadedProblem, load_problem
+from tasks.problems import LoadedProblem, VariantChoice, load_problem
 from tasks.solve import SOLVERS, solve
 from tasks.solve.addresses import greedy_addresses
 from tasks.solve.olla import olla_addresses
@@ -82,10 +82,10 @@ def in_place_steps(loaded: LoadedProblem, schedule: list) -> np.ndarray | None:
 
 
 def solve_case(graph_path: str | Path, solver: str, budget: Budget, options: SolveOptions, device: str, store: str,
-               plan_path: str, addresses: Addresses = "none") -> Solved:
-    """Solve one cell of the pipeline matrix against the graph's newest complete profile on `device`;
-    when the solver finds a schedule, write its plan to `plan_path`."""
-    loaded = load_problem(graph_path, device=device, store=store)
+               plan_path: str, addresses: Addresses = "none", variants: VariantChoice = "all") -> Solved:
+    """Solve one cell of the pipeline matrix against the graph's newest complete profile on `device`, offering
+    the implementation variants of `variants`; when the solver finds a schedule, write its plan to `plan_path`."""
+    loaded = load_problem(graph_path, device=device, store=store, variants=variants)
     solution, eager = solve_loaded(loaded, solver, budget, options, addresses)
     problem = loaded.problem
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)

@@ -41,6 +41,8 @@ def register(app: typer.Typer) -> None:
         threads: Annotated[Optional[int], typer.Option(help="Solver threads (default: the backend's choice).")] = None,
         addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none, greedy or olla "
                                                           "(location ILP).")] = "none",
+        variants: Annotated[str, typer.Option(help="Implementation variants the solver may choose: all, "
+                                                   "bit-identical (gradients equal eager's bit for bit) or none.")] = "all",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
         store: StoreOption = None,
@@ -75,6 +77,8 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(1)
             if addresses not in ("none", "greedy", "olla"):
                 raise typer.BadParameter(f"{addresses!r}; choose none, greedy or olla.", param_hint="--addresses")
+            if variants not in ("all", "bit-identical", "none"):
+                raise typer.BadParameter(f"{variants!r}; choose all, bit-identical or none.", param_hint="--variants")
             try:
                 budget_spec = parse_budget_text(budget)
             except ValueError as exc:
@@ -91,7 +95,7 @@ def register(app: typer.Typer) -> None:
             where = locate(config, store)
             if progress and not json_output:
                 where.say(plans=False)
-            loaded = load_problem(graph, device=device, store=where.store)
+            loaded = load_problem(graph, device=device, store=where.store, variants=variants)
             options = SolveOptions(time_limit=time_limit, gap=gap, backend=backend, threads=threads, params=params)
             try:
                 solution, eager = solve_loaded(loaded, solver, budget_spec, options, addresses)

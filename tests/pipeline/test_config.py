@@ -32,7 +32,8 @@ def test_defaults_fill_every_optional_section(config_data):
     shared = SolveOptions()
     assert (shared.backend, shared.gap, shared.time_limit) == ("auto", 0.01, 300.0)
     assert config.plans[0].solve_settings() == {"backend": shared.backend, "time_limit": shared.time_limit,
-                                                "gap": shared.gap, "params": {}, "addresses": "none"}
+                                                "gap": shared.gap, "params": {}, "addresses": "none",
+                                                "variants": "all"}
 
 
 @pytest.mark.parametrize(
@@ -143,6 +144,7 @@ def test_bad_literal_lists_allowed_values(config_data):
         (lambda d: d["models"][1].update(name="a b"), "becomes a file name"),
         (lambda d: d["plans"][1].update(models=["vgg"]), "plans[1].models names 'vgg', which is not a model"),
         (lambda d: d["plans"][0].update(gap=1.5), "plans[0].gap = 1.5"),
+        (lambda d: d["plans"][0].update(variants="exact"), "plans[0].variants = 'exact'"),
         (lambda d: d["plans"][0].pop("budgets"), "plans[0].budgets: required key is missing"),
         (lambda d: d.pop("models"), "key models: required key is missing"),
         (lambda d: d.update(validate={"steps": 0}), "validate.steps = 0"),

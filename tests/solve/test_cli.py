@@ -77,6 +77,9 @@ def test_bad_solver_and_budget_are_usage_errors(benchmark_paths):
     backend = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "checkmate", "--budget", "0.8",
                                        "--backend", "cplex"])
     assert backend.exit_code == 2 and "unknown backend 'cplex'" in backend.output
+    variants = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "dtr", "--budget", "0.8",
+                                        "--variants", "exact"])
+    assert variants.exit_code == 2 and "'exact'; choose all, bit-identical or none" in _flat(variants.output)
 
 
 def _flat(text: str) -> str:
@@ -135,6 +138,7 @@ def test_cli_and_pipeline_share_the_solve_defaults():
     assert params["backend"] == shared.backend == fields["backend"].default == "auto"
     assert params["gap"] == shared.gap == fields["gap"].default
     assert params["time_limit"] == shared.time_limit == fields["time_limit_s"].default
+    assert params["variants"] == fields["variants"].default == "all"
 
 
 def test_no_schedule_exits_1_in_every_mode_and_still_prints_the_report(benchmark_paths):

@@ -120,3 +120,41 @@ def test_load_dispatches_on_format(tmp_path, benchmark_paths):
     assert p.cost_unit is None
     assert p.num_nodes == 353 and sum(map(len, p.node_inputs)) == 751
     assert np.array_equal(p.order, np.arange(353))
+
+
+@pytest.mark.parametrize("choice, offered", [("all", {"mask", "bitmask", "inplace", "mask-inplace", "bitmask-inplace",
+                                                      "sigmoid"}),
+                                             ("bit-identical", {"mask", "bitmask", "inplace", "mask-inplace",
+                                                                "bitmask-inplace"}),
+                                             ("none", set())])
+def test_load_offers_the_variants_a_plan_allows(tmp_path, choice, offered):
+    """A captured Linear-ReLU-Linear-Tanh-Linear net, profiled in every variant: `variants` = "all" offers the
+    ReLU's masks and in-place runs and the tanh's sigmoid identity, "bit-identical" all but the sigmoid (within
+    tolerance only), "none" nothing; value ids are the same in all three. A bad choice names the choices."""
+    from datetime import datetime, timezone
+
+    import torch
+
+    import runtime
+    from runtime.variants import graph_variants
+    from tasks.problems import load_problem
+    from tasks.store import new_run_id, write_run
+    from tasks.store_schema import SCHEMA_VERSION
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 2))
+    graph = runtime.capture(model, lambda m, x: m(x).sum(), (torch.randn(3, 4),))
+    graph.save(tmp_path / "g.json")
+    impls = [(n.id, "default") for n in graph.nodes] + \
+        [(n, name) for n, specs in graph_variants(graph).specs.items() for name in specs]
+    run_id = new_run_id()
+    write_run([dict(schema_version=SCHEMA_VERSION, run_id=run_id, created_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
+                    fingerprint=graph.fingerprint, model="net", graph_nodes=len(graph.nodes), device="cpu",
+                    device_type="cpu", node_id=n, impl=impl, time_ms=1.0, output_bytes=8, workspace_bytes=0)
+               for n, impl in impls], tmp_path / "db")
+    p = load_problem(tmp_path / "g.json", store=tmp_path / "db", variants=choice).problem
+    assert {name for n in range(p.num_nodes) for name in p.impls(n)} - {"default"} == offered
+    assert p.num_values == load_problem(tmp_path / "g.json", store=tmp_path / "db").problem.num_values
+    with pytest.raises(ProblemError, match="'all', 'bit-identical', 'none'"):
+        load_problem(tmp_path / "g.json", store=tmp_path / "db", variants="exact")
