@@ -45,7 +45,8 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
     implementation variants of `variants` (`VARIANT_RULES`) that the graph offers and the profile measured;
     or of a node-link benchmark graph (shared/benchmarks/README.md)."""
     if variants not in VARIANT_RULES:
-        raise ProblemError(f"variants = {variants!r} is not a choice; use one of {', '.join(map(repr, VARIANT_RULES))}.")
+        raise ProblemError(f"variants = {variants!r} is not a choice; use one of "
+                           f"{', '.join(map(repr, VARIANT_RULES))}.")
     path = Path(path)
     try:
         head = json.loads(path.read_text())

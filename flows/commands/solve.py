@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
         addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none, greedy or olla "
                                                           "(location ILP).")] = "none",
         variants: Annotated[str, typer.Option(help="Implementation variants the solver may choose: all, "
-                                                   "bit-identical (gradients equal eager's bit for bit) or none.")] = "all",
+                                                   "bit-identical (every op gives the captured op's bits) or none "
+                                                   "(as a plan's `variants` in pipeline.toml).")] = "all",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
         store: StoreOption = None,
@@ -59,7 +60,7 @@ def register(app: typer.Typer) -> None:
 
         with exit_on_error():
             from tasks.config import parse_budget_text, parse_option_text
-            from tasks.problems import load_problem
+            from tasks.problems import VARIANT_RULES, load_problem
             from tasks.solve import SOLVERS, OptionError, parse_options
             from tasks.solve.milp import BACKENDS
             from tasks.solve.solution import SolveOptions
@@ -77,8 +78,8 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(1)
             if addresses not in ("none", "greedy", "olla"):
                 raise typer.BadParameter(f"{addresses!r}; choose none, greedy or olla.", param_hint="--addresses")
-            if variants not in ("all", "bit-identical", "none"):
-                raise typer.BadParameter(f"{variants!r}; choose all, bit-identical or none.", param_hint="--variants")
+            if variants not in VARIANT_RULES:
+                raise typer.BadParameter(f"{variants!r}; choose {', '.join(VARIANT_RULES)}.", param_hint="--variants")
             try:
                 budget_spec = parse_budget_text(budget)
             except ValueError as exc:

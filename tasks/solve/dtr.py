@@ -81,8 +81,8 @@ class DtrOptions:
                 "from each order."})
     variants: bool = field(default=True, metadata={
         "help": "when the problem offers implementation variants, also plan with each candidate choice of them "
-                "fixed (tasks/solve/fixed_variants.py: the memory- and time-saving families, e.g. ReLU masks), an equal share "
-                "of the time each."})
+                "fixed (tasks/solve/fixed_variants.py: the memory- and time-saving families, e.g. ReLU masks), an "
+                "equal share of the time each."})
     insertion_passes: int = field(default=0, metadata={
         "help": "remove-and-repair passes after each insertion run (random layered n250/n500 at 0.8: 0.4-0.5% "
                 "cheaper for 2-6x its time)."})

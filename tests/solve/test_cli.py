@@ -79,7 +79,7 @@ def test_bad_solver_and_budget_are_usage_errors(benchmark_paths):
     assert backend.exit_code == 2 and "unknown backend 'cplex'" in backend.output
     variants = CliRunner().invoke(app, ["solve", "--graph", path, "--solver", "dtr", "--budget", "0.8",
                                         "--variants", "exact"])
-    assert variants.exit_code == 2 and "'exact'; choose all, bit-identical or none" in _flat(variants.output)
+    assert variants.exit_code == 2 and "'exact'; choose all, bit-identical, none" in _flat(variants.output)
 
 
 def _flat(text: str) -> str:
