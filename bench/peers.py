@@ -22,7 +22,8 @@ Every memplan plan is solved on node costs profiled in the same run (`tasks.prof
 run with `runtime.load` (gradients compared with eager). Peaks are the allocator's, kernels' own buffers
 included: `runtime.meter.PeakMeter(allocator=True)`, which on CPU reads torch.profiler's memory events
 and so also sees the buffers inductor's kernels allocate outside the dispatcher, and on CUDA the caching
-allocator. Step times are medians of interleaved rounds. The verdict lists each PyTorch point and the
+allocator. Step times are medians of interleaved rounds; "variants run" names the implementation variants a
+plan runs (docs/plan-format.md). The verdict lists each PyTorch point and the
 memplan plans that dominate it (no more peak at no more time), and each memplan plan a PyTorch point
 dominates.
 """
@@ -50,7 +51,7 @@ from tasks.problems import VARIANT_RULES, VariantChoice
 from tasks.profile import ProfileSettings, measure_graph
 from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
 from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.simulator import default_schedule, normalize_schedule, simulate
 from tasks.solve.solution import SolveOptions
 from tasks.store import CostTable, VariantCost
 
@@ -245,7 +246,9 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
             runs[label] = (planned, lambda step=step: step(*batch))
             points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start, "search_s": search_s,
                              "source": sol.source or solver, "predicted": sol.predicted_peak_bytes / full,
-                             "predicted_time": sol.objective / problem.cost.sum()}
+                             "predicted_time": sol.objective / problem.cost.sum(),
+                             "variants": " ".join(sorted({step["impl"] for step in normalize_schedule(sol.schedule)
+                                                          if step.get("impl", "default") != "default"}))}
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1], device)
     for label, (m, step) in runs.items():
         peak, grads = peak_and_grads(m, step, device)
@@ -313,12 +316,13 @@ def main() -> None:
         rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions,
                            args.device, backend)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
-                      "predicted time", "solve s", "smallest search s", "schedule from",
+                      "predicted time", "solve s", "smallest search s", "schedule from", "variants run",
                       title=f"{name}: {where}, median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: r["peak"]):
             table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.0f}", f"{r['err']:.2g}",
                           *(f"{r[k]:.3f}" if k in r else "" for k in ("predicted", "predicted_time")),
-                          *(f"{r[k]:.1f}" if k in r else "" for k in ("solve_s", "search_s")), r.get("source", ""))
+                          *(f"{r[k]:.1f}" if k in r else "" for k in ("solve_s", "search_s")), r.get("source", ""),
+                          r.get("variants", ""))
         console.print(table)
         console.print(text)
 
