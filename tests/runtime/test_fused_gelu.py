@@ -215,7 +215,7 @@ def test_rewrites_see_through_detach_chains_as_torch_2_11_saves_tensors(helpers,
     helpers.train_like_eager_bitwise(model, loss_fn, batch, g)
 
 
-def test_sigmoid_identity_is_within_2e_7_of_the_tanh_and_exact_at_the_ends():
+def test_sigmoid_identity_is_within_2_5e_7_of_the_tanh_and_exact_at_the_ends():
     """`gelu_tanh_inner_by_sigmoid` (variant `sigmoid`) against the tanh op and against float64: not bit-identical
     (so the variant is priced on its own), within 2.5e-7 everywhere, 0 at 0, +-1 and NaN where tanh gives them."""
     torch.manual_seed(0)
