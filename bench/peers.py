@@ -46,8 +46,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 import runtime
 from runtime.meter import PeakMeter
 from runtime.variants import graph_variants
-from tasks.config import parse_option_text
-from tasks.problems import VARIANT_RULES, VariantChoice
+from tasks.config import VariantChoice, parse_option_text
+from tasks.problems import VARIANT_RULES
 from tasks.profile import ProfileSettings, measure_graph
 from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
 from tasks.solve.problem import Problem

@@ -254,6 +254,10 @@ class ProfileConfig(Section):
     retries: int = Field(2, ge=0, description="Prefect retries of a profiling task that raised.")
 
 
+VariantChoice = Literal["all", "bit-identical", "none"]
+"""A plan's `variants` setting: which implementation-variant rules its solver may choose
+(`tasks.problems.VARIANT_RULES`)."""
+
 class PlanConfig(Section):
     """One solver and the budgets to solve it at (each budget is one plan per model and batch size)."""
 
@@ -275,7 +279,7 @@ class PlanConfig(Section):
         "none", description="Plan an arena address for every value copy: 'greedy' (largest first, best gap), "
         "'olla' (OLLA's location ILP, never above greedy's arena; within time_limit_s) or 'none'. Plans with "
         "addresses run in arena mode with runtime.load(..., arena=True).")
-    variants: Literal["all", "bit-identical", "none"] = Field(
+    variants: VariantChoice = Field(
         "all", description="Implementation variants the solver may choose (docs/plan-format.md): 'all'; "
         "'bit-identical' (ReLU masks, compact max-pool, in-place ReLU: every op gives the captured op's result "
         "bit for bit); 'none' (the captured ops only). The others ('output', 'math', 'sigmoid') are within the "

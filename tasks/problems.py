@@ -7,16 +7,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from runtime.graph import OpGraph
 from runtime.variants import BIT_IDENTICAL_RULES, graph_variants
+from tasks.config import VariantChoice
 from tasks.solve.problem import Problem, ProblemError
 from tasks.store import CostTable, load_costs
 
 
-VariantChoice = Literal["all", "bit-identical", "none"]
-VARIANT_RULES: dict[str, tuple[str, ...] | None] = {"all": None, "bit-identical": BIT_IDENTICAL_RULES, "none": ()}
+VARIANT_RULES: dict[VariantChoice, tuple[str, ...] | None] = {"all": None, "bit-identical": BIT_IDENTICAL_RULES,
+                                                             "none": ()}
 """The implementation-variant rules (runtime.variants) a solver may choose from, by the name a plan's `variants`
 setting gives: every rule; those whose code gives ATen's bits; none (the captured ops only)."""
 

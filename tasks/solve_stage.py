@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tasks.config import Budget
-from tasks.problems import LoadedProblem, VariantChoice, load_problem
+from tasks.config import Budget, VariantChoice
+from tasks.problems import LoadedProblem, load_problem
 from tasks.solve import SOLVERS, solve
 from tasks.solve.addresses import greedy_addresses
 from tasks.solve.olla import olla_addresses
