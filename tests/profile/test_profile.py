@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from scipy.stats import spearmanr
 from torch import nn
 
 import runtime
@@ -76,25 +77,26 @@ def test_a_large_matmul_measures_far_more_than_a_small_relu():
 
 
 def test_repeated_profiles_agree_within_tolerance(cnn_graph):
-    """Stated tolerance: back-to-back runs agree on each node's share of the step (its fastest sample,
-    `time_ms_min`, over the run's sum) within a factor 1.5 for at least 90% of the nodes taking at least
-    0.1 ms, with the median ratio of shares within 10% of 1; the two sums agree within a factor 2; every
-    median lies at or above its minimum. Planners read costs up to scale (an objective's ranking of
-    schedules does not change when every cost doubles), so shares are what must repeat. Absolute times
-    need not: on this 2-core machine a run beside a busy neighbour measured every node about 13% slower
-    than the run after it (median ratio of minima 0.87), and in one CI run all 15 samples of one node were
-    inflated by 1.58x, so a single node is allowed to stray."""
+    """Stated tolerance: back-to-back runs rank the nodes alike (Spearman correlation of each row's fastest
+    sample, `time_ms_min`, at least 0.9), the median ratio of the shares of the step of the rows taking at
+    least 0.1 ms lies within 10% of 1, the two sums agree within a factor 2, and every median lies at or
+    above its minimum. Planners read costs up to scale (an objective's ranking of schedules does not change
+    when every cost doubles) and choose by which nodes are dear, so ranks and shares are what must repeat.
+    Single shares need not: on a quiet host they repeat within 0.89-1.06x (rank correlation 0.996 or more),
+    but in one CI run a cache-hungry neighbour moved five memory-bound nodes' shares by 0.62-0.75x and one
+    by 1.72x (rank correlation about 0.99), and in another all 15 samples of one node were inflated by 1.58x;
+    absolute times moved by 13% beside a busy neighbour."""
     settings = ProfileSettings(warmup=2, repeats=5, rounds=3, threads=1)
     measure_graph(cnn_graph, "cpu", FAST, model="cnn", progress=False)
     first, second = (measure_graph(cnn_graph, "cpu", settings, model="cnn", progress=False) for _ in range(2))
     for rows in (first, second):
         assert all(0 < r["time_ms_min"] <= r["time_ms"] for r in rows)
+    assert [(r["node_id"], r["impl"]) for r in first] == [(r["node_id"], r["impl"]) for r in second]
     fastest = [np.array([r["time_ms_min"] for r in rows]) for rows in (first, second)]
+    assert spearmanr(*fastest).statistic >= 0.9, fastest
     big = (fastest[0] >= 0.1) & (fastest[1] >= 0.1)
     assert big.sum() >= 5
     ratio = (fastest[1][big] / fastest[1].sum()) / (fastest[0][big] / fastest[0].sum())
-    agree = (ratio > 1 / 1.5) & (ratio < 1.5)
-    assert agree.mean() >= 0.9, ratio
     assert abs(np.median(ratio) - 1) < 0.1, ratio
     assert 1 / 2 < fastest[1].sum() / fastest[0].sum() < 2
 
