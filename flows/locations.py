@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 ConfigOption = Annotated[Optional[Path], typer.Option(
-    "--config", help="Read the store and plans folder of this pipeline file [default: ./pipeline.toml if present].",
+    "--config", help="Read the store and plans folder of this pipeline file \\[default: ./pipeline.toml if present].",
     show_default=False)]
 DEFAULT_CONFIG = Path("pipeline.toml")
 

@@ -135,9 +135,9 @@ def deploy(config_path: Path, deploy_config: DeployConfig) -> list[tuple[str, st
 def register(app: typer.Typer) -> None:
     @app.command("deploy")
     def deploy_command(
-        config: Annotated[Path, typer.Argument(help="The pipeline file with a [deploy] section.")] = Path("pipeline.toml"),
+        config: Annotated[Path, typer.Argument(help="The pipeline file with a \\[deploy] section.")] = Path("pipeline.toml"),
     ) -> None:
-        """Create the fleet's Prefect deployments (profile and plan flows per device class) from [deploy]."""
+        """Create the fleet's Prefect deployments (profile and plan flows per device class) from \\[deploy]."""
         from flows.console import console, exit_on_error
 
         with exit_on_error():

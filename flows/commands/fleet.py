@@ -48,11 +48,11 @@ def _age(seconds: float | None) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    fleet = typer.Typer(help="The device classes of a fleet ([deploy] in pipeline.toml).", no_args_is_help=True)
+    fleet = typer.Typer(help="The device classes of a fleet (\\[deploy] in pipeline.toml).", no_args_is_help=True)
 
     @fleet.command("status")
     def status(
-        config: Annotated[Path, typer.Argument(help="The pipeline file with a [deploy] section.")] = Path("pipeline.toml"),
+        config: Annotated[Path, typer.Argument(help="The pipeline file with a \\[deploy] section.")] = Path("pipeline.toml"),
         fmt: FormatOption = Format.table,
         output: OutputOption = None,
         store: StoreOption = None,

@@ -10,7 +10,7 @@ import typer
 from flows.locations import ConfigOption, locate
 
 DirOption = Annotated[Optional[Path], typer.Option(
-    "--dir", help="Folder of published plans [default: publish.dir of ./pipeline.toml, else ./plans].",
+    "--dir", help="Folder of published plans \\[default: publish.dir of ./pipeline.toml, else ./plans].",
     show_default=False)]
 
 

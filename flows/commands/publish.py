@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
         config: ConfigOption = Path("pipeline.toml"),
         model: ModelOption = None,
         batch: BatchOption = None,
-        alias: Annotated[Optional[str], typer.Option(help="Readable name [default: <model>-b<batch>-<solver>-<budget>B].")] = None,
+        alias: Annotated[Optional[str], typer.Option(help="Readable name \\[default: <model>-b<batch>-<solver>-<budget>B].")] = None,
     ) -> None:
         """Validate a plan on the configured device and publish it if it passes (idempotent)."""
         from flows.console import console, exit_on_error, prepare

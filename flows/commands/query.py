@@ -34,9 +34,9 @@ OutputOption = Annotated[Optional[Path], typer.Option(
     "--output", "-o", help="Write to this file instead of stdout (required for parquet); written atomically.")]
 PlansOption = Annotated[Optional[Path], typer.Option(
     "--plans", help="Folder of published plans; its index/*.parquet is the view `plans` "
-                    "[default: publish.dir of ./pipeline.toml, else ./plans].", show_default=False)]
+                    "\\[default: publish.dir of ./pipeline.toml, else ./plans].", show_default=False)]
 StoreOption = Annotated[Optional[str], typer.Option(
-    "--store", help="Profile store folder or URL (s3://bucket/prefix) [default: store of ./pipeline.toml, "
+    "--store", help="Profile store folder or URL (s3://bucket/prefix) \\[default: store of ./pipeline.toml, "
                     "else $MEMPLAN_PROFILES_DB, else ./profiles_db].", show_default=False)]
 
 

@@ -42,6 +42,37 @@ def test_help_lists_the_commands_without_importing_torch():
         assert command in result.output
 
 
+def _commands(group, path=()):
+    """(argv, click command) of every command and sub-command of `group`, depth first."""
+    import typer.main
+
+    click_group = typer.main.get_command(group) if not path else group
+    yield list(path), click_group
+    for name, command in getattr(click_group, "commands", {}).items():
+        yield from _commands(command, (*path, name))
+
+
+def test_help_texts_print_bracketed_words_as_typed():
+    """Help texts name TOML tables and defaults in brackets ("[deploy]", "[default: ...]"); rich markup
+    would swallow them unless escaped. Every bracketed word of every command's and parameter's help must
+    appear in its --help output."""
+    import re
+
+    seen = 0
+    for argv, command in _commands(app):
+        texts = [command.help or ""] + [getattr(p, "help", None) or "" for p in command.params]
+        words = {w.replace("\\", "") for t in texts for w in re.findall(r"\\?\[[a-z][^\]]*\]", t)}
+        if not words:
+            continue
+        result = runner.invoke(app, [*argv, "--help"])
+        assert result.exit_code == 0, result.output
+        flat = re.sub(r"[\s│]+", "", result.output)
+        for word in words:
+            seen += 1
+            assert re.sub(r"\s+", "", word) in flat, (argv, word, result.output)
+    assert seen >= 4
+
+
 @pytest.mark.parametrize(
     "text, fragment",
     [
