@@ -126,6 +126,7 @@ def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineCo
         validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device))
     measured = dict(measured_peak_bytes=validation["measured_peak_bytes"],
                     eager_peak_bytes=validation["eager_peak_bytes"], overhead=validation["overhead"],
+                    overhead_interval=validation.get("overhead_interval"),
                     arena_peak_bytes=validation.get("arena_peak_bytes"),
                     predicted_overhead=solved["objective"] / solved["checkpoint_all_cost"] - 1)
     if not validation["passed"]:

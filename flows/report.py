@@ -31,6 +31,7 @@ class Outcome:
     eager_peak_bytes: int | None = None
     predicted_overhead: float | None = None
     overhead: float | None = None
+    overhead_interval: list[float] | None = None
     arena_peak_bytes: int | None = None
     plan_id: str | None = None
     message: str = ""
@@ -47,6 +48,13 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:+.0%}"
 
 
+def overhead_text(overhead: float | None, interval: list[float] | None = None) -> str:
+    """A measured overhead with the larger half of its 95% interval, e.g. '+11% ±3%'."""
+    if overhead is None or interval is None:
+        return _pct(overhead)
+    return f"{overhead:+.0%} ±{max(overhead - interval[0], interval[1] - overhead):.0%}"
+
+
 def markdown_table(outcomes: list[Outcome]) -> str:
     """The plans of a run as a markdown table: budget, predicted and measured peak, overhead, status."""
     lines = [
@@ -59,14 +67,14 @@ def markdown_table(outcomes: list[Outcome]) -> str:
         lines.append(
             f"| {o.alias} | {o.solver} | {o.budget} | {_mib(o.budget_bytes)} | {_mib(o.predicted_peak_bytes)} "
             f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "
-            f"| {_pct(o.overhead)} | {status.replace('|', '/')} |"
+            f"| {overhead_text(o.overhead, o.overhead_interval)} | {status.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def memory_overhead_plot(outcomes: list[Outcome], model: str, path: str | Path) -> Path:
-    """PNG of measured peak (MiB) against measured step-time overhead for the validated plans of one
-    model, one marker per solver, with eager PyTorch at zero overhead for reference."""
+    """PNG of measured peak (MiB) against measured step-time overhead (a line across its 95% interval) for
+    the validated plans of one model, one marker per solver, with eager PyTorch at zero overhead."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,7 +87,11 @@ def memory_overhead_plot(outcomes: list[Outcome], model: str, path: str | Path) 
         ax.scatter([0.0], [max(eager) / MIB], marker="*", s=150, color="black", label="eager PyTorch")
     for solver in sorted({o.solver for o in rows}):
         mine = [o for o in rows if o.solver == solver]
-        ax.scatter([100 * o.overhead for o in mine], [o.measured_peak_bytes / MIB for o in mine], label=solver)
+        points = ax.scatter([100 * o.overhead for o in mine], [o.measured_peak_bytes / MIB for o in mine], label=solver)
+        for o in mine:                                   # the overhead's 95% interval, where one was measured
+            if o.overhead_interval is not None:
+                ax.plot([100 * x for x in o.overhead_interval], [o.measured_peak_bytes / MIB] * 2,
+                        color=points.get_facecolor()[0], alpha=0.5, linewidth=1)
         for o in mine:
             ax.annotate(o.budget, (100 * o.overhead, o.measured_peak_bytes / MIB), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")

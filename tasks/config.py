@@ -324,6 +324,10 @@ class ValidateConfig(Section):
     """What a plan must satisfy before it is published."""
 
     steps: int = Field(10, ge=1, description="Timed training steps of the plan and of eager PyTorch (median kept).")
+    max_steps: int = Field(30, ge=1, description="Timing goes on past `steps`, up to this many steps, until the "
+                           "overhead's 95% interval lies within +-`overhead_precision` (a busy host needs more).")
+    overhead_precision: float = Field(0.02, gt=0, description="Half-width of the overhead's 95% interval at which "
+                                      "timing stops (0.02: +-2 percentage points).")
     warmup: int = Field(1, ge=0, description="Untimed steps before timing.")
     rtol: float = Field(1e-4, ge=0, description="Relative tolerance on loss, gradients and buffer updates.")
     atol: float = Field(1e-5, ge=0, description="Absolute tolerance on loss, gradients and buffer updates.")

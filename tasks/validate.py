@@ -12,8 +12,11 @@ What counts:
   (activations, gradients, outputs, temporaries, kernels' own scratch, which the profile's workspace
   counts too; not the parameters, buffers and batch that exist before it, the same split as the plan's
   `peak_bytes` vs `constant_bytes`). It must not exceed `budget_bytes * (1 + peak_rtol)`;
-- time: median over `steps` timed steps after `warmup` untimed ones, for the plan and for eager;
-  overhead = plan time / eager time - 1;
+- time: the plan and eager PyTorch take turns, one step each per round, after `warmup` untimed rounds.
+  Step times are medians over the timed rounds; overhead is the median over rounds of plan time / eager
+  time - 1, so that a host that slows a whole round slows both sides of its ratio. After `steps` rounds,
+  timing goes on, up to `max_steps` rounds, until the 95% interval of that median (`median_interval`)
+  lies within +-`overhead_precision`; the interval (none below 6 rounds) and the rounds are recorded;
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   eager the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -26,7 +29,8 @@ import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping
+from math import comb
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +69,8 @@ class Validation:
     arena_peak_bytes: int | None = None
     arena_step_ms: float | None = None
     arena_bytes_not_placed: int | None = None
+    overhead_interval: list[float] | None = None
+    timed_steps: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,8 +169,11 @@ def validate_plan(
     planned, peak = _first_steps(plan_model, plan_step, device, seed)
     if plan.addresses:                          # before any timed step moves its buffers
         in_arena, arena_peak = _first_steps(arena_model, runs[2][1], device, seed)
-    times = _median_ms(runs, device, settings.warmup, settings.steps)
-    eager_ms, step_ms = times[:2]
+    times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
+                              settings.overhead_precision)
+    eager_ms, step_ms = (statistics.median(t) for t in times[:2])
+    ratios = [p / e for p, e in zip(times[1], times[0])]
+    interval = median_interval(ratios)
 
     problems, worst, compared = compare_tensors(eager, planned, settings.rtol, settings.atol)
     if plan.addresses:
@@ -172,7 +181,7 @@ def validate_plan(
         problems += [f"arena mode: {m}" for m in mismatches]
         worst = max(worst, arena_worst)
         report, = arena_step.arena_report.values()
-        arena = dict(arena_peak_bytes=int(arena_peak), arena_step_ms=times[2],
+        arena = dict(arena_peak_bytes=int(arena_peak), arena_step_ms=statistics.median(times[2]),
                      arena_bytes_not_placed=report.bytes_not_placed)
     budget = plan.provenance.get("budget_bytes")
     if budget is None:
@@ -190,7 +199,9 @@ def validate_plan(
         eager_peak_bytes=int(eager_peak),
         measured_step_ms=step_ms,
         eager_step_ms=eager_ms,
-        overhead=step_ms / eager_ms - 1,
+        overhead=statistics.median(ratios) - 1,
+        overhead_interval=None if interval is None else [interval[0] - 1, interval[1] - 1],
+        timed_steps=len(ratios),
         loss=float(planned["loss"]),
         eager_loss=float(eager["loss"]),
         max_abs_error=worst,
@@ -215,20 +226,49 @@ def _first_steps(
     return state, meter.peak_bytes
 
 
-def _median_ms(runs: list[tuple[nn.Module, Callable[[], Any]]], device: str, warmup: int, steps: int) -> list[float]:
-    """Median wall time (ms, CUDA synchronised) of each run's step, the runs taking turns step by step
-    so that a busy host slows them alike; gradients are cleared between steps."""
+def median_interval(samples: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free interval of the median of `samples`: the order statistics x_(k) and x_(n+1-k),
+    k the largest rank with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2; None when even the whole
+    range falls short of `confidence` (fewer than 6 samples at 95%)."""
+    ordered = sorted(samples)
+    n = len(ordered)
+    tail, k = 0.0, 0
+    while k < n and tail + comb(n, k) / 2**n <= (1 - confidence) / 2:
+        tail += comb(n, k) / 2**n
+        k += 1
+    return (ordered[k - 1], ordered[n - k]) if k else None
+
+
+def paired_step_times(runs: list[tuple[nn.Module, Callable[[], Any]]], device: str, warmup: int, steps: int,
+                      max_steps: int, precision: float, clock: Callable[[], float] = time.perf_counter,
+                      ) -> list[list[float]]:
+    """Wall times (ms, CUDA synchronised) of each run's step, the runs taking turns round by round so that a
+    busy host slows a round's runs alike; gradients are cleared between steps. The rounds after `warmup`
+    are timed: at least `steps` of them, then more, up to `max_steps`, until for every run after the first
+    the `median_interval` of its per-round time ratios to the first run reaches no further than `precision`
+    from their median."""
     cuda = device.startswith("cuda")
     times: list[list[float]] = [[] for _ in runs]
-    for i in range(warmup + steps):
+    rounds = 0
+    while True:
         for (model, step), measured in zip(runs, times):
             if cuda:
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             step()
             if cuda:
                 torch.cuda.synchronize(device)
-            if i >= warmup:
-                measured.append((time.perf_counter() - start) * 1000)
+            if rounds >= warmup:
+                measured.append((clock() - start) * 1000)
             model.zero_grad(set_to_none=True)
-    return [statistics.median(t) for t in times]
+        rounds += 1
+        timed = rounds - warmup
+        if timed >= max(steps, max_steps) or (timed >= steps and all(
+                _settled([t / e for t, e in zip(other, times[0])], precision) for other in times[1:])):
+            return times
+
+
+def _settled(ratios: list[float], precision: float) -> bool:
+    interval = median_interval(ratios)
+    middle = statistics.median(ratios)
+    return interval is not None and middle - interval[0] <= precision and interval[1] - middle <= precision

@@ -57,6 +57,8 @@ def outcome_table(outcomes: list[dict[str, Any]]):
     """The outcomes of a run as a rich table."""
     from rich.table import Column, Table
 
+    from flows.report import overhead_text
+
     mib = 2**20
     width = max((len(o["alias"]) for o in outcomes), default=4)
     table = Table(Column("plan", no_wrap=True, min_width=width), "budget MiB", "predicted peak MiB",
@@ -65,7 +67,7 @@ def outcome_table(outcomes: list[dict[str, Any]]):
         def size(key: str) -> str:
             return "" if o[key] is None else f"{o[key] / mib:.1f}"
 
-        overhead = "" if o["overhead"] is None else f"{o['overhead']:+.0%}"
+        overhead = overhead_text(o["overhead"], o.get("overhead_interval"))
         style = "green" if o["status"] == "published" else "red"
         table.add_row(o["alias"], size("budget_bytes"), size("predicted_peak_bytes"), size("measured_peak_bytes"),
                       size("eager_peak_bytes"), overhead, f"[{style}]{o['status']}[/{style}]")

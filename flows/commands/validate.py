@@ -53,6 +53,8 @@ def validation_table(validation):
     """A validation as a rich table of measured against expected numbers."""
     from rich.table import Table
 
+    from flows.report import overhead_text
+
     mib = 2**20
     table = Table("check", "plan", "reference", title=f"validation on {validation.device} ({validation.device_name})")
     table.add_row("loss", f"{validation.loss:.6g}", f"{validation.eager_loss:.6g} (eager)")
@@ -60,8 +62,10 @@ def validation_table(validation):
     table.add_row("peak MiB", f"{validation.measured_peak_bytes / mib:.2f}",
                   f"budget {validation.budget_bytes / mib:.2f}, predicted {validation.predicted_peak_bytes / mib:.2f}, "
                   f"eager {validation.eager_peak_bytes / mib:.2f}")
+    rounds = "" if validation.timed_steps is None else f", {validation.timed_steps} steps each"
+    overhead = overhead_text(validation.overhead, validation.overhead_interval)
     table.add_row("step ms", f"{validation.measured_step_ms:.2f}",
-                  f"eager {validation.eager_step_ms:.2f} (overhead {validation.overhead:+.1%})")
+                  f"eager {validation.eager_step_ms:.2f} (overhead {overhead}{rounds})")
     table.add_row("result", "[green]passed[/green]" if validation.passed else "[red]failed[/red]",
                   "; ".join(validation.reasons))
     return table

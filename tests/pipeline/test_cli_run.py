@@ -38,6 +38,7 @@ budgets = [1.0]
 
 [validate]
 steps = 1
+max_steps = 1
 warmup = 0
 '''
 

@@ -50,6 +50,7 @@ addresses = "greedy"
 
 [validate]
 steps = 1
+max_steps = 1
 warmup = 0
 '''
 

@@ -62,6 +62,7 @@ models = ["mlp"]
 
 [validate]
 steps = 1
+max_steps = 1
 warmup = 0
 '''
 

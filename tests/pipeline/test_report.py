@@ -20,8 +20,18 @@ def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
     assert lines[3].endswith("| rejected: plan m-b8-chen-90pct failed validation on cpu: loss differs / badly. |")
 
 
+def test_an_overhead_with_its_interval_shows_the_larger_half_of_it():
+    from dataclasses import replace
+
+    measured = replace(PUBLISHED, overhead_interval=[0.10, 0.16])
+    assert markdown_table([measured]).splitlines()[2].endswith("| +10% | +12% ±4% | published |")
+
+
 def test_plot_is_a_png(tmp_path):
-    png = memory_overhead_plot([PUBLISHED, REJECTED], "m", tmp_path / "m.png")
+    from dataclasses import replace
+
+    measured = replace(PUBLISHED, alias="m-b8-checkmate-80pct", budget="80pct", overhead_interval=[0.10, 0.16])
+    png = memory_overhead_plot([PUBLISHED, measured, REJECTED], "m", tmp_path / "m.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tasks.validate import compare_tensors, peak_problem, step_state
@@ -86,7 +87,7 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     nodes = in_place_nodes(graph, "cpu")
     addresses = greedy_addresses(problem, simulate(problem, schedule), np.array([n in nodes for _, n in schedule]))
     plan = Plan(graph.fingerprint, schedule, addresses, provenance={"budget_bytes": 10**9})
-    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, warmup=1))
+    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2, warmup=1))
     assert validation.passed, validation.reasons
     assert validation.arena_bytes_not_placed == 0 and validation.arena_step_ms > 0
     assert validation.arena_peak_bytes == simulate(problem, schedule, addresses).arena_peak_bytes
@@ -116,3 +117,72 @@ def test_step_state_is_a_detached_copy():
     model.running_mean.add_(1.0)
     model.weight.grad.add_(1.0)
     assert torch.equal(state["buffer:running_mean"], mean) and not torch.equal(state["grad:weight"], model.weight.grad)
+
+
+def test_median_interval_is_the_binomial_order_statistic_interval():
+    """Coverage of [x_(k), x_(n+1-k)] is P(k <= #samples below the median <= n - k), computed here by brute
+    force over all 2^n patterns of samples below or above the median (each with probability 1/2): the chosen
+    k is the largest whose coverage reaches 95%, and a sample whose whole range falls short gives None."""
+    from itertools import product
+
+    from tasks.validate import median_interval
+
+    def coverage(n: int, rank: int) -> float:
+        return sum(rank <= sum(p) <= n - rank for p in product((0, 1), repeat=n)) / 2**n
+
+    for n in range(1, 15):
+        samples = [float(10 * i) for i in range(n)][::-1]          # unsorted on purpose
+        interval = median_interval(samples)
+        if coverage(n, 1) < 0.95:
+            assert interval is None, n
+            continue
+        k = int(interval[0] / 10) + 1
+        assert interval[1] == 10 * (n - k)
+        assert coverage(n, k) >= 0.95 and coverage(n, k + 1) < 0.95, (n, k)
+    assert median_interval([3.0] * 10) == (3.0, 3.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None and median_interval([]) is None
+
+
+class _FakeClock:
+    """A clock that each step advances by its next duration (seconds)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, durations):
+        it = iter(durations)
+
+        def run():
+            self.now += next(it)
+        return run
+
+
+def test_timing_stops_at_steps_on_a_quiet_host_and_goes_on_to_max_steps_on_a_noisy_one():
+    from torch import nn
+
+    from tasks.validate import paired_step_times
+
+    model = nn.Linear(1, 1)
+    clock = _FakeClock()
+    quiet = [(model, clock.step([0.1] * 100)), (model, clock.step([0.11] * 100))]
+    times = paired_step_times(quiet, "cpu", warmup=1, steps=8, max_steps=30, precision=0.02, clock=clock)
+    assert [len(t) for t in times] == [8, 8]
+    assert times[1] == [pytest.approx(110.0)] * 8
+    times = paired_step_times(quiet, "cpu", warmup=0, steps=2, max_steps=30, precision=0.02, clock=clock)
+    assert [len(t) for t in times] == [6, 6]          # the first round count with a 95% interval of the median
+
+    clock = _FakeClock()
+    plan = [0.11 if i % 2 else 0.16 for i in range(100)]          # ratios 1.1 and 1.6 by turns
+    noisy = [(model, clock.step([0.1] * 100)), (model, clock.step(plan))]
+    times = paired_step_times(noisy, "cpu", warmup=2, steps=5, max_steps=30, precision=0.02, clock=clock)
+    assert [len(t) for t in times] == [30, 30]
+    assert times[1][:2] == [pytest.approx(160.0), pytest.approx(110.0)]   # the 2 warm-up rounds are not timed
+
+    clock = _FakeClock()
+    settling = [0.2, 0.11, 0.2, 0.11] + [0.11] * 96              # two slow rounds, then quiet
+    times = paired_step_times([(model, clock.step([0.1] * 100)), (model, clock.step(settling))], "cpu",
+                              warmup=0, steps=5, max_steps=30, precision=0.02, clock=clock)
+    assert 5 < len(times[0]) < 30 and len(times[0]) == len(times[1])

@@ -106,7 +106,7 @@ def _validate(plan, spec, budget, **settings):
     from tasks.validate import validate_plan
 
     plan = replace(plan, provenance=dict(plan.provenance, budget_bytes=budget) if budget else {})
-    return validate_plan(plan, spec, 32, "cpu", 0, ValidateConfig(steps=1, warmup=0, **settings))
+    return validate_plan(plan, spec, 32, "cpu", 0, ValidateConfig(steps=1, max_steps=1, warmup=0, **settings))
 
 
 def test_a_plan_over_its_budget_fails_with_the_tolerances_in_their_places(mlp_spec, mlp_plan, monkeypatch):
