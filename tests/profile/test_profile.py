@@ -83,7 +83,7 @@ def test_repeated_profiles_agree_within_tolerance(cnn_graph):
     above its minimum. Planners read costs up to scale (an objective's ranking of schedules does not change
     when every cost doubles) and choose by which nodes are dear, so ranks and shares are what must repeat.
     Single shares need not: on a quiet host they repeat within 0.89-1.06x (rank correlation 0.996 or more),
-    but in one CI run a cache-hungry neighbour moved five memory-bound nodes' shares by 0.62-0.75x and one
+    but in one CI run a busy neighbour moved the first five large nodes' shares by 0.62-0.82x and one
     by 1.72x (rank correlation about 0.99), and in another all 15 samples of one node were inflated by 1.58x;
     absolute times moved by 13% beside a busy neighbour."""
     settings = ProfileSettings(warmup=2, repeats=5, rounds=3, threads=1)
