@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 import torch
 from torch import fx
 
-from runtime.fused_gelu import gelu_tanh_inner_by_sigmoid
+from runtime.fused_gelu import gelu_tanh_inner_by_sigmoid, tanh_by_sigmoid
 from runtime.graph import OpGraph
 from runtime.variants import GraphVariants, VariantSpec
 
@@ -494,14 +494,6 @@ def _math(step: VariantStep) -> dict[int, fx.Node]:
         return {}
     raise VariantError(f"variant 'math' of node {step.spec.node} ({head.name}) runs {head.target}, which is not "
                        f"the CPU flash attention or its backward; the graph's variants do not match its program.")
-
-
-def tanh_by_sigmoid(z: torch.Tensor) -> torch.Tensor:
-    """Rule `sigmoid`'s `aten.tanh`: `2 sigmoid(2 z) - 1`, each step in the result's storage."""
-    t = torch.mul(z, 2.0)
-    torch.sigmoid(t, out=t)
-    torch.mul(t, 2.0, out=t)
-    return torch.sub(t, 1.0, out=t)
 
 
 def _sigmoid(step: VariantStep) -> dict[int, fx.Node]:

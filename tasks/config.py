@@ -258,6 +258,7 @@ VariantChoice = Literal["all", "bit-identical", "none"]
 """A plan's `variants` setting: which implementation-variant rules its solver may choose
 (`tasks.problems.VARIANT_RULES`)."""
 
+
 class PlanConfig(Section):
     """One solver and the budgets to solve it at (each budget is one plan per model and batch size)."""
 
