@@ -696,9 +696,7 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
     grad_params = [_strip(grads[o.name]) for o in fx_outputs[n_mut + 1:]]
     graph_outputs = [value_of[loss_fx]] + [value_of[o] for o in fx_outputs[n_mut + 1:]] + \
                     [value_of[o] for o in fx_outputs[:n_mut]]
-    random_devices = {gid: str(_device_of(m)) for gid, group in enumerate(groups) for m in group
-                      if isinstance(m.target, torch._ops.OpOverload)
-                      and torch.Tag.nondeterministic_seeded in m.target.tags}
+    random_devices = {gid: str(_device_of(m)) for gid, group in enumerate(groups) for m in group if _draws(m)}
     program = Program(gm=gm, placeholders=placeholders, params=params, buffers=buffers,
                       outputs=fx_outputs,
                       mutated_buffers=[_strip(sig.buffers_to_mutate[o.name]) for o in fx_outputs[:n_mut]],
@@ -743,6 +741,18 @@ def _nodes(groups: list, heads: list, phases: list[str], value_of: dict, owner: 
                                          if m is not head and isinstance(m.target, torch._ops.OpOverload)]
         nodes.append(Node(gid, head.name, tuple(targets), phases[gid], tuple(reads), tuple(sorted(produced[gid]))))
     return nodes
+
+
+def _draws(m: fx.Node) -> bool:
+    """Whether `m` draws from a random generator: an ATen op tagged `nondeterministic_seeded`, unless its
+    `dropout_p` argument is 0 (attention without dropout, e.g. `_scaled_dot_product_flash_attention`)."""
+    if not (isinstance(m.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in m.target.tags):
+        return False
+    for i, arg in enumerate(m.target._schema.arguments):
+        if arg.name == "dropout_p":
+            return (m.kwargs["dropout_p"] if "dropout_p" in m.kwargs else
+                    m.args[i] if i < len(m.args) else arg.default_value) != 0
+    return True
 
 
 def _device_of(m: fx.Node) -> torch.device:

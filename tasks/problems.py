@@ -62,8 +62,10 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
 
 
 def random_nodes(graph: OpGraph) -> list[int]:
-    """Nodes of a graph (loaded from JSON) running an ATen op tagged `nondeterministic_seeded`: they draw
-    from a random generator, as `runtime.capture` marks them in a captured program."""
+    """Nodes of a graph (loaded from JSON) running an ATen op tagged `nondeterministic_seeded`: they may draw
+    from a random generator. A captured program knows more (`runtime.capture` also reads an attention op's
+    `dropout_p`, and at 0 the op draws nothing); the JSON graph does not record arguments, so this errs
+    on the side of random."""
     import torch
 
     found = []

@@ -191,6 +191,19 @@ def test_node_function_runs_each_node_alone(captured, name):
                 torch.testing.assert_close(out, tensor(v), rtol=0, atol=0, msg=lambda m: f"{node.name}: {m}")
 
 
+def test_attention_without_dropout_draws_nothing(captured):
+    """Fused attention is tagged random for its dropout; at dropout_p 0 it draws nothing, so a plan may
+    recompute it without replaying the generator (and a CUDA graph can hold such a plan)."""
+    _, _, _, g = captured("gpt2_sdpa")
+    attention = [n for n in g.nodes if n.phase == "forward" and "scaled_dot_product" in n.targets[0]]
+    dropout = [n.id for n in g.nodes if n.targets[0].startswith("aten.native_dropout.")]
+    assert attention and dropout
+    packet, overload = attention[0].targets[0].removeprefix("aten.").split(".")
+    assert torch.Tag.nondeterministic_seeded in getattr(getattr(torch.ops.aten, packet), overload).tags
+    random = set(g.program.random_devices)
+    assert not random & {n.id for n in attention} and set(dropout) <= random
+
+
 def test_tied_weights_get_one_gradient_output_per_name(captured):
     model, _, _, g = captured("gpt2")
     names = [k for k, _ in model.named_parameters(remove_duplicate=False)]
