@@ -3,14 +3,16 @@
     .venv/bin/python bench/peers.py [--workloads gpt2 llama resnet50 mobilenet_v2] [--solvers ...] [--rounds 6]
                                     [--threads 1] [--compile-budgets 1.0 0.7 0.5 0.3]
                                     [--fractions 0.5 0.26] [--variants all] [--device cpu]
-                                    [--compile-backend aot_eager_decomp_partition|inductor]  (default: by device)
+                                    [--compile-backend aot_eager_decomp_partition|inductor|inductor-cudagraphs ...]
+                                    [--cuda-graph]
 
 Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised): eager PyTorch
 (for transformers models also with the key/value cache off); the PyTorch checkpointing a user writes by
 hand (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's
 top-level children); `torch.compile` with `torch._functorch.config.activation_memory_budget` at each of
-`--compile-budgets`, by `--compile-backend` (default: `aot_eager_decomp_partition` on CPU; inductor,
-what a GPU user compiles with, on CUDA); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
+`--compile-budgets`, by each `--compile-backend` (default: `aot_eager_decomp_partition` on CPU; inductor,
+what a GPU user compiles with, on CUDA; `inductor-cudagraphs` is inductor with CUDA graphs, as
+`mode="reduce-overhead"` compiles); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
 smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
 (`hierarchical:inner=monet`). `--variants` is a plan's `variants` setting (docs/config.md): by default the
 solvers are offered every implementation variant (runtime.variants), as the pipeline offers them;
@@ -19,10 +21,14 @@ tolerance instead: the gradient column shows it).
 Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
 `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8, 128 px).
 Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`) and
-run with `runtime.load` (gradients compared with eager). Peaks are the allocator's, kernels' own buffers
+run with `runtime.load` (gradients compared with eager; with `--cuda-graph` each replayed as one CUDA
+graph, `runtime.load(..., cuda_graph=True)`). Peaks are the allocator's, kernels' own buffers
 included: `runtime.meter.PeakMeter(allocator=True)`, which on CPU reads torch.profiler's memory events
 and so also sees the buffers inductor's kernels allocate outside the dispatcher, and on CUDA the caching
-allocator. Step times are medians of interleaved rounds; "variants run" names the implementation variants a
+allocator. Peaks are of a step after the first (eager's first step also takes one-time buffers); with CUDA
+graphs, whose replays allocate nothing, of the steps that warm up and record: the second and third steps
+of inductor with CUDA graphs (after the compiling one), the first step of a memplan plan with `--cuda-graph`.
+Step times are medians of interleaved rounds; "variants run" names the implementation variants a
 plan runs (docs/plan-format.md). The verdict lists each PyTorch point and the
 memplan plans that dominate it (no more peak at no more time), and each memplan plan a PyTorch point
 dominates.
@@ -44,6 +50,7 @@ from torch._dynamo.backends.debugging import aot_eager_decomp_partition
 from torch.utils.checkpoint import checkpoint_sequential
 
 import runtime
+from runtime.executor import replayed_random_nodes
 from runtime.meter import PeakMeter
 from runtime.variants import graph_variants
 from tasks.config import VariantChoice, parse_option_text
@@ -164,7 +171,16 @@ def inductor(gm, example_inputs, **kwargs):
     return compile_fx(gm, example_inputs)
 
 
-COMPILE_BACKENDS = {"aot_eager_decomp_partition": aot_eager_decomp_partition, "inductor": inductor}
+def inductor_cudagraphs(gm, example_inputs, **kwargs):
+    """Inductor with CUDA graphs (cudagraph trees), what `torch.compile(mode="reduce-overhead")` compiles."""
+    from torch._inductor.compile_fx import compile_fx
+    return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True})
+
+
+COMPILE_BACKENDS = {"aot_eager_decomp_partition": aot_eager_decomp_partition, "inductor": inductor,
+                    "inductor-cudagraphs": inductor_cudagraphs}
+BACKEND_LABELS = {"aot_eager_decomp_partition": "compile", "inductor": "inductor",
+                  "inductor-cudagraphs": "inductor+cudagraphs"}
 
 
 def budget_backend(budget: float, backend_name: str = "aot_eager_decomp_partition"):
@@ -194,6 +210,15 @@ def compiled_step(model, loss_fn, batch, budget: float, backend_name: str = "aot
     return compiled, step
 
 
+def planned_step(plan, model, loss_fn, graph, cuda_graph: bool):
+    """`runtime.load`'s step for `plan` and a label suffix: with `cuda_graph`, replayed as a CUDA graph
+    (" cuda graph"), unless the plan recomputes a random node, which a graph cannot replay: then as usual,
+    and the suffix says why."""
+    if cuda_graph and not replayed_random_nodes(plan, graph.program):
+        return runtime.load(plan, model, loss_fn, graph=graph, cuda_graph=True), " cuda graph"
+    return runtime.load(plan, model, loss_fn, graph=graph), " (recomputes dropout: no graph)" if cuda_graph else ""
+
+
 def solver_options(spec: str) -> tuple[str, SolveOptions]:
     """`name` or `name:key=value,...` (e.g. `hierarchical:inner=monet`) as a solver and its typed options,
     each value read as `memplan solve --option` reads it."""
@@ -215,8 +240,9 @@ def smallest_fraction(problem: Problem, solver: str, options: SolveOptions, full
 
 
 def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[float],
-          variants: VariantChoice = "all", fractions: list[float] | None = None,
-          device: str = "cpu", compile_backend: str = "aot_eager_decomp_partition") -> tuple[list[dict], str]:
+          variants: VariantChoice = "all", fractions: list[float] | None = None, device: str = "cpu",
+          compile_backends: tuple[str, ...] = ("aot_eager_decomp_partition",),
+          cuda_graph: bool = False) -> tuple[list[dict], str]:
     model, loss_fn, batch, (hand, hand_step), hand_label = workload(name, device)
     graph = runtime.capture(model, loss_fn, batch)
     problem = profiled_problem(graph, name, variants, device)
@@ -224,11 +250,18 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step),
             **no_cache_step(model, loss_fn, batch)}
     points = {label: {"kind": "pytorch"} for label in runs}
-    for budget in compile_budgets:
-        label = f"{'inductor' if compile_backend == 'inductor' else 'compile'} budget {budget:.1f}"
-        start = time.perf_counter()
-        runs[label] = compiled_step(model, loss_fn, batch, budget, compile_backend)
-        points[label] = {"kind": "pytorch", "solve_s": time.perf_counter() - start}
+    for backend in compile_backends:
+        for budget in compile_budgets:
+            label = f"{BACKEND_LABELS[backend]} budget {budget:.1f}"
+            start = time.perf_counter()
+            runs[label] = compiled_step(model, loss_fn, batch, budget, backend)
+            points[label] = {"kind": "pytorch", "solve_s": time.perf_counter() - start}
+            if backend == "inductor-cudagraphs":       # its second and third steps record and replay
+                with PeakMeter(device, allocator=True) as recording:
+                    for _ in range(2):
+                        runs[label][1]()
+                        runs[label][0].zero_grad(set_to_none=True)
+                points[label]["first_peak"] = recording.peak_bytes
     for solver in solvers:
         solver_name, options = solver_options(solver)
         start = time.perf_counter()
@@ -240,18 +273,22 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
             sol = solve(problem, solver_name, int(fraction * full), options)
             if not sol.feasible:
                 continue
-            label = f"{solver} @ {fraction:.2f}"
             planned = copy.deepcopy(model)
-            step = runtime.load(sol.to_plan(problem), planned, loss_fn, graph=graph)
+            step, label = planned_step(sol.to_plan(problem), planned, loss_fn, graph, cuda_graph)
+            label = f"{solver} @ {fraction:.2f}{label}"
             runs[label] = (planned, lambda step=step: step(*batch))
             points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start, "search_s": search_s,
                              "source": sol.source or solver, "predicted": sol.predicted_peak_bytes / full,
                              "predicted_time": sol.objective / problem.cost.sum(),
                              "variants": " ".join(sorted({step["impl"] for step in normalize_schedule(sol.schedule)
                                                           if step.get("impl", "default") != "default"}))}
+    if cuda_graph:       # the capture stream's cuBLAS workspace, once per process as eager's stream has its own
+        runtime.load(runtime.default_plan(graph), copy.deepcopy(model), loss_fn, graph=graph, cuda_graph=True)(*batch)
+    peak_and_grads(model, runs["eager"][1], device)           # eager's first step also takes one-time buffers
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1], device)
     for label, (m, step) in runs.items():
         peak, grads = peak_and_grads(m, step, device)
+        peak = max(peak, points[label].get("first_peak", 0))
         points[label] |= {"peak": peak / eager_peak,
                           "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
     for label, ms in median_ms(runs, rounds, device).items():
@@ -302,24 +339,26 @@ def main() -> None:
                     help="implementation variants the solvers may choose, as a plan's `variants` setting: all (the "
                          "pipeline's default), bit-identical or none")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    ap.add_argument("--compile-backend", choices=list(COMPILE_BACKENDS),
-                    help="torch.compile's backend for the budget points (default: aot_eager_decomp_partition on "
+    ap.add_argument("--compile-backend", nargs="+", choices=list(COMPILE_BACKENDS),
+                    help="torch.compile's backends for the budget points (default: aot_eager_decomp_partition on "
                          "CPU, inductor on CUDA)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="run every memplan plan replayed as one CUDA graph (runtime.load(..., cuda_graph=True))")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=200)
     on_cpu = torch.device(args.device).type == "cpu"
-    backend = args.compile_backend or ("aot_eager_decomp_partition" if on_cpu else "inductor")
+    backends = tuple(args.compile_backend or ["aot_eager_decomp_partition" if on_cpu else "inductor"])
     where = (f"CPU, {args.threads} thread(s)" if on_cpu else
              f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}")
     for name in args.workloads:
         rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions,
-                           args.device, backend)
+                           args.device, backends, args.cuda_graph)
         table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
                       "predicted time", "solve s", "smallest search s", "schedule from", "variants run",
                       title=f"{name}: {where}, median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: r["peak"]):
-            table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.0f}", f"{r['err']:.2g}",
+            table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.3g}", f"{r['err']:.2g}",
                           *(f"{r[k]:.3f}" if k in r else "" for k in ("predicted", "predicted_time")),
                           *(f"{r[k]:.1f}" if k in r else "" for k in ("solve_s", "search_s")), r.get("source", ""),
                           r.get("variants", ""))

@@ -12,7 +12,8 @@ and the generator ends the step where eager PyTorch leaves it.
 
 A compute step naming a non-default `impl` emits the variant's code (`runtime.variant_ops`); variant
 values (e.g. masks) have their own environment keyed by value id, newest copy first like graph values.
-With `arena=True`, copies with addresses live in one arena per step (`runtime.arena`).
+With `arena=True`, copies with addresses live in one arena per step (`runtime.arena`); with
+`cuda_graph=True` the program is replayed as one CUDA graph (`runtime.cuda_graph`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.untyped_storage().nbytes() > t.element_size() else t
 
 
+def replayed_random_nodes(plan: Plan, program: Program) -> set[int]:
+    """The random operator nodes (e.g. dropout) that `plan` computes more than once."""
+    counts = Counter(plan.compute_steps())
+    return {n for n, c in counts.items() if c > 1 and n in program.random_devices}
+
+
 def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = None, *,
                  arena: bool = False) -> tuple[fx.GraphModule, ArenaReport | None]:
     """The plan's schedule as one FX GraphModule `f(*params, *buffers, *batch) -> outputs` (the joint
@@ -74,8 +81,7 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
     device = str(program.placeholders[0].meta["val"].device)
     placements, report = plan_arena(graph, plan, variants, device) if arena else ({}, None)
     arena_node = g.call_function(new_arena, (report.arena_bytes, device)) if placements else None
-    counts = Counter(plan.compute_steps())
-    replayed = {n for n, c in counts.items() if c > 1 and n in program.random_devices}
+    replayed = replayed_random_nodes(plan, program)
     saved: dict[int, fx.Node] = {}
     for i, step in enumerate(plan.schedule):
         if "compute" not in step:
@@ -115,17 +121,35 @@ class _Compiled:
     buffers: list[torch.Tensor]
     mutated: list[torch.Tensor]
     grad_params: list[torch.Tensor]
+    graphed: Callable[[tuple], torch.Tensor] | None = None
 
 
-def _accumulate_grad(p: torch.Tensor, g: torch.Tensor) -> None:
-    """What autograd's AccumulateGrad does: steal a fresh gradient whose layout matches the parameter,
+def stealable(p: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether gradient `g` can become `p.grad` as it is: the parameter's layout, a storage of its own."""
+    return g.stride() == p.stride() and g.storage_offset() == 0 and \
+        g.untyped_storage().nbytes() == g.numel() * g.element_size()
+
+
+def accumulate_grad(p: torch.Tensor, g: torch.Tensor, steal: bool | None = None) -> None:
+    """What autograd's AccumulateGrad does: steal a `stealable` gradient (`steal`, when the caller knows),
     else copy it into the parameter's layout; add in place to an existing `.grad`."""
     if p.grad is None:
-        fresh = g.stride() == p.stride() and g.storage_offset() == 0 and \
-            g.untyped_storage().nbytes() == g.numel() * g.element_size()
-        p.grad = g if fresh else torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
+        steal = stealable(p, g) if steal is None else steal
+        p.grad = g if steal else torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
     else:
         p.grad += g
+
+
+def _refuse_random_replays(plan: Plan, program: Program) -> None:
+    """A CUDA graph cannot hold a plan that recomputes a random op: replaying its draws resets the
+    generator (`_replay_rng`), which capture forbids."""
+    replayed = sorted(replayed_random_nodes(plan, program))
+    if replayed:
+        raise ValueError(f"cuda_graph=True cannot replay this plan: it recomputes random operator node(s) "
+                         f"{replayed[:5]}{' ...' if len(replayed) > 5 else ''} (e.g. dropout), whose draws the "
+                         f"executor repeats by resetting the CUDA generator, which a CUDA graph capture does not "
+                         f"allow. Plan without recomputing random nodes (or with dropout off), or load without "
+                         f"cuda_graph=True.")
 
 
 class TrainStep:
@@ -133,18 +157,25 @@ class TrainStep:
     `p.grad` and updates buffers in place. The first call for a batch shape captures the model and
     checks the plan against the captured graph; later calls reuse the compiled program. With `arena`, value
     copies live at the plan's addresses in one arena per step (runtime.arena); `arena_report[signature]`
-    says what each compiled batch signature placed."""
+    says what each compiled batch signature placed. With `cuda_graph`, each batch signature's program is
+    captured once and replayed as a CUDA graph (runtime.cuda_graph says what that asks of the caller)."""
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
-                 graph: OpGraph | None = None, arena: bool = False):
+                 graph: OpGraph | None = None, arena: bool = False, cuda_graph: bool = False):
         if arena and not plan.addresses and plan.v1_offsets is None:
             raise ValueError("arena=True needs a plan with addresses (value copy -> arena offset), and this plan has "
                              "none. Plan with addresses (solve option addresses = 'greedy', or "
                              "tasks.solve.addresses.greedy_addresses), or load it without arena=True.")
+        devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
+        if cuda_graph and devices != {"cuda"}:
+            raise ValueError(f"cuda_graph=True replays the step as a CUDA graph, and this model's parameters and "
+                             f"buffers are on {', '.join(sorted(devices)) or 'no device (it has none)'}. Move the "
+                             f"model to a GPU (model.cuda()) before runtime.load, or load without cuda_graph=True.")
         self.plan = plan
         self.model = model
         self.loss_fn = loss_fn
         self.arena = arena
+        self.cuda_graph = cuda_graph
         self.arena_report: dict[tuple, ArenaReport] = {}
         self._graph = graph
         self._compiled: dict[tuple, _Compiled] = {}
@@ -171,6 +202,8 @@ class TrainStep:
                 raise ValueError(f"the graph passed to runtime.load has {inputs[name].kind} {name!r} of shape "
                                  f"{list(inputs[name].shape)}, which this model lacks or shapes differently: it "
                                  f"was captured from another model. Pass a graph of this model, or none.")
+        if self.cuda_graph:
+            _refuse_random_replays(self.plan, program)
         fn, report = compile_plan(graph, self.plan, variants, arena=self.arena)
         if report is not None:
             self.arena_report[key] = report
@@ -183,26 +216,34 @@ class TrainStep:
             mutated=[buffers[name] for name in program.mutated_buffers],
             grad_params=[params[name] for name in program.grad_params],
         )
+        if self.cuda_graph:
+            from runtime.cuda_graph import GraphedStep
+            compiled.graphed = GraphedStep(fn, compiled.params, compiled.buffers, compiled.mutated,
+                                           compiled.grad_params)
         self._compiled[key] = compiled
         return compiled
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         c = self.compile(*batch)
         with torch.no_grad():
+            if c.graphed is not None:
+                return c.graphed(batch)
             outs = c.fn(*c.params, *c.buffers, *batch)
             n_mut = len(c.mutated)
             for buf, new in zip(c.mutated, outs[:n_mut]):
                 buf.copy_(new)
             for p, g in zip(c.grad_params, outs[n_mut + 1:]):
-                _accumulate_grad(p, g)
+                accumulate_grad(p, g)
             return outs[n_mut]
 
 
 def load(plan_or_path: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module,
-         loss_fn: Callable[..., torch.Tensor], graph: OpGraph | None = None, arena: bool = False) -> TrainStep:
+         loss_fn: Callable[..., torch.Tensor], graph: OpGraph | None = None, arena: bool = False,
+         cuda_graph: bool = False) -> TrainStep:
     """A training step running `model` and `loss_fn(model, *batch)` under the plan (a `Plan`, its JSON
     dict or a plan file). `graph`, a graph captured from the same model and batch shapes, saves the
     capture on the first call. `arena=True` places value copies at the plan's addresses (runtime.arena);
-    otherwise addresses are ignored."""
+    otherwise addresses are ignored. `cuda_graph=True` (a model on a GPU) replays each step as one CUDA
+    graph (runtime.cuda_graph)."""
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
-    return TrainStep(plan, model, loss_fn, graph, arena)
+    return TrainStep(plan, model, loss_fn, graph, arena, cuda_graph)
