@@ -261,7 +261,7 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
                     for _ in range(2):
                         runs[label][1]()
                         runs[label][0].zero_grad(set_to_none=True)
-                points[label]["first_peak"] = recording.peak_bytes
+                points[label]["recording_peak"] = recording.peak_bytes
     for solver in solvers:
         solver_name, options = solver_options(solver)
         start = time.perf_counter()
@@ -274,8 +274,8 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
             if not sol.feasible:
                 continue
             planned = copy.deepcopy(model)
-            step, label = planned_step(sol.to_plan(problem), planned, loss_fn, graph, cuda_graph)
-            label = f"{solver} @ {fraction:.2f}{label}"
+            step, suffix = planned_step(sol.to_plan(problem), planned, loss_fn, graph, cuda_graph)
+            label = f"{solver} @ {fraction:.2f}{suffix}"
             runs[label] = (planned, lambda step=step: step(*batch))
             points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start, "search_s": search_s,
                              "source": sol.source or solver, "predicted": sol.predicted_peak_bytes / full,
@@ -288,7 +288,7 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1], device)
     for label, (m, step) in runs.items():
         peak, grads = peak_and_grads(m, step, device)
-        peak = max(peak, points[label].get("first_peak", 0))
+        peak = max(peak, points[label].get("recording_peak", 0))
         points[label] |= {"peak": peak / eager_peak,
                           "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
     for label, ms in median_ms(runs, rounds, device).items():
