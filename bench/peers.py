@@ -358,7 +358,7 @@ def main() -> None:
                       "predicted time", "solve s", "smallest search s", "schedule from", "variants run",
                       title=f"{name}: {where}, median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: r["peak"]):
-            table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.3g}", f"{r['err']:.2g}",
+            table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.{1 if r['ms'] < 100 else 0}f}", f"{r['err']:.2g}",
                           *(f"{r[k]:.3f}" if k in r else "" for k in ("predicted", "predicted_time")),
                           *(f"{r[k]:.1f}" if k in r else "" for k in ("solve_s", "search_s")), r.get("source", ""),
                           r.get("variants", ""))
