@@ -27,7 +27,8 @@ def test_views_and_getitems_are_folded_into_allocating_nodes(captured):
         assert node.targets[0] not in VIEW_TARGETS, node
         assert node.outputs, node
     folded = [t for node in g.nodes for t in node.targets[1:]]
-    assert "aten.t.default" in folded and "aten.alias.default" in folded
+    assert "aten.t.default" in folded
+    assert {"aten.alias.default", "aten.detach.default"} & set(folded)   # saved-tensor chains: torch 2.14 / 2.11
 
 
 def test_values_have_dtype_aware_bytes_and_kinds(captured):
