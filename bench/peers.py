@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 from datetime import datetime, timezone
@@ -165,20 +166,15 @@ def profiled_problem(graph, name: str, variants: VariantChoice = "none", device:
     return Problem.from_graph(graph, profiled_costs(graph, name, device), offered)
 
 
-def inductor(gm, example_inputs, **kwargs):
-    """torch.compile's default backend, as a callable `budget_backend` can wrap."""
+def inductor(gm, example_inputs, cudagraphs: bool = False, **kwargs):
+    """torch.compile's default backend, as a callable `budget_backend` can wrap; with `cudagraphs`, with CUDA
+    graphs (cudagraph trees), what `torch.compile(mode="reduce-overhead")` compiles."""
     from torch._inductor.compile_fx import compile_fx
-    return compile_fx(gm, example_inputs)
-
-
-def inductor_cudagraphs(gm, example_inputs, **kwargs):
-    """Inductor with CUDA graphs (cudagraph trees), what `torch.compile(mode="reduce-overhead")` compiles."""
-    from torch._inductor.compile_fx import compile_fx
-    return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True})
+    return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cudagraphs else None)
 
 
 COMPILE_BACKENDS = {"aot_eager_decomp_partition": aot_eager_decomp_partition, "inductor": inductor,
-                    "inductor-cudagraphs": inductor_cudagraphs}
+                    "inductor-cudagraphs": functools.partial(inductor, cudagraphs=True)}
 BACKEND_LABELS = {"aot_eager_decomp_partition": "compile", "inductor": "inductor",
                   "inductor-cudagraphs": "inductor+cudagraphs"}
 
