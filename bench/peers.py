@@ -18,8 +18,10 @@ smallest fraction each solver reaches (or at `--fractions` only); a solver may c
 solvers are offered every implementation variant (runtime.variants), as the pipeline offers them;
 `bit-identical` or `none` keep the plans bit-identical to eager (some variants are within the validation
 tolerance instead: the gradient column shows it).
-Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4), a Llama-style decoder of the same size from a
-`transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8, 128 px).
+Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4; without dropout, and as `gpt2-dropout` with
+transformers' default dropout of 0.1 on embeddings, attention and residuals), a Llama-style decoder of the
+same size from a `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8,
+128 px).
 Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`) and
 run with `runtime.load` (gradients compared with eager; with `--cuda-graph` each replayed as one CUDA
 graph, `runtime.load(..., cuda_graph=True)`). Peaks are the allocator's, kernels' own buffers
@@ -73,13 +75,13 @@ COMPILE_BUDGETS = (1.0, 0.7, 0.5, 0.3)
 def workload(name: str, device: str = "cpu"):
     """(model, loss_fn, batch, hand-checkpointed step or None, its label), on `device`."""
     torch.manual_seed(0)
-    if name in ("gpt2", "llama"):
+    if name in ("gpt2", "gpt2-dropout", "llama"):
         import transformers
 
-        if name == "gpt2":
+        if name.startswith("gpt2"):
+            p = 0.1 if name == "gpt2-dropout" else 0.0         # transformers' default dropout, or none
             config = transformers.GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=256, vocab_size=2048,
-                                             bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                             attn_pdrop=0.0)
+                                             bos_token_id=0, eos_token_id=0, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
             model = transformers.GPT2LMHeadModel(config)
         else:
             config = transformers.LlamaConfig(num_hidden_layers=6, hidden_size=256, intermediate_size=688,

@@ -13,11 +13,13 @@ value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x
 each piece is needed only until the next concatenation. Each convolution backward is split into its
 weight- and input-gradient halves (`_split_convolution_backward`), and cross-entropy is fused into ops
 that hold fewer logits-sized tensors (`_fuse_cross_entropy`, runtime/fused_loss.py), and the written-out
-tanh GELU into ops that keep two of its four saved tensors (`_fuse_tanh_gelu`, runtime/fused_gelu.py); all
-bit-identical. The two fusions apply to CPU graphs only: their ops run block by block, a few small kernels
-per block, and on a GPU those launches cost more than the memory saves (measured on an H200, GPT-2 of
-bench/peers.py: eager 13 ms a step, the fused graph's no-recomputation schedule 28 ms, the captured one's
-0.88x eager's time).
+tanh GELU into ops that keep two of its four saved tensors (`_fuse_tanh_gelu`, runtime/fused_gelu.py), and
+each training dropout is split into its mask's draw and its product (`_split_dropout`, runtime/dropout.py);
+all bit-identical. The two fusions apply to CPU graphs only: their ops run block by block, a few small
+kernels per block, and on a GPU those launches cost more than the memory saves (measured on an H200, GPT-2
+of bench/peers.py: eager 13 ms a step, the fused graph's no-recomputation schedule 28 ms, the captured
+one's 0.88x eager's time). So does the dropout split: CUDA's fused kernel draws in an order no separate
+draw reproduces.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from runtime import fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops fused into)
+from runtime import dropout, fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops rewritten into)
 from runtime.graph import Node, OpGraph, Value
 from runtime.modules import META_KEY, boundary_hooks, strip_boundaries
 
@@ -140,6 +142,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     if on_cpu:                                             # CPU graphs only (module docstring)
         _fuse_cross_entropy(gm.graph)
         _fuse_tanh_gelu(gm.graph)
+        _split_dropout(gm.graph)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
@@ -343,6 +346,31 @@ def _fuse_tanh_gelu(graph: fx.Graph) -> None:
         y.replace_all_uses_with(y_new)
         grad_x.replace_all_uses_with(fused_grad)
         _erase_replaced(graph, [*forward, *backward, tb.args[1]])
+
+
+def _split_dropout(graph: fx.Graph) -> None:
+    """Rewrite each training `native_dropout(x, p, True)` (0 < p < 1, x contiguous and floating) whose results
+    are read through `getitem`s into `memplan::dropout_mask(x, p)` and `memplan::dropout_apply(x, mask, p)`
+    (runtime/dropout.py; the same draws, bit-identical output): the output can then be recomputed from the
+    kept mask without drawing again."""
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.native_dropout.default:
+            continue
+        args = {**dict(zip(("input", "p", "train"), n.args)), **n.kwargs}
+        x, p = args["input"], args["p"]
+        out_val, mask_val = n.meta["val"]
+        if (args.get("train") is False or not isinstance(p, float) or not 0 < p < 1
+                or not out_val.is_floating_point() or not x.meta["val"].is_contiguous()
+                or not all(u.target is operator.getitem for u in n.users)):
+            continue
+        with graph.inserting_before(n):
+            mask = graph.call_function(torch.ops.memplan.dropout_mask.default, (x, p))
+            out = graph.call_function(torch.ops.memplan.dropout_apply.default, (x, mask, p))
+        mask.meta, out.meta = {**n.meta, "val": mask_val}, {**n.meta, "val": out_val}
+        for item in list(n.users):
+            item.replace_all_uses_with(out if item.args[1] == 0 else mask)
+            graph.erase_node(item)
+        graph.erase_node(n)
 
 
 def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], list[fx.Node]] | None:

@@ -8,7 +8,8 @@ since validation refuses a read after a free).
 
 Random nodes that the plan recomputes replay the generator: the state is saved before their first
 compute and set for each recomputation (then restored), so a recomputed dropout draws the same mask
-and the generator ends the step where eager PyTorch leaves it.
+and the generator ends the step where eager PyTorch leaves it. (On CPU graphs a dropout's draw is a node
+of its own, runtime/dropout.py: recomputing the output from the kept mask draws nothing.)
 
 A compute step naming a non-default `impl` emits the variant's code (`runtime.variant_ops`); variant
 values (e.g. masks) have their own environment keyed by value id, newest copy first like graph values.

@@ -62,17 +62,21 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
 
 
 def random_nodes(graph: OpGraph) -> list[int]:
-    """Nodes of a graph (loaded from JSON) running an ATen op tagged `nondeterministic_seeded`: they may draw
-    from a random generator. A captured program knows more (`runtime.capture` also reads an attention op's
-    `dropout_p`, and at 0 the op draws nothing); the JSON graph does not record arguments, so this errs
-    on the side of random."""
+    """Nodes of a graph (loaded from JSON) running an op tagged `nondeterministic_seeded` (ATen's, or memplan's
+    `dropout_mask`): they may draw from a random generator. A captured program knows more (`runtime.capture`
+    also reads an attention op's `dropout_p`, and at 0 the op draws nothing); the JSON graph does not record
+    arguments, so this errs on the side of random."""
     import torch
+
+    import runtime.dropout  # noqa: F401  (registers memplan::dropout_mask)
 
     found = []
     for node in graph.nodes:
         for target in node.targets:
-            packet, _, overload = target.removeprefix("aten.").partition(".")
-            op = getattr(getattr(torch.ops.aten, packet, None), overload, None) if target.startswith("aten.") else None
+            namespace, _, name = target.partition(".")
+            packet, _, overload = name.partition(".")
+            op = (getattr(getattr(getattr(torch.ops, namespace), packet, None), overload, None)
+                  if namespace in ("aten", "memplan") else None)
             if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
                 found.append(node.id)
                 break

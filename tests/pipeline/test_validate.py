@@ -186,3 +186,38 @@ def test_timing_stops_at_steps_on_a_quiet_host_and_goes_on_to_max_steps_on_a_noi
     times = paired_step_times([(model, clock.step([0.1] * 100)), (model, clock.step(settling))], "cpu",
                               warmup=0, steps=5, max_steps=30, precision=0.02, clock=clock)
     assert 5 < len(times[0]) < 30 and len(times[0]) == len(times[1])
+
+
+def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
+    """A transformers model keeps its default dropout (0.1): validation seeds the eager step and the plan's
+    alike, and a plan that recomputes dropout outputs (from their kept masks) or masks (replaying the
+    generator) reproduces eager's loss and gradients exactly."""
+    import runtime
+    from runtime.plan import Plan
+    from tasks.config import ModelConfig, ValidateConfig
+    from tasks.models import build_batch, build_loss, build_model
+    from tasks.profile import ProfileSettings, profile_graph
+    from tasks.solve import solve
+    from tasks.solve.problem import Problem
+    from tasks.solve.simulator import default_schedule, simulate
+    from tasks.solve.solution import SolveOptions
+    from tasks.store import load_costs
+    from tasks.validate import validate_plan
+
+    spec = ModelConfig(name="gpt2-dropout", transformers="gpt2", loss="causal_lm",
+                       kwargs={"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 16,
+                               "bos_token_id": 0, "eos_token_id": 0, "attn_implementation": "eager"},
+                       inputs=[{"shape": [16], "dtype": "int64", "high": 50}])
+    graph = runtime.capture(build_model(spec, 0), build_loss(spec), build_batch(spec, 2, 0, "cpu"))
+    draws = {n.id for n in graph.nodes if n.targets[0] == "memplan.dropout_mask.default"}
+    products = {n.id for n in graph.nodes if n.targets[0] == "memplan.dropout_apply.default"}
+    profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    problem = Problem.from_graph(graph, load_costs(graph.fingerprint, "cpu", tmp_path))
+    budget = int(0.9 * simulate(problem, default_schedule(problem)).peak_bytes)
+    plan = solve(problem, "ap-greedy", budget, SolveOptions(portfolio=False)).to_plan(problem)
+    recomputed = {n for n in plan.compute_steps() if plan.compute_steps().count(n) > 1}
+    assert recomputed & draws and recomputed & products
+    settings = ValidateConfig(steps=2, max_steps=2, warmup=1)
+    validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, settings)
+    assert validation.passed, validation.reasons
+    assert validation.max_abs_error == 0.0 and validation.tensors_compared > 10

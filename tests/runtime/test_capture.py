@@ -14,6 +14,7 @@ import runtime
 import runtime.capture as capture_module
 from runtime import fused_loss
 from runtime.capture import CaptureError
+from runtime.executor import replayed_random_nodes
 from runtime.graph import OpGraph
 
 VIEW_TARGETS = {"aten.t.default", "aten.view.default", "aten.alias.default", "aten._unsafe_view.default",
@@ -192,12 +193,46 @@ def test_node_function_runs_each_node_alone(captured, name):
                 torch.testing.assert_close(out, tensor(v), rtol=0, atol=0, msg=lambda m: f"{node.name}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.1, 1 / 3, 0.5, 0.9])
+def test_split_dropout_draws_and_computes_what_native_dropout_does(dtype, p):
+    x = torch.randn(3, 1031).to(dtype)
+    torch.manual_seed(7)
+    out, mask = torch.ops.aten.native_dropout(x, p, True)
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    split_mask = torch.ops.memplan.dropout_mask(x, p)
+    assert torch.equal(torch.get_rng_state(), after) and torch.equal(split_mask, mask)
+    assert torch.equal(torch.ops.memplan.dropout_apply(x, split_mask, p), out)
+    assert torch.get_rng_state().equal(after)                  # the product draws nothing
+
+
+def test_recomputed_dropout_output_reuses_its_mask_without_drawing(captured, helpers):
+    """Capture splits each training dropout into its mask's draw (random) and its product (not): a plan
+    that recomputes GPT-2's dropout outputs from the kept masks replays no generator and trains bit for bit
+    like eager."""
+    model, loss_fn, batch, g = captured("gpt2")
+    assert not any(t == "aten.native_dropout.default" for n in g.nodes for t in n.targets)
+    draws = {n.id for n in g.nodes if n.targets[0] == "memplan.dropout_mask.default"}
+    products = {n.id for n in g.nodes if n.targets[0] == "memplan.dropout_apply.default"}
+    assert draws and len(products) == len(draws) and set(g.program.random_devices) == draws
+    assert all(len(draws & {g.values[v].producer for v in g.nodes[n].inputs}) == 1 for n in products)
+    plan = runtime.Plan(g.fingerprint, helpers.recompute_schedule(g, products))
+    recomputed = {n for n in products if plan.compute_steps().count(n) == 2}
+    assert recomputed and not replayed_random_nodes(plan, g.program)
+    result = helpers.train_plan(model, loss_fn, batch, plan, graph=g)
+    reference = helpers.train_eager(model, loss_fn, batch)
+    assert torch.equal(reference.loss, result.loss) and torch.equal(reference.rng, result.rng)
+    assert all(torch.equal(reference.grads[k], result.grads[k]) for k in reference.grads)
+    helpers.assert_peak_matches(result.peak, helpers.simulated_peak(g, plan.schedule))
+
+
 def test_attention_without_dropout_draws_nothing(captured):
     """Fused attention is tagged random for its dropout; at dropout_p 0 it draws nothing, so a plan may
     recompute it without replaying the generator (and a CUDA graph can hold such a plan)."""
     _, _, _, g = captured("gpt2_sdpa")
     attention = [n for n in g.nodes if n.phase == "forward" and "scaled_dot_product" in n.targets[0]]
-    dropout = [n.id for n in g.nodes if n.targets[0].startswith("aten.native_dropout.")]
+    dropout = [n.id for n in g.nodes if n.targets[0] == "memplan.dropout_mask.default"]
     assert attention and dropout
     packet, overload = attention[0].targets[0].removeprefix("aten.").split(".")
     assert torch.Tag.nondeterministic_seeded in getattr(getattr(torch.ops.aten, packet), overload).tags
