@@ -23,15 +23,15 @@ from __future__ import annotations
 import torch
 
 
-@torch.library.custom_op("memplan::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     """The keep mask `aten.native_dropout(x, p, True)` draws on CPU: bernoulli(1 - p) per element."""
     return _like(x, torch.bool).bernoulli_(1 - p)
 
 
-@dropout_mask.register_fake
-def _(x, p):
-    return _like(x, torch.bool)
+_LIBRARY = torch.library.Library("memplan", "FRAGMENT")    # Library.define takes tags on older torch too
+_LIBRARY.define("dropout_mask(Tensor x, float p) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+_LIBRARY.impl("dropout_mask", dropout_mask, "CompositeExplicitAutograd")
+torch.library.register_fake("memplan::dropout_mask", lambda x, p: _like(x, torch.bool), lib=_LIBRARY)
 
 
 @torch.library.custom_op("memplan::dropout_apply", mutates_args=())
