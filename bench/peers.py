@@ -30,8 +30,9 @@ and so also sees the buffers inductor's kernels allocate outside the dispatcher,
 allocator. Peaks are of a step after the first (eager's first step also takes one-time buffers); with CUDA
 graphs, whose replays allocate nothing, of the steps that warm up and record: the second and third steps
 of inductor with CUDA graphs (after the compiling one), the first step of a memplan plan with `--cuda-graph`.
-Step times are medians of interleaved rounds; "variants run" names the implementation variants a
-plan runs (docs/plan-format.md). The verdict lists each PyTorch point and the
+Step times are medians of interleaved rounds; a plan's predicted peak and time (the simulator's, on the
+profiled costs) are divided by eager's measured peak and time, like the measured ones beside them;
+"variants run" names the implementation variants a plan runs (docs/plan-format.md). The verdict lists each PyTorch point and the
 memplan plans that dominate it (no more peak at no more time), and each memplan plan a PyTorch point
 dominates.
 """
@@ -276,8 +277,8 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
             label = f"{solver} @ {fraction:.2f}{suffix}"
             runs[label] = (planned, lambda step=step: step(*batch))
             points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start, "search_s": search_s,
-                             "source": sol.source or solver, "predicted": sol.predicted_peak_bytes / full,
-                             "predicted_time": sol.objective / problem.cost.sum(),
+                             "source": sol.source or solver, "predicted_bytes": sol.predicted_peak_bytes,
+                             "predicted_ms": sol.objective,
                              "variants": " ".join(sorted({step["impl"] for step in normalize_schedule(sol.schedule)
                                                           if step.get("impl", "default") != "default"}))}
     if cuda_graph:       # the capture stream's cuBLAS workspace, once per process as eager's stream has its own
@@ -292,6 +293,10 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
     for label, ms in median_ms(runs, rounds, device).items():
         points[label]["ms"] = ms
     eager_ms = points["eager"]["ms"]
+    for point in points.values():                            # predictions in the measured columns' units
+        if "predicted_bytes" in point:
+            point |= {"predicted": point["predicted_bytes"] / eager_peak,
+                      "predicted_time": point["predicted_ms"] / eager_ms}
     rows = [{"label": k, **v, "time": v["ms"] / eager_ms} for k, v in points.items()]
     return rows, verdict(rows)
 
@@ -352,8 +357,8 @@ def main() -> None:
     for name in args.workloads:
         rows, text = bench(name, args.rounds, args.solvers, args.compile_budgets, args.variants, args.fractions,
                            args.device, backends, args.cuda_graph)
-        table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak",
-                      "predicted time", "solve s", "smallest search s", "schedule from", "variants run",
+        table = Table("point", "peak / eager", "time / eager", "step ms", "max |grad diff|", "predicted peak / eager",
+                      "predicted time / eager", "solve s", "smallest search s", "schedule from", "variants run",
                       title=f"{name}: {where}, median of {args.rounds} interleaved rounds")
         for r in sorted(rows, key=lambda r: r["peak"]):
             table.add_row(r["label"], f"{r['peak']:.3f}", f"{r['time']:.3f}", f"{r['ms']:.{1 if r['ms'] < 100 else 0}f}", f"{r['err']:.2g}",
