@@ -32,9 +32,9 @@ graphs, whose replays allocate nothing, of the steps that warm up and record: th
 of inductor with CUDA graphs (after the compiling one), the first step of a memplan plan with `--cuda-graph`.
 Step times are medians of interleaved rounds; a plan's predicted peak and time (the simulator's, on the
 profiled costs) are divided by eager's measured peak and time, like the measured ones beside them;
-"variants run" names the implementation variants a plan runs (docs/plan-format.md). The verdict lists each PyTorch point and the
-memplan plans that dominate it (no more peak at no more time), and each memplan plan a PyTorch point
-dominates.
+"variants run" names the implementation variants a plan runs (docs/plan-format.md). The verdict lists
+each PyTorch point and the memplan plans that dominate it (no more peak at no more time), and each
+memplan plan a PyTorch point dominates.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ mask and returns it with the output `x * mask / (1 - p)`; the backward reads the
 a planner that frees the output and computes it again must draw the mask again (the executor replays the
 generator for that), and ATen's CPU op takes about 14 ms for 1M elements where its draw takes 8 and the
 product 1. Split, the mask is a value of its own (1 byte an element, which the backward keeps anyway), and
-the output can be recomputed from it in one pass, without the generator (so also inside a CUDA graph).
+the output can be recomputed from it in one pass, without the generator.
 
 - `memplan::dropout_mask(x, p)` draws the mask as ATen's CPU kernel does: bernoulli(1 - p) over a
   contiguous bool tensor of x's shape. The same draws, and the generator ends where ATen's leaves it
