@@ -16,7 +16,7 @@ from tasks.solve.hierarchical.chain import Choice, Sweep, chain_dp, chain_peak, 
 from tasks.solve.hierarchical.ladder import ladder
 from tasks.solve.hierarchical.solver import compose
 from tasks.solve.milp import MilpOptions, solve_milp
-from tasks.solve.problem import Problem
+from tasks.solve.problem import Problem, Variant
 from tasks.solve.simulator import default_schedule, simulate
 from tasks.solve.solution import SolveOptions
 
@@ -166,6 +166,27 @@ def test_hierarchical_fits_budgets_the_segment_baselines_cannot():
         budget = int(fraction * full)
         ours = solve(problem, "hierarchical", budget, opts)
         assert ours.objective <= solve(problem, "ap-greedy", budget, plain).objective
+
+
+def test_time_saving_variants_are_fixed_for_the_checkmate_inner_solver():
+    """A variant that reads and allocates what its default does at half the cost (the GELU's tanh by its
+    sigmoid identity) runs on every compute of its node, so the plan costs what the same step with those
+    nodes at the lower cost costs; the bound is every node once in its cheapest implementation."""
+    plain = layered_step(6)
+    fast = [i for i, name in enumerate(plain.node_names) if name == "op1"]
+    variants = tuple((Variant("sigmoid", 0.5, 0, plain.node_inputs[i], plain.node_outputs[i]),) if i in fast else ()
+                     for i in range(plain.num_nodes))
+    offered = replace(plain, variants=variants)
+    cheaper = replace(plain, cost=np.where(np.isin(np.arange(plain.num_nodes), fast), 0.5, plain.cost))
+    opts = SolveOptions(time_limit=60, portfolio=False, params={"block_size": 4, "inner_time_limit": 5.0})
+    budget = int(0.5 * simulate(plain, default_schedule(plain)).peak_bytes)
+    sol, reference = solve(offered, "hierarchical", budget, opts), solve(cheaper, "hierarchical", budget, opts)
+    assert sol.feasible and reference.feasible
+    runs = [s for s in sol.schedule if s[1] in fast]
+    assert len(runs) > len(fast) and all(s[2:] == ("sigmoid",) for s in runs)          # recomputed ones too
+    assert sol.objective == pytest.approx(reference.objective)
+    assert sol.objective < solve(plain, "hierarchical", budget, opts).objective
+    assert sol.bound == pytest.approx(cheaper.cost.sum())
 
 
 def test_a_step_without_forward_nodes_runs_in_the_default_order():
