@@ -23,8 +23,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.solve.fixed_variants import candidate_choices, fixed_problem, tag_schedule
-from tasks.solve.fixed_variants import Choice as VariantChoice
+from tasks.solve.fixed_variants import Choice as VariantChoice, candidate_choices, fixed_problem, tag_schedule
 from tasks.solve.hierarchical.blocks import BlockChain, block_chain, blocks_by_key
 from tasks.solve.hierarchical.chain import Choice, Op, Sweep, chain_dp, nested_chain_dp
 from tasks.solve.hierarchical.ladder import RUNGS, BlockOption, ladder, option, recompute_block
