@@ -26,6 +26,7 @@ from functools import cache
 import torch
 from torch import fx
 
+from runtime.capture import op_of
 from runtime.graph import OpGraph
 from runtime.plan import Plan
 from runtime.variant_ops import head_node
@@ -120,10 +121,8 @@ def in_place_nodes(graph: OpGraph, device: str) -> set[int]:
     any other copy would leave an unused hole in the arena. Works on graphs loaded from JSON."""
     found = set()
     for node in graph.nodes:
-        packet, _, overload = node.targets[0].removeprefix("aten.").partition(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None) if node.targets[0].startswith("aten.") \
-            else None
-        if isinstance(op, torch._ops.OpOverload) and out_overload(op, backend(device)) is not None \
+        op = op_of(node.targets[0])
+        if op is not None and out_overload(op, backend(device)) is not None \
                 and len(op._schema.returns) == len(node.outputs):
             found.add(node.id)
     return found

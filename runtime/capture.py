@@ -771,6 +771,17 @@ def _nodes(groups: list, heads: list, phases: list[str], value_of: dict, owner: 
     return nodes
 
 
+def op_of(target: str) -> torch._ops.OpOverload | None:
+    """The op a node target of a graph (JSON included) names, ATen's or memplan's (`aten.mm.default`,
+    `memplan.dropout_mask.default`); None for any other target."""
+    namespace, _, name = target.partition(".")
+    packet, _, overload = name.partition(".")
+    if namespace not in ("aten", "memplan"):
+        return None
+    op = getattr(getattr(getattr(torch.ops, namespace), packet, None), overload, None)
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
 def _draws(m: fx.Node) -> bool:
     """Whether `m` draws from a random generator: an ATen op tagged `nondeterministic_seeded`, unless its
     `dropout_p` argument is 0 (attention without dropout, e.g. `_scaled_dot_product_flash_attention`)."""

@@ -68,16 +68,13 @@ def random_nodes(graph: OpGraph) -> list[int]:
     arguments, so this errs on the side of random."""
     import torch
 
-    import runtime.dropout  # noqa: F401  (registers memplan::dropout_mask)
+    from runtime.capture import op_of
 
     found = []
     for node in graph.nodes:
         for target in node.targets:
-            namespace, _, name = target.partition(".")
-            packet, _, overload = name.partition(".")
-            op = (getattr(getattr(getattr(torch.ops, namespace), packet, None), overload, None)
-                  if namespace in ("aten", "memplan") else None)
-            if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
+            op = op_of(target)
+            if op is not None and torch.Tag.nondeterministic_seeded in op.tags:
                 found.append(node.id)
                 break
     return found
