@@ -57,11 +57,11 @@ NOISE_LIMIT = 0.25
 def overhead_text(overhead: float | None, interval: list[float] | None = None) -> str:
     """A measured overhead with the larger half X of its 95% interval, e.g. '+11% ±3%'; 'not measurable here
     (±X)' when X exceeds the overhead's own size or `NOISE_LIMIT` (the interval spans zero, or the host is
-    too noisy for the figure to mean anything), and '+11% (no interval)' when too few rounds gave none."""
+    too noisy for the figure to mean anything), and 'not measurable here (under 6 rounds)' without one."""
     if overhead is None:
         return ""
     if interval is None:
-        return f"{overhead:+.0%} (no interval)"
+        return "not measurable here (under 6 rounds)"
     half = max(overhead - interval[0], interval[1] - overhead)
     if half > abs(overhead) or half > NOISE_LIMIT:
         return f"not measurable here (±{half:.0%})"

@@ -16,7 +16,7 @@ REJECTED = Outcome("m-b8-chen-90pct", "m", 8, "chen", "90pct", "rejected", budge
 def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
     lines = markdown_table([PUBLISHED, REJECTED]).splitlines()
     assert len(lines) == 4
-    assert lines[2] == "| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 | 80.0 | 81.0 | 100.0 | +10% | +12% (no interval) | published |"
+    assert lines[2] == "| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 | 80.0 | 81.0 | 100.0 | +10% | not measurable here (under 6 rounds) | published |"
     assert lines[3].endswith("| rejected: plan m-b8-chen-90pct failed validation on cpu: loss differs / badly. |")
 
 
@@ -92,7 +92,7 @@ def test_an_overhead_is_printed_only_when_its_interval_is_narrower_than_itself_a
     assert overhead_text(*spans_zero).startswith("not measurable here (±")
     slow_but_wide = _measured([1.5, 1.9, 1.6, 2.2, 1.7, 2.3, 1.8, 1.55])   # +75%, but within ±55 points
     assert overhead_text(*slow_but_wide) == "not measurable here (±55%)"
-    assert overhead_text(0.12, None) == "+12% (no interval)" and overhead_text(None) == ""
+    assert overhead_text(0.12, None) == "not measurable here (under 6 rounds)" and overhead_text(None) == ""
 
 
 def test_an_infeasible_cell_shows_the_least_budget_known_to_fit():
