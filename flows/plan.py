@@ -17,8 +17,9 @@ from tasks.validate import Validation
 
 
 class PipelineFailed(MemplanError):
-    """Some cells of the matrix produced no published plan; the message says why for each, `outcomes`
-    holds every cell's `Outcome` as JSON."""
+    """A plan failed validation (the one outcome that fails a run: a budget the device cannot meet is
+    reported, not raised); the message says why for every unpublished cell, `outcomes` holds every cell's
+    `Outcome` as JSON."""
 
     def __init__(self, message: str, outcomes: list[dict[str, Any]]):
         super().__init__(message)
@@ -32,8 +33,8 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     """Run the pipeline of `config_path` (already parsed as `config` when given: the TOML is read once per
     run); `refresh` re-runs every stage instead of using its cache.
 
-    Returns one `Outcome` (as JSON) per matrix cell; raises `PipelineFailed` after publishing what passed
-    when any cell has no validated plan."""
+    Returns one `Outcome` (as JSON) per matrix cell, infeasible ones included; raises `PipelineFailed`
+    after publishing what passed when any plan failed validation."""
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
@@ -78,7 +79,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
         forget_captured(traced)
     create_artifacts(outcomes, Path(config.cache_dir) / "reports")
     failed = [o for o in outcomes if o.status != "published"]
-    if failed:
+    if any(o.status == "rejected" for o in failed):
         raise PipelineFailed(
             f"{len(failed)} of {len(outcomes)} plans were not published ({len(outcomes) - len(failed)} were): "
             + " ".join(o.message for o in failed),
@@ -119,7 +120,9 @@ def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineCo
                   checkpoint_all_peak_bytes=solved["checkpoint_all_peak_bytes"],
                   predicted_peak_bytes=solved["predicted_peak_bytes"])
     if not solved["feasible"]:
-        return Outcome(**common, status="infeasible", message=infeasible_message(case, solved))
+        known = solved["smallest_feasible_budget"] or solved["checkpoint_all_peak_bytes"]
+        return Outcome(**common, status="infeasible", least_feasible_bytes=known,
+                       message=infeasible_message(case, solved))
     if validating is not None:
         validation = validating.result()
     else:
@@ -140,6 +143,9 @@ def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineCo
 def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
     """Why a cell has no plan, with the smallest feasible budget known."""
     budget, peak = solved["budget_bytes"], solved["checkpoint_all_peak_bytes"]
+    if case.budget.max_overhead is not None:
+        return (f"{case.alias}: solver {case.plan.solver} found {solved['message']}; raise max_overhead or pick "
+                f"another solver.")
     text = (
         f"{case.alias}: solver {case.plan.solver} found no schedule within {budget:,} B ({case.budget.label}; "
         f"the checkpoint-all peak is {peak:,} B), status {solved['status']}"

@@ -14,9 +14,10 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class Outcome:
-    """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget) or
-    rejected (failed validation); `message` says why for the last two. `arena_peak_bytes`: the measured
-    peak in arena mode, for plans with addresses."""
+    """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget on this
+    device; `least_feasible_bytes` is the least budget the run knows is feasible) or rejected (failed
+    validation); `message` says why for the last two. `arena_peak_bytes`: the measured peak in arena mode,
+    for plans with addresses."""
 
     alias: str
     model: str
@@ -34,6 +35,7 @@ class Outcome:
     overhead_interval: list[float] | None = None
     arena_peak_bytes: int | None = None
     plan_id: str | None = None
+    least_feasible_bytes: int | None = None
     message: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -48,11 +50,29 @@ def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:+.0%}"
 
 
+NOISE_LIMIT = 0.25
+"""Widest half of a 95% interval at which a measured overhead is printed as a number (25 points)."""
+
+
 def overhead_text(overhead: float | None, interval: list[float] | None = None) -> str:
-    """A measured overhead with the larger half of its 95% interval, e.g. '+11% ±3%'."""
-    if overhead is None or interval is None:
-        return _pct(overhead)
-    return f"{overhead:+.0%} ±{max(overhead - interval[0], interval[1] - overhead):.0%}"
+    """A measured overhead with the larger half X of its 95% interval, e.g. '+11% ±3%'; 'not measurable here
+    (±X)' when X exceeds the overhead's own size or `NOISE_LIMIT` (the interval spans zero, or the host is
+    too noisy for the figure to mean anything), and 'not measurable here (under 6 rounds)' without one."""
+    if overhead is None:
+        return ""
+    if interval is None:
+        return "not measurable here (under 6 rounds)"
+    half = max(overhead - interval[0], interval[1] - overhead)
+    if half > abs(overhead) or half > NOISE_LIMIT:
+        return f"not measurable here (±{half:.0%})"
+    return f"{overhead:+.0%} ±{half:.0%}"
+
+
+def status_text(outcome: Outcome) -> str:
+    """'published', or the status with the least feasible budget known for an infeasible cell."""
+    if outcome.status == "infeasible" and outcome.least_feasible_bytes is not None:
+        return f"infeasible here (feasible from {outcome.least_feasible_bytes / MIB:.1f} MiB)"
+    return outcome.status
 
 
 def markdown_table(outcomes: list[Outcome]) -> str:
@@ -63,7 +83,7 @@ def markdown_table(outcomes: list[Outcome]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for o in outcomes:
-        status = o.status if o.status == "published" else f"{o.status}: {o.message}"
+        status = o.status if o.status == "published" else f"{status_text(o)}: {o.message}"
         lines.append(
             f"| {o.alias} | {o.solver} | {o.budget} | {_mib(o.budget_bytes)} | {_mib(o.predicted_peak_bytes)} "
             f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "

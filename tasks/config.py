@@ -58,20 +58,28 @@ class Section(BaseModel):
 
 @dataclass(frozen=True)
 class Budget:
-    """A memory budget: absolute bytes, or a fraction of the checkpoint-all peak (no recomputation)."""
+    """A memory budget: absolute bytes, a fraction of the checkpoint-all peak (no recomputation), or
+    `max_overhead`: the least memory whose schedule's predicted cost is at most (1 + max_overhead) times
+    the checkpoint-all schedule's (found by a search over budgets, `tasks.solve_stage.least_memory_within`)."""
 
     bytes: int | None = None
     fraction: float | None = None
+    max_overhead: float | None = None
 
     @property
     def label(self) -> str:
-        """Readable form used in plan aliases: `60pct` or `1610612736B`."""
+        """Readable form used in plan aliases: `60pct`, `1610612736B` or `ovh10pct`."""
+        if self.max_overhead is not None:
+            return f"ovh{self.max_overhead * 100:g}pct"
         if self.fraction is not None:
             return f"{self.fraction * 100:g}pct"
         return f"{self.bytes}B"
 
     def resolve(self, checkpoint_all_peak_bytes: int) -> int:
-        """Budget in bytes given the peak of the eager schedule that keeps every activation."""
+        """Budget in bytes given the peak of the eager schedule that keeps every activation (an overhead
+        limit starts its search there)."""
+        if self.max_overhead is not None:
+            return int(checkpoint_all_peak_bytes)
         if self.fraction is not None:
             return int(self.fraction * checkpoint_all_peak_bytes)
         return int(self.bytes)
@@ -126,6 +134,22 @@ def _toml_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+MAX_OVERHEAD = 10.0
+"""The largest `max_overhead` accepted: a schedule 11 times slower than no recomputation is a typo."""
+
+
+def parse_max_overhead(value: Any) -> list[float]:
+    """`max_overhead = 0.1` or `[0.05, 0.25]`: each a number in [0, 10], one plan each."""
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_OVERHEAD
+                         for v in values):                    # NaN fails the comparison too
+        raise ValueError(
+            "max_overhead must be a number or a non-empty list of numbers in [0, 10], the predicted step-time "
+            "overhead allowed over the no-recomputation schedule as a fraction (0.10: at most 10% slower); "
+            "write e.g. max_overhead = 0.10 or max_overhead = [0.05, 0.25]")
+    return [float(v) for v in values]
 
 
 def _budget_help(value: Any) -> str:
@@ -263,9 +287,14 @@ class PlanConfig(Section):
     """One solver and the budgets to solve it at (each budget is one plan per model and batch size)."""
 
     solver: str = Field(description="A registered solver name (see `memplan solve --help`).")
-    budgets: list[Annotated[Budget, BeforeValidator(parse_budget)]] = Field(
-        description="Bytes (int), a size with a unit ('1.5 GiB'), or a fraction of the checkpoint-all "
-        "peak (0.6 or '60%')."
+    budgets: list[Annotated[Budget, BeforeValidator(parse_budget)]] | None = Field(
+        None, description="Bytes (int), a size with a unit ('1.5 GiB'), or a fraction of the checkpoint-all "
+        "peak (0.6 or '60%'); one plan each. Give this or `max_overhead`."
+    )
+    max_overhead: Annotated[list[float], BeforeValidator(parse_max_overhead)] | None = Field(
+        None, description="Instead of `budgets`: a predicted-overhead limit (0.10) or a list of them, one plan each: "
+        "the least memory whose schedule's predicted cost is at most (1 + max_overhead) x the no-recomputation "
+        "schedule's, searched over budgets with this solver."
     )
     backend: Literal["highs", "gurobi", "auto"] = Field(
         DEFAULT_BACKEND, description="MILP backend (MILP solvers only); 'auto' takes Gurobi when the license "
@@ -289,10 +318,27 @@ class PlanConfig(Section):
 
     @field_validator("budgets")
     @classmethod
-    def _budgets(cls, budgets: list[Budget]) -> list[Budget]:
-        if not budgets:
+    def _budgets(cls, budgets: list[Budget] | None) -> list[Budget] | None:
+        if budgets is not None and not budgets:
             raise ValueError("budgets is empty; list at least one budget")
         return budgets
+
+    @model_validator(mode="after")
+    def _budgets_or_overhead(self) -> PlanConfig:
+        if (self.budgets is None) == (self.max_overhead is None):
+            given = "both 'budgets' and 'max_overhead'" if self.budgets is not None else "neither 'budgets' nor 'max_overhead'"
+            raise ValueError(
+                f"plan of solver {self.solver!r} gives {given}; give exactly one: budgets = [\"60%\"] (fractions "
+                "of the checkpoint-all peak, or bytes) or max_overhead = 0.10 (the least memory within 10% "
+                "predicted overhead), in separate [[plans]] tables for both")
+        return self
+
+    @property
+    def cell_budgets(self) -> list[Budget]:
+        """One `Budget` per plan cell: the `budgets`, or one overhead limit per `max_overhead` value."""
+        if self.max_overhead is not None:
+            return [Budget(max_overhead=x) for x in self.max_overhead]
+        return list(self.budgets or [])
 
     @field_validator("solver")
     @classmethod
@@ -530,7 +576,7 @@ def expand_matrix(config: PipelineConfig) -> list[Case]:
             for plan in config.plans:
                 if plan.models is not None and model.name not in plan.models:
                     continue
-                for budget in plan.budgets:
+                for budget in plan.cell_budgets:
                     case = Case(model, batch_size, plan, budget)
                     cases.setdefault(case.alias, case)
     return list(cases.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 
@@ -47,6 +47,7 @@ class Solved:
     message: str
     plan_path: str | None
     profile_run_id: str | None
+    max_overhead: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,7 +60,10 @@ def solve_loaded(loaded: LoadedProblem, solver: str, budget: Budget, options: So
     the same time limit) place the schedule's copies. Returns the solution and the checkpoint-all simulation."""
     problem = loaded.problem
     eager = simulate(problem, default_schedule(problem))
-    solution = solve(problem, solver, budget.resolve(eager.peak_bytes), options)
+    if budget.max_overhead is not None:
+        solution = least_memory_within(problem, solver, budget.max_overhead, eager, options)
+    else:
+        solution = solve(problem, solver, budget.resolve(eager.peak_bytes), options)
     if addresses != "none" and solution.feasible:              # addresses leave the live peak as it is
         steps = in_place_steps(loaded, solution.schedule)
         placed = greedy_addresses(problem, solution.simulation, steps) if addresses == "greedy" else \
@@ -91,7 +95,10 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, options: Sol
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
     smallest = None
     if solution.feasible:
-        solution.to_plan(problem, device=device, profile_run_id=loaded.profile_run_id).save(plan_path)
+        plan = solution.to_plan(problem, device=device, profile_run_id=loaded.profile_run_id)
+        if budget.max_overhead is not None:
+            plan.provenance["max_overhead"] = budget.max_overhead
+        plan.save(plan_path)
     elif eager.peak_bytes > solution.budget_bytes:
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes)
     return Solved(
@@ -112,18 +119,58 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, options: Sol
         message=solution.message,
         plan_path=plan_path if solution.feasible else None,
         profile_run_id=loaded.profile_run_id,
+        max_overhead=budget.max_overhead,
     )
 
 
 def smallest_feasible_budget(problem: Problem, infeasible: int, feasible: int, rel_tol: float = 0.005) -> int:
-    """Bisection between a budget known infeasible and one known feasible (the checkpoint-all peak):
-    the smallest budget, within `rel_tol`, at which a fast greedy baseline (`PROBES`) finds a schedule."""
+    """The smallest budget, within `rel_tol`, between one known infeasible and one known feasible (the
+    checkpoint-all peak) at which a fast greedy baseline (`PROBES`) finds a schedule."""
     probes = [name for name in PROBES if name in SOLVERS]
-    while probes and feasible - infeasible > rel_tol * feasible:
-        middle = (infeasible + feasible) // 2
-        found = [s.predicted_peak_bytes for s in (solve(problem, name, middle) for name in probes) if s.feasible]
-        if found:
-            feasible = min(found)
+
+    def least_peak(budget: int) -> int | None:
+        return min((s.predicted_peak_bytes for s in (solve(problem, name, budget) for name in probes) if s.feasible),
+                   default=None)
+
+    return bisect_budget(infeasible, feasible, least_peak, rel_tol) if probes else feasible
+
+
+def bisect_budget(rejected: int, accepted: int, probe: Callable[[int], int | None], rel_tol: float = 0.005) -> int:
+    """Bisection between a budget `rejected` and one `accepted` by `probe`, which returns the peak (at most
+    the budget) of a schedule it accepts at a budget, or None: the least accepted peak seen once the two
+    ends are within `rel_tol` of `accepted` (or 1 byte)."""
+    while accepted - rejected > max(1.0, rel_tol * accepted):
+        middle = (rejected + accepted) // 2
+        peak = probe(middle)
+        if peak is None:
+            rejected = middle
         else:
-            infeasible = middle
-    return feasible
+            accepted = min(accepted, peak)
+    return accepted
+
+
+def least_memory_within(problem: Problem, solver: str, max_overhead: float, eager: Simulation,
+                        options: SolveOptions | None = None, rel_tol: float = 0.005) -> Solution:
+    """The least-peak schedule `solver` finds whose predicted cost is at most (1 + `max_overhead`) x the cost of
+    `eager`, the checkpoint-all simulation: bisection (`bisect_budget`, within `rel_tol`) on the budget
+    between the lower bound `min_budget_lower_bound` and the checkpoint-all peak. When even its schedule at
+    the checkpoint-all peak costs more, the Solution has no schedule and says so."""
+    limit = (1 + max_overhead) * eager.compute_cost * (1 + 1e-12)      # float sums of the same costs
+    within: dict[int, Solution] = {}
+
+    def probe(budget: int, solution: Solution | None = None) -> int | None:
+        solution = solution or solve(problem, solver, budget, options)
+        if not solution.feasible or solution.objective > limit:
+            return None
+        within.setdefault(solution.predicted_peak_bytes, solution)
+        return solution.predicted_peak_bytes
+
+    at_top = solve(problem, solver, eager.peak_bytes, options)
+    top = probe(eager.peak_bytes, at_top)
+    if top is None:
+        found = (f"its schedule there costs {at_top.objective / eager.compute_cost - 1:+.1%}" if at_top.feasible
+                 else f"it finds no schedule there ({at_top.status})")
+        return Solution(solver, eager.peak_bytes, "no_solution", message=(
+            f"no schedule within +{max_overhead:.0%} predicted overhead: even at the checkpoint-all peak {found}"))
+    lower = min_budget_lower_bound(problem)
+    return within[bisect_budget(min(lower, top) - 1, top, probe, rel_tol)]

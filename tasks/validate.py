@@ -12,7 +12,8 @@ What counts:
   (activations, gradients, outputs, temporaries, kernels' own scratch, which the profile's workspace
   counts too; not the parameters, buffers and batch that exist before it, the same split as the plan's
   `peak_bytes` vs `constant_bytes`). It must not exceed `budget_bytes * (1 + peak_rtol)`;
-- time: the plan and eager PyTorch take turns, one step each per round, after `warmup` untimed rounds.
+- time: the plan and eager PyTorch take turns, one step each per round (eager first in even rounds, the
+  plan first in odd ones), after `warmup` untimed rounds.
   Step times are medians over the timed rounds; overhead is the median over rounds of plan time / eager
   time - 1, so that a host that slows a whole round slows both sides of its ratio. After `steps` rounds,
   timing goes on, up to `max_steps` rounds, until the 95% interval of that median (`median_interval`)
@@ -243,7 +244,8 @@ def paired_step_times(runs: list[tuple[nn.Module, Callable[[], Any]]], device: s
                       max_steps: int, precision: float, clock: Callable[[], float] = time.perf_counter,
                       ) -> list[list[float]]:
     """Wall times (ms, CUDA synchronised) of each run's step, the runs taking turns round by round so that a
-    busy host slows a round's runs alike; gradients are cleared between steps. The rounds after `warmup`
+    busy host slows a round's runs alike, in reverse order every other round so that no run always goes
+    first (caches warmed by the step before); gradients are cleared between steps. The rounds after `warmup`
     are timed: at least `steps` of them, then more, up to `max_steps`, until for every run after the first
     the `median_interval` of its per-round time ratios to the first run reaches no further than `precision`
     from their median."""
@@ -251,7 +253,8 @@ def paired_step_times(runs: list[tuple[nn.Module, Callable[[], Any]]], device: s
     times: list[list[float]] = [[] for _ in runs]
     rounds = 0
     while True:
-        for (model, step), measured in zip(runs, times):
+        turns = list(zip(runs, times))
+        for (model, step), measured in turns if rounds % 2 == 0 else reversed(turns):
             if cuda:
                 torch.cuda.synchronize(device)
             start = clock()

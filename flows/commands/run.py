@@ -50,14 +50,17 @@ def _run(config: Path, refresh: bool, loaded) -> None:
         console().print(outcome_table(failed.outcomes))
         raise
     console().print(outcome_table(outcomes))
-    console().print(f"published {len(outcomes)} plans into {loaded.publish.dir}/")
+    published = sum(o["status"] == "published" for o in outcomes)
+    console().print(f"published {published} of {len(outcomes)} plans into {loaded.publish.dir}/"
+                    + ("" if published == len(outcomes) else "; the others' budgets are infeasible on this device "
+                       "(the table gives the least feasible budget known)"))
 
 
 def outcome_table(outcomes: list[dict[str, Any]]):
     """The outcomes of a run as a rich table."""
     from rich.table import Column, Table
 
-    from flows.report import overhead_text
+    from flows.report import Outcome, overhead_text, status_text
 
     mib = 2**20
     width = max((len(o["alias"]) for o in outcomes), default=4)
@@ -70,5 +73,5 @@ def outcome_table(outcomes: list[dict[str, Any]]):
         overhead = overhead_text(o["overhead"], o.get("overhead_interval"))
         style = "green" if o["status"] == "published" else "red"
         table.add_row(o["alias"], size("budget_bytes"), size("predicted_peak_bytes"), size("measured_peak_bytes"),
-                      size("eager_peak_bytes"), overhead, f"[{style}]{o['status']}[/{style}]")
+                      size("eager_peak_bytes"), overhead, f"[{style}]{status_text(Outcome(**o))}[/{style}]")
     return table

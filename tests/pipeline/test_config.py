@@ -145,7 +145,8 @@ def test_bad_literal_lists_allowed_values(config_data):
         (lambda d: d["plans"][1].update(models=["vgg"]), "plans[1].models names 'vgg', which is not a model"),
         (lambda d: d["plans"][0].update(gap=1.5), "plans[0].gap = 1.5"),
         (lambda d: d["plans"][0].update(variants="exact"), "plans[0].variants = 'exact'"),
-        (lambda d: d["plans"][0].pop("budgets"), "plans[0].budgets: required key is missing"),
+        (lambda d: d["plans"][0].pop("budgets"), "key plans[0]: plan of solver 'checkmate' gives neither 'budgets' nor "
+                                                "'max_overhead'; give exactly one"),
         (lambda d: d.pop("models"), "key models: required key is missing"),
         (lambda d: d.update(validate={"steps": 0}), "validate.steps = 0"),
     ],
@@ -184,3 +185,31 @@ def test_every_key_is_documented():
     for section in (PipelineConfig, ModelConfig, InputSpec, ProfileConfig, PlanConfig, ValidateConfig, PublishConfig):
         missing = [key for key in section.toml_keys() if f"| `{key}` |" not in doc]
         assert not missing, f"{section.__name__} keys {missing} are not documented in docs/config.md"
+
+
+def test_max_overhead_gives_one_plan_per_limit_with_a_readable_alias(config_data):
+    from tasks.config import Budget, expand_matrix, parse_config
+
+    config_data["plans"] = [{"solver": "checkmate", "max_overhead": [0.05, 0.25], "models": ["mlp"]},
+                            {"solver": "chen-sqrt-n", "max_overhead": 0.1, "models": ["mlp"]}]
+    cases = expand_matrix(parse_config(config_data, solvers=["checkmate", "chen-sqrt-n"]))
+    assert [c.alias for c in cases] == ["mlp-b8-checkmate-ovh5pct", "mlp-b8-checkmate-ovh25pct",
+                                        "mlp-b8-chen-sqrt-n-ovh10pct"]
+    assert cases[2].budget == Budget(max_overhead=0.1)
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), 10.5, float("inf"), [], [0.1, -1], "10%", True])
+def test_a_bad_max_overhead_names_the_key_and_the_fix(config_data, value):
+    config_data["plans"][0].pop("budgets")
+    config_data["plans"][0]["max_overhead"] = value
+    message = error(config_data)
+    assert "key plans[0].max_overhead = " in message
+    assert "max_overhead must be a number or a non-empty list of numbers in [0, 10]" in message
+    assert "write e.g. max_overhead = 0.10 or max_overhead = [0.05, 0.25]" in message
+
+
+def test_budgets_and_max_overhead_together_are_refused(config_data):
+    config_data["plans"][0]["max_overhead"] = 0.1
+    message = error(config_data)
+    assert "key plans[0]: plan of solver 'checkmate' gives both 'budgets' and 'max_overhead'; give exactly one" in message
+    assert "in separate [[plans]] tables for both" in message

@@ -16,7 +16,7 @@ REJECTED = Outcome("m-b8-chen-90pct", "m", 8, "chen", "90pct", "rejected", budge
 def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
     lines = markdown_table([PUBLISHED, REJECTED]).splitlines()
     assert len(lines) == 4
-    assert lines[2] == "| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 | 80.0 | 81.0 | 100.0 | +10% | +12% | published |"
+    assert lines[2] == "| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 | 80.0 | 81.0 | 100.0 | +10% | not measurable here (under 6 rounds) | published |"
     assert lines[3].endswith("| rejected: plan m-b8-chen-90pct failed validation on cpu: loss differs / badly. |")
 
 
@@ -69,3 +69,36 @@ def test_no_plan_messages_say_what_to_change():
     greedy = solved | {"message": "no segment size b of 12 checkpoint sets tried fits the budget"}
     assert "time_limit_s" not in infeasible_message(case, greedy)         # no time limit stopped it
     assert infeasible_message(case, greedy).endswith("raise the budget.")
+
+
+def _measured(ratios: list[float]) -> tuple[float, list[float]]:
+    """The overhead and its 95% interval from per-round plan/eager time ratios, as tasks.validate computes them."""
+    import statistics
+
+    from tasks.validate import median_interval
+
+    low, high = median_interval(ratios)
+    return statistics.median(ratios) - 1, [low - 1, high - 1]
+
+
+def test_an_overhead_is_printed_only_when_its_interval_is_narrower_than_itself_and_the_noise_limit():
+    from flows.report import overhead_text
+
+    quiet = _measured([1.10, 1.12, 1.11, 1.13, 1.09, 1.12, 1.11, 1.10])
+    assert overhead_text(*quiet) == "+11% ±2%"
+    busy = _measured([0.6, 2.9, 1.1, 1.9, 0.8, 3.4, 1.5, 0.9])         # a 2-core host shared with other jobs
+    assert overhead_text(*busy) == "not measurable here (±210%)"
+    spans_zero = _measured([0.97, 1.05, 1.02, 0.99, 1.04, 1.01, 1.03, 0.98])
+    assert overhead_text(*spans_zero).startswith("not measurable here (±")
+    slow_but_wide = _measured([1.5, 1.9, 1.6, 2.2, 1.7, 2.3, 1.8, 1.55])   # +75%, but within ±55 points
+    assert overhead_text(*slow_but_wide) == "not measurable here (±55%)"
+    assert overhead_text(0.12, None) == "not measurable here (under 6 rounds)" and overhead_text(None) == ""
+
+
+def test_an_infeasible_cell_shows_the_least_budget_known_to_fit():
+    from flows.report import status_text
+
+    cell = Outcome("m-b8-acg-93pct", "m", 8, "acg", "93pct", "infeasible", least_feasible_bytes=95 * 2**20,
+                   message="m-b8-acg-93pct: solver acg found no schedule")
+    assert status_text(cell) == "infeasible here (feasible from 95.0 MiB)"
+    assert "| infeasible here (feasible from 95.0 MiB): m-b8-acg-93pct: solver acg found no schedule |" in markdown_table([cell])
