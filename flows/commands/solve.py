@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
             from tasks.solve import SOLVERS, OptionError, parse_options
             from tasks.solve.milp import BACKENDS
             from tasks.solve.solution import SolveOptions
-            from tasks.solve_stage import solve_loaded
+            from tasks.solve_stage import plan_of, solve_loaded
 
             if solver not in SOLVERS:
                 raise typer.BadParameter(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}.",
@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
             report = {**solution.report(), "checkpoint_all_peak_bytes": eager.peak_bytes,
                       "checkpoint_all_cost": eager.compute_cost, "graph": str(graph)}
             if out is not None and solution.feasible:
-                solution.to_plan(loaded.problem, device=loaded.device, profile_run_id=loaded.profile_run_id).save(out)
+                plan_of(loaded, solution, loaded.device).save(out)
                 report["plan"] = str(out)
             if json_output:
                 typer.echo(json.dumps(report))
