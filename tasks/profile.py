@@ -337,15 +337,18 @@ def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int
                     memory = (peak.end_bytes, max(0, peak.peak_bytes - peak.end_bytes))
                 else:
                     outputs = impl.fn(*args)
-                if len(outputs) != len(impl.outputs):
-                    raise RuntimeError(f"it returned {len(outputs)} tensors but the graph lists "
-                                       f"{len(impl.outputs)} outputs; the node function does not match the graph")
             except Exception as exc:
                 if impl.name != DEFAULT_IMPL:
                     _drop(measured, node, impl.name, f"{type(exc).__name__}: {exc}", device)
                     continue
                 raise RuntimeError(f"Profiling node {node.id} ({where}, {', '.join(node.targets)}) failed on "
                                    f"{device}: {exc}. Profile a graph captured on the same device.") from exc
+            if len(outputs) != len(impl.outputs):
+                why = f"returned {len(outputs)} tensors but the graph lists {len(impl.outputs)} outputs"
+                if impl.name == DEFAULT_IMPL:
+                    raise RuntimeError(f"Node {node.id} ({where}) {why}; the node function does not match the graph.")
+                _drop(measured, node, impl.name, f"it {why}", device)
+                continue
             measured.times.setdefault(key, []).extend(samples)
             if meter:
                 measured.memory[key] = memory
