@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
         addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none, greedy or olla "
                                                           "(location ILP).")] = "none",
         variants: Annotated[str, typer.Option(help="Implementation variants the solver may choose: all, "
-                                                   "bit-identical (every op gives the captured op's bits) or none "
+                                                   "bit-identical (the variants the profile found to give the "
+                                                   "captured op's bits) or none "
                                                    "(as a plan's `variants` in pipeline.toml).")] = "all",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
