@@ -435,12 +435,34 @@ def _strided_like(t: torch.Tensor, stride: list[int]) -> torch.Tensor:
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _grouped(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A (batch, heads, rows, d) query-side tensor as (batch, kv_heads, groups * rows, d): the heads that
+    share one key/value head stacked along the rows (grouped-query attention: query head h reads key/value
+    head h // groups, as ATen's `enable_gqa` repeats them). A view where the strides allow, else a copy."""
+    b, heads, rows, d = t.shape
+    return t.reshape(b, kv_heads, heads // kv_heads * rows, d)
+
+
+def _kv_heads(q: torch.Tensor, k: torch.Tensor) -> int:
+    """The key/value head count of attention over `q` and `k`: it must divide the query head count."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if q.dim() != 4 or k.dim() != 4 or heads % kv_heads:
+        raise VariantError(f"attention over a query of shape {list(q.shape)} and a key of shape {list(k.shape)}: "
+                           f"the math variant needs 4-d (batch, heads, length, dim) operands whose key/value head "
+                           f"count divides the query's; run attention as the default variant.")
+    return kv_heads
+
+
 def attention_math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                            attn_mask: torch.Tensor | None, scale: float | None, out_stride: list[int],
                            probs_shape: list[int]):
-    """Scaled dot-product attention as P = softmax(q k^T * scale + mask), out = P v; returns (out, P)."""
+    """Scaled dot-product attention as P = softmax(q k^T * scale + mask), out = P v; returns (out, P).
+    With fewer key/value heads than query heads (grouped-query or multi-query attention), each key/value
+    head serves its group of query heads (`_grouped`), without repeating keys and values."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    kv_heads = _kv_heads(q, k)
+    scores = torch.matmul(_grouped(q, kv_heads), k.transpose(-2, -1)).mul_(scale)
+    scores = scores.view(*q.shape[:-1], k.shape[-2])
     if list(scores.shape) != list(probs_shape):
         raise VariantError(f"the attention probabilities have shape {list(scores.shape)}, the graph's variant "
                            f"declares {list(probs_shape)}; run attention as the default variant.")
@@ -454,19 +476,24 @@ def attention_math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
             scores.add_(attn_mask)
     probs = torch.softmax(scores, -1)
     del scores
-    return _strided_like(torch.matmul(probs, v), out_stride), probs
+    out = torch.matmul(_grouped(probs, kv_heads), v).view(*q.shape[:-1], v.shape[-1])
+    return _strided_like(out, out_stride), probs
 
 
 def attention_math_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             probs: torch.Tensor, scale: float | None, strides: list[list[int]]):
     """Backward of `attention_math_forward` from P: dV = P^T dO, dP = dO V^T,
-    dS = P * (dP - rowsum(dP * P)) * scale, dQ = dS K, dK = dS^T Q."""
+    dS = P * (dP - rowsum(dP * P)) * scale, dQ = dS K, dK = dS^T Q; with grouped key/value heads the
+    products over a group's stacked rows sum dK and dV over the query heads sharing each key/value head."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    grad_v = _strided_like(torch.matmul(probs.transpose(-2, -1), grad), strides[2])
-    ds = torch.matmul(grad, v.transpose(-2, -1))
-    ds.sub_(torch.matmul(ds.unsqueeze(-2), probs.unsqueeze(-1)).squeeze(-1)).mul_(probs).mul_(scale)
-    grad_q = _strided_like(torch.matmul(ds, k), strides[0])
-    grad_k = _strided_like(torch.matmul(ds.transpose(-2, -1), q), strides[1])
+    kv_heads = _kv_heads(q, k)
+    grad_g, probs_g = _grouped(grad, kv_heads), _grouped(probs, kv_heads)
+    grad_v = _strided_like(torch.matmul(probs_g.transpose(-2, -1), grad_g), strides[2])
+    ds = torch.matmul(grad_g, v.transpose(-2, -1))
+    del grad_g
+    ds.sub_(torch.matmul(ds.unsqueeze(-2), probs_g.unsqueeze(-1)).squeeze(-1)).mul_(probs_g).mul_(scale)
+    grad_q = _strided_like(torch.matmul(ds, k).view(q.shape), strides[0])
+    grad_k = _strided_like(torch.matmul(ds.transpose(-2, -1), _grouped(q, kv_heads)), strides[1])
     return grad_q, grad_k, grad_v
 
 

@@ -35,7 +35,9 @@ Rules shipped (`RULES`):
   backward rebuilds the indices and no longer reads the forward input. Bit-identical.
 - `math` on the CPU flash attention (`aten._scaled_dot_product_flash_attention_for_cpu`) and its
   backward: the math backend, whose forward keeps the attention probabilities (B x H x L x S) instead of
-  the log-sum-exp and whose backward reads them, not the output. Within the validation tolerance.
+  the log-sum-exp and whose backward reads them, not the output. With fewer key/value heads than query
+  heads (grouped-query or multi-query attention, SDPA's `enable_gqa`), each key/value head serves its group
+  of query heads as in ATen, without repeating keys and values. Within the validation tolerance.
 - `inplace` on a forward ReLU (`aten.relu`) whose input is an activation read by nothing else in the
   whole graph (no other forward node, no backward node; not a graph output): the forward runs `relu_` on
   its input, writing the output into the input's storage (MONeT's in-place operators, appendix C.3), so
@@ -120,6 +122,20 @@ class GraphVariants:
         if spec is None:
             return tuple(dict.fromkeys(graph.nodes[node].inputs)), tuple(graph.nodes[node].outputs)
         return spec.inputs, spec.outputs
+
+    def restricted(self, keep: Callable[[VariantSpec], bool]) -> "GraphVariants":
+        """The variants `keep` accepts, less those that read a variant value no kept variant allocates (a
+        backward whose forward's mask is gone); variant values and their ids stay as they are."""
+        specs = {node: {name: s for name, s in named.items() if keep(s)} for node, named in self.specs.items()}
+        while True:
+            made = {v for named in specs.values() for s in named.values() for v in s.outputs}
+            orphans = {(node, name) for node, named in specs.items() for name, s in named.items()
+                       if any(v >= self.num_graph_values and v not in made for v in s.inputs)}
+            if not orphans:
+                return GraphVariants(self.num_graph_values, self.values,
+                                     {node: named for node, named in specs.items() if named})
+            specs = {node: {name: s for name, s in named.items() if (node, name) not in orphans}
+                     for node, named in specs.items()}
 
     def value(self, graph: OpGraph, value: int) -> Value:
         """Value `value`: one of the graph's, or a variant value."""
@@ -311,10 +327,12 @@ def _attention_math(b: _Builder) -> None:
         # into the captured strides
         b.add(VariantSpec(node.id, "math", "math", tuple(dict.fromkeys(node.inputs)), (out.id, probs),
                           max(nbytes, out.bytes)))
+        # grouped-query attention stacks each key/value head's query heads: the output gradient may be copied
+        grouped = out.bytes if g.values[grads[1]].shape[-3] != lse.shape[-2] else 0
         for r in users:
             inputs = tuple(dict.fromkeys(probs if v == lse.id else v for v in g.nodes[r].inputs if v != out.id))
             b.add(VariantSpec(r, "math", "math", inputs, tuple(g.nodes[r].outputs),
-                              nbytes + out.bytes))   # dS, and one gradient before its copy into place
+                              nbytes + out.bytes + grouped))   # dS, and one gradient before its copy into place
 
 
 def _relu_in_place(b: _Builder) -> None:

@@ -311,9 +311,9 @@ class PlanConfig(Section):
         "addresses run in arena mode with runtime.load(..., arena=True).")
     variants: VariantChoice = Field(
         "all", description="Implementation variants the solver may choose (docs/plan-format.md): 'all'; "
-        "'bit-identical' (ReLU masks, compact max-pool, in-place ReLU: every op gives the captured op's result "
-        "bit for bit); 'none' (the captured ops only). The others ('output', 'math', 'sigmoid') are within the "
-        "validation tolerance.")
+        "'bit-identical' (ReLU masks, compact max-pool, in-place ReLU, where the profile found them "
+        "bit-identical to the captured op on its device); 'none' (the captured ops only). The others ('output', "
+        "'math', 'sigmoid') are within the validation tolerance.")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")

@@ -42,7 +42,8 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
                  store: str | os.PathLike | None = None, variants: VariantChoice = "all") -> LoadedProblem:
     """The problem of a memplan-graph JSON, priced by the newest complete profile of that graph in
     `store` (on `device` if given; `tasks.store.ProfileNotFoundError` says what to profile), with the
-    implementation variants of `variants` (`VARIANT_RULES`) that the graph offers and the profile measured;
+    implementation variants of `variants` (`VARIANT_RULES`) that the graph offers and the profile measured
+    (for "bit-identical", only those the profile also found bit-identical on its device: `verified_exact`);
     or of a node-link benchmark graph (shared/benchmarks/README.md)."""
     if variants not in VARIANT_RULES:
         raise ProblemError(f"variants = {variants!r} is not a choice; use one of "
@@ -56,9 +57,19 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
     if isinstance(head, dict) and head.get("format") == "memplan-graph":
         graph = OpGraph.from_json(head, source=f"graph file {path}")
         costs = load_costs(graph.fingerprint, device, root=store)
-        problem = Problem.from_graph(graph, costs, graph_variants(graph, VARIANT_RULES[variants]), random_nodes(graph))
+        offered = graph_variants(graph, VARIANT_RULES[variants])
+        if variants == "bit-identical":
+            offered = offered.restricted(lambda s: verified_exact(costs, s.node, s.name))
+        problem = Problem.from_graph(graph, costs, offered, random_nodes(graph))
         return LoadedProblem(problem, graph, costs)
     return LoadedProblem(Problem.from_node_link(path), None, None)
+
+
+def verified_exact(costs: CostTable, node: int, impl: str) -> bool:
+    """Whether the profile found variant `impl` of `node` bit-identical to the default on its device (False
+    when it was not compared: unavailable there, or a profile of schema version 1)."""
+    cost = costs.variants.get(node, {}).get(impl)
+    return cost is not None and cost.exact is True
 
 
 def random_nodes(graph: OpGraph) -> list[int]:

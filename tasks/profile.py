@@ -16,6 +16,9 @@ docs/profile-schema.md.
 Every implementation variant the graph offers (`runtime.variants`) is measured the same way, right after
 its node's default (`runtime.variant_function`), into a row with `impl` = the variant's name. It reads the
 default's graph values and the variant values (e.g. masks) that earlier variants made in the same round.
+Its outputs are compared bit for bit with the default's on those inputs (column `exact`: the variant is
+exact on this device); a variant that fails on a node is recorded as unavailable there (column
+`unavailable`) and the run goes on.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import re
 import socket
 import statistics
 import time
+import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -187,12 +191,65 @@ def _progress(enabled: bool):
                     TimeRemainingColumn(), disable=not enabled)
 
 
+class VariantUnavailableWarning(UserWarning):
+    """An implementation variant could not be built or run on a node: it is profiled as unavailable there."""
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of a node as a profile runs it: `fn` is its callable, or None when it could not be
+    built (`unavailable` says why)."""
+
+    name: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    overwritten: tuple[int, ...]
+    fn: Callable[..., tuple] | None
+    unavailable: str | None = None
+
+
+@dataclass
+class Measurements:
+    """What the rounds measured, by (node id, implementation): timed samples, (output_bytes,
+    workspace_bytes) of the metered call, whether a variant's outputs matched the default's bit for bit in
+    every round, and why a variant is unavailable on a node."""
+
+    times: dict[tuple[int, str], list[float]] = field(default_factory=dict)
+    memory: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    exact: dict[tuple[int, str], bool] = field(default_factory=dict)
+    unavailable: dict[tuple[int, str], str] = field(default_factory=dict)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same shape, dtype and element bits (NaN payloads and signed zeros
+    included; strides aside)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+def _variant(graph, spec, variant_function: VariantFunction) -> Implementation:
+    """Variant `spec` as a profile runs it; a variant whose code cannot be built for the node is unavailable."""
+    try:
+        fn, why = variant_function(graph, spec.node, spec.name), None
+    except Exception as exc:                     # the rule's code refuses this node (VariantError) or breaks
+        fn, why = None, f"building it raised {type(exc).__name__}: {exc}"
+    return Implementation(spec.name, spec.inputs, spec.outputs, tuple(i for _, i in spec.overwrites), fn, why)
+
+
 def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSettings = ProfileSettings(), *,
                   model: str | None = None, node_function: NodeFunction | None = None,
                   variant_function: VariantFunction | None = None, progress: bool = True) -> list[dict[str, Any]]:
     """Measure every node of `graph` on `device`, in its default implementation and in every variant the
     graph offers (`runtime.variants`: one row per node and `impl`); return the rows of one run (not yet
     written).
+
+    A variant is also run against the default on the same inputs: its row's `exact` says whether the outputs
+    the node's readers take matched the default's bit for bit in every round. A variant that cannot be built
+    or raises on a node (or reads a variant value no variant computed) is dropped there with a
+    `VariantUnavailableWarning`: its row carries the reason in `unavailable` and no costs, and the run goes
+    on. The default implementation failing stops the run.
 
     `node_function(graph, node_id)` gives the callable of a node, `variant_function(graph, node_id, impl)`
     that of a variant; they default to `runtime.node_function` / `runtime.variant_function`, which need a
@@ -215,73 +272,106 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
         raise ValueError("Name the model being profiled (model=...): the graph's meta has no 'model'.")
     variants = GraphVariants(len(graph.values), (), {}) if defaults_only else graph_variants(graph)
     specs = [list(variants.specs.get(node.id, {}).values()) for node in graph.nodes]
-    functions = [[(DEFAULT_IMPL, node.inputs, node.outputs, (), node_function(graph, node.id))] +
-                 [(s.name, s.inputs, s.outputs, tuple(i for _, i in s.overwrites),
-                   variant_function(graph, node.id, s.name)) for s in specs[node.id]]
+    functions = [[Implementation(DEFAULT_IMPL, tuple(node.inputs), tuple(node.outputs), (),
+                                 node_function(graph, node.id))] +
+                 [_variant(graph, s, variant_function) for s in specs[node.id]]
                  for node in graph.nodes]
-    times: dict[tuple[int, str], list[float]] = {}
-    memory: dict[tuple[int, str], tuple[int, int]] = {}
+    measured = Measurements()
     with torch.no_grad(), _threads(settings.threads), _progress(progress) as bar:
         run = _run_columns(graph, device, settings, model)
         task = bar.add_task(f"profiling {model} on {run['device']}", total=settings.rounds * len(graph.nodes))
         for round_ in range(settings.rounds):
-            _run_round(graph, functions, _last_reads(graph, specs), device, settings, times,
-                       memory if round_ == 0 else None, lambda: bar.advance(task))
+            _run_round(graph, functions, _last_reads(graph, specs), device, settings, measured, round_ == 0,
+                       lambda: bar.advance(task))
     created = datetime.now(timezone.utc)
     rows = []
     for node in graph.nodes:
-        for impl, inputs, _, _, _ in functions[node.id]:
-            samples = times[node.id, impl]
-            output, workspace = memory[node.id, impl]
+        for impl in functions[node.id]:
+            key = node.id, impl.name
+            row = {**run, "created_at": created, "node_id": node.id, "node_name": node.name,
+                   "op": node.targets[0] if node.targets else None, "targets": list(node.targets),
+                   "phase": node.phase, "impl": impl.name,
+                   "input_bytes": sum(variants.value(graph, v).bytes for v in set(impl.inputs))}
+            if key in measured.unavailable:
+                rows.append({**row, "time_ms": 0.0, "output_bytes": 0, "workspace_bytes": 0,
+                             "unavailable": measured.unavailable[key]})
+                continue
+            samples = measured.times[key]
+            output, workspace = measured.memory[key]
             q25, q75 = np.percentile(samples, [25, 75])
-            rows.append({
-                **run, "created_at": created, "node_id": node.id, "node_name": node.name,
-                "op": node.targets[0] if node.targets else None, "targets": list(node.targets), "phase": node.phase,
-                "impl": impl, "time_ms": statistics.median(samples), "time_ms_min": min(samples),
-                "time_ms_iqr": float(q75 - q25),
-                "input_bytes": sum(variants.value(graph, v).bytes for v in set(inputs)),
-                "output_bytes": output, "workspace_bytes": workspace,
-            })
+            rows.append({**row, "time_ms": statistics.median(samples), "time_ms_min": min(samples),
+                         "time_ms_iqr": float(q75 - q25), "output_bytes": output, "workspace_bytes": workspace,
+                         "exact": measured.exact.get(key)})
     return rows
 
 
-def _run_round(graph, functions: list, last: dict[int, int], device: torch.device, settings: ProfileSettings,
-               times: dict, memory: dict | None, advance: Callable) -> None:
-    """One pass over the graph in node order: time every implementation of every node, append its samples
-    to `times[node, impl]`, and when `memory` is given set its (output_bytes, workspace_bytes) from one
-    metered call. The default's outputs feed the later nodes, a variant's variant values (e.g. a mask) the
-    later variants; a value is dropped after its last reader (`last`). An in-place variant runs on a copy of
-    the inputs it overwrites, made before its calls (so its output allocates nothing and the inputs stay
-    intact for the other variants)."""
+def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int], device: torch.device,
+               settings: ProfileSettings, measured: Measurements, meter: bool, advance: Callable) -> None:
+    """One pass over the graph in node order: time every available implementation of every node, append its
+    samples to `measured.times`, and when `meter` set `measured.memory` from one metered call; compare each
+    variant's outputs with the default's (`measured.exact`). The default's outputs feed the later nodes, a
+    variant's variant values (e.g. a mask) the later variants; a value is dropped after its last reader
+    (`last`). An in-place variant runs on a copy of the inputs it overwrites, made before its calls (so its
+    output allocates nothing and the inputs stay intact for the other variants). A variant that fails is
+    marked unavailable (`_drop`)."""
     from runtime.meter import PeakMeter
 
     live = graph_inputs(graph, device, settings.seed)
     for node, implementations in zip(graph.nodes, functions):
-        for impl, inputs, outputs_ids, overwritten, fn in implementations:
-            args = [live[v].clone() if v in overwritten else live[v] for v in inputs]
-            where = node.name if impl == DEFAULT_IMPL else f"{node.name}, variant {impl}"
+        for impl in implementations:
+            key = node.id, impl.name
+            if key in measured.unavailable:
+                continue
+            missing = [v for v in impl.inputs if v not in live]
+            if impl.unavailable is not None or (missing and impl.name != DEFAULT_IMPL):
+                _drop(measured, node, impl.name, impl.unavailable or f"it reads variant value {missing[0]}, which "
+                      f"no available variant of its producer computed", device)
+                continue
+            args = [live[v].clone() if v in impl.overwritten else live[v] for v in impl.inputs]
+            where = node.name if impl.name == DEFAULT_IMPL else f"{node.name}, variant {impl.name}"
             try:
-                times.setdefault((node.id, impl), []).extend(_time_calls(fn, args, device, settings))
-                if memory is None:
-                    outputs = fn(*args)
+                samples = _time_calls(impl.fn, args, device, settings)
+                if meter:
+                    with PeakMeter(device, allocator=True) as peak:
+                        outputs = impl.fn(*args)
+                    memory = (peak.end_bytes, max(0, peak.peak_bytes - peak.end_bytes))
                 else:
-                    with PeakMeter(device, allocator=True) as meter:
-                        outputs = fn(*args)
-                    memory[node.id, impl] = (meter.end_bytes, max(0, meter.peak_bytes - meter.end_bytes))
+                    outputs = impl.fn(*args)
             except Exception as exc:
+                if impl.name != DEFAULT_IMPL:
+                    _drop(measured, node, impl.name, f"{type(exc).__name__}: {exc}", device)
+                    continue
                 raise RuntimeError(f"Profiling node {node.id} ({where}, {', '.join(node.targets)}) failed on "
                                    f"{device}: {exc}. Profile a graph captured on the same device.") from exc
-            if len(outputs) != len(outputs_ids):
-                raise RuntimeError(f"Node {node.id} ({where}) returned {len(outputs)} tensors but the graph "
-                                   f"lists {len(outputs_ids)} outputs; the node function does not match the graph.")
-            fresh = zip(outputs_ids, outputs) if impl == DEFAULT_IMPL else \
-                ((v, t) for v, t in zip(outputs_ids, outputs) if v >= len(graph.values))
-            live.update(fresh)
+            if len(outputs) != len(impl.outputs):
+                why = f"returned {len(outputs)} tensors but the graph lists {len(impl.outputs)} outputs"
+                if impl.name == DEFAULT_IMPL:
+                    raise RuntimeError(f"Node {node.id} ({where}) {why}; the node function does not match the graph.")
+                _drop(measured, node, impl.name, f"it {why}", device)
+                continue
+            measured.times.setdefault(key, []).extend(samples)
+            if meter:
+                measured.memory[key] = memory
+            if impl.name == DEFAULT_IMPL:
+                live.update(zip(impl.outputs, outputs))
+            else:
+                produced = dict(zip(impl.outputs, outputs))
+                same = all(same_bits(produced[v], live[v]) for v in node.outputs if v in produced)
+                measured.exact[key] = measured.exact.get(key, True) and same
+                live.update((v, t) for v, t in produced.items() if v >= len(graph.values))
             del args, outputs
-        for v in {v for _, inputs, outputs_ids, _, _ in implementations for v in (*inputs, *outputs_ids)}:
+        for v in {v for impl in implementations for v in (*impl.inputs, *impl.outputs)}:
             if last.get(v, -1) <= node.id:
                 live.pop(v, None)
         advance()
+
+
+def _drop(measured: Measurements, node, impl: str, reason: str, device: torch.device) -> None:
+    """Mark variant `impl` of `node` unavailable for `reason`, with a `VariantUnavailableWarning`."""
+    measured.unavailable[node.id, impl] = reason
+    warnings.warn(f"Profiling node {node.id} ({node.name}, {', '.join(node.targets)}) as variant {impl!r} failed on "
+                  f"{device}: {reason}. The profile records the variant as unavailable on this node, so no plan "
+                  f"uses it there; profiling goes on.", VariantUnavailableWarning, stacklevel=4)
 
 
 def _run_columns(graph, device: torch.device, settings: ProfileSettings, model: str) -> dict[str, Any]:

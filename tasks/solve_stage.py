@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
+from runtime.plan import Plan
 from tasks.config import Budget, VariantChoice
 from tasks.problems import LoadedProblem, load_problem
 from tasks.solve import SOLVERS, solve
@@ -73,6 +74,35 @@ def solve_loaded(loaded: LoadedProblem, solver: str, budget: Budget, options: So
     return solution, eager
 
 
+@dataclass(frozen=True)
+class VariantUse:
+    """Implementation variant `impl` as a plan runs it on `nodes`, and whether the profile found it bit-identical
+    to the default there (`exact`; None: not compared) on device `verified_on`."""
+
+    impl: str
+    nodes: list[int]
+    exact: bool | None
+    verified_on: str | None
+
+
+def plan_of(loaded: LoadedProblem, solution: Solution, device: str | None) -> Plan:
+    """The plan of a feasible solution, its provenance listing the variants it runs (`variant_uses`)."""
+    plan = solution.to_plan(loaded.problem, device=device, profile_run_id=loaded.profile_run_id)
+    plan.provenance["variants"] = [asdict(use) for use in variant_uses(loaded, plan.schedule)]
+    return plan
+
+
+def variant_uses(loaded: LoadedProblem, schedule: list) -> list[VariantUse]:
+    """The non-default implementations a schedule runs, grouped by name and by the profile's `exact` verdict."""
+    groups: dict[tuple[str, bool | None], set[int]] = {}
+    for step in normalize_schedule(schedule):
+        if "impl" in step:
+            cost = None if loaded.costs is None else loaded.costs.variants[step["compute"]].get(step["impl"])
+            groups.setdefault((step["impl"], None if cost is None else cost.exact), set()).add(step["compute"])
+    return [VariantUse(impl, sorted(nodes), exact, loaded.device)
+            for (impl, exact), nodes in sorted(groups.items(), key=lambda item: (item[0][0], str(item[0][1])))]
+
+
 def in_place_steps(loaded: LoadedProblem, schedule: list) -> np.ndarray | None:
     """Schedule steps whose copies arena mode writes in place on the profiled device: default-implementation
     computes of `runtime.arena.in_place_nodes` (None for benchmark graphs, which have no ops: all steps)."""
@@ -95,7 +125,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, options: Sol
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
     smallest = None
     if solution.feasible:
-        plan = solution.to_plan(problem, device=device, profile_run_id=loaded.profile_run_id)
+        plan = plan_of(loaded, solution, device)
         if budget.max_overhead is not None:
             plan.provenance["max_overhead"] = budget.max_overhead
         plan.save(plan_path)

@@ -295,9 +295,15 @@ def read_runs(root: str | os.PathLike | None = None) -> tuple[list[Path | str], 
 
 
 def _union(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    """The rows of `tables`, columns unioned by name; a column of `schema` that no table has (files of an
+    older schema version) is added as nulls."""
     if not tables:
         return schema.empty_table()
-    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")
+    table = pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")
+    for f in schema:
+        if f.name not in table.column_names:
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
+    return table
 
 
 def run_files(root: str | os.PathLike | None = None) -> list[Path | str]:
@@ -378,18 +384,22 @@ class NodeCost(NamedTuple):
 
 
 class VariantCost(NamedTuple):
-    """Measured cost of one operator node in one implementation variant."""
+    """Measured cost of one operator node in one implementation variant; `exact`: whether the profile found
+    its outputs equal to the default's bit for bit on the profiled device (None: not compared, as for the
+    default itself and in profiles of schema version 1)."""
 
     time_ms: float
     workspace_bytes: int
     output_bytes: int
+    exact: bool | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class CostTable(Mapping):
     """Costs of one profiling run: `table[node_id]` is the default implementation's
     `NodeCost(time_ms, workspace_bytes)`; `variants[node_id][impl]` is the `VariantCost` (with
-    `output_bytes`) of every measured implementation variant.
+    `output_bytes` and `exact`) of every measured implementation variant; a variant the profile found
+    unavailable on a node is not listed there.
     """
 
     fingerprint: str
@@ -436,14 +446,15 @@ def load_costs(fingerprint: str, device: str | None = None, root: str | os.PathL
         raise ProfileNotFoundError(_missing_message(fingerprint, device, store_root(root), others))
     run_id, run_device, model, created_at = found[0]
     rows = con.execute(
-        "SELECT node_id, impl, time_ms, workspace_bytes, output_bytes FROM profiles "
-        "WHERE run_id = ? AND fingerprint = ? AND device = ?", [run_id, fingerprint, run_device]).fetchall()
+        "SELECT node_id, impl, time_ms, workspace_bytes, output_bytes, exact FROM profiles "
+        "WHERE run_id = ? AND fingerprint = ? AND device = ? AND unavailable IS NULL",
+        [run_id, fingerprint, run_device]).fetchall()
     variants: dict[int, dict[str, VariantCost]] = {}
-    for node_id, impl, time_ms, workspace, output in rows:
+    for node_id, impl, time_ms, workspace, output, exact in rows:
         if impl in variants.setdefault(node_id, {}):
             raise ValueError(f"Profile run {run_id} holds node {node_id} ({impl}) twice: its file is in "
                              f"{store_root(root)} more than once. Delete the copy.")
-        variants[node_id][impl] = VariantCost(float(time_ms), int(workspace), int(output))
+        variants[node_id][impl] = VariantCost(float(time_ms), int(workspace), int(output), exact)
     return CostTable(fingerprint, run_device, model, run_id, created_at, variants)
 
 

@@ -2,8 +2,9 @@
 
 One Parquet file holds one profiling run: one row per (operator node, implementation variant), with the
 run's metadata repeated on every row so that every file describes itself. The version is stored in the
-file's key-value metadata; it grows by one whenever a column is added. Readers take every version whose
-files carry the `REQUIRED` columns and union the rest by name.
+file's key-value metadata; it grows by one whenever a column is added (version 2: `exact`, `unavailable`).
+Readers take every version whose files carry the `REQUIRED` columns and union the rest by name, a column an
+older file lacks reading as null.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from urllib.parse import quote
 import pyarrow as pa
 
 SCHEMA_KEY = b"memplan.profile_schema"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_IMPL = "default"
 
 _RUN_FIELDS = [
@@ -54,6 +55,8 @@ _ROW_FIELDS = [
     pa.field("input_bytes", pa.int64()),
     pa.field("output_bytes", pa.int64(), nullable=False),
     pa.field("workspace_bytes", pa.int64(), nullable=False),
+    pa.field("exact", pa.bool_()),           # version 2: variant's outputs equal the default's bit for bit
+    pa.field("unavailable", pa.string()),    # version 2: why the variant cannot run on this node (no costs)
 ]
 
 SCHEMA = pa.schema(_RUN_FIELDS + _ROW_FIELDS, metadata={SCHEMA_KEY: str(SCHEMA_VERSION).encode()})

@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
         addresses: Annotated[str, typer.Option(help="Arena addresses for the plan's value copies: none, greedy or olla "
                                                           "(location ILP).")] = "none",
         variants: Annotated[str, typer.Option(help="Implementation variants the solver may choose: all, "
-                                                   "bit-identical (every op gives the captured op's bits) or none "
+                                                   "bit-identical (the variants the profile found to give the "
+                                                   "captured op's bits) or none "
                                                    "(as a plan's `variants` in pipeline.toml).")] = "all",
         device: Annotated[Optional[str], typer.Option(help="Device whose profile supplies the costs of a "
                                                            "memplan graph (default: newest profile).")] = None,
@@ -64,7 +65,7 @@ def register(app: typer.Typer) -> None:
             from tasks.solve import SOLVERS, OptionError, parse_options
             from tasks.solve.milp import BACKENDS
             from tasks.solve.solution import SolveOptions
-            from tasks.solve_stage import solve_loaded
+            from tasks.solve_stage import plan_of, solve_loaded
 
             if solver not in SOLVERS:
                 raise typer.BadParameter(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}.",
@@ -106,7 +107,7 @@ def register(app: typer.Typer) -> None:
             report = {**solution.report(), "checkpoint_all_peak_bytes": eager.peak_bytes,
                       "checkpoint_all_cost": eager.compute_cost, "graph": str(graph)}
             if out is not None and solution.feasible:
-                solution.to_plan(loaded.problem, device=loaded.device, profile_run_id=loaded.profile_run_id).save(out)
+                plan_of(loaded, solution, loaded.device).save(out)
                 report["plan"] = str(out)
             if json_output:
                 typer.echo(json.dumps(report))

@@ -75,7 +75,7 @@ def test_load_costs_picks_the_newest_complete_run(store, make_run):
     assert costs.run_id == new[0]["run_id"] and costs.fingerprint == "fp-a" and costs.device == "cpu"
     assert dict(costs) == {r["node_id"]: (r["time_ms"], r["workspace_bytes"]) for r in new}
     assert costs[2].time_ms == 6.0 and costs[2].workspace_bytes == 2
-    assert costs.variants[2]["default"] == (6.0, 2, 12) and costs.variants[2]["default"].output_bytes == 12
+    assert costs.variants[2]["default"] == (6.0, 2, 12, None) and costs.variants[2]["default"].output_bytes == 12
 
 
 def test_load_costs_never_uses_another_fingerprint(store, make_run):

@@ -130,7 +130,8 @@ def test_load_dispatches_on_format(tmp_path, benchmark_paths):
 def test_load_offers_the_variants_a_plan_allows(tmp_path, choice, offered):
     """A captured Linear-ReLU-Linear-Tanh-Linear net, profiled in every variant: `variants` = "all" offers the
     ReLU's masks and in-place runs and the tanh's sigmoid identity, "bit-identical" all but the sigmoid (within
-    tolerance only), "none" nothing; value ids are the same in all three. A bad choice names the choices."""
+    tolerance only, though this profile found it exact), "none" nothing; value ids are the same in all three. A
+    bad choice names the choices."""
     from datetime import datetime, timezone
 
     import torch
@@ -151,7 +152,8 @@ def test_load_offers_the_variants_a_plan_allows(tmp_path, choice, offered):
     run_id = new_run_id()
     write_run([dict(schema_version=SCHEMA_VERSION, run_id=run_id, created_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
                     fingerprint=graph.fingerprint, model="net", graph_nodes=len(graph.nodes), device="cpu",
-                    device_type="cpu", node_id=n, impl=impl, time_ms=1.0, output_bytes=8, workspace_bytes=0)
+                    device_type="cpu", node_id=n, impl=impl, time_ms=1.0, output_bytes=8, workspace_bytes=0,
+                    exact=None if impl == "default" else True)
                for n, impl in impls], tmp_path / "db")
     p = load_problem(tmp_path / "g.json", store=tmp_path / "db", variants=choice).problem
     assert {name for n in range(p.num_nodes) for name in p.impls(n)} - {"default"} == offered
