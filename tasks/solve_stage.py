@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from runtime.plan import graph_provenance
 from tasks.config import Budget, VariantChoice
 from tasks.problems import LoadedProblem, load_problem
 from tasks.solve import SOLVERS, solve
@@ -91,7 +92,10 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, options: Sol
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
     smallest = None
     if solution.feasible:
-        solution.to_plan(problem, device=device, profile_run_id=loaded.profile_run_id).save(plan_path)
+        plan = solution.to_plan(problem, device=device, profile_run_id=loaded.profile_run_id)
+        if loaded.graph is not None:
+            plan.provenance.update(graph_provenance(loaded.graph))
+        plan.save(plan_path)
     elif eager.peak_bytes > solution.budget_bytes:
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes)
     return Solved(
