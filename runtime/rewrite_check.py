@@ -6,7 +6,7 @@ instance's region: runtime/rewrites.py), runs the graph before the pass once on 
 (the model's parameters and buffers and the batch), keeping only the values the regions read and replace
 and the generator state before each random op they replace, then runs each region alone on those values
 (from that generator state) and compares its results with the replaced values (`instance_exact`). One
-step per pass that has instances, plus the regions' own ops.
+step per pass that has instances (a pass without default instances costs a dry run of its matching), plus the regions' own ops.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ def exact_instances(gm: fx.GraphModule, name: str, rewrite: Callable[[fx.Graph, 
     """(exact, inexact): the indices of the instances `rewrite` (pass `name`) applies by default to `gm`'s
     graph, split by whether each is bit-identical on `inputs` (the graph's placeholders, in order) on this
     device and thread count. `gm` is left as it is."""
+    count = Rewriter(gm.graph, ())                         # selects nothing: counts without rewriting
+    rewrite(gm.graph, count, on_cpu)
+    if not count.defaults:
+        return [], []
     probe = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     probe.output(probe.graph_copy(gm.graph, copies))

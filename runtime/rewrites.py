@@ -48,14 +48,14 @@ class Rewriter:
 
     def __init__(self, graph: fx.Graph, selection: Collection[int] | None, record: bool = False):
         self.graph, self.selection, self.record = graph, selection, record
-        self.found = 0
+        self.found = self.defaults = 0                     # candidates, and those the default applies
         self.applied: list[int] = []
         self.instances: list[Instance] = []
         self._before: set[fx.Node] = set()
 
     def take(self, default: bool = True) -> bool:
         """Count the next candidate; whether to rewrite it."""
-        index, self.found = self.found, self.found + 1
+        index, self.found, self.defaults = self.found, self.found + 1, self.defaults + default
         chosen = default if self.selection is None else index in self.selection
         if chosen:
             self.applied.append(index)
