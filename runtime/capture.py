@@ -10,38 +10,41 @@ shapes and dtypes that the fingerprint already fixes.
 Before folding, concatenations are chained (`_chain_concatenations`): a `cat` whose list extends the
 list of an earlier `cat` along the same dimension reads that result instead of the pieces again. The
 value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
-each piece is needed only until the next concatenation. Each convolution backward is split into its
-weight- and input-gradient halves (`_split_convolution_backward`), and cross-entropy is fused into ops
-that hold fewer logits-sized tensors (`_fuse_cross_entropy`, runtime/fused_loss.py), and the written-out
-tanh GELU into ops that keep two of its four saved tensors (`_fuse_tanh_gelu`, runtime/fused_gelu.py), and
-each training dropout is split into its mask's draw and its product (`_split_dropout`, runtime/dropout.py);
-all bit-identical. The two fusions apply to CPU graphs only: their ops run block by block, a few small
-kernels per block, and on a GPU those launches cost more than the memory saves (measured on an H200, GPT-2
-of bench/peers.py: eager 13 ms a step, the fused graph's no-recomputation schedule 28 ms, the captured
-one's 0.88x eager's time). So does the dropout split: CUDA's fused kernel draws in an order no separate
-draw reproduces.
+each piece is needed only until the next concatenation. Then the rewrite passes of runtime/rewrites.py
+run (`PASSES`): each convolution backward is split into its weight- and input-gradient halves (a pointwise
+one's input gradient a matrix product), cross-entropy and the written-out tanh GELU are fused into ops that
+keep fewer tensors, and each training dropout is split into its mask's draw and its product. Which
+instances a capture applies is its rewrite selection: the default (every instance; the matrix product only
+where ATen takes its GEMM path at this thread count), an explicit one (`rewrites=`, as a plan records it),
+or, with `verify=True`, the default instances that runtime/rewrite_check.py finds bit-identical on this
+step's real values on this device and thread count. The graph records it in `meta["rewrites"]`. The
+fusions and the dropout split apply to CPU graphs only: their ops run block by block, a few small kernels
+per block, and on a GPU those launches cost more than the memory saves (measured on an H200, GPT-2 of
+bench/peers.py: eager 13 ms a step, the fused graph's no-recomputation schedule 28 ms, the captured one's
+0.88x eager's time); CUDA's fused dropout kernel draws in an order no separate draw reproduces.
 """
 
 from __future__ import annotations
 
-import math
 import operator
 import os
+import platform
 import sys
 import traceback
 import types
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from runtime import dropout, fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops rewritten into)
 from runtime.graph import Node, OpGraph, Value
 from runtime.modules import META_KEY, boundary_hooks, strip_boundaries
+from runtime.rewrite_check import exact_instances
+from runtime.rewrites import PASSES, Rewriter
 
 # Ops whose schema declares a fresh result but whose kernel returns a view of the input.
 _VIEW_LIKE = {torch.ops.aten._unsafe_view.default}
@@ -93,11 +96,18 @@ def batch_signature(model: nn.Module, batch: tuple) -> tuple:
 
 
 def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list, *,
-            record_modules: bool = True) -> OpGraph:
+            record_modules: bool = True, rewrites: Mapping[str, Sequence[int]] | None = None,
+            verify: bool = False) -> OpGraph:
     """Trace one training step (forward, loss, backward) with `aot_export_module(trace_joint=True)` and
     fold it into an operator graph. The returned graph carries the FX program in `.program`. With
     `record_modules`, `meta["node_modules"]` names, per operator node, the repeated module
-    (runtime/modules.py) whose forward computed it, or None."""
+    (runtime/modules.py) whose forward computed it, or None. `rewrites` (`{pass: [instance, ...]}`, a
+    graph's or plan's `rewrites["applied"]`) applies exactly those rewrite instances; `verify` applies the
+    default instances that are bit-identical on this step's values here (runtime/rewrite_check.py);
+    neither: the default instances. `meta["rewrites"]` records the selection (docs/graph-format.md)."""
+    if rewrites is not None and verify:
+        raise ValueError("capture takes a rewrite selection or verify=True, not both: a recorded selection "
+                         "was verified where it was made.")
     batch = tuple(batch)
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
@@ -137,14 +147,11 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     gm.graph.eliminate_dead_code()
     _drop_empty_concatenations(gm.graph)
     _chain_concatenations(gm.graph)
-    on_cpu = _cpu_graph(model, batch)
-    _split_convolution_backward(gm.graph, grouped=on_cpu)
-    if on_cpu:                                             # CPU graphs only (module docstring)
-        _fuse_cross_entropy(gm.graph)
-        _fuse_tanh_gelu(gm.graph)
-        _split_dropout(gm.graph)
+    inputs = _step_inputs(gm, sig, model, batch) if verify else None
+    record = _rewrite(gm, _cpu_graph(model, batch), rewrites, inputs)
     graph = _fold(gm, sig, model, batch)
     gm.recompile()
+    graph.meta["rewrites"] = record
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
     graph.program.batch_signature = batch_signature(model, batch)
     return graph
@@ -235,340 +242,66 @@ def _cpu_graph(model: nn.Module, batch: tuple) -> bool:
     return all(t.device.type == "cpu" for t in [*batch, *model.parameters()])
 
 
-def _split_convolution_backward(graph: fx.Graph, grouped: bool) -> None:
-    """Split each `convolution_backward` that computes both the input and the weight gradient into a
-    weight-gradient node followed by an input-gradient node (MONeT appendix D): the weight gradient
-    (`convolution_backward` with output mask `[False, True, bias]`) reads the forward input; the input
-    gradient, the transposed convolution of the output gradient with the weight, does not. Once the
-    weight gradient is computed the forward input can be freed, before the input gradient is allocated.
-    A pointwise convolution's input gradient (`_pointwise_input_gradient`) is a batched matrix product.
-    On CPU both halves are bit-identical to the joint call (tested); transposed convolutions stay joint,
-    and so do grouped ones unless `grouped` (CPU graphs): on CUDA, ATen's depthwise input gradient and the
-    grouped transposed convolution round differently (an H200, MobileNet-V2: 4.4e-5 on a weight gradient
-    downstream), where ungrouped convolutions split bit-identically there too (ResNet-18 validated with
-    gradient error 0)."""
-    aten = torch.ops.aten
-    for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not aten.convolution_backward.default:
-            continue
-        (grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
-         mask) = n.args
-        if transposed or not (mask[0] and mask[1]) or (groups != 1 and not grouped):
-            continue
-        val = n.meta["val"]
-        out_size, in_size, k = grad.meta["val"].shape[2:], x.meta["val"].shape[2:], weight.meta["val"].shape[2:]
-        # output_padding that makes the transposed convolution's output the forward input's size
-        pad = [i - ((o - 1) * s - 2 * p + d * (kk - 1) + 1)
-               for i, o, s, p, d, kk in zip(in_size, out_size, stride, padding, dilation, k)]
-        with graph.inserting_before(n):
-            weight_grad = graph.call_function(n.target, (*n.args[:-1], [False, True, mask[2]]))
-            weight_grad.meta = {**n.meta, "val": (None, *val[1:])}
-            if _pointwise(grad, weight, val[0], stride, padding, groups):
-                input_grad = _pointwise_input_gradient(graph, grad, weight, val[0])
-            else:
-                input_grad = graph.call_function(aten.convolution.default,
-                                                 (grad, weight, None, stride, padding, dilation, True, pad, groups))
-            input_grad.meta = {**n.meta, "val": val[0]}
-        for user in list(n.users):                         # getitems of the joint result
-            if user.args[1] == 0:
-                user.replace_all_uses_with(input_grad)
-                graph.erase_node(user)
-            else:
-                user.args = (weight_grad, user.args[1])
-        graph.erase_node(n)
+def _rewrite(gm: fx.GraphModule, on_cpu: bool, selection: Mapping[str, Sequence[int]] | None,
+             inputs: list[torch.Tensor] | None) -> dict[str, Any]:
+    """Run the rewrite passes in order, each on the graph the previous ones left, applying `selection`'s
+    instances, or with `inputs` (the step's real placeholder values) the default instances found exact on
+    them, or else the default ones. Returns the record `meta["rewrites"]` keeps."""
+    unknown = set(selection or ()) - {name for name, _ in PASSES}
+    if unknown:
+        raise CaptureError(f"the rewrite selection names passes {sorted(unknown)}, which this memplan does not "
+                           f"have ({', '.join(name for name, _ in PASSES)}); the plan was made by another memplan "
+                           f"version: make it again.")
+    record: dict[str, Any] = {"applied": {}, "found": {}}
+    for name, rewrite in PASSES:
+        chosen = None if selection is None else [int(i) for i in selection.get(name, ())]
+        if inputs is not None:
+            chosen, inexact = exact_instances(gm, name, rewrite, on_cpu, inputs)
+            record.setdefault("inexact", {})[name] = inexact
+        rw = Rewriter(gm.graph, None if chosen is None else set(chosen))
+        rewrite(gm.graph, rw, on_cpu)
+        beyond = sorted(set(chosen or ()) - set(range(rw.found)))
+        if beyond:
+            raise CaptureError(f"the rewrite selection applies instances {beyond} of {name}, but this step has "
+                               f"{rw.found}: the selection was recorded for another model, loss, batch shape or "
+                               f"device. Load the plan with the model and batch it was made for.")
+        record["applied"][name], record["found"][name] = rw.applied, rw.found
+    if inputs is not None:
+        record["verified_on"] = verification_host(inputs)
+    return record
 
 
-def _fuse_cross_entropy(graph: fx.Graph) -> None:
-    """Rewrite each cross-entropy loss into the ops of runtime/fused_loss.py (bit-identical, fewer
-    logits-sized tensors): the whole loss, from the logits' `mm` / `addmm` to the logits' gradient, into
-    `memplan::linear_cross_entropy` where the logits and log-probabilities feed nothing else and the
-    backward's seed is `ones_like(loss)`; else the backward pair into `memplan::log_softmax_nll_backward`.
-    Either needs a contiguous rows x classes `_log_softmax` over dimension 1 whose loss gradient has no
-    other reader."""
-    aten = torch.ops.aten
-    for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
-            continue
-        nll, saved, dim, dtype = n.args
-        log_probs = _alias_base(saved)
-        if not (isinstance(nll, fx.Node) and nll.target is aten.nll_loss_backward.default and len(nll.users) == 1
-                and len(nll.args) == 7 and nll.args[1] is log_probs):
-            continue
-        lp = log_probs.meta["val"]
-        if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
-            continue
-        whole = _whole_loss(log_probs, nll, n)
-        if whole is None:
-            with graph.inserting_before(n):
-                fused = graph.call_function(torch.ops.memplan.log_softmax_nll_backward.default, (*nll.args, dtype))
-            fused.meta = {**n.meta}
-            n.replace_all_uses_with(fused)
-            replaced = [n, nll, saved]
+def verification_host(inputs: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Where a rewrite check ran: device (a GPU's name, or the CPU's model), torch's thread count, torch."""
+    cuda = next((t.device for t in inputs if t.device.type == "cuda"), None)
+    device = torch.cuda.get_device_name(cuda) if cuda is not None else _cpu_model()
+    return {"device": device, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def _step_inputs(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> list[torch.Tensor]:
+    """The joint graph's placeholder values: the model's parameters and buffers, then the batch."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    rest = iter(batch)
+    out = []
+    for ph in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        if ph.name in sig.inputs_to_parameters:
+            out.append(params[_strip(sig.inputs_to_parameters[ph.name])].detach())
+        elif ph.name in sig.inputs_to_buffers:
+            out.append(buffers[_strip(sig.inputs_to_buffers[ph.name])])
         else:
-            forward, product, chain = whole
-            bias, *factors = (None, *product.args) if product.target is aten.mm.default else product.args
-            with graph.inserting_before(forward):
-                fused = graph.call_function(torch.ops.memplan.linear_cross_entropy.default,
-                                            (bias, *factors, *forward.args[1:5]))
-                grad = graph.call_function(operator.getitem, (fused, 2))
-            fused.meta = {"val": _fake_call(fused, n.meta["val"])}   # the gradient shares its scratch's storage
-            grad.meta = {**n.meta, "val": fused.meta["val"][2]}
-            for item in list(forward.users):             # the loss and its total weight keep their nodes
-                item.args = (fused, item.args[1])
-            n.replace_all_uses_with(grad)
-            replaced = [n, nll, nll.args[0], saved, forward, *chain]
-        _erase_replaced(graph, replaced)
-
-
-def _fuse_tanh_gelu(graph: fx.Graph) -> None:
-    """Rewrite each written-out tanh GELU, `(x * h) * (tanh((x + x ** p * k) * c) + 1)` (transformers'
-    `gelu_new`), and its backward into the ops of runtime/fused_gelu.py (bit-identical; the backward keeps
-    `x` and the tanh where it kept four tensors). Only where the graph holds exactly the ops autograd
-    writes for it, every intermediate feeds only the GELU and its backward, and `x`, the output gradient
-    and every intermediate are non-empty, contiguous and of one shape, dtype and device."""
-    for tb in list(graph.nodes):
-        if tb.op != "call_function" or tb.target is not torch.ops.aten.tanh_backward.default:
-            continue
-        match = _tanh_gelu(tb)
-        if match is None:
-            continue
-        x, g, consts, forward, backward = match
-        y, grad_x = forward[-1], backward[-1]
-        half, power, coeff, scale, one = consts
-        with graph.inserting_before(y):
-            t_new = graph.call_function(torch.ops.memplan.gelu_tanh_inner.default, (x, power, coeff, scale))
-            y_new = graph.call_function(torch.ops.memplan.gelu_tanh_outer.default, (x, t_new, half, one))
-        for node in (t_new, y_new):
-            node.meta = {**y.meta, "val": _fake_call(node, y.meta["val"])}
-        with graph.inserting_before(grad_x):
-            fused_grad = graph.call_function(torch.ops.memplan.gelu_tanh_backward.default, (g, x, t_new, *consts))
-        fused_grad.meta = {**grad_x.meta, "val": _fake_call(fused_grad, grad_x.meta["val"])}
-        y.replace_all_uses_with(y_new)
-        grad_x.replace_all_uses_with(fused_grad)
-        _erase_replaced(graph, [*forward, *backward, tb.args[1]])
-
-
-def _split_dropout(graph: fx.Graph) -> None:
-    """Rewrite each training `native_dropout(x, p, True)` (0 < p < 1, x contiguous and floating) whose results
-    are read through `getitem`s into `memplan::dropout_mask(x, p)` and `memplan::dropout_apply(x, mask, p)`
-    (runtime/dropout.py; the same draws, bit-identical output): the output can then be recomputed from the
-    kept mask without drawing again."""
-    for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not torch.ops.aten.native_dropout.default:
-            continue
-        args = {**dict(zip(("input", "p", "train"), n.args)), **n.kwargs}
-        x, p = args["input"], args["p"]
-        out_val, mask_val = n.meta["val"]
-        if (args.get("train") is False or not isinstance(p, float) or not 0 < p < 1
-                or not out_val.is_floating_point() or not x.meta["val"].is_contiguous()
-                or not all(u.target is operator.getitem for u in n.users)):
-            continue
-        with graph.inserting_before(n):
-            mask = graph.call_function(torch.ops.memplan.dropout_mask.default, (x, p))
-            out = graph.call_function(torch.ops.memplan.dropout_apply.default, (x, mask, p))
-        mask.meta, out.meta = {**n.meta, "val": mask_val}, {**n.meta, "val": out_val}
-        for item in list(n.users):
-            item.replace_all_uses_with(out if item.args[1] == 0 else mask)
-            graph.erase_node(item)
-        graph.erase_node(n)
-
-
-def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], list[fx.Node]] | None:
-    """(x, the output gradient, the constants (h, p, k, c, 1), the forward's nodes ending with its result,
-    the backward's nodes ending with x's gradient) of the tanh GELU whose backward runs `tb`, the
-    `tanh_backward`; None unless `_fuse_tanh_gelu` may rewrite it."""
-    aten = torch.ops.aten
-
-    def op(node, target, *args) -> bool:
-        """Whether `node` is `target(*args)`; an argument `_NODE` matches any FX node, `_NUMBER` any number."""
-        return (isinstance(node, fx.Node) and node.target is target and not node.kwargs
-                and len(node.args) == len(args) and all(_argument_matches(b, a) for a, b in zip(args, node.args)))
-
-    def only(nodes) -> fx.Node | None:
-        nodes = list(nodes)
-        return nodes[0] if len(nodes) == 1 else None
-
-    g_half_x, saved = tb.args
-    tanh = _alias_base(saved)
-    if not op(tanh, aten.tanh.default, _NODE):
-        return None
-    arg = tanh.args[0]
-    if not (op(arg, aten.mul.Tensor, _NODE, _NUMBER)
-            and op(x_plus := arg.args[0], aten.add.Tensor, _NODE, _NODE)):
-        return None
-    x, cube_k = x_plus.args
-    if not (op(cube_k, aten.mul.Tensor, _NODE, _NUMBER)
-            and op(cube := cube_k.args[0], aten.pow.Tensor_Scalar, x, _NUMBER)):
-        return None
-    power, coeff, scale = cube.args[1], cube_k.args[1], arg.args[1]
-    one_plus = only(u for u in tanh.users if op(u, aten.add.Tensor, tanh, _NUMBER))
-    if one_plus is None or len(one_plus.users) != 2:
-        return None
-    one = one_plus.args[1]
-    y = only(u for u in one_plus.users
-             if op(u, aten.mul.Tensor, _NODE, one_plus) and op(u.args[0], aten.mul.Tensor, x, _NUMBER))
-    if y is None or not op(g_half_x, aten.mul.Tensor, _NODE, y.args[0]):
-        return None
-    half_x, g = y.args[0], g_half_x.args[0]
-    half = half_x.args[1]
-    g_one_plus = only(u for u in one_plus.users if u is not y)
-    d = only(tb.users)
-    if not (op(g_one_plus, aten.mul.Tensor, g, one_plus) and op(d, aten.mul.Tensor, tb, scale)):
-        return None
-    d_k = only(u for u in d.users if op(u, aten.mul.Tensor, d, coeff))
-    d_sum = only(u for u in d.users if u is not d_k)
-    if not (d_k is not None and op(d_sum, aten.add.Tensor, d, _NODE)
-            and op(d_k_sq := d_sum.args[1], aten.mul.Tensor, d_k, _NODE)
-            and op(sq_p := d_k_sq.args[1], aten.mul.Scalar, _NODE, power)
-            and op(sq := sq_p.args[0], aten.pow.Tensor_Scalar, x, power - 1)):
-        return None
-    grad_x, g_one_plus_half = only(d_sum.users), only(g_one_plus.users)
-    if not (op(g_one_plus_half, aten.mul.Tensor, g_one_plus, half)
-            and op(grad_x, aten.add.Tensor, d_sum, g_one_plus_half)):
-        return None
-    forward = [half_x, cube, cube_k, x_plus, arg, tanh, one_plus, y]
-    backward = [g_half_x, g_one_plus, tb, d, d_k, sq, sq_p, d_k_sq, d_sum, g_one_plus_half, grad_x]
-    readers = {half_x: {y, g_half_x}, cube: {cube_k}, cube_k: {x_plus}, x_plus: {arg}, arg: {tanh},
-               tanh: {one_plus, tb}, one_plus: {y, g_one_plus}, g_half_x: {tb}, g_one_plus: {g_one_plus_half},
-               tb: {d}, d: {d_k, d_sum}, d_k: {d_k_sq}, sq: {sq_p}, sq_p: {d_k_sq}, d_k_sq: {d_sum},
-               d_sum: {grad_x}, g_one_plus_half: {grad_x}}
-    vals = [n.meta["val"] for n in (x, g, *forward, *backward)]
-    first = vals[0]
-    if not (all(_only_users(n, allowed) for n, allowed in readers.items()) and first.numel() > 0
-            and first.is_floating_point()
-            and all((v.shape, v.dtype, v.device) == (first.shape, first.dtype, first.device) and v.is_contiguous()
-                    for v in vals)):
-        return None
-    return x, g, (half, power, coeff, scale, one), forward, backward
-
-
-_NODE, _NUMBER = object(), object()
-"""Wildcards of `_tanh_gelu`'s pattern: any FX node, any number."""
-
-
-def _argument_matches(value: Any, pattern: Any) -> bool:
-    """Whether an FX argument `value` matches `pattern`: a wildcard, or a node or number equal to it."""
-    if pattern is _NODE:
-        return isinstance(value, fx.Node)
-    if pattern is _NUMBER or not isinstance(pattern, fx.Node):
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return number and (pattern is _NUMBER or value == pattern)
-    return value is pattern
-
-
-def _erase_replaced(graph: fx.Graph, replaced: list[fx.Node]) -> None:
-    """Erase the `replaced` nodes that nothing but shape checks reads any more (and those checks), readers
-    first, each with the chain of saving aliases (`_saving_alias`) left unread above it."""
-    order = {m: i for i, m in enumerate(graph.nodes)}
-    for m in sorted(dict.fromkeys(replaced), key=order.__getitem__, reverse=True):
-        while _saving_alias(m) and not m.users:
-            m, dead = m.args[0], m
-            graph.erase_node(dead)
-        if all(_is_check(u) for u in m.users):
-            for check in list(m.users):
-                graph.erase_node(check)
-            graph.erase_node(m)
-
-
-def _fake_call(node: fx.Node, like: torch.Tensor):
-    """The result of `node`'s op on fake tensors shaped like its arguments' values, made in the fake mode
-    of `like` (a value the trace computed: the placeholders' values may come from another mode)."""
-    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args]
-    with getattr(like, "fake_mode", None) or nullcontext():
-        return node.target(*(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-                             if isinstance(v, torch.Tensor) else v for v in vals))
-
-
-def _is_check(node: fx.Node) -> bool:
-    """A shape or dtype assertion: an op returning nothing."""
-    return isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns
-
-
-def _alias_base(node: fx.Node) -> fx.Node:
-    """`node` without the chain of saving aliases (`_saving_alias`) through which the joint graph saves
-    tensors."""
-    while _saving_alias(node):
-        node = node.args[0]
-    return node
-
-
-def _whole_loss(log_probs: fx.Node, nll: fx.Node,
-                backward: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """(the `nll_loss_forward`, the logits' `mm` / `addmm`, the nodes from `log_probs` to the product) of
-    the loss whose backward is `nll` then `backward`, where `memplan::linear_cross_entropy` can replace all
-    of it: the seed is `ones_like(loss)`, the forward reads `log_probs` with the backward's target, weight,
-    reduction and ignore index, and the product (viewed with its own shape) and `log_probs` feed nothing
-    else."""
-    aten = torch.ops.aten
-    seed, _, target, weight, reduction, ignore_index, total_weight = nll.args
-    if not (isinstance(seed, fx.Node) and seed.target is aten.ones_like.default and len(seed.users) == 1
-            and len(seed.args) == 1 and seed.args[0].target is operator.getitem and seed.args[0].args[1] == 0):
-        return None
-    forward = seed.args[0].args[0]
-    if not (forward.target is aten.nll_loss_forward.default
-            and tuple(forward.args) == (log_probs, target, weight, reduction, ignore_index)
-            and isinstance(total_weight, fx.Node) and total_weight.target is operator.getitem
-            and total_weight.args == (forward, 1) and set(total_weight.users) == {nll}
-            and len(log_probs.args) == 3 and log_probs.args[1] in (1, -1) and log_probs.args[2] is False
-            and _only_users(log_probs, {forward, nll, backward})):
-        return None
-    chain, product = [log_probs], log_probs.args[0]
-    while product.target in (aten.view.default, aten._unsafe_view.default) and _only_users(product, {chain[-1]}):
-        chain.append(product)
-        product = product.args[0]
-    mm = product.target is aten.mm.default and len(product.args) == 2
-    addmm = product.target is aten.addmm.default and len(product.args) == 3 and not product.kwargs
-    if not ((mm or addmm) and _only_users(product, {chain[-1]})
-            and tuple(product.meta["val"].shape) == tuple(log_probs.meta["val"].shape)):
-        return None
-    return forward, product, [*chain, product]
-
-
-def _only_users(node: fx.Node, allowed: set[fx.Node]) -> bool:
-    """Whether every reader of `node` is in `allowed`, a shape check, or a saving alias of it
-    (`_saving_alias`) that only such readers read."""
-    return all(user in allowed or _is_check(user) or (_saving_alias(user) and _only_users(user, allowed))
-               for user in node.users)
-
-
-def _saving_alias(node: Any) -> bool:
-    """Whether `node` is an identity op through which the joint graph saves a tensor for the backward:
-    `aten.alias` (torch 2.14) or `aten.detach` (torch 2.11, seen on a GPU host)."""
-    return isinstance(node, fx.Node) and node.target in (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
-
-
-def _pointwise(grad: fx.Node, weight: fx.Node, input_grad: torch.Tensor, stride, padding, groups) -> bool:
-    """Whether a convolution is pointwise (1x1 kernel, stride 1, no padding, one group; contiguous output
-    gradient, weight and input gradient) and ATen's CPU `convolution_backward` takes its native GEMM path
-    for it rather than oneDNN's: float64, or float32 below 16 images on one thread (ATen's `use_mkldnn`
-    at capture time). Its input gradient is then best computed as a matrix product."""
-    w, g = weight.meta["val"], grad.meta["val"]
-    native = g.device.type == "cpu" and (g.dtype == torch.float64 or (
-        g.dtype == torch.float32 and g.shape[0] < 16 and torch.get_num_threads() == 1))
-    return (native and groups == 1 and all(k == 1 for k in w.shape[2:]) and all(s == 1 for s in stride)
-            and all(p == 0 for p in padding) and w.is_contiguous() and g.is_contiguous()
-            and input_grad.is_contiguous())
-
-
-def _pointwise_input_gradient(graph: fx.Graph, grad: fx.Node, weight: fx.Node, input_grad: torch.Tensor) -> fx.Node:
-    """Insert dx = W^T dy of a pointwise convolution as `bmm(expand(W^T), dy)` over (N, C_out, HW) views,
-    viewed back to (N, C_in, H, W), and return that view: one GEMM per image, as ATen's native path
-    computes it (bit-identical, tested), where the transposed convolution is up to 2x slower on CPU."""
-    aten = torch.ops.aten
-    g, w = grad.meta["val"], weight.meta["val"]
-    n, c_out, c_in = g.shape[0], w.shape[0], w.shape[1]
-    steps = [(aten.view.default, [c_out, c_in]), (aten.t.default,), (aten.expand.default, [n, c_in, c_out])]
-
-    def add(op, *args):
-        node = graph.call_function(op, args)
-        node.meta = {"val": _fake_call(node, g)}
-        return node
-
-    w_t = weight
-    for op, *rest in steps:
-        w_t = add(op, w_t, *rest)
-    product = add(aten.bmm.default, w_t, add(aten.view.default, grad, [n, c_out, math.prod(g.shape[2:])]))
-    return add(aten.view.default, product, list(input_grad.shape))
+            out.append(next(rest))
+    return out
 
 
 def _strip(fqn: str) -> str:

@@ -155,8 +155,9 @@ def _refuse_random_replays(plan: Plan, program: Program) -> None:
 
 class TrainStep:
     """`step(*batch)`: one training step under a plan. Returns the loss, accumulates gradients into
-    `p.grad` and updates buffers in place. The first call for a batch shape captures the model and
-    checks the plan against the captured graph; later calls reuse the compiled program. With `arena`, value
+    `p.grad` and updates buffers in place. The first call for a batch shape captures the model with the
+    plan's recorded rewrite selection (`Plan.rewrites`: the same graph whatever this host's CPU and thread
+    count) and checks the plan against the captured graph; later calls reuse the compiled program. With `arena`, value
     copies live at the plan's addresses in one arena per step (runtime.arena); `arena_report[signature]`
     says what each compiled batch signature placed. With `cuda_graph`, each batch signature's program is
     captured once and replayed as a CUDA graph (runtime.cuda_graph says what that asks of the caller)."""
@@ -192,7 +193,7 @@ class TrainStep:
             return self._compiled[key]
         graph = self._graph
         if graph is None or graph.program is None or graph.program.batch_signature != key:
-            graph = capture(self.model, self.loss_fn, batch)
+            graph = capture(self.model, self.loss_fn, batch, rewrites=self.plan.rewrites)
         variants = self.plan.validate(graph)
         program: Program = graph.program
         params = dict(self.model.named_parameters(remove_duplicate=False))

@@ -165,6 +165,32 @@ class Plan:
 
     # -- validation ------------------------------------------------------------------------------
 
+    def _difference(self, graph: OpGraph) -> str:
+        """What differs between the graph the plan was made for (as its provenance records it) and `graph`,
+        in a sentence."""
+        batch = self.provenance.get("batch")
+        if batch is not None and "batch" in graph.meta and batch != graph.meta["batch"]:
+            return (f"the plan was made for the batch {_shapes(batch)} and this step's batch is "
+                    f"{_shapes(graph.meta['batch'])}.")
+        captured = (graph.meta.get("rewrites") or {}).get("applied")
+        if self.rewrites is None and captured is not None:
+            return ("the plan records no rewrite selection, so this capture chose its rewrites on this host, and "
+                    "the default choice depends on torch's thread count (pointwise convolution gradients): load "
+                    "it at the thread count it was made with, or make the plan again with this memplan, which "
+                    "records the selection it was made with.")
+        if captured is not None and self.rewrites != captured:
+            return (f"the plan's rewrite selection {self.rewrites} is not this capture's {captured}: the model "
+                    f"differs.")
+        return "the plan was made for another model, loss, input shape, dtype or training mode."
+
+    @property
+    def rewrites(self) -> dict[str, list[int]] | None:
+        """The rewrite selection of the graph the plan was made for (`provenance["rewrites"]["applied"]`,
+        docs/graph-format.md), which `runtime.load` captures with; None for a plan that records none."""
+        record = self.provenance.get("rewrites")
+        return dict(record["applied"]) if isinstance(record, Mapping) and isinstance(record.get("applied"), Mapping) \
+            else None
+
     def compute_steps(self) -> list[int]:
         """Node ids of the compute steps, in order."""
         return [s["compute"] for s in self.schedule if "compute" in s]
@@ -185,8 +211,7 @@ class Plan:
         if self.fingerprint != graph.fingerprint:
             raise PlanError(
                 f"plan fingerprint {self.fingerprint} does not match the graph being executed "
-                f"(fingerprint {graph.fingerprint}): the plan was made for another model, loss, input "
-                f"shape or dtype. Make a plan for this graph.")
+                f"(fingerprint {graph.fingerprint}): {self._difference(graph)} Make a plan for this graph.")
         variants = graph_variants(graph) if variants is None else variants
         n_nodes = len(graph.nodes)
         n_values = len(graph.values) + len(variants.values)
@@ -263,7 +288,19 @@ def default_plan(graph: OpGraph) -> Plan:
     """The eager order (captured node order), every node computed once, no recomputation."""
     return Plan(graph.fingerprint, [{"compute": n.id} for n in graph.nodes],
                 provenance={"solver": "default", "created_at": datetime.now(timezone.utc).isoformat(),
-                            "memplan_version": memplan_version()})
+                            "memplan_version": memplan_version(), **graph_provenance(graph)})
+
+
+def graph_provenance(graph: OpGraph) -> dict[str, Any]:
+    """What a plan records about the graph it was made for: its rewrite record (`rewrites`: the selection
+    `runtime.load` captures with, and where it was verified) and its batch's shapes and dtypes (`batch`),
+    where the graph's meta has them."""
+    return {key: graph.meta[key] for key in ("rewrites", "batch") if key in graph.meta}
+
+
+def _shapes(batch: Any) -> str:
+    """A recorded batch (`[{"shape": [...], "dtype": ...}, ...]`) as `[2, 3] float32, [2] int64`."""
+    return ", ".join(f"{b.get('shape')} {b.get('dtype')}" if isinstance(b, Mapping) else str(b) for b in batch)
 
 
 def _is_number(x: Any) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from runtime.plan import Plan
+from runtime.plan import Plan, graph_provenance
 from tasks.config import Budget, VariantChoice
 from tasks.problems import LoadedProblem, load_problem
 from tasks.solve import SOLVERS, solve
@@ -86,9 +86,12 @@ class VariantUse:
 
 
 def plan_of(loaded: LoadedProblem, solution: Solution, device: str | None) -> Plan:
-    """The plan of a feasible solution, its provenance listing the variants it runs (`variant_uses`)."""
+    """The plan of a feasible solution, its provenance listing the variants it runs (`variant_uses`) and, for a
+    captured graph, the rewrites and batch it was captured with (`graph_provenance`)."""
     plan = solution.to_plan(loaded.problem, device=device, profile_run_id=loaded.profile_run_id)
     plan.provenance["variants"] = [asdict(use) for use in variant_uses(loaded, plan.schedule)]
+    if loaded.graph is not None:
+        plan.provenance.update(graph_provenance(loaded.graph))
     return plan
 
 

@@ -59,23 +59,24 @@ def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: 
 
 
 def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) -> OpGraph:
-    """Capture `spec`'s training step on `device` (the graph carries its FX program, for profiling)."""
+    """Capture `spec`'s training step on `device` (the graph carries its FX program, for profiling), applying
+    only the rewrite instances that are bit-identical on this device (`runtime.capture(..., verify=True)`):
+    the selection lands in `meta["rewrites"]` and from there in every plan made for the graph."""
     import runtime
     from tasks.models import build_batch, build_loss, build_model
 
     model = build_model(spec, seed).to(device)
-    graph = runtime.capture(model, build_loss(spec), build_batch(spec, batch_size, seed, device))
+    graph = runtime.capture(model, build_loss(spec), build_batch(spec, batch_size, seed, device), verify=True)
     graph.meta.update(model=spec.name, batch_size=batch_size, device=device)
     return graph
 
 
 def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path) -> tuple[Traced, OpGraph]:
-    """Capture the graph and write it to its fingerprint's file unless it is there; returns the record and
-    the captured graph (with its FX program)."""
+    """Capture the graph and write it to its fingerprint's file (again where it is there: its meta records
+    where this run verified its rewrites); returns the record and the captured graph (with its FX program)."""
     graph = capture_model(spec, batch_size, device, seed)
     path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint)
-    if not path.exists():
-        graph.save(path)
+    graph.save(path)
     return describe(graph, path, spec.name, batch_size), graph
 
 
