@@ -56,9 +56,9 @@ def register(app: typer.Typer) -> None:
         import json
         import logging
 
-        from flows.console import console, errors, exit_on_error
+        from flows.console import console, errors, exit_on_error, stdout_for_results_only
 
-        with exit_on_error():
+        with exit_on_error(), stdout_for_results_only(json_output):
             from tasks.config import parse_budget_text, parse_option_text
             from tasks.problems import VARIANT_RULES, load_problem
             from tasks.solve import SOLVERS, OptionError, parse_options
@@ -108,6 +108,7 @@ def register(app: typer.Typer) -> None:
             if out is not None and solution.feasible:
                 solution.to_plan(loaded.problem, device=loaded.device, profile_run_id=loaded.profile_run_id).save(out)
                 report["plan"] = str(out)
+        with exit_on_error():
             if json_output:
                 typer.echo(json.dumps(report))
             else:
