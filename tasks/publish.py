@@ -258,6 +258,9 @@ def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] 
 def resolve(plans_dir: str | os.PathLike, name: str) -> Path:
     """The plan file for a plan id, an id prefix (at least 8 hex digits) or an alias."""
     plans_dir = Path(plans_dir)
+    if not _ALIAS.match(name):
+        raise PublishError(f"{name!r} is not a plan id or alias: those are names inside the plans folder "
+                           f"{plans_dir} (letters, digits, '-', '_', '.'), not paths; see `memplan plans list`.")
     candidates = [plans_dir / f"{name}.json"]
     if re.fullmatch(r"[0-9a-f]{8,64}", name):
         candidates += sorted(p for p in plans_dir.glob(f"{name}*.json") if _PLAN_ID.match(p.stem))
