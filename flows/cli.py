@@ -27,7 +27,10 @@ for _module in sorted(pkgutil.iter_modules(flows.commands.__path__), key=lambda 
 
 
 def main() -> None:  # pragma: no cover - console entry point
-    app()
+    """`memplan`: the app, stopped promptly by Ctrl-C, SIGTERM or SIGHUP in any command (flows/interrupt.py)."""
+    from flows.interrupt import run_cli
+
+    run_cli(app)
 
 
 if __name__ == "__main__":  # pragma: no cover

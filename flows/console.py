@@ -24,6 +24,25 @@ def console() -> Console:
     return Console(soft_wrap=True, width=width)
 
 
+@contextmanager
+def stdout_for_results_only(active: bool = True) -> Iterator[None]:
+    """While open (and `active`), everything written to file descriptor 1 (a native solver's banner, a
+    library's print) goes to stderr instead, so that what the command prints after it, its `--json` or
+    `--format` output, is all that stdout carries."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def errors() -> Console:
     """The console for errors (stderr)."""
     return Console(stderr=True, soft_wrap=True)

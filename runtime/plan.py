@@ -221,6 +221,7 @@ class Plan:
         shared: set[Copy] = set()                       # copies of in-place steps (no address may place them)
         allocated: dict[int, tuple[int, ...]] = {}
         last_copy: dict[int, int] = {}
+        live_until: dict[Copy, int] = {}                # copy -> last step it is live (the simulator's rule)
         for i, step in enumerate(self.schedule):
             if "compute" in step:
                 n = step["compute"]
@@ -239,15 +240,19 @@ class Plan:
                         raise PlanError(
                             f"schedule[{i}] computes node {n} ({graph.nodes[n].name}), which reads value {v} "
                             f"({variants.value(graph, v).name}), but {why}. Compute the producer first.")
+                    if v in last_copy:
+                        live_until[last_copy[v], v] = i
                 spec = variants.spec(n, step.get("impl"))
                 for out, v in spec.overwrites if spec is not None else ():
                     resident.discard(v)
                     freed_at.pop(v, None)
                     overwritten_at[v] = i
                     shared.update({(last_copy[v], v), (i, out)})
+                    live_until[last_copy[v], v] = i - 1
                 resident.update(outputs)
                 allocated[i] = outputs
                 last_copy.update((v, i) for v in outputs)
+                live_until.update(((i, v), i) for v in outputs)
             else:
                 x = step["free"]
                 if x >= n_values:
@@ -266,6 +271,7 @@ class Plan:
             raise PlanError(
                 f"graph outputs {missing[:10]} ({', '.join(graph.values[v].name for v in missing[:3])}...) are "
                 f"not resident at the end of the schedule; every output must be computed and not freed after.")
+        live_until.update(((last_copy[v], v), len(self.schedule) - 1) for v in graph.outputs)
         if self.v1_offsets is not None:
             self.addresses = _resolve_v1_offsets(self.v1_offsets, allocated)
             self.v1_offsets = None
@@ -281,7 +287,46 @@ class Plan:
                 raise PlanError(f"plan addresses place value {value} ({graph.values[value].name}) at "
                                 f"schedule[{step}], its final copy as a graph output, which outlives the step and so "
                                 f"cannot live in the step's arena; drop that address.")
+        _check_placement(graph, variants, self.addresses or {}, live_until)
         return variants
+
+
+ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+              "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+MAX_ARENA_BYTES = 2**62
+"""No arena extends past this byte (an address beyond it is a corrupt plan, not a large model)."""
+
+
+def _check_placement(graph: OpGraph, variants: GraphVariants, addresses: Mapping[Copy, int],
+                     live_until: Mapping[Copy, int]) -> None:
+    """Refuse addresses the arena cannot hold: an offset not a multiple of the value's element size (the arena
+    is viewed as that dtype there), a copy ending past `MAX_ARENA_BYTES`, or two copies live at a common step
+    (from the step computing each to its last read, as `tasks.solve.simulator` counts them) whose byte ranges
+    [offset, offset + bytes) overlap. A sweep over the copies by first step, each checked against the placed
+    copies still live."""
+    live: list[tuple[int, int, int, Copy]] = []           # (last step, low byte, high byte, copy)
+    for copy in sorted(addresses, key=lambda c: c[0]):
+        step, value = copy
+        offset, info = addresses[copy], variants.value(graph, value)
+        item = ITEM_BYTES.get(info.dtype, 16)
+        if offset % item:
+            raise PlanError(f"plan addresses place value {value} ({info.name}, {info.dtype}) at byte {offset}, "
+                            f"which is not a multiple of its element size {item}; the arena is viewed as that dtype "
+                            f"there. Regenerate the plan's addresses.")
+        if offset + info.bytes > MAX_ARENA_BYTES:
+            raise PlanError(f"plan addresses place value {value} ({info.name}) at byte {offset}, past any arena "
+                            f"(2**62 bytes); the plan is corrupt. Regenerate it.")
+        live = [entry for entry in live if entry[0] >= step]
+        low, high = offset, offset + info.bytes
+        for _, other_low, other_high, other in live:
+            if low < other_high and other_low < high:
+                raise PlanError(
+                    f"plan addresses overlap: value {value} ({info.name}, computed at schedule[{step}], bytes "
+                    f"{low}..{high}) and value {other[1]} (computed at schedule[{other[0]}], bytes "
+                    f"{other_low}..{other_high}) are live together at schedule[{step}]. The addresses were not "
+                    f"made for this schedule or were edited; regenerate them (addresses = \"greedy\" or \"olla\").")
+        if info.bytes:
+            live.append((live_until.get(copy, step), low, high, copy))
 
 
 def default_plan(graph: OpGraph) -> Plan:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
+from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, TimeLimit
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 NAMED_LOSSES = ("cross_entropy", "mse", "causal_lm", "sum")
@@ -48,7 +48,7 @@ class ConfigError(MemplanError):
 class Section(BaseModel):
     """A TOML table: unknown keys are refused with the list of allowed keys."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, allow_inf_nan=False)
 
     @classmethod
     def toml_keys(cls) -> list[str]:
@@ -300,8 +300,8 @@ class PlanConfig(Section):
         DEFAULT_BACKEND, description="MILP backend (MILP solvers only); 'auto' takes Gurobi when the license "
         "present covers the model (the pip license covers up to 2000 variables and constraints), else HiGHS."
     )
-    time_limit_s: float = Field(DEFAULT_TIME_LIMIT_S, gt=0, description="Wall-clock limit of one solve, seconds.")
-    gap: float = Field(DEFAULT_GAP, ge=0, lt=1, description="Relative MIP gap at which a MILP solve stops.")
+    time_limit_s: TimeLimit = Field(DEFAULT_TIME_LIMIT_S, description="Wall-clock limit of one solve, seconds.")
+    gap: Gap = Field(DEFAULT_GAP, description="Relative MIP gap at which a MILP solve stops.")
     options: dict[str, Any] = Field(
         default_factory=dict, description="The solver's own options (`memplan solve --help` and docs/solvers.md "
         "list them per solver).")
@@ -506,7 +506,7 @@ class PipelineConfig(Section):
     store: str = Field("profiles_db", description="Profile store: a folder (relative paths: from the file's folder) "
                        "or an object-store URL such as 's3://bucket/prefix' (docs/fleet.md).")
     cache_dir: str = Field(".cache/memplan", description="Traced graphs, solutions, reports and Prefect results.")
-    models: list[ModelConfig] = Field(description="The models to plan for ([[models]] tables).")
+    models: list[ModelConfig] = Field(min_length=1, description="The models to plan for ([[models]] tables).")
     profile: ProfileConfig = Field(default_factory=ProfileConfig, description="[profile] table.")
     plans: list[PlanConfig] = Field(description="Solvers and budgets ([[plans]] tables).")
     validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate", description="[validate] table.")

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from runtime.jsonio import READABLE, sha256_hex, write_json_atomic
 from runtime.plan import Plan
 from tasks.config import MemplanError
-from tasks.store import readable_files
+from tasks.store import readable_files, schema_problem
 
 if TYPE_CHECKING:
     from tasks.validate import Validation
@@ -225,12 +225,15 @@ def _symlink_atomic(target: str, link: Path) -> None:
 def _index_problem(path: Path) -> str | None:
     """Why the index file `path` cannot be read as an index row, or None when it can."""
     try:
-        names = pq.read_schema(path).names
+        schema = pq.read_schema(path)
     except FileNotFoundError:
         return "missing"
     except (OSError, pa.ArrowException) as exc:
         return f"unreadable or truncated Parquet ({exc})"
-    return None if "plan_id" in names else "not a memplan plans index row (no plan_id column)"
+    if "plan_id" not in schema.names:
+        return "not a memplan plans index row (no plan_id column)"
+    why = schema_problem(schema, INDEX_SCHEMA)
+    return None if why is None else f"a plans index row whose {why}"
 
 
 def index_files(plans_dir: str | os.PathLike) -> list[Path]:
@@ -258,6 +261,9 @@ def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] 
 def resolve(plans_dir: str | os.PathLike, name: str) -> Path:
     """The plan file for a plan id, an id prefix (at least 8 hex digits) or an alias."""
     plans_dir = Path(plans_dir)
+    if not _ALIAS.match(name):
+        raise PublishError(f"{name!r} is not a plan id or alias: those are names inside the plans folder "
+                           f"{plans_dir} (letters, digits, '-', '_', '.'), not paths; see `memplan plans list`.")
     candidates = [plans_dir / f"{name}.json"]
     if re.fullmatch(r"[0-9a-f]{8,64}", name):
         candidates += sorted(p for p in plans_dir.glob(f"{name}*.json") if _PLAN_ID.match(p.stem))

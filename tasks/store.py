@@ -218,17 +218,46 @@ def write_run(rows: pa.Table | list[dict], root: str | os.PathLike | None = None
     return where.shown(final)
 
 
-def _problem(schema: pa.Schema, profile: bool = True) -> str | None:
-    """Why a file with `schema` is not a memplan profile (when `profile`), or None when it is one."""
+def _widens(found: pa.DataType, expected: pa.DataType) -> bool:
+    """Whether values of type `found` read as `expected` without loss (all-null, or a narrower number)."""
+    if pa.types.is_null(found):
+        return True
+    numbers = ((pa.types.is_integer, "bit_width"), (pa.types.is_floating, "bit_width"))
+    return any(kind(found) and kind(expected) and getattr(found, width) <= getattr(expected, width)
+               and pa.types.is_signed_integer(found) == pa.types.is_signed_integer(expected)
+               for kind, width in numbers)
+
+
+def schema_problem(schema: pa.Schema, expected: pa.Schema) -> str | None:
+    """Why a Parquet file of `schema` cannot be read as rows of `expected` (a required column missing, or a
+    column whose type is neither the expected one nor one that widens to it), or None when it can."""
+    missing = [f.name for f in expected if not f.nullable and f.name not in schema.names]
+    if missing:
+        return f"required columns {missing} are missing"
+    for field in schema:
+        if field.name in expected.names:
+            want = expected.field(field.name).type
+            if field.type != want and not _widens(field.type, want):
+                return f"column {field.name} holds {field.type}, where {want} is expected"
+    return None
+
+
+def conformed(table: pa.Table, expected: pa.Schema) -> pa.Table:
+    """`table` (checked by `schema_problem`) with its known columns cast to the `expected` types."""
+    fields = [expected.field(f.name) if f.name in expected.names else f for f in table.schema]
+    return table.cast(pa.schema(fields, metadata=table.schema.metadata))
+
+
+def _problem(schema: pa.Schema, profile: bool = True, expected: pa.Schema | None = None) -> str | None:
+    """Why a file with `schema` is not a memplan profile (when `profile`) or does not conform to
+    `expected`, or None when it is one."""
     if not profile:
-        return None
+        return None if expected is None else schema_problem(schema, expected)
     metadata = schema.metadata or {}
     if SCHEMA_KEY not in metadata:
         return f"not a memplan profile (no {SCHEMA_KEY.decode()} key in its metadata)"
-    missing = [c for c in REQUIRED if c not in schema.names]
-    if missing:
-        return f"memplan profile without required columns {missing}"
-    return None
+    why = schema_problem(schema, SCHEMA)
+    return None if why is None else f"memplan profile whose {why}"
 
 
 def _bad_rows(table: pa.Table) -> str | None:
@@ -263,20 +292,31 @@ def readable_files(paths, problem: Callable[[Path], str | None], warning: type[W
     return good
 
 
-def _read_tables(where: StoreLocation, paths: list[str], profile: bool = True) -> list[tuple[str, pa.Table]]:
-    """(path, table) of each readable Parquet file among `paths` (sorted), each read whole; every other
-    one is skipped with a `ProfileStoreWarning` naming it."""
+def _read_tables(where: StoreLocation, paths: list[str], profile: bool = True,
+                 expected: pa.Schema | None = None) -> list[tuple[str, pa.Table]]:
+    """(path, table) of each readable Parquet file among `paths` (sorted), each read whole and cast to the
+    profile schema (or `expected`); every other one is skipped with a `ProfileStoreWarning` naming it: an
+    unreadable or truncated file, a foreign schema, a column of the wrong type, bad rows, or a profiling run
+    already read from another file (a copy)."""
     tables: dict[str, pa.Table] = {}
+    runs: dict[str, str] = {}                       # run id -> the file it was read from
 
     def problem(path: str) -> str | None:
         try:
             table = where.read_table(path)
         except (OSError, pa.ArrowException) as exc:
             return f"unreadable or truncated Parquet ({exc})"
-        why = _problem(table.schema, profile) or (_bad_rows(table) if profile else None)
-        if why is None:
-            tables[path] = table
-        return why
+        why = _problem(table.schema, profile, expected) or (_bad_rows(table) if profile else None)
+        if why is not None:
+            return why
+        table = conformed(table, SCHEMA if profile else expected) if profile or expected is not None else table
+        if profile:
+            copied = sorted({r for r in table.column("run_id").unique().to_pylist() if r in runs})
+            if copied:
+                return f"it repeats profiling run {copied[0]} of {where.shown(runs[copied[0]])}"
+            runs.update(dict.fromkeys(table.column("run_id").unique().to_pylist(), path))
+        tables[path] = table
+        return None
 
     good = readable_files(paths, problem, ProfileStoreWarning, "", f"Delete or move the file out of "
                           f"{where.root} to silence this warning.")
@@ -372,7 +412,8 @@ def connect(root: str | os.PathLike | None = None,
     for name, (paths, schema) in (extra_views or {}).items():
         paths = [Path(p).resolve().as_posix() for p in paths]
         folder = locate(Path(paths[0]).parent if paths else Path.cwd())
-        _arrow_view(con, name, _union([t for _, t in _read_tables(folder, paths, profile=False)], schema))
+        _arrow_view(con, name, _union([t for _, t in _read_tables(folder, paths, profile=False, expected=schema)],
+                                      schema))
     return con
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import sys
 import warnings
@@ -71,6 +72,11 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _json_number(value):
+    """JSON has no NaN or infinity: such a float is written as null (strict parsers refuse `NaN`)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _json_value(value):
     """JSON for what json cannot encode: SUM over integers is a DuckDB HUGEINT (a Decimal here)."""
     if isinstance(value, Decimal):
@@ -123,7 +129,8 @@ def emit(table, fmt: Format, output: Path | None = None, title: str | None = Non
         console().print(view)
         return
     if fmt is Format.json:
-        text = json.dumps([dict(zip(table.column_names, row)) for row in rows], default=_json_value, indent=1) + "\n"
+        records = [{name: _json_number(v) for name, v in zip(table.column_names, row)} for row in rows]
+        text = json.dumps(records, default=_json_value, indent=1, allow_nan=False) + "\n"
     else:
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")

@@ -57,14 +57,14 @@ def register(app: typer.Typer) -> None:
         import json
         import logging
 
-        from flows.console import console, errors, exit_on_error
+        from flows.console import console, errors, exit_on_error, stdout_for_results_only
 
-        with exit_on_error():
+        with exit_on_error(), stdout_for_results_only(json_output):
             from tasks.config import parse_budget_text, parse_option_text
             from tasks.problems import VARIANT_RULES, load_problem
             from tasks.solve import SOLVERS, OptionError, parse_options
             from tasks.solve.milp import BACKENDS
-            from tasks.solve.solution import SolveOptions
+            from tasks.solve.solution import Gap, SolveOptions, Threads, TimeLimit, check_solve_value
             from tasks.solve_stage import plan_of, solve_loaded
 
             if solver not in SOLVERS:
@@ -86,9 +86,21 @@ def register(app: typer.Typer) -> None:
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--budget") from None
             try:
-                params = parse_options(SOLVERS[solver], dict(parse_option_text(o) for o in option or []), "--option")
+                pairs = [parse_option_text(o) for o in option or []]
+                repeated = sorted({key for key, _ in pairs if sum(k == key for k, _ in pairs) > 1})
+                if repeated:
+                    raise ValueError(f"option {', '.join(repeated)} given more than once; give each option once.")
+                params = parse_options(SOLVERS[solver], dict(pairs), "--option")
             except (OptionError, ValueError) as exc:
                 raise typer.BadParameter(str(exc), param_hint="--option") from None
+            for flag, rule, value in (("--time-limit", TimeLimit, time_limit), ("--gap", Gap, gap),
+                                      ("--threads", Threads, threads)):
+                if value is not None:
+                    try:
+                        check_solve_value(rule, value)
+                    except ValueError as exc:
+                        raise typer.BadParameter(str(exc), param_hint=flag) from None
+            options = SolveOptions(time_limit=time_limit, gap=gap, backend=backend, threads=threads, params=params)
             if progress:
                 handler = logging.StreamHandler()
                 handler.setFormatter(logging.Formatter("%(message)s"))
@@ -98,7 +110,6 @@ def register(app: typer.Typer) -> None:
             if progress and not json_output:
                 where.say(plans=False)
             loaded = load_problem(graph, device=device, store=where.store, variants=variants)
-            options = SolveOptions(time_limit=time_limit, gap=gap, backend=backend, threads=threads, params=params)
             try:
                 solution, eager = solve_loaded(loaded, solver, budget_spec, options, addresses)
             except RuntimeError as exc:          # a requested backend that cannot run this model
@@ -109,6 +120,7 @@ def register(app: typer.Typer) -> None:
             if out is not None and solution.feasible:
                 plan_of(loaded, solution, loaded.device).save(out)
                 report["plan"] = str(out)
+        with exit_on_error():
             if json_output:
                 typer.echo(json.dumps(report))
             else:

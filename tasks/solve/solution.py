@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field, TypeAdapter, ValidationError
 
 from runtime.plan import Plan, memplan_version
 from tasks.solve.milp import Progress, relative_gap
@@ -19,6 +20,21 @@ DEFAULT_BACKEND = "auto"
 DEFAULT_GAP = 0.01
 DEFAULT_TIME_LIMIT_S = 300.0
 """The one set of solve defaults: `SolveOptions`, `[[plans]]` in pipeline.toml and `memplan solve`."""
+
+TimeLimit = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Gap = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
+Threads = Annotated[int, Field(ge=1)]
+"""The one set of rules for the solve values a user gives, shared by `memplan solve` and pipeline.toml: a
+finite positive time limit in seconds, a relative MIP gap in [0, 1), at least one thread. (Solvers pass
+themselves `time_limit=0` when no time is left.)"""
+
+
+def check_solve_value(rule: Any, value: Any) -> Any:
+    """`value` checked against `rule` (TimeLimit, Gap, Threads); ValueError naming the value and the rule."""
+    try:
+        return TypeAdapter(rule).validate_python(value)
+    except ValidationError as exc:
+        raise ValueError(f"{value!r} is refused: {exc.errors()[0]['msg'].lower()}.") from None
 
 
 @dataclass

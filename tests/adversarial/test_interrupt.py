@@ -77,3 +77,39 @@ def test_the_next_run_ends_the_processes_of_a_killed_run_and_no_other(tmp_path):
     finally:
         orphan.kill()
         owned.kill()
+
+
+def test_sighup_ends_a_run_and_its_prefect_server(tmp_path):
+    run, tree = _start_run(tmp_path)
+    os.kill(run.pid, signal.SIGHUP)                      # the terminal closed: only the run gets the signal
+    out, err = run.communicate(timeout=10)
+    assert run.returncode == 128 + signal.SIGHUP and err == MESSAGE + "\n"
+    time.sleep(5)
+    assert _alive(tree) == []
+
+
+def _resnet50() -> str:
+    from tasks.solve.benchmarks import benchmark_graphs
+
+    return str(next(p for p in benchmark_graphs() if p.name == "ResNet50_256_224_224_3_train.json"))
+
+
+@pytest.mark.parametrize("command", [
+    ["query", "SELECT sum(range) FROM range(100000000000000)"],       # DuckDB, in native code for hours
+    ["solve", "--graph", _resnet50(), "--solver", "checkmate", "--budget", "55%", "--backend", "highs",
+     "--time-limit", "600", "--no-progress", "--json"],              # HiGHS, in native code for minutes
+], ids=["query", "solve"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["int", "term", "hup"])
+def test_every_long_command_stops_within_seconds(tmp_path, command, signum):
+    (tmp_path / "store").mkdir()
+    args = [*command, "--store", str(tmp_path / "store")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    started = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path, env=env,
+                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)                                        # inside the query or the solve by now
+    assert started.poll() is None, started.communicate()
+    sent = time.monotonic()
+    os.kill(started.pid, signum)
+    out, err = started.communicate(timeout=10)
+    assert time.monotonic() - sent < 5
+    assert started.returncode == 128 + signum and err.strip().endswith("interrupted")

@@ -121,6 +121,16 @@ def test_plans_list_and_show(tmp_path, make_plan, make_validation):
     assert missing.exit_code == 1 and "no plan 'nothing'" in missing.output
 
 
+def test_plans_show_reads_nothing_outside_the_plans_folder(tmp_path, make_plan):
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    make_plan().save(tmp_path / "outside.json")
+    for name in ("../outside", str(tmp_path / "outside"), "sub/../../outside"):
+        shown = runner.invoke(app, ["plans", "show", name, "--dir", str(plans)])
+        assert shown.exit_code == 1 and "not a plan id or alias" in shown.output, name
+        assert "Traceback" not in shown.output
+
+
 def test_trace_command_writes_the_graph(tmp_path):
     result = runner.invoke(app, ["trace", str(write(tmp_path, GOOD))])
     assert result.exit_code == 0, result.output

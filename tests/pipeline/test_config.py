@@ -149,6 +149,11 @@ def test_bad_literal_lists_allowed_values(config_data):
                                                 "'max_overhead'; give exactly one"),
         (lambda d: d.pop("models"), "key models: required key is missing"),
         (lambda d: d.update(validate={"steps": 0}), "validate.steps = 0"),
+        (lambda d: d.update(validate={"rtol": float("inf")}), "validate.rtol = inf"),
+        (lambda d: d.update(validate={"atol": float("nan")}), "validate.atol = nan"),
+        (lambda d: d["plans"][0].update(time_limit_s=float("nan")), "plans[0].time_limit_s = nan"),
+        (lambda d: d["plans"][0].update(time_limit_s=0), "plans[0].time_limit_s = 0"),
+        (lambda d: d.update(models=[]), "models = []"),
     ],
 )
 def test_bad_values_are_named(config_data, change, fragment):

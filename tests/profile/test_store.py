@@ -169,3 +169,58 @@ def test_warning_free_store_emits_no_warning(store, make_run):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(load_costs("fp-a")) == 3
+
+
+def _bad_files(store, make_run):
+    """A store with one good run (fp-a) and one file of each bad kind; returns (good rows, bad file paths)."""
+    rows = make_run("fp-a")
+    good = write_run(rows)
+    folder = good.parent
+    typed = pq.read_table(write_run(make_run("fp-b"), store.parent / "elsewhere"))
+    wrong_type = folder / "run-wrong-type.parquet"                    # a run file whose node_id is text
+    pq.write_table(typed.set_column(typed.schema.get_field_index("node_id"), "node_id",
+                                    pa.array([str(v) for v in typed.column("node_id").to_pylist()])), wrong_type)
+    copy = folder / "run-copy.parquet"                                # the good run under a second name
+    shutil.copyfile(good, copy)
+    foreign = folder / "foreign.parquet"
+    pq.write_table(pa.table({"node_id": ["x"], "time_ms": ["fast"]}), foreign)
+    truncated = folder / "run-truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    return rows, [wrong_type, copy, foreign, truncated]
+
+
+def test_one_bad_file_of_each_kind_never_hides_the_good_rows(store, make_run):
+    rows, bad = _bad_files(store, make_run)
+    with pytest.warns(ProfileStoreWarning) as caught:
+        con = connect()
+        assert con.execute("SELECT count(*), count(DISTINCT run_id) FROM profiles").fetchall() == [(3, 1)]
+        assert con.execute("SELECT node_id FROM latest_costs ORDER BY node_id").fetchall() == [(0,), (1,), (2,)]
+        costs = load_costs("fp-a")
+    assert costs.run_id == rows[0]["run_id"] and len(costs) == 3
+    messages = " ".join(str(w.message) for w in caught)
+    for path in bad:
+        assert str(path) in messages, path
+    assert "column node_id holds string" in messages and f"repeats profiling run {rows[0]['run_id']}" in messages
+
+
+def test_every_command_reads_past_bad_store_and_index_files(store, make_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    _bad_files(store, make_run)
+    plans = tmp_path / "plans"
+    (plans / "index").mkdir(parents=True)
+    pq.write_table(pa.table({"plan_id": [1], "alias": [2.5]}), plans / "index" / "mistyped.parquet")
+    pq.write_table(pa.table({"something": ["else"]}), plans / "index" / "foreign.parquet")
+    runner = CliRunner()
+    for args in (["profiles", "list", "--store", str(store)],
+                 ["query", "--store", str(store), "--plans", str(plans), "--format", "csv",
+                  "SELECT (SELECT count(*) FROM profiles) AS rows, (SELECT count(*) FROM plans) AS plans"],
+                 ["plans", "list", "--dir", str(plans)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, (args, result.output)
+        assert "Traceback" not in result.output and "skipping" in result.output.lower(), args
+    query = runner.invoke(app, ["query", "--store", str(store), "--plans", str(plans), "--format", "csv",
+                                "SELECT (SELECT count(*) FROM profiles) AS rows, (SELECT count(*) FROM plans) AS plans"])
+    assert "rows,plans\n3,0\n" in query.stdout

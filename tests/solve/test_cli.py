@@ -2,6 +2,8 @@ import json
 import re
 from datetime import datetime, timezone
 
+import pytest
+
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -148,3 +150,25 @@ def test_no_schedule_exits_1_in_every_mode_and_still_prints_the_report(benchmark
     assert "found no schedule" in _flat(as_json.stderr)
     table = CliRunner().invoke(app, args)
     assert table.exit_code == 1 and "feasible" in table.stdout
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--time-limit", "-5"], "-5.0 is refused: input should be greater than 0"),
+    (["--time-limit", "0"], "0.0 is refused: input should be greater than 0"),
+    (["--time-limit", "nan"], "nan is refused: input should be a finite number"),
+    (["--gap", "5"], "5.0 is refused: input should be less than 1"),
+    (["--threads", "-3"], "-3 is refused: input should be greater than or equal to 1"),
+    (["--option", "mode=memory", "--option", "mode=budget"], "option mode given more than once"),
+])
+def test_the_cli_refuses_what_pipeline_toml_refuses_before_any_work(benchmark_paths, monkeypatch, extra, fragment):
+    import tasks.problems
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the graph was loaded before the arguments were checked")
+
+    monkeypatch.setattr(tasks.problems, "load_problem", no_work)
+    path = next(p for p in benchmark_paths if p.name.startswith("VGG16") and "train" in p.name)
+    result = CliRunner().invoke(app, ["solve", "--graph", str(path), "--solver", "acg", "--budget", "90%", *extra])
+    assert result.exit_code == 2, result.output
+    assert fragment in " ".join(result.output.replace("│", " ").split()), result.output
+    assert "Traceback" not in result.output
