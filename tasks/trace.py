@@ -72,11 +72,13 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) ->
 
 
 def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path) -> tuple[Traced, OpGraph]:
-    """Capture the graph and write it to its fingerprint's file (again where it is there: its meta records
-    where this run verified its rewrites); returns the record and the captured graph (with its FX program)."""
+    """Capture the graph and write it to its fingerprint's file unless that file already holds the same rewrite
+    record (`meta["rewrites"]`: which instances apply and where they were verified); returns the record and
+    the captured graph (with its FX program)."""
     graph = capture_model(spec, batch_size, device, seed)
     path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint)
-    graph.save(path)
+    if not path.exists() or OpGraph.load(path).meta.get("rewrites") != graph.meta.get("rewrites"):
+        graph.save(path)
     return describe(graph, path, spec.name, batch_size), graph
 
 
