@@ -29,9 +29,8 @@ solver = "dtr"
 max_overhead = [0.25]
 
 [[plans]]
-solver = "monet"
-budgets = ["70%"]
-time_limit_s = 30
+solver = "ap-greedy"
+max_overhead = [0.25]
 
 [validate]
 steps = 1
@@ -58,7 +57,7 @@ def test_a_grouped_query_attention_decoder_publishes_its_plans(tmp_path, harness
     result = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["run", str(config)])
     assert result.exit_code == 0, result.output
     rows = read_index(tmp_path / "plans")
-    assert sorted(r["solver"] for r in rows) == ["dtr", "monet"]
+    assert sorted(r["solver"] for r in rows) == ["ap-greedy", "dtr"]
     (graph_file,) = (tmp_path / ".cache" / "memplan" / "graphs").glob("llama-gqa-b2-*.json")
     attention = [n.id for n in OpGraph.load(graph_file).nodes if "flash_attention" in n.targets[0]]
     assert len(attention) == 4                              # forward and backward of 2 layers
