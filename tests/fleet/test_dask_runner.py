@@ -1,0 +1,164 @@
+"""`[run] task_runner = "dask"` for real: the `plan` flow's solve and validate cells go through prefect-dask
+to a local cluster and to an external `dask scheduler` with two `dask worker` processes (started on
+loopback here, stopped in teardown), and publish the same plans as the default thread pool.
+
+All three runs start from the same traced graph and profile run (the threads run traces and profiles; each
+Dask run gets a copy of its cache without the solve and validate results), so any difference in a plan
+comes from the runner. Plan ids are hashes of the plans' content: equal ids mean equal schedules.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import textwrap
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from .conftest import REPO, free_port, started
+
+ALIASES = ("mlp-b64-checkmate-90pct", "mlp-b64-checkmate-75pct")
+
+PIPELINE = """
+device = "cpu"
+store = "{store}"
+cache_dir = "{cache}"
+
+[[models]]
+name = "mlp"
+factory = "tiny_models:mlp"
+loss = "cross_entropy"
+batch_sizes = [64]
+inputs = [{{ shape = [8] }}, {{ shape = [], dtype = "int64", high = 4 }}]
+
+[profile]
+warmup = 0
+repeats = 1
+
+[[plans]]
+solver = "checkmate"
+budgets = ["90%", "75%"]
+
+[validate]
+steps = 2
+max_steps = 2
+
+[publish]
+dir = "{plans}"
+
+[run]
+{run}
+"""
+
+MODELS = '''
+from torch import nn
+
+def mlp(width=32, depth=6):
+    layers = []
+    for i in range(depth):
+        layers += [nn.Linear(8 if i == 0 else width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+'''
+
+
+def _write(project: Path, runner: str, run: str) -> Path:
+    """pipeline-<runner>.toml with its own cache and plans folders; one store for all runners."""
+    path = project / f"pipeline-{runner}.toml"
+    path.write_text(PIPELINE.format(store=project / "store", cache=project / f"cache-{runner}",
+                                    plans=project / f"plans-{runner}", run=run))
+    return path
+
+
+def _copy_profiled_cache(source: Path, target: Path) -> None:
+    """`source` without its solve and validate results: the trace and profile run are re-used."""
+    shutil.copytree(source, target)
+    shutil.rmtree(target / "solutions")
+    dropped = [r for r in (target / "prefect").iterdir() if r.name.startswith(("solve-", "validate-"))]
+    assert len(dropped) == 2 * len(ALIASES), sorted(r.name for r in (target / "prefect").iterdir())
+    for record in dropped:
+        record.unlink()
+
+
+def _published(outcomes: list[dict], plans: Path) -> dict[str, tuple[str, int]]:
+    """Per cell: the content address of the plan file its alias names (a hash of the schedule and the rest
+    of the plan, without its creation time) and the peak its validation measured."""
+    from runtime.plan import Plan
+    from tasks.publish import plan_id
+
+    assert [o["status"] for o in outcomes] == ["published"] * len(ALIASES), outcomes
+    addresses = {o["alias"]: plan_id(Plan.load(plans / f"{o['alias']}.json")) for o in outcomes}
+    assert addresses == {o["alias"]: o["plan_id"] for o in outcomes}
+    return {o["alias"]: (addresses[o["alias"]], o["measured_peak_bytes"]) for o in outcomes}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """A project (model module, store) and the plans of the default thread pool: (project, published)."""
+    from flows.plan import run_plan
+
+    project = tmp_path_factory.mktemp("dask-project")
+    (project / "tiny_models.py").write_text(textwrap.dedent(MODELS))
+    outcomes = run_plan(_write(project, "threads", 'task_runner = "threads"'))
+    return project, _published(outcomes, project / "plans-threads")
+
+
+@contextmanager
+def dask_cluster(folder: Path, workers: int = 2) -> Iterator[str]:
+    """`dask scheduler` and `workers` single-threaded `dask worker` processes on 127.0.0.1, run from
+    `folder` (the project: its model module is importable there) as an operator starts them; yields the
+    scheduler's address once every worker has joined."""
+    from distributed import Client
+
+    dask = str(Path(sys.executable).with_name("dask"))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(folder)]), "OMP_NUM_THREADS": "1",
+           "PREFECT_LOGGING_LEVEL": "INFO"}
+    with ExitStack() as stack:
+        stack.enter_context(started([dask, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
+                                     "--no-dashboard"], folder / "scheduler.log", env=env, cwd=folder))
+        for i in range(workers):
+            stack.enter_context(started([dask, "worker", address, "--host", "127.0.0.1", "--nthreads", "1",
+                                         "--no-dashboard", "--name", f"w{i}"], folder / f"worker-{i}.log",
+                                        env=env, cwd=folder))
+        with Client(address, timeout=60) as client:
+            try:
+                client.wait_for_workers(workers, timeout=120)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{workers} dask workers did not join {address} within 120 s:\n"
+                                   + _logs(folder)) from exc
+        yield address
+
+
+def _logs(folder: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(folder.glob("*.log")))
+
+
+@pytest.mark.fleet_e2e
+def test_local_dask_cluster_publishes_the_thread_pools_plans(baseline):
+    from flows.plan import run_plan
+
+    project, expected = baseline
+    _copy_profiled_cache(project / "cache-threads", project / "cache-local")
+    config = _write(project, "local", 'task_runner = "dask"\ndask_workers = 2')
+    assert _published(run_plan(config), project / "plans-local") == expected
+    assert len(list((project / "cache-local" / "solutions").glob("*.json"))) == len(ALIASES)   # solved again
+
+
+@pytest.mark.fleet_e2e
+def test_external_dask_cluster_publishes_the_thread_pools_plans(baseline):
+    from flows.plan import run_plan
+
+    project, expected = baseline
+    _copy_profiled_cache(project / "cache-threads", project / "cache-external")
+    with dask_cluster(project) as address:
+        config = _write(project, "external", f'task_runner = "dask"\ndask_address = "{address}"')
+        published = _published(run_plan(config), project / "plans-external")
+    worker_logs = "".join((project / f"worker-{i}.log").read_text() for i in range(2))
+    missing = [f"{stage} {alias}" for stage in ("solve", "validate") for alias in ALIASES
+               if f"{stage} {alias}" not in worker_logs]
+    assert not missing, (f"task runs the dask workers did not log: {missing}", _logs(project))
+    assert published == expected
