@@ -3,6 +3,8 @@ publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tes
 
 from __future__ import annotations
 
+import importlib.util
+
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -86,6 +88,14 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             [o.to_json() for o in outcomes],
         )
     return [o.to_json() for o in outcomes]
+
+
+def check_task_runner(run: RunConfig) -> None:
+    """Refuse, before any stage runs, a Dask task runner whose package is not installed."""
+    if run.task_runner == "dask" and importlib.util.find_spec("prefect_dask") is None:
+        raise MemplanError("[run] task_runner = \"dask\" needs prefect-dask and Dask, which the fleet extra "
+                           "installs: pip install -c constraints.txt -e '.[fleet]' (docs/install.md); or set "
+                           "task_runner = \"threads\".")
 
 
 @contextmanager
@@ -173,6 +183,7 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
     resolve_device(config.device)
     for model in config.models:
         check_model(model)
+    check_task_runner(config.run)
     storage = Path(config.cache_dir).resolve() / "prefect"
     with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_RESULTS_DEFAULT_SERIALIZER: "json"}):
         return plan_flow(str(config_path), refresh, config)

@@ -144,3 +144,16 @@ def test_a_budget_this_device_cannot_meet_is_reported_and_does_not_fail_the_run(
     assert table_row(result.output, "mlp-b1024-checkpoint-all-100pct")[-1] == "published"
     assert "published 1 of 2 plans into" in " ".join(result.output.split())
     assert [r["alias"] for r in read_index(tmp_path / "plans")] == ["mlp-b1024-checkpoint-all-100pct"]
+
+
+def test_a_dask_runner_without_prefect_dask_is_refused_before_any_stage(tmp_path, monkeypatch, quiet_prefect):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "prefect_dask" else real(name, *a))
+    config = write_project(tmp_path, "mlp", "cross_entropy")
+    config.write_text(config.read_text() + '\n[run]\ntask_runner = "dask"\n')
+    result = runner.invoke(app, ["run", str(config)])
+    assert result.exit_code == 1
+    assert "pip install -c constraints.txt -e '.[fleet]'" in " ".join(result.output.split())
+    assert not (tmp_path / ".cache" / "memplan" / "graphs").exists()
