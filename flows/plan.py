@@ -72,6 +72,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             else:
                 solved = runner.map(solve_step.with_options(**rerun), cells)
             solutions = [future.result() for future in solved]   # no solver competes with the timed steps
+            solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             validating = {} if runner is None else {
                 case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
                 for case, s in zip(cases, solutions) if s["feasible"]}
@@ -115,6 +116,14 @@ def cell_runner(run: RunConfig) -> Iterator[Any]:
                                                 "processes": True, "host": "127.0.0.1", "dashboard_address": None})
     with runner:
         yield runner
+
+
+def _resolved_if_gone(solved: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+    """`solved`, or, where it is a cached result whose plan file is gone (a cleaned cache folder), the cell
+    solved again: the cache never serves a result that points at nothing."""
+    if not solved["feasible"] or Path(solved["plan_path"]).exists():
+        return solved
+    return solve_step.with_options(refresh_cache=True)(**cell)
 
 
 def _validate_parameters(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str) -> dict[str, Any]:

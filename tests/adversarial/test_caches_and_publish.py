@@ -63,3 +63,26 @@ def test_a_plan_that_cannot_be_indexed_publishes_nothing(tmp_path):
     with pytest.raises(PublishError, match="cannot be indexed"):
         publish(plan, validation, tmp_path / "plans", alias="huge", model="mlp", batch_size=2, budget="1e30B")
     assert not (tmp_path / "plans").exists() or not [p for p in (tmp_path / "plans").rglob("*") if p.is_file()]
+
+
+def test_a_deleted_solutions_folder_is_rebuilt_by_the_next_run(tmp_path, monkeypatch):
+    """The cached solve result names a plan file under `cache_dir/solutions`; with that folder deleted, the
+    next run solves the cell again (instead of failing on a missing file) and publishes the same plan."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tasks.publish import read_index
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    config = tiny_pipeline(tmp_path)
+    runner = CliRunner()
+    first = runner.invoke(app, ["run", str(config)])
+    assert first.exit_code == 0, first.output
+    (row,) = read_index(tmp_path / "plans")
+    shutil.rmtree(tmp_path / ".cache" / "memplan" / "solutions")
+    second = runner.invoke(app, ["run", str(config)])
+    assert second.exit_code == 0, second.output
+    assert [r["plan_id"] for r in read_index(tmp_path / "plans")] == [row["plan_id"]]
+    assert len(list((tmp_path / ".cache" / "memplan" / "solutions").glob("*.json"))) == 1
