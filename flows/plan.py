@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -73,10 +74,12 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
                 solved = runner.map(solve_step.with_options(**rerun), cells)
             solutions = [future.result() for future in solved]   # no solver competes with the timed steps
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
+            floors = least_known_budgets(cases, solutions)
             validating = {} if runner is None else {
                 case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
                 for case, s in zip(cases, solutions) if s["feasible"]}
-            outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias))
+            outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias),
+                                              floors.get((case.model.name, case.batch_size)))
                         for case, s in zip(cases, solutions)]
     finally:
         forget_captured(traced)
@@ -131,17 +134,43 @@ def _validate_parameters(case: Case, solved: dict[str, Any], config: PipelineCon
                 seed=config.seed, settings=config.validation, alias=case.alias)
 
 
+@dataclass(frozen=True)
+class KnownFloor:
+    """The least budget a run knows to be feasible for one model and batch size, and what showed it."""
+
+    bytes: int
+    source: str
+
+
+def least_known_budgets(cases: list[Case], solutions: list[dict[str, Any]]) -> dict[tuple[str, int], KnownFloor]:
+    """Per (model, batch size): the least of the peaks of the run's schedules and of the smallest feasible
+    budgets its greedy probes found for infeasible cells: the floor an infeasibility message cites."""
+    floors: dict[tuple[str, int], KnownFloor] = {}
+    for case, solved in zip(cases, solutions):
+        if solved["feasible"]:
+            found = KnownFloor(solved["predicted_peak_bytes"], f"the peak of {case.alias}'s schedule")
+        elif solved["smallest_feasible_budget"] is not None:
+            found = KnownFloor(solved["smallest_feasible_budget"], "greedy checkpointing")
+        else:
+            continue
+        key = (case.model.name, case.batch_size)
+        if key not in floors or found.bytes < floors[key].bytes:
+            floors[key] = found
+    return floors
+
+
 def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str,
-                          rerun: dict[str, Any], validating: Any = None) -> Outcome:
-    """Validate (or wait for the validation already submitted as `validating`) and publish one cell."""
+                          rerun: dict[str, Any], validating: Any = None, floor: KnownFloor | None = None) -> Outcome:
+    """Validate (or wait for the validation already submitted as `validating`) and publish one cell;
+    `floor` is the least budget the run knows feasible for the cell's model and batch size."""
     common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
                   budget=case.budget.label, budget_bytes=solved["budget_bytes"],
                   checkpoint_all_peak_bytes=solved["checkpoint_all_peak_bytes"],
                   predicted_peak_bytes=solved["predicted_peak_bytes"])
     if not solved["feasible"]:
-        known = solved["smallest_feasible_budget"] or solved["checkpoint_all_peak_bytes"]
+        known = floor.bytes if floor is not None else solved["checkpoint_all_peak_bytes"]
         return Outcome(**common, status="infeasible", least_feasible_bytes=known,
-                       message=infeasible_message(case, solved))
+                       message=infeasible_message(case, solved, floor))
     if validating is not None:
         validation = validating.result()
     else:
@@ -159,8 +188,8 @@ def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineCo
     return Outcome(**common, **measured, status="published", plan_id=published["plan_id"])
 
 
-def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
-    """Why a cell has no plan, with the smallest feasible budget known."""
+def infeasible_message(case: Case, solved: dict[str, Any], floor: KnownFloor | None = None) -> str:
+    """Why a cell has no plan, with the least feasible budget the run knows (`floor`)."""
     budget, peak = solved["budget_bytes"], solved["checkpoint_all_peak_bytes"]
     if case.budget.max_overhead is not None:
         return (f"{case.alias}: solver {case.plan.solver} found {solved['message']}; raise max_overhead or pick "
@@ -171,8 +200,8 @@ def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
         + (f" ({solved['message']})" if solved["message"] else "")
         + f"; no schedule fits below {solved['min_budget_lower_bound']:,} B"
     )
-    if solved["smallest_feasible_budget"] is not None:
-        text += f", and the smallest feasible budget found (greedy checkpointing) is {solved['smallest_feasible_budget']:,} B"
+    if floor is not None:
+        text += f", and the least feasible budget this run knows is {floor.bytes:,} B ({floor.source})"
     if "time limit" in solved["message"].lower():
         text += f"; raise time_limit_s (now {case.plan.time_limit_s:g} s) or the budget"
     else:

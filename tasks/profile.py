@@ -342,7 +342,10 @@ def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int
                     _drop(measured, node, impl.name, f"{type(exc).__name__}: {exc}", device)
                     continue
                 raise RuntimeError(f"Profiling node {node.id} ({where}, {', '.join(node.targets)}) failed on "
-                                   f"{device}: {exc}. Profile a graph captured on the same device.") from exc
+                                   f"{device}: {exc}. The node's own op raised on inputs of the shapes the graph records: "
+                                   f"if the graph was captured on another device, profile one captured on this "
+                                   f"device; if not, this is a bug in memplan's capture: report it with this "
+                                   f"message and the model.") from exc
             if len(outputs) != len(impl.outputs):
                 why = f"returned {len(outputs)} tensors but the graph lists {len(impl.outputs)} outputs"
                 if impl.name == DEFAULT_IMPL:

@@ -50,7 +50,7 @@ def test_content_key_depends_on_every_part_and_nothing_else():
 
 
 def test_no_plan_messages_say_what_to_change():
-    from flows.plan import infeasible_message
+    from flows.plan import KnownFloor, infeasible_message
     from tasks.config import Budget, Case, parse_config
 
     config = parse_config({"models": [{"name": "m", "factory": "torch.nn:Linear", "inputs": [{"shape": [4]}]}],
@@ -59,10 +59,11 @@ def test_no_plan_messages_say_what_to_change():
     solved = {"budget_bytes": 500, "checkpoint_all_peak_bytes": 1000, "status": "no_solution",
               "message": "time limit reached without an incumbent", "min_budget_lower_bound": 300,
               "smallest_feasible_budget": 1000}
-    assert infeasible_message(case, solved) == (
+    assert infeasible_message(case, solved, KnownFloor(700, "the peak of m-b8-dtr-ovh5pct's schedule")) == (
         "m-b8-checkmate-50pct: solver checkmate found no schedule within 500 B (50pct; the checkpoint-all peak "
         "is 1,000 B), status no_solution (time limit reached without an incumbent); no schedule fits below 300 B, "
-        "and the smallest feasible budget found (greedy checkpointing) is 1,000 B; raise time_limit_s (now 2 s) or the budget."
+        "and the least feasible budget this run knows is 700 B (the peak of m-b8-dtr-ovh5pct's schedule); raise "
+        "time_limit_s (now 2 s) or the budget."
     )
     proved = solved | {"status": "infeasible", "message": "", "smallest_feasible_budget": None}
     assert infeasible_message(case, proved).endswith("no schedule fits below 300 B; raise the budget.")
