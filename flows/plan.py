@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 from prefect import flow, unmapped
 
+from flows.preflight import check_locations
 from flows.report import Outcome, create_artifacts
 from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
@@ -222,6 +223,7 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
     for model in config.models:
         check_model(model)
     check_task_runner(config.run)
+    check_locations(config, publishes=True)
     storage = Path(config.cache_dir).resolve() / "prefect"
     with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_RESULTS_DEFAULT_SERIALIZER: "json"}):
         return plan_flow(str(config_path), refresh, config)

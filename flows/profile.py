@@ -9,6 +9,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.preflight import check_locations
 from flows.steps import profile_step, trace_step
 from tasks.config import PipelineConfig, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
@@ -44,5 +45,6 @@ def run_profile(config_path: str | Path = "pipeline.toml", reuse: bool = False,
     resolve_device(config.device)
     for model in config.models:
         check_model(model)
+    check_locations(config, publishes=False)
     with temporary_settings({PREFECT_LOCAL_STORAGE_PATH: Path(config.cache_dir).resolve() / "prefect"}):
         return profile_flow(str(config_path), reuse, config)

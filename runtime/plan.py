@@ -5,6 +5,7 @@ predictions and provenance. Torch-free.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -87,13 +88,17 @@ class Plan:
         if not isinstance(self.predicted, Mapping):
             raise PlanError("plan key 'predicted' must be an object.")
         for key, val in self.predicted.items():
-            if key not in PREDICTED_KEYS or not (val is None or _is_number(val)):
+            if key not in PREDICTED_KEYS or not (val is None or (_is_number(val) and math.isfinite(val))):
                 raise PlanError(
                     f"plan predicted[{key!r}] = {val!r:.80}: allowed keys are {', '.join(PREDICTED_KEYS)}, "
-                    f"each a number or null.")
+                    f"each a finite number or null.")
         self.predicted = dict(self.predicted)
         if not isinstance(self.provenance, Mapping) or not all(isinstance(k, str) for k in self.provenance):
             raise PlanError("plan key 'provenance' must be an object with string keys.")
+        budget = self.provenance.get("budget_bytes")
+        if budget is not None and not (_is_index(budget)):
+            raise PlanError(f"plan provenance['budget_bytes'] = {budget!r:.80} is not a number of bytes (a non-negative "
+                            f"integer); the plan was edited after it was made: regenerate it.")
         self.provenance = dict(self.provenance)
 
     # -- serialization ---------------------------------------------------------------------------

@@ -37,6 +37,10 @@ _BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d{1,4})?)\s*([A-Za-z]+)\s*$")   
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
+MAX_NAME = 100
+"""The longest model name: plan aliases and graph files are named after it (file names end at 255 bytes)."""
+
+
 class MemplanError(Exception):
     """A user-facing failure: the message is one paragraph naming the cause and the fix."""
 
@@ -218,6 +222,9 @@ class ModelConfig(Section):
     def _name(cls, name: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
             raise ValueError(f"name {name!r} must be letters, digits, '-', '_' or '.' (it becomes a file name)")
+        if len(name) > MAX_NAME:
+            raise ValueError(f"name {name[:40]!r}... is {len(name)} characters long; give at most {MAX_NAME} (it "
+                             f"becomes part of file names)")
         return name
 
     @field_validator("factory")
@@ -621,6 +628,12 @@ def load_config(path: str | Path = "pipeline.toml", solvers: list[str] | None = 
     return parse_config(data, str(path), solvers).relative_to(path.parent)
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters (a 5,000-character value is named, not printed)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-1]} ({len(text)} characters)"
+
+
 def _describe(exc: ValidationError, source: str) -> str:
     """One paragraph: each error as `key.path = value: what is wrong and what is allowed`."""
     parts = []
@@ -637,7 +650,7 @@ def _describe(exc: ValidationError, source: str) -> str:
         else:
             message = err["msg"]
         where = f"key {path}" if path else "top level"
-        value = "" if err["type"] == "missing" or isinstance(err["input"], dict) else f" = {err['input']!r}"
+        value = "" if err["type"] == "missing" or isinstance(err["input"], dict) else f" = {_short(err['input'])}"
         parts.append(f"{where}{value}: {message}")
     return f"{source} does not match the pipeline schema (docs/config.md): " + "; ".join(parts) + "."
 

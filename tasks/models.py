@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -147,6 +148,21 @@ def build_loss(spec: ModelConfig) -> Callable[..., torch.Tensor]:
     if spec.loss in NAMED_LOSSES:
         return _NAMED[spec.loss]
     return import_object(spec.loss, f"loss of model {spec.name!r}")
+
+
+def check_batch_fits(spec: ModelConfig, batch_size: int, device: str) -> None:
+    """Refuse a batch whose input tensors alone exceed the device's memory, before anything is allocated."""
+    nbytes = sum(batch_size * math.prod(item.shape) * getattr(torch, item.dtype).itemsize for item in spec.inputs)
+    if device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        import psutil
+
+        total = psutil.virtual_memory().total
+    if nbytes > total:
+        raise ModelError(
+            f"model {spec.name!r} at batch {batch_size}: its inputs alone take {nbytes / 2**30:,.1f} GiB, more than "
+            f"the {total / 2**30:,.1f} GiB of {device}; lower `batch_sizes` in pipeline.toml.")
 
 
 def build_batch(spec: ModelConfig, batch_size: int, seed: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:

@@ -123,8 +123,7 @@ def publish(
     """
     if not validation.passed:
         raise PublishError(validation.explain(alias) + " It was not published.")
-    if not _ALIAS.match(alias):
-        raise PublishError(f"alias {alias!r} must be letters, digits, '-', '_' or '.' (it is a file name).")
+    check_alias(alias)
     plans_dir = Path(plans_dir)
     pid = plan_id(plan)
     target = plans_dir / f"{pid}.json"
@@ -256,6 +255,13 @@ def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] 
         cursor = con.execute(sql, [files, *(params or [])])
         columns = [d[0] for d in cursor.description]
         return [dict(zip(columns, row)) for row in cursor.fetchall()]
+
+
+def check_alias(alias: str) -> None:
+    """Refuse an alias that is not a plain file name inside the plans folder."""
+    if not _ALIAS.match(alias) or len(alias) > 200:
+        raise PublishError(f"alias {alias[:80]!r} must be letters, digits, '-', '_' or '.', at most 200 of them "
+                           f"(it is a file name inside the plans folder, not a path).")
 
 
 def resolve(plans_dir: str | os.PathLike, name: str) -> Path:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from runtime.graph import OpGraph
-from tasks.config import ModelConfig
+from tasks.config import MemplanError, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,38 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) ->
     only the rewrite instances that are bit-identical on this device (`runtime.capture(..., verify=True)`):
     the selection lands in `meta["rewrites"]` and from there in every plan made for the graph."""
     import runtime
-    from tasks.models import build_batch, build_loss, build_model
+    from runtime.capture import CaptureError
+    from tasks.models import ModelError, build_batch, build_loss, build_model, check_batch_fits
 
+    check_batch_fits(spec, batch_size, device)
     model = build_model(spec, seed).to(device)
-    graph = runtime.capture(model, build_loss(spec), build_batch(spec, batch_size, seed, device), verify=True)
+    try:
+        with _quiet_fake_tensors():
+            graph = runtime.capture(model, build_loss(spec), build_batch(spec, batch_size, seed, device), verify=True)
+    except (CaptureError, MemplanError):
+        raise
+    except Exception as exc:
+        shapes = ", ".join(f"{[batch_size, *i.shape]} {i.dtype}" for i in spec.inputs)
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise ModelError(
+            f"model {spec.name!r} at batch {batch_size}: its training step fails on the batch pipeline.toml declares "
+            f"({shapes}) with {type(exc).__name__}: {first} Check the model's `inputs` (shapes, dtypes, and `high` "
+            f"for class labels, which must be below the number of classes) and `loss`; `memplan run --debug` shows "
+            f"the traceback.") from exc
     graph.meta.update(model=spec.name, batch_size=batch_size, device=device)
     return graph
+
+
+@contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """torch logs every op that fails on fake tensors with its own traceback; the error that follows says it."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path) -> tuple[Traced, OpGraph]:

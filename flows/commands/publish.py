@@ -27,8 +27,11 @@ def register(app: typer.Typer) -> None:
             from flows.commands.validate import run_validation, validation_table
             from runtime.plan import Plan
             from tasks.config import load_config
+            from tasks.publish import check_alias
             from tasks.publish import publish as publish_plan
 
+            if alias is not None:
+                check_alias(alias)                       # before the validation's minutes of work
             validation, spec, batch_size = run_validation(plan, config, model, batch)
             console().print(validation_table(validation))
             loaded = Plan.load(plan)

@@ -110,9 +110,15 @@ def emit(table, fmt: Format, output: Path | None = None, title: str | None = Non
     """Print or write the arrow `table` in format `fmt`."""
     check_output(fmt, output)
     if fmt is Format.parquet:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        _write_atomic(output, lambda p: pq.write_table(table, p))
+        try:
+            _write_atomic(output, lambda p: pq.write_table(table, p))
+        except pa.ArrowNotImplementedError as exc:
+            _err(f"error: the result cannot be written as Parquet ({exc}); cast that column in the SELECT "
+                 f"(e.g. CAST(x AS VARCHAR)) or write csv or json.")
+            raise typer.Exit(1) from None
         return
     rows = list(zip(*(column.to_pylist() for column in table.columns)))
     if fmt is Format.table:

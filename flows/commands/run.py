@@ -26,7 +26,10 @@ def register(app: typer.Typer) -> None:
             with exit_on_error():
                 from tasks.config import load_config
 
+                from flows.preflight import check_writable_folder
+
                 loaded = load_config(config)
+                check_writable_folder("cache_dir", loaded.cache_dir)       # where the run's stderr log goes
                 with stopping_cleanly(Path(loaded.cache_dir) / "run-stderr.log"):
                     _run(config, refresh, loaded)
         except KeyboardInterrupt:            # before the handlers are in place (or in-process callers)

@@ -80,3 +80,89 @@ def test_an_error_inside_a_stage_prints_memplan_s_message_once(tmp_path):
     output = run.stdout + run.stderr
     assert run.returncode == 1 and "Traceback" not in output, output
     assert output.count("out of memory in the factory") == 1, output
+
+
+def _pipeline(tmp_path: Path, models: str, head: str = "", tail: str = "") -> Path:
+    config = tmp_path / "pipeline.toml"
+    config.write_text(f'device = "cpu"\n{head}\n[[models]]\nname = "mlp"\nfactory = "torch.nn:Linear"\n'
+                      f'kwargs = {{ in_features = 4, out_features = 3 }}\n{models}\n'
+                      f'[[plans]]\nsolver = "checkpoint-all"\nbudgets = [1.0]\n{tail}')
+    return config
+
+
+MSE = 'loss = "mse"\ninputs = [{ shape = [4] }, { shape = [3] }]\n'
+
+
+@pytest.mark.parametrize("models, head, tail, fragment", [
+    ('loss = "mse"\ninputs = [{ shape = [5] }, { shape = [3] }]\n', "", "",
+     "its training step fails on the batch pipeline.toml declares ([8, 5] float32, [8, 3] float32) with RuntimeError"),
+    ('inputs = [{ shape = [4] }, { shape = [], dtype = "int64", high = 20 }]\n', "", "",
+     "IndexError: Target"),
+    (MSE + "batch_sizes = [100000000000]\n", "", "", "lower `batch_sizes` in pipeline.toml"),
+    (MSE, 'cache_dir = "afile"', "", "cache_dir = "),
+    (MSE, 'store = "afile"', "", "store = "),
+    (MSE, "", '[publish]\ndir = "afile/sub"\n', "lies under"),
+], ids=["shape", "labels", "batch", "cache-file", "store-file", "publish-under-file"])
+def test_bad_models_and_locations_fail_before_any_stage_in_a_few_lines(tmp_path, monkeypatch, models, head, tail,
+                                                                         fragment):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a folder")
+    result = runner.invoke(app, ["run", str(_pipeline(tmp_path, models, head, tail))])
+    assert result.exit_code == 1 and fragment in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 5, result.output
+    assert not list(tmp_path.rglob("*.parquet"))                       # nothing profiled
+
+
+def test_an_unreachable_prefect_api_is_named_before_any_stage(tmp_path):
+    config = _pipeline(tmp_path, MSE)
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": "http://127.0.0.1:9/api"},
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 1 and "PREFECT_API_URL = 'http://127.0.0.1:9/api' does not answer" in run.stderr
+    assert "Traceback" not in run.stderr + run.stdout and not (tmp_path / ".cache" / "memplan" / "graphs").exists()
+
+
+def test_a_long_model_name_is_named_not_printed(tmp_path):
+    config = _pipeline(tmp_path, MSE).read_text().replace('name = "mlp"', f'name = "{"m" * 5000}"')
+    (tmp_path / "pipeline.toml").write_text(config)
+    result = runner.invoke(app, ["run", str(tmp_path / "pipeline.toml")])
+    assert result.exit_code == 1 and "is 5000 characters long; give at most 100" in result.output
+    assert len(result.output) < 1000
+
+
+def _plan_file(tmp_path: Path) -> Path:
+    """The default plan of a captured linear layer, saved as a plan file."""
+    import torch
+
+    import runtime
+
+    graph = runtime.capture(torch.nn.Linear(4, 3), lambda m, x, y: torch.nn.functional.mse_loss(m(x), y),
+                            (torch.randn(2, 4), torch.randn(2, 3)))
+    path = tmp_path / "plan.json"
+    runtime.default_plan(graph).save(path)
+    return path
+
+
+def test_edited_plan_numbers_and_bad_aliases_are_refused_in_one_line(tmp_path):
+    from runtime.jsonio import sha256_hex
+
+    make_plan_file = _plan_file(tmp_path)
+    plan = json.loads(make_plan_file.read_text())
+    for key, value, fragment in (("predicted", {"peak_bytes": float("nan")}, "each a finite number or null"),
+                                 ("provenance", {"budget_bytes": "abc"}, "is not a number of bytes")):
+        edited = dict(plan, **{key: value})
+        edited["checksum"] = "0" * 64 if key == "predicted" else sha256_hex({k: v for k, v in edited.items()
+                                                                             if k != "checksum"})
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps(edited))
+        _fails_with(["validate", str(path), "--config", str(tiny_pipeline(tmp_path))], fragment)
+    _fails_with(["publish", str(make_plan_file), "--config", str(tiny_pipeline(tmp_path)), "--alias", "../../x"],
+                "it is a file name inside the plans folder, not a path")
+
+
+def test_a_query_result_parquet_cannot_hold_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "profiles_db").mkdir()
+    _fails_with(["query", "SELECT INTERVAL 1 DAY AS i", "-f", "parquet", "-o", str(tmp_path / "x.parquet")],
+                "cannot be written as Parquet")
+    assert not list(tmp_path.glob("*parquet*"))
