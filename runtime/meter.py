@@ -10,8 +10,7 @@ memory events. It also sees buffers that bypass the dispatcher, as torch.compile
 allocate theirs (the dispatch meter saw 25 of 103 MiB of an inductor-compiled GPT-2 step), and kernels'
 own small buffers (a wrapped scalar, a reduction's scratch), at the profiler's cost. On GPT-2's eager
 step and its `aot_eager_decomp_partition`-compiled step the two agreed to the byte. As with the dispatch
-meter, tensors allocated before the block never count: the profiler reports the frees of allocations it
-saw only.
+meter, tensors allocated before the block never count: their frees are left out (`_block_deltas`).
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
+from collections import Counter
+from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,11 +128,25 @@ class PeakMeter:
         elif self._profile is not None:
             self._profile.__exit__(*exc)
             memory = [e for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"]
-            live = list(itertools.accumulate((e.nbytes() for e in sorted(memory, key=lambda e: e.start_ns())),
-                                             initial=0))    # frees of earlier allocations are not reported
+            deltas = _block_deltas(e.nbytes() for e in sorted(memory, key=lambda e: e.start_ns()))
+            live = list(itertools.accumulate(deltas, initial=0))
             self.peak_bytes, self.end_bytes = max(live), live[-1]
         else:
             self._tracker.__exit__(*exc)
             self._tracker.active = False
             self.peak_bytes = self._tracker.peak
             self.end_bytes = self._tracker.live
+
+
+def _block_deltas(deltas: Iterable[int]) -> Iterator[int]:
+    """The allocator's +bytes / -bytes events of a block without the frees of storages allocated before it:
+    a free is the block's own only while an allocation of that size made in the block is live (the profiler
+    usually leaves such frees out, but not always, e.g. after an earlier profiling session in the process)."""
+    live: Counter[int] = Counter()
+    for delta in deltas:
+        if delta >= 0:
+            live[delta] += 1
+            yield delta
+        elif live[-delta] > 0:
+            live[-delta] -= 1
+            yield delta
