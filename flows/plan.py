@@ -15,6 +15,7 @@ from flows.report import Outcome, create_artifacts
 from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
+from tasks.store_access import check_store
 from tasks.validate import Validation
 
 
@@ -38,6 +39,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     Returns one `Outcome` (as JSON) per matrix cell, infeasible ones included; raises `PipelineFailed`
     after publishing what passed when any plan failed validation."""
     config = config or load_config(config_path)
+    check_store(config.store)                  # before tracing: a missing bucket fails in a second
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     cases = expand_matrix(config)
@@ -181,6 +183,7 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     resolve_device(config.device)
+    check_store(config.store)
     for model in config.models:
         check_model(model)
     check_task_runner(config.run)
