@@ -41,6 +41,34 @@ def fleet_status(config, store: str | None = None, now: datetime | None = None) 
     return rows
 
 
+def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[tuple[str, str]]:
+    """Pause (their schedules create no new runs) or resume the profile and plan deployments of
+    `classes` (default: all of `deploy`); return (deployment, paused|resumed|absent)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from flows.commands.deploy import api_url
+    from tasks.config import ConfigError
+
+    names = [c.name for c in deploy.classes]
+    unknown = sorted(set(classes or []) - set(names))
+    if unknown:
+        raise ConfigError(f"--class {unknown[0]!r} is not a device class of [deploy]; classes: {', '.join(names)}.")
+    api_url()
+    done = []
+    with get_client(sync_client=True) as client:
+        for name in classes or names:
+            for flow in ("profile", "plan"):
+                try:
+                    found = client.read_deployment_by_name(f"{flow}/{name}")
+                except ObjectNotFound:
+                    done.append((f"{flow}/{name}", "absent (run `memplan deploy`)"))
+                    continue
+                (client.pause_deployment if paused else client.resume_deployment)(found.id)
+                done.append((f"{flow}/{name}", "paused" if paused else "resumed"))
+    return done
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "never"
@@ -62,8 +90,7 @@ def register(app: typer.Typer) -> None:
         strict: Annotated[bool, typer.Option(help="Exit with status 1 when any (class, model) is late or missing; "
                                                   "--no-strict: always 0 (only the table).")] = True,
     ) -> None:
-        """Per device class and model: the newest profile run, its age, and whether it is older than the
-        class's schedule allows. Exit status 1 when any is late or missing."""
+        """Per device class and model: the newest profile run, its age, late or missing (exit status 1)."""
         import pyarrow as pa
 
         from flows.console import exit_on_error
@@ -89,4 +116,29 @@ def register(app: typer.Typer) -> None:
         if strict and any(r["status"] != "ok" for r in rows):
             raise typer.Exit(1)
 
+    def pausing(paused: bool):
+        def command(
+            config: Annotated[Path, typer.Argument(help="The pipeline file with a \\[deploy] section.")] = Path("pipeline.toml"),
+            classes: Annotated[Optional[list[str]], typer.Option("--class", help="Only this device class (repeatable).")] = None,
+        ) -> None:
+            from rich.table import Table
+
+            from flows.console import console, exit_on_error
+            from tasks.config import ConfigError, load_config
+
+            with exit_on_error():
+                loaded = load_config(config)
+                if loaded.deploy is None:
+                    raise ConfigError(f"{config} has no [deploy] section, so it declares no deployments.")
+                table = Table("deployment", "status")
+                for name, status in set_paused(loaded.deploy, paused, classes):
+                    table.add_row(name, status)
+            console().print(table)
+
+        command.__doc__ = ("Pause the profile and plan deployments: their schedules create no new runs (a running "
+                           "one finishes)." if paused else "Resume paused deployments: their schedules run again.")
+        return command
+
+    fleet.command("pause")(pausing(True))
+    fleet.command("resume")(pausing(False))
     app.add_typer(fleet, name="fleet")
