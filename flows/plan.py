@@ -98,13 +98,17 @@ def check_task_runner(run: RunConfig) -> None:
         raise MemplanError("[run] task_runner = \"dask\" needs prefect-dask and Dask, which the fleet extra "
                            "installs: pip install -c constraints.txt -e '.[fleet]' (docs/install.md); or set "
                            "task_runner = \"threads\".")
+    if run.dask_dashboard is not None and importlib.util.find_spec("bokeh") is None:
+        raise MemplanError(f"[run] dask_dashboard = {run.dask_dashboard!r} needs bokeh, which the fleet extra installs: "
+                           "pip install -c constraints.txt -e '.[fleet]' (docs/install.md); or remove dask_dashboard.")
 
 
 @contextmanager
 def cell_runner(run: RunConfig) -> Iterator[Any]:
     """The task runner of the solve and validate cells: None for the flow's thread pool (`[run] task_runner
     = "threads"`), else a started prefect-dask `DaskTaskRunner` on the scheduler at `dask_address` or on a
-    local cluster of `dask_workers` single-threaded processes bound to 127.0.0.1."""
+    local cluster of `dask_workers` single-threaded processes bound to 127.0.0.1 (its dashboard at
+    `dask_dashboard` when given; prefect-dask logs the link)."""
     if run.task_runner == "threads":
         yield None
         return
@@ -114,7 +118,8 @@ def cell_runner(run: RunConfig) -> Iterator[Any]:
         runner = DaskTaskRunner(address=run.dask_address)
     else:
         runner = DaskTaskRunner(cluster_kwargs={"n_workers": run.dask_workers, "threads_per_worker": 1,
-                                                "processes": True, "host": "127.0.0.1", "dashboard_address": None})
+                                                "processes": True, "host": "127.0.0.1",
+                                                "dashboard_address": run.dask_dashboard})
     with runner:
         yield runner
 

@@ -502,11 +502,16 @@ class RunConfig(Section):
     dask_address: str | None = Field(None, description="Address of an existing Dask scheduler, e.g. "
                                      "'tcp://10.0.0.5:8786'; none: start a local cluster for the run.")
     dask_workers: int = Field(2, ge=1, description="Worker processes of the local Dask cluster (one thread each).")
+    dask_dashboard: str | None = Field(None, description="Address of the local cluster's dashboard (task stream, "
+                                       "progress), e.g. '127.0.0.1:8787' or ':8787' (all interfaces); none: no dashboard.")
 
     @model_validator(mode="after")
     def _dask_only(self) -> RunConfig:
         if self.dask_address is not None and self.task_runner != "dask":
             raise ValueError("dask_address applies with task_runner = 'dask' only")
+        if self.dask_dashboard is not None and (self.task_runner != "dask" or self.dask_address is not None):
+            raise ValueError("dask_dashboard applies to the local cluster (task_runner = 'dask' without dask_address); "
+                             "an external scheduler serves its own (`dask scheduler --dashboard-address :8787`)")
         return self
 
 
