@@ -476,6 +476,9 @@ class DeployConfig(Section):
                                 "(its host died) by a Prefect automation, and re-run when `rerun_zombies`.")
     rerun_zombies: bool = Field(True, description="Re-run a crashed zombie's deployment (on a surviving host).")
     flow_retries: int = Field(0, ge=0, description="Prefect retries of a failed run, in the same process.")
+    result_storage: str | None = Field(None, description="A Prefect storage block ('<block-type>/<name>', e.g. "
+                                       "'s3-bucket/memplan-results') for the runs' results; none: <cache_dir>/prefect "
+                                       "in the shared project folder.")
     notify_block: str | None = Field(None, description="A Prefect notification block ('<block-type>/<name>', e.g. "
                                      "'slack-webhook/ml-alerts') told of every failed or crashed run.")
 

@@ -51,11 +51,28 @@ def api_url() -> str:
     return url
 
 
-def desired_deployments(deploy: DeployConfig, config_path: Path) -> list[dict[str, Any]]:
+def results_env(deploy: DeployConfig, directory: Path, config_path: Path, cache_dir: str | None) -> dict[str, str]:
+    """Where deployment runs keep Prefect's results, as JSON (never pickle): the storage block
+    `result_storage`, else `<cache_dir>/prefect` on the shared project folder (as `memplan run` does), not
+    each worker's home."""
+    env = {"PREFECT_RESULTS_DEFAULT_SERIALIZER": "json"}
+    if deploy.result_storage:
+        return {**env, "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": deploy.result_storage}
+    cache = Path(cache_dir or ".cache/memplan")
+    if cache.is_absolute():
+        try:                                   # the deploying host's path to the project -> the workers' path
+            cache = cache.relative_to(config_path.resolve().parent)
+        except ValueError:
+            return {**env, "PREFECT_LOCAL_STORAGE_PATH": str(cache / "prefect")}
+    return {**env, "PREFECT_LOCAL_STORAGE_PATH": str(directory / cache / "prefect")}
+
+
+def desired_deployments(deploy: DeployConfig, config_path: Path, cache_dir: str | None = None) -> list[dict[str, Any]]:
     """What `memplan deploy` puts on the server: one dict of `create_deployment` arguments (plus `flow`)
-    per (flow, device class)."""
+    per (flow, device class); `cache_dir` is the pipeline's (its results go to `<cache_dir>/prefect`)."""
     directory = Path(deploy.directory) if deploy.directory else config_path.resolve().parent
     config_file = str(directory / config_path.name)
+    results = results_env(deploy, directory, config_path, cache_dir)
     wanted = []
     for cls in deploy.classes:
         for flow, cron, extra in (("profile", cls.profile_cron, cls.profile_parameters),
@@ -68,7 +85,7 @@ def desired_deployments(deploy: DeployConfig, config_path: Path) -> list[dict[st
                 schedules=[] if cron is None else [(cron, cls.timezone)],
                 job_variables={"env": {DEVICE_CLASS_VAR: cls.name,
                                        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(deploy.heartbeat_s),
-                                       "PREFECT_FLOWS_DEFAULT_RETRIES": str(deploy.flow_retries)}},
+                                       "PREFECT_FLOWS_DEFAULT_RETRIES": str(deploy.flow_retries), **results}},
                 tags=["memplan", f"device-class:{cls.name}", pool_tag(deploy.work_pool)],
                 description=f"memplan {flow} flow for device class {cls.name} (device key {cls.device_key}); "
                             f"made by `memplan deploy {config_path.name}`.",
@@ -127,7 +144,8 @@ def _ensure_pool(client, deploy: DeployConfig, dry_run: bool) -> list[tuple[str,
     return done
 
 
-def deploy(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False) -> list[tuple[str, str]]:
+def deploy(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False,
+           cache_dir: str | None = None) -> list[tuple[str, str]]:
     """Create or update the pool, queues, deployments and automations; return (object, status), status
     created|updated|unchanged (`would be created|updated` and no change on the server when `dry_run`)."""
     from prefect.client.orchestration import get_client
@@ -137,7 +155,7 @@ def deploy(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False
     api_url()
     with get_client(sync_client=True) as client:
         done = _ensure_pool(client, deploy_config, dry_run)
-        for want in desired_deployments(deploy_config, config_path):
+        for want in desired_deployments(deploy_config, config_path, cache_dir):
             label = f"deployment {want['flow']}/{want['name']}"
             have = _current(client, want["flow"], want["name"])
             if have == {**want, "tags": sorted(want["tags"])}:
@@ -200,6 +218,8 @@ def register(app: typer.Typer) -> None:
                                   f"classes to deploy (docs/config.md, docs/fleet.md).")
             title = f"memplan deploy {config}" + (" --remove" if remove_all else "") + (" --dry-run" if dry_run else "")
             table = Table("object", "status", title=title)
-            for what, status in (remove if remove_all else deploy)(config, loaded.deploy, dry_run):
+            done = remove(config, loaded.deploy, dry_run) if remove_all else \
+                deploy(config, loaded.deploy, dry_run, loaded.cache_dir)
+            for what, status in done:
                 table.add_row(what, status)
             console().print(table)
