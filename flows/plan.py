@@ -17,6 +17,7 @@ from flows.report import Outcome, create_artifacts
 from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
+from tasks.store_access import check_store
 from tasks.validate import Validation
 
 
@@ -40,6 +41,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     Returns one `Outcome` (as JSON) per matrix cell, infeasible ones included; raises `PipelineFailed`
     after publishing what passed when any plan failed validation."""
     config = config or load_config(config_path)
+    check_store(config.store)                  # before tracing: a missing bucket fails in a second
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     cases = expand_matrix(config)
@@ -101,13 +103,17 @@ def check_task_runner(run: RunConfig) -> None:
         raise MemplanError("[run] task_runner = \"dask\" needs prefect-dask and Dask, which the fleet extra "
                            "installs: pip install -c constraints.txt -e '.[fleet]' (docs/install.md); or set "
                            "task_runner = \"threads\".")
+    if run.dask_dashboard is not None and importlib.util.find_spec("bokeh") is None:
+        raise MemplanError(f"[run] dask_dashboard = {run.dask_dashboard!r} needs bokeh, which the fleet extra installs: "
+                           "pip install -c constraints.txt -e '.[fleet]' (docs/install.md); or remove dask_dashboard.")
 
 
 @contextmanager
 def cell_runner(run: RunConfig) -> Iterator[Any]:
     """The task runner of the solve and validate cells: None for the flow's thread pool (`[run] task_runner
     = "threads"`), else a started prefect-dask `DaskTaskRunner` on the scheduler at `dask_address` or on a
-    local cluster of `dask_workers` single-threaded processes bound to 127.0.0.1."""
+    local cluster of `dask_workers` single-threaded processes bound to 127.0.0.1 (its dashboard at
+    `dask_dashboard` when given; prefect-dask logs the link)."""
     if run.task_runner == "threads":
         yield None
         return
@@ -117,7 +123,8 @@ def cell_runner(run: RunConfig) -> Iterator[Any]:
         runner = DaskTaskRunner(address=run.dask_address)
     else:
         runner = DaskTaskRunner(cluster_kwargs={"n_workers": run.dask_workers, "threads_per_worker": 1,
-                                                "processes": True, "host": "127.0.0.1", "dashboard_address": None})
+                                                "processes": True, "host": "127.0.0.1",
+                                                "dashboard_address": run.dask_dashboard})
     with runner:
         yield runner
 
@@ -220,6 +227,7 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     resolve_device(config.device)
+    check_store(config.store)
     for model in config.models:
         check_model(model)
     check_task_runner(config.run)

@@ -13,6 +13,7 @@ from flows.preflight import check_locations
 from flows.steps import profile_step, trace_step
 from tasks.config import PipelineConfig, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
+from tasks.store_access import check_store
 
 
 @flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.")
@@ -22,6 +23,7 @@ def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False,
     measured each time unless `reuse`, which keeps a cached profile of an unchanged graph. Traces are
     always re-used when unchanged."""
     config = config or load_config(config_path)
+    check_store(config.store)                  # before tracing: a missing bucket fails in a second
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     measure = profile_step.with_options(retries=config.profile.retries, refresh_cache=not reuse)
@@ -43,6 +45,7 @@ def run_profile(config_path: str | Path = "pipeline.toml", reuse: bool = False,
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
     resolve_device(config.device)
+    check_store(config.store)
     for model in config.models:
         check_model(model)
     check_locations(config, publishes=False)

@@ -423,6 +423,8 @@ class DeviceClassConfig(Section):
         default_factory=dict, description="Extra parameters of the profile flow's runs, e.g. {reuse = true}.")
     plan_parameters: dict[str, Any] = Field(
         default_factory=dict, description="Extra parameters of the plan flow's runs, e.g. {refresh = true}.")
+    concurrency: int | None = Field(None, ge=1, description="At most this many runs of the class at once, on all "
+                                    "its hosts (the work queue's concurrency limit); none: one per worker (`--limit 1`).")
 
     @field_validator("name")
     @classmethod
@@ -476,9 +478,22 @@ class DeployConfig(Section):
     directory: str | None = Field(None, description="The project folder on every worker host (holding this "
                                   "pipeline.toml); default: this file's folder, so hosts share it (e.g. an NFS mount).")
     classes: list[DeviceClassConfig] = Field(description="The GPU classes ([[deploy.classes]] tables), one work queue each.")
+    heartbeat_s: int = Field(60, ge=30, description="Seconds between a run's heartbeats (Prefect's minimum is 30).")
+    zombie_after_s: int = Field(180, ge=40, description="A run without a heartbeat for this long is marked crashed "
+                                "(its host died) by a Prefect automation, and re-run when `rerun_zombies`.")
+    rerun_zombies: bool = Field(True, description="Re-run a crashed zombie's deployment (on a surviving host).")
+    flow_retries: int = Field(0, ge=0, description="Prefect retries of a failed run, in the same process.")
+    result_storage: str | None = Field(None, description="A Prefect storage block ('<block-type>/<name>', e.g. "
+                                       "'s3-bucket/memplan-results') for the runs' results; none: <cache_dir>/prefect "
+                                       "in the shared project folder.")
+    notify_block: str | None = Field(None, description="A Prefect notification block ('<block-type>/<name>', e.g. "
+                                     "'slack-webhook/ml-alerts') told of every failed or crashed run.")
 
     @model_validator(mode="after")
     def _distinct(self) -> DeployConfig:
+        if self.zombie_after_s <= self.heartbeat_s:
+            raise ValueError(f"zombie_after_s = {self.zombie_after_s} must exceed heartbeat_s = {self.heartbeat_s} "
+                             f"(use about three heartbeats), or every run is taken for a zombie")
         names = [c.name for c in self.classes]
         if not names:
             raise ValueError("'classes' is empty; declare at least one [[deploy.classes]] table")
@@ -497,11 +512,16 @@ class RunConfig(Section):
     dask_address: str | None = Field(None, description="Address of an existing Dask scheduler, e.g. "
                                      "'tcp://10.0.0.5:8786'; none: start a local cluster for the run.")
     dask_workers: int = Field(2, ge=1, description="Worker processes of the local Dask cluster (one thread each).")
+    dask_dashboard: str | None = Field(None, description="Address of the local cluster's dashboard (task stream, "
+                                       "progress), e.g. '127.0.0.1:8787' or ':8787' (all interfaces); none: no dashboard.")
 
     @model_validator(mode="after")
     def _dask_only(self) -> RunConfig:
         if self.dask_address is not None and self.task_runner != "dask":
             raise ValueError("dask_address applies with task_runner = 'dask' only")
+        if self.dask_dashboard is not None and (self.task_runner != "dask" or self.dask_address is not None):
+            raise ValueError("dask_dashboard applies to the local cluster (task_runner = 'dask' without dask_address); "
+                             "an external scheduler serves its own (`dask scheduler --dashboard-address :8787`)")
         return self
 
 

@@ -52,6 +52,7 @@ INDEX_SCHEMA = pa.schema(
         pa.field("overhead", pa.float64(), nullable=False),
         pa.field("device", pa.string(), nullable=False),
         pa.field("device_name", pa.string()),
+        pa.field("device_class", pa.string()),
         pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("published_at", pa.timestamp("us", tz="UTC"), nullable=False),
         pa.field("path", pa.string(), nullable=False),
@@ -59,6 +60,8 @@ INDEX_SCHEMA = pa.schema(
 )
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PLAN_ID = re.compile(r"^[0-9a-f]{64}$")
+DEVICE_CLASS_VAR = "MEMPLAN_DEVICE_CLASS"
+"""The fleet's device class of the host that validates (set by `memplan deploy` in its deployments' runs)."""
 
 
 class PublishError(MemplanError):
@@ -90,6 +93,7 @@ class IndexRow:
     overhead: float
     device: str
     device_name: str
+    device_class: str | None
     created_at: datetime
     published_at: datetime
     path: str
@@ -181,6 +185,7 @@ def _index_row(
         overhead=validation.overhead,
         device=validation.device,
         device_name=validation.device_name,
+        device_class=os.environ.get(DEVICE_CLASS_VAR) or None,
         created_at=datetime.fromisoformat(created) if created else now,
         published_at=now,
         path=filename,
@@ -250,7 +255,9 @@ def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] 
     files = [str(p) for p in index_files(plans_dir)]
     if not files:
         return []
-    sql = f"SELECT * FROM read_parquet(?, union_by_name = true) {'WHERE ' + where if where else ''} ORDER BY published_at DESC, alias"
+    rows = ("(SELECT * FROM read_parquet(?, union_by_name = true) "     # rows written before device_class: NULL
+            "UNION ALL BY NAME SELECT NULL::VARCHAR AS device_class WHERE false)")
+    sql = f"SELECT * FROM {rows} {'WHERE ' + where if where else ''} ORDER BY published_at DESC, alias"
     with duckdb.connect() as con:
         cursor = con.execute(sql, [files, *(params or [])])
         columns = [d[0] for d in cursor.description]

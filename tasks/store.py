@@ -328,7 +328,10 @@ def read_runs(root: str | os.PathLike | None = None) -> tuple[list[Path | str], 
     rows as one Arrow table (columns unioned by name; the empty `SCHEMA` table when there are none).
     Other files are skipped with a `ProfileStoreWarning` naming them. This is the store's one reading path:
     `connect` hands its table to DuckDB."""
+    from tasks.store_access import check_location
+
     where = locate(root)
+    check_location(where)                 # a missing bucket is an error, not an empty store
     paths = where.parquet_files()
     read = _read_tables(where, paths)
     return [where.shown(p) for p, _ in read], _union([t for _, t in read], SCHEMA)

@@ -3,8 +3,12 @@
 From the `[deploy]` section (docs/config.md, docs/fleet.md): one process work pool, one work queue per
 device class, and per class the deployments `profile/<class>` (on its `profile_cron`) and `plan/<class>`
 (on its `plan_cron`, or on demand), on the Prefect server in `PREFECT_API_URL`. Idempotent: a deployment,
-pool or queue that already matches is left untouched (reported `unchanged`), so deploying twice changes
-nothing on the server.
+pool, queue or automation that already matches is left untouched (reported `unchanged`), so deploying twice
+changes nothing on the server; `--dry-run` says what would change and changes nothing. Every run gets
+`$MEMPLAN_DEVICE_CLASS` (the plans index records it), heartbeats every `heartbeat_s` and `flow_retries`
+retries; the automations of flows/automations.py crash and re-run zombies and send failures to
+`notify_block`. `--remove` deletes what `memplan deploy` made (deployments, automations; runs and the pool's
+queues stay).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Annotated, Any
 
 import typer
 
+from flows.automations import ensure_automations, pool_tag
 from tasks.config import DeployConfig, MemplanError
+from tasks.publish import DEVICE_CLASS_VAR
 
 ENTRYPOINTS = {"profile": "flows.profile:profile_flow", "plan": "flows.plan:plan_flow"}
 
@@ -45,11 +51,28 @@ def api_url() -> str:
     return url
 
 
-def desired_deployments(deploy: DeployConfig, config_path: Path) -> list[dict[str, Any]]:
+def results_env(deploy: DeployConfig, directory: Path, config_path: Path, cache_dir: str | None) -> dict[str, str]:
+    """Where deployment runs keep Prefect's results, as JSON (never pickle): the storage block
+    `result_storage`, else `<cache_dir>/prefect` on the shared project folder (as `memplan run` does), not
+    each worker's home."""
+    env = {"PREFECT_RESULTS_DEFAULT_SERIALIZER": "json"}
+    if deploy.result_storage:
+        return {**env, "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": deploy.result_storage}
+    cache = Path(cache_dir or ".cache/memplan")
+    if cache.is_absolute():
+        try:                                   # the deploying host's path to the project -> the workers' path
+            cache = cache.relative_to(config_path.resolve().parent)
+        except ValueError:
+            return {**env, "PREFECT_LOCAL_STORAGE_PATH": str(cache / "prefect")}
+    return {**env, "PREFECT_LOCAL_STORAGE_PATH": str(directory / cache / "prefect")}
+
+
+def desired_deployments(deploy: DeployConfig, config_path: Path, cache_dir: str | None = None) -> list[dict[str, Any]]:
     """What `memplan deploy` puts on the server: one dict of `create_deployment` arguments (plus `flow`)
-    per (flow, device class)."""
+    per (flow, device class); `cache_dir` is the pipeline's (its results go to `<cache_dir>/prefect`)."""
     directory = Path(deploy.directory) if deploy.directory else config_path.resolve().parent
     config_file = str(directory / config_path.name)
+    results = results_env(deploy, directory, config_path, cache_dir)
     wanted = []
     for cls in deploy.classes:
         for flow, cron, extra in (("profile", cls.profile_cron, cls.profile_parameters),
@@ -60,7 +83,10 @@ def desired_deployments(deploy: DeployConfig, config_path: Path) -> list[dict[st
                 pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(directory)}}],
                 parameters={"config_path": config_file, **extra},
                 schedules=[] if cron is None else [(cron, cls.timezone)],
-                tags=["memplan", f"device-class:{cls.name}"],
+                job_variables={"env": {DEVICE_CLASS_VAR: cls.name,
+                                       "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(deploy.heartbeat_s),
+                                       "PREFECT_FLOWS_DEFAULT_RETRIES": str(deploy.flow_retries), **results}},
+                tags=["memplan", f"device-class:{cls.name}", pool_tag(deploy.work_pool)],
                 description=f"memplan {flow} flow for device class {cls.name} (device key {cls.device_key}); "
                             f"made by `memplan deploy {config_path.name}`.",
             ))
@@ -78,14 +104,15 @@ def _current(client, flow: str, name: str) -> dict[str, Any] | None:
         flow=flow, name=name, work_pool_name=found.work_pool_name, work_queue_name=found.work_queue_name,
         entrypoint=found.entrypoint, path=found.path, pull_steps=found.pull_steps, parameters=found.parameters,
         schedules=[(s.schedule.cron, s.schedule.timezone) for s in found.schedules],
-        tags=sorted(found.tags), description=found.description,
+        job_variables=found.job_variables, tags=sorted(found.tags), description=found.description,
     )
 
 
-def _ensure_pool(client, deploy: DeployConfig) -> list[tuple[str, str]]:
+def _ensure_pool(client, deploy: DeployConfig, dry_run: bool) -> list[tuple[str, str]]:
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
 
+    would = "would be " if dry_run else ""
     done = []
     try:
         pool = client.read_work_pool(deploy.work_pool)
@@ -95,40 +122,76 @@ def _ensure_pool(client, deploy: DeployConfig) -> list[tuple[str, str]]:
                               f"[deploy] work_pool or delete that one (`prefect work-pool delete`).")
         done.append((f"work pool {deploy.work_pool}", "unchanged"))
     except ObjectNotFound:
-        client.create_work_pool(WorkPoolCreate(name=deploy.work_pool, type="process"))
-        done.append((f"work pool {deploy.work_pool}", "created"))
+        if not dry_run:
+            client.create_work_pool(WorkPoolCreate(name=deploy.work_pool, type="process"))
+        done.append((f"work pool {deploy.work_pool}", would + "created"))
     for cls in deploy.classes:
+        label = f"work queue {cls.name}"
         try:
-            client.read_work_queue_by_name(cls.name, work_pool_name=deploy.work_pool)
-            done.append((f"work queue {cls.name}", "unchanged"))
+            queue = client.read_work_queue_by_name(cls.name, work_pool_name=deploy.work_pool)
         except ObjectNotFound:
-            client.create_work_queue(name=cls.name, work_pool_name=deploy.work_pool,
-                                     description=f"GPU hosts of device class {cls.name}")
-            done.append((f"work queue {cls.name}", "created"))
+            if not dry_run:
+                client.create_work_queue(name=cls.name, work_pool_name=deploy.work_pool, concurrency_limit=cls.concurrency,
+                                         description=f"GPU hosts of device class {cls.name}")
+            done.append((label, would + "created"))
+            continue
+        if queue.concurrency_limit == cls.concurrency:
+            done.append((label, "unchanged"))
+            continue
+        if not dry_run:
+            client.update_work_queue(queue.id, concurrency_limit=cls.concurrency)
+        done.append((label, would + "updated"))
     return done
 
 
-def deploy(config_path: Path, deploy_config: DeployConfig) -> list[tuple[str, str]]:
-    """Create or update the pool, queues and deployments; return (object, created|updated|unchanged)."""
+def deploy(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False,
+           cache_dir: str | None = None) -> list[tuple[str, str]]:
+    """Create or update the pool, queues, deployments and automations; return (object, status), status
+    created|updated|unchanged (`would be created|updated` and no change on the server when `dry_run`)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentScheduleCreate
     from prefect.client.schemas.schedules import CronSchedule
 
     api_url()
     with get_client(sync_client=True) as client:
-        done = _ensure_pool(client, deploy_config)
-        for want in desired_deployments(deploy_config, config_path):
+        done = _ensure_pool(client, deploy_config, dry_run)
+        for want in desired_deployments(deploy_config, config_path, cache_dir):
             label = f"deployment {want['flow']}/{want['name']}"
             have = _current(client, want["flow"], want["name"])
             if have == {**want, "tags": sorted(want["tags"])}:
                 done.append((label, "unchanged"))
                 continue
-            arguments = {k: v for k, v in want.items() if k not in ("flow", "schedules")}
-            client.create_deployment(
-                flow_id=client.create_flow_from_name(want["flow"]), **arguments,
-                schedules=[DeploymentScheduleCreate(schedule=CronSchedule(cron=cron, timezone=zone))
-                           for cron, zone in want["schedules"]])
-            done.append((label, "created" if have is None else "updated"))
+            if not dry_run:
+                arguments = {k: v for k, v in want.items() if k not in ("flow", "schedules")}
+                client.create_deployment(
+                    flow_id=client.create_flow_from_name(want["flow"]), **arguments,
+                    schedules=[DeploymentScheduleCreate(schedule=CronSchedule(cron=cron, timezone=zone))
+                               for cron, zone in want["schedules"]])
+            done.append((label, ("would be " if dry_run else "") + ("created" if have is None else "updated")))
+        done += ensure_automations(client, deploy_config, dry_run)
+    return done
+
+
+def remove(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False) -> list[tuple[str, str]]:
+    """Delete the deployments and automations `deploy` made for `deploy_config`; return (object, status)."""
+    from prefect.client.orchestration import get_client
+
+    api_url()
+    done = []
+    with get_client(sync_client=True) as client:
+        for want in desired_deployments(deploy_config, config_path):
+            label = f"deployment {want['flow']}/{want['name']}"
+            if _current(client, want["flow"], want["name"]) is None:
+                done.append((label, "absent"))
+                continue
+            if not dry_run:
+                client.delete_deployment(client.read_deployment_by_name(f"{want['flow']}/{want['name']}").id)
+            done.append((label, "would be removed" if dry_run else "removed"))
+        for automation in client.read_automations():
+            if automation.name.startswith(f"memplan {deploy_config.work_pool}: "):
+                if not dry_run:
+                    client.delete_automation(automation.id)
+                done.append((f"automation {automation.name}", "would be removed" if dry_run else "removed"))
     return done
 
 
@@ -136,8 +199,12 @@ def register(app: typer.Typer) -> None:
     @app.command("deploy")
     def deploy_command(
         config: Annotated[Path, typer.Argument(help="The pipeline file with a \\[deploy] section.")] = Path("pipeline.toml"),
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would change on the server; change nothing.")] = False,
+        remove_all: Annotated[bool, typer.Option("--remove", help="Delete the deployments and automations of "
+                                                 "\\[deploy] instead (runs, pool and queues stay).")] = False,
     ) -> None:
-        """Create the fleet's Prefect deployments (profile and plan flows per device class) from \\[deploy]."""
+        """Create the fleet's Prefect deployments (profile and plan flows per device class) and automations
+        from \\[deploy]."""
         from flows.console import console, exit_on_error
 
         with exit_on_error():
@@ -149,7 +216,10 @@ def register(app: typer.Typer) -> None:
             if loaded.deploy is None:
                 raise ConfigError(f"{config} has no [deploy] section: declare the work pool and the device "
                                   f"classes to deploy (docs/config.md, docs/fleet.md).")
-            table = Table("object", "status", title=f"memplan deploy {config}")
-            for what, status in deploy(config, loaded.deploy):
+            title = f"memplan deploy {config}" + (" --remove" if remove_all else "") + (" --dry-run" if dry_run else "")
+            table = Table("object", "status", title=title)
+            done = remove(config, loaded.deploy, dry_run) if remove_all else \
+                deploy(config, loaded.deploy, dry_run, loaded.cache_dir)
+            for what, status in done:
                 table.add_row(what, status)
             console().print(table)

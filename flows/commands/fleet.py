@@ -1,6 +1,7 @@
-"""`memplan fleet status [pipeline.toml]`: per device class of `[deploy]`, the newest complete profile run
-in the store and its age; a class is `late` when that age exceeds the longest gap of its profile cron
-schedule, `missing` when the store holds no complete run of its device key."""
+"""`memplan fleet status [pipeline.toml]`: per device class of `[deploy]` and model of `[[models]]`, the
+newest complete profile run in the store and its age; a (class, model) is `late` when that age exceeds the
+longest gap of the class's profile cron schedule, `missing` when the store holds no complete run of that
+model on the class's device key. Exits with status 1 when any is late or missing (cron, CI alerts)."""
 
 from __future__ import annotations
 
@@ -13,29 +14,59 @@ import typer
 from flows.commands.query import Format, FormatOption, OutputOption, StoreOption, check_output, emit, reporting_store_warnings
 
 NEWEST_SQL = """
-SELECT device, run_id, model, host, created_at FROM runs WHERE complete
-QUALIFY row_number() OVER (PARTITION BY device ORDER BY created_at DESC, run_id DESC) = 1
+SELECT device, model, run_id, host, created_at FROM runs WHERE complete
+QUALIFY row_number() OVER (PARTITION BY device, model ORDER BY created_at DESC, run_id DESC) = 1
 """
 
 
 def fleet_status(config, store: str | None = None, now: datetime | None = None) -> list[dict[str, Any]]:
-    """One row per device class of `config.deploy`: class, device key, newest run (id, model, host, time),
-    its age and the allowed age in seconds, and status ok | late | missing."""
+    """One row per (device class of `config.deploy`, model of `config.models`): class, device key, model,
+    newest complete run (id, host, time), its age and the allowed age in seconds, and status
+    ok | late | missing."""
     from tasks.store import connect
 
     now = now or datetime.now(timezone.utc)
-    newest = {row[0]: row[1:] for row in connect(store or config.store).execute(NEWEST_SQL).fetchall()}
+    newest = {row[:2]: row[2:] for row in connect(store or config.store).execute(NEWEST_SQL).fetchall()}
     rows = []
     for cls in config.deploy.classes:
         allowed = cls.max_age_s(now)
-        run_id, model, host, created = newest.get(cls.device_key, (None, None, None, None))
-        age = None if created is None else (now - created).total_seconds()
-        status = "missing" if age is None else "late" if age > allowed else "ok"
-        rows.append(dict(device_class=cls.name, device=cls.device_key, status=status, newest_run=run_id,
-                         model=model, host=host, profiled_at=None if created is None else created.isoformat(),
-                         age_s=None if age is None else round(age, 1), allowed_age_s=allowed,
-                         schedule=f"{cls.profile_cron} ({cls.timezone})"))
+        for model in config.models:
+            run_id, host, created = newest.get((cls.device_key, model.name), (None, None, None))
+            age = None if created is None else (now - created).total_seconds()
+            status = "missing" if age is None else "late" if age > allowed else "ok"
+            rows.append(dict(device_class=cls.name, device=cls.device_key, model=model.name, status=status,
+                             newest_run=run_id, host=host, profiled_at=None if created is None else created.isoformat(),
+                             age_s=None if age is None else round(age, 1), allowed_age_s=allowed,
+                             schedule=f"{cls.profile_cron} ({cls.timezone})"))
     return rows
+
+
+def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[tuple[str, str]]:
+    """Pause (their schedules create no new runs) or resume the profile and plan deployments of
+    `classes` (default: all of `deploy`); return (deployment, paused|resumed|absent)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from flows.commands.deploy import api_url
+    from tasks.config import ConfigError
+
+    names = [c.name for c in deploy.classes]
+    unknown = sorted(set(classes or []) - set(names))
+    if unknown:
+        raise ConfigError(f"--class {unknown[0]!r} is not a device class of [deploy]; classes: {', '.join(names)}.")
+    api_url()
+    done = []
+    with get_client(sync_client=True) as client:
+        for name in classes or names:
+            for flow in ("profile", "plan"):
+                try:
+                    found = client.read_deployment_by_name(f"{flow}/{name}")
+                except ObjectNotFound:
+                    done.append((f"{flow}/{name}", "absent (run `memplan deploy`)"))
+                    continue
+                (client.pause_deployment if paused else client.resume_deployment)(found.id)
+                done.append((f"{flow}/{name}", "paused" if paused else "resumed"))
+    return done
 
 
 def _age(seconds: float | None) -> str:
@@ -56,9 +87,10 @@ def register(app: typer.Typer) -> None:
         fmt: FormatOption = Format.table,
         output: OutputOption = None,
         store: StoreOption = None,
-        strict: Annotated[bool, typer.Option(help="Exit with status 1 when a class is late or missing.")] = False,
+        strict: Annotated[bool, typer.Option(help="Exit with status 1 when any (class, model) is late or missing; "
+                                                  "--no-strict: always 0 (only the table).")] = True,
     ) -> None:
-        """Per device class: the newest profile run, its age, and whether it is older than its schedule says."""
+        """Per device class and model: the newest profile run, its age, late or missing (exit status 1)."""
         import pyarrow as pa
 
         from flows.console import exit_on_error
@@ -74,7 +106,7 @@ def register(app: typer.Typer) -> None:
             with reporting_store_warnings():
                 rows = fleet_status(loaded, store)
         if fmt is Format.table:
-            shown = [dict(device_class=r["device_class"], device=r["device"], status=r["status"],
+            shown = [dict(device_class=r["device_class"], device=r["device"], model=r["model"], status=r["status"],
                           newest_run=r["newest_run"], host=r["host"], profiled_at=r["profiled_at"],
                           age=_age(r["age_s"]), allowed=_age(r["allowed_age_s"]), schedule=r["schedule"])
                      for r in rows]
@@ -84,4 +116,29 @@ def register(app: typer.Typer) -> None:
         if strict and any(r["status"] != "ok" for r in rows):
             raise typer.Exit(1)
 
+    def pausing(paused: bool):
+        def command(
+            config: Annotated[Path, typer.Argument(help="The pipeline file with a \\[deploy] section.")] = Path("pipeline.toml"),
+            classes: Annotated[Optional[list[str]], typer.Option("--class", help="Only this device class (repeatable).")] = None,
+        ) -> None:
+            from rich.table import Table
+
+            from flows.console import console, exit_on_error
+            from tasks.config import ConfigError, load_config
+
+            with exit_on_error():
+                loaded = load_config(config)
+                if loaded.deploy is None:
+                    raise ConfigError(f"{config} has no [deploy] section, so it declares no deployments.")
+                table = Table("deployment", "status")
+                for name, status in set_paused(loaded.deploy, paused, classes):
+                    table.add_row(name, status)
+            console().print(table)
+
+        command.__doc__ = ("Pause the profile and plan deployments: their schedules create no new runs (a running "
+                           "one finishes)." if paused else "Resume paused deployments: their schedules run again.")
+        return command
+
+    fleet.command("pause")(pausing(True))
+    fleet.command("resume")(pausing(False))
     app.add_typer(fleet, name="fleet")

@@ -29,8 +29,13 @@ def register(app: typer.Typer) -> None:
         config: ConfigOption = None,
         model: Annotated[Optional[str], typer.Option(help="Only this model.")] = None,
         solver: Annotated[Optional[str], typer.Option(help="Only this solver.")] = None,
+        device_class: Annotated[Optional[str], typer.Option(
+            "--class", help="Only plans validated on this fleet device class (\\[[deploy.classes]] name).")] = None,
+        batch_size: Annotated[Optional[int], typer.Option(help="Only this batch size.")] = None,
+        limit: Annotated[Optional[int], typer.Option(min=1, help="At most this many (the newest).")] = None,
     ) -> None:
-        """One row per published plan, newest first."""
+        """One row per published plan, newest first (`--class h100 --model m --limit 1`: the plan a training
+        job on that class loads)."""
         from rich.table import Column, Table
 
         from flows.commands.query import reporting_store_warnings
@@ -40,17 +45,19 @@ def register(app: typer.Typer) -> None:
         with exit_on_error():
             plans_dir = _plans_dir(config, plans_dir)
         with exit_on_error(), reporting_store_warnings():
-            rows = read_index(plans_dir, "(? IS NULL OR model = ?) AND (? IS NULL OR solver = ?)",
-                              [model, model, solver, solver])
+            rows = read_index(plans_dir, "(? IS NULL OR model = ?) AND (? IS NULL OR solver = ?) AND "
+                              "(? IS NULL OR device_class = ?) AND (? IS NULL OR batch_size = ?)",
+                              [model, model, solver, solver, device_class, device_class, batch_size, batch_size])
+        rows = rows[:limit]
         mib = 2**20
         width = max((len(r["alias"]) for r in rows), default=5)
         table = Table(Column("plan id", no_wrap=True), Column("alias", no_wrap=True, min_width=width), "solver",
-                      "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "device", "published",
+                      "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "device", "class", "published",
                       title=f"plans in {plans_dir}")
         for r in rows:
             table.add_row(r["plan_id"][:12], r["alias"], r["solver"], f"{r['budget_bytes'] / mib:.1f}",
                           f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
-                          f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", r["device"],
+                          f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", r["device"], r.get("device_class") or "",
                           f"{r['published_at']:%Y-%m-%d %H:%M}")
         console().print(table)
 

@@ -168,6 +168,7 @@ def register(app: typer.Typer) -> None:
         import duckdb
 
         from flows.console import exit_on_error
+        from tasks.config import MemplanError
         from tasks.publish import INDEX_SCHEMA, index_files
         from tasks.store import query as run_query
 
@@ -182,7 +183,7 @@ def register(app: typer.Typer) -> None:
         except duckdb.Error as exc:
             _err(f"DuckDB: {exc}")
             raise typer.Exit(1)
-        except (PermissionError, ValueError) as exc:
+        except (PermissionError, ValueError, MemplanError) as exc:
             _err(str(exc))
             raise typer.Exit(1)
         emit(table, fmt, output)

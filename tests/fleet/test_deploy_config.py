@@ -79,6 +79,30 @@ def test_deployments_per_class_and_flow():
     assert profile["entrypoint"] == "flows.profile:profile_flow" and profile["schedules"] == [("0 3 * * *", "UTC")]
     assert wanted["plan", "h100"]["schedules"] == [("0 5 * * *", "UTC")] and wanted["plan", "a100"]["schedules"] == []
     assert wanted["profile", "a100"]["schedules"] == [("0 3 * * *", "Europe/Paris")]
+    assert wanted["plan", "a100"]["job_variables"] == {"env": {
+        "MEMPLAN_DEVICE_CLASS": "a100", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60", "PREFECT_FLOWS_DEFAULT_RETRIES": "0",
+        "PREFECT_RESULTS_DEFAULT_SERIALIZER": "json",
+        "PREFECT_LOCAL_STORAGE_PATH": "/mnt/shared/memplan/.cache/memplan/prefect"}}
+    assert "memplan-pool:gpu-fleet" in profile["tags"]
+
+
+def test_deployment_runs_keep_results_on_shared_storage(tmp_path):
+    project = tmp_path / "here"
+    classes = [{"name": "h100"}]
+    shared = config({"directory": "/mnt/shared/memplan", "classes": classes}).deploy
+    env = desired_deployments(shared, project / "fleet.toml", str(project / "cache"))[0]["job_variables"]["env"]
+    assert env["PREFECT_LOCAL_STORAGE_PATH"] == "/mnt/shared/memplan/cache/prefect"   # the workers' path
+    block = config({"classes": classes, "result_storage": "s3-bucket/memplan-results"}).deploy
+    env = desired_deployments(block, project / "fleet.toml")[0]["job_variables"]["env"]
+    assert env["PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK"] == "s3-bucket/memplan-results"
+    assert "PREFECT_LOCAL_STORAGE_PATH" not in env and env["PREFECT_RESULTS_DEFAULT_SERIALIZER"] == "json"
+
+
+def test_zombie_detection_must_wait_longer_than_a_heartbeat():
+    with pytest.raises(ConfigError, match="zombie_after_s = 60 must exceed heartbeat_s = 60"):
+        config({"classes": [{"name": "h100"}], "heartbeat_s": 60, "zombie_after_s": 60})
+    with pytest.raises(ConfigError, match="heartbeat_s"):
+        config({"classes": [{"name": "h100"}], "heartbeat_s": 10})
 
 
 def test_deploy_needs_a_reachable_server(monkeypatch):
