@@ -5,7 +5,6 @@ the value and the fix, seconds after the command starts rather than after tracin
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from tasks.config import MemplanError, PipelineConfig
@@ -15,20 +14,17 @@ API_TIMEOUT_S = 5.0
 
 
 def check_writable_folder(key: str, location: str | os.PathLike) -> None:
-    """`location` (the value of pipeline.toml's `key`) is a folder this process can create and write in."""
-    path = Path(location)
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
+    """`location` (the value of pipeline.toml's `key`) is a folder this process can write in, or can create:
+    its nearest existing ancestor is a writable folder. Nothing is created here."""
+    path = Path(location).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
         where = "is a file" if existing == path else f"lies under {existing}, which is a file"
         raise MemplanError(f"{key} = {str(location)!r} {where}, not a folder; point {key} at a folder (it is "
                            f"created when missing) or move the file away.")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".memplan-write-check-"):
-            pass
-    except OSError as exc:
-        raise MemplanError(f"{key} = {str(location)!r} cannot be written ({exc.strerror}); give a folder this user "
-                           f"can write, or fix its permissions.") from None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise MemplanError(f"{key} = {str(location)!r} cannot be written: {existing} is not writable by this user; "
+                           f"give a folder this user can write, or fix its permissions.")
 
 
 def check_prefect_api() -> None:

@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
         model: Annotated[Optional[str], typer.Option(help="Only this model.")] = None,
         solver: Annotated[Optional[str], typer.Option(help="Only this solver.")] = None,
         device_class: Annotated[Optional[str], typer.Option(
-            "--class", help="Only plans validated on this fleet device class (\\[[deploy.classes]] name).")] = None,
+            "--class", help="Only plans validated on this fleet device class (the name of a \\[\\[deploy.classes]] table).")] = None,
         batch_size: Annotated[Optional[int], typer.Option(help="Only this batch size.")] = None,
         limit: Annotated[Optional[int], typer.Option(min=1, help="At most this many (the newest).")] = None,
     ) -> None:
