@@ -7,27 +7,30 @@ the nodes the plan keeps and PREFER_RECOMPUTE for the rest (runtime/policy_form.
 that is and what the simulator predicts for them). The model then trains with `loss.backward()`, under
 `torch.compile` and DistributedDataParallel unchanged.
 
-Op calls are matched to the captured graph's nodes of the region by order: the policy sees the region's
-ATen calls as eager PyTorch dispatches them, the graph holds them as AOTAutograd traced them. Views are
-skipped on both sides (recomputing a view allocates nothing). A call whose op is one of the next
-`LOOKAHEAD` graph ops is that op (the graph ops it passes were decomposed differently in eager, e.g.
-`native_dropout` into `bernoulli_`, `div_` and `mul` on CPU); any other call belongs to the next graph
-op and takes its decision. After each eager forward of a region every graph op must have been matched,
-else `apply`'s mapping was wrong for this model and the step raises PolicyMismatch.
+Op calls are matched to the captured graph's ops of the region by order: the policy sees the region's
+ATen calls as eager PyTorch (or torch.compile's tracer) dispatches them, the graph holds them as
+AOTAutograd traced them (`capture_eager`). Views are skipped on both sides (recomputing a view allocates
+nothing); ops compare by name without overload or in-place suffix (`bernoulli_.float` is `bernoulli.p`).
+A call whose op is among the next `LOOKAHEAD` graph ops is that op, and the graph ops it passes count as
+run; torch.compile's `native_dropout` is eager's `empty_like`, `bernoulli`, `div`, `mul` (`_EXPANDS`); any
+other call is part of the next graph op and takes its decision. After each eager forward of a region every
+graph op must have been matched, else the model ran another forward than the captured one and the step
+raises PolicyMismatch. Each applied region is registered in `_REGIONS` under a key its wrapper holds
+(torch.compile takes a `context_fn` only as a function or a partial of constants).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import uuid
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from runtime.capture import capture
@@ -99,7 +102,7 @@ class _Region:
 
 
 _REGIONS: dict[str, _Region] = {}
-"""Regions by key: torch.compile takes a `context_fn` only as a plain function or a partial of constants."""
+"""Applied regions by the key their wrapper passes to `_context` (module docstring)."""
 
 
 def _context(key: str) -> tuple[Any, Any]:

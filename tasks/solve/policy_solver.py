@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.policy_form import Regions, policy_schedule
+from runtime.policy_form import FORM, Regions, policy_schedule
 from tasks.solve.problem import Problem
 from tasks.solve.simulator import simulate
 from tasks.solve.solution import Solution, SolveOptions, checked_solution
@@ -41,7 +41,7 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
     if not regions.members:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"{problem.name} records no module boundaries, which the policy form checkpoints "
-                                f"(capture it with runtime.capture, which records them)", form="policy")
+                                f"(capture it with runtime.capture, which records them)", form=FORM)
     best = None
     for saved in [{}, *decision_ladder(problem, regions)]:
         if options.time_limit is not None and best is not None and time.perf_counter() - start > options.time_limit:
@@ -53,8 +53,8 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
     if best is None:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
-                                f"the budget", form="policy")
+                                f"the budget", form=FORM)
     recomputed = sum(len(regions.recomputed(name, keep)) for name, keep in best[2].items())
     return checked_solution(problem, "selective-policy", budget, best[0], solve_seconds=time.perf_counter() - start,
-                            form="policy", message=f"{len(best[2])} of {len(regions.members)} regions checkpointed, "
+                            form=FORM, message=f"{len(best[2])} of {len(regions.members)} regions checkpointed, "
                                                    f"{recomputed} nodes recomputed")
