@@ -9,7 +9,8 @@
 Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-synchronised): eager PyTorch
 (for transformers models also with the key/value cache off); the PyTorch checkpointing a user writes by
 hand (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's
-top-level children); `torch.compile` with `torch._functorch.config.activation_memory_budget` at each of
+top-level children; for transformers models also torchtitan-style selective checkpointing per layer,
+saving matmul and attention outputs, `selective_policy_step`); `torch.compile` with `torch._functorch.config.activation_memory_budget` at each of
 `--compile-budgets`, by each `--compile-backend` (default: `aot_eager_decomp_partition` on CPU; inductor,
 what a GPU user compiles with, on CUDA; `inductor-cudagraphs` is inductor with CUDA graphs, as
 `mode="reduce-overhead"` compiles); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
@@ -51,11 +52,12 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 from torch._dynamo.backends.debugging import aot_eager_decomp_partition
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
 
 import runtime
 from runtime.executor import replayed_random_nodes
 from runtime.meter import PeakMeter
+from runtime.modules import marked_modules
 from runtime.variants import graph_variants
 from tasks.config import VariantChoice, parse_option_text
 from tasks.problems import VARIANT_RULES
@@ -125,6 +127,37 @@ def no_cache_step(model, loss_fn, batch) -> dict:
     off = copy.deepcopy(model)
     off.config.use_cache = False
     return {"eager, use_cache=False": (off, lambda: loss_fn(off, *batch).backward())}
+
+
+SAC_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+"""What torchtitan's selective activation checkpointing ("op" mode) saves: matmul and attention outputs."""
+
+
+def _save_matmuls(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _layer_sac(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls))
+
+
+def selective_policy_step(model, loss_fn, batch) -> dict:
+    """For a transformers model: torchtitan-style selective activation checkpointing, labelled. Each layer
+    (the repeated modules `runtime.modules.marked_modules` finds) runs under `torch.utils.checkpoint(
+    use_reentrant=False)` with a policy that saves the outputs of `SAC_SAVE` and recomputes every other op
+    (torchtitan's "op" mode also recomputes every second matmul; that refinement is left out). The cache is
+    off, as a checkpointed layer must not update it twice. Else nothing."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is None:
+        return {}
+    sac = copy.deepcopy(model)
+    sac.config.use_cache = False
+    for layer in marked_modules(sac).values():
+        layer.forward = functools.partial(_layer_sac, layer.forward)
+    return {"selective checkpoint (torchtitan)": (sac, lambda: loss_fn(sac, *batch).backward())}
 
 
 def peak_and_grads(model, step, device: str = "cpu"):
@@ -247,7 +280,7 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
     problem = profiled_problem(graph, name, variants, device)
     full = simulate(problem, default_schedule(problem)).peak_bytes
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()), hand_label: (hand, hand_step),
-            **no_cache_step(model, loss_fn, batch)}
+            **no_cache_step(model, loss_fn, batch), **selective_policy_step(model, loss_fn, batch)}
     points = {label: {"kind": "pytorch"} for label in runs}
     for backend in compile_backends:
         for budget in compile_budgets:

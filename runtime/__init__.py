@@ -16,6 +16,7 @@ _EXPORTS = {
     "node_function": "runtime.capture",
     "variant_function": "runtime.capture",
     "load": "runtime.executor",
+    "apply": "runtime.policy",
     "ArenaFallbackWarning": "runtime.arena",
 }
 

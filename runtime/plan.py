@@ -345,7 +345,7 @@ def graph_provenance(graph: OpGraph) -> dict[str, Any]:
     """What a plan records about the graph it was made for: its rewrite record (`rewrites`: the selection
     `runtime.load` captures with, and where it was verified) and its batch's shapes and dtypes (`batch`),
     where the graph's meta has them."""
-    return {key: graph.meta[key] for key in ("rewrites", "batch") if key in graph.meta}
+    return {key: graph.meta[key] for key in ("rewrites", "batch", "capture") if key in graph.meta}
 
 
 def _shapes(batch: Any) -> str:

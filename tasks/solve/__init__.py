@@ -21,6 +21,7 @@ from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
 from tasks.solve.monet import MonetOptions, monet, monet_noop
 from tasks.solve.olla import OllaOptions, olla
+from tasks.solve.policy_solver import selective_policy
 from tasks.solve.options import OptionError, SolverSpec, describe_options, parse_options
 from tasks.solve.portfolio import CHEAP, best_known
 from tasks.solve.problem import Problem
@@ -38,6 +39,8 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
     SolverSpec("module-checkpoint", baselines.module_checkpoint,
                "torch.utils.checkpoint around every n-th module recorded at capture, as users write it.",
                baselines.ModuleCheckpointOptions),
+    SolverSpec("selective-policy", selective_policy,
+               "per-op keep/recompute per recorded module, as selective checkpointing runs it (runtime.apply)."),
     SolverSpec("remat-greedy", greedy.remat_greedy, "greedy: keep the values whose recomputation is dearest per byte."),
     SolverSpec("dtr", dtr, "Dynamic Tensor Rematerialization run offline: evict by h = cost / (bytes * staleness).",
                DtrOptions, variants=True),

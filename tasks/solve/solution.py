@@ -81,6 +81,7 @@ class Solution:
     progress: list[Progress] = field(default_factory=list)
     message: str = ""
     source: str | None = None
+    form: str = "executor"          # "policy": runtime.apply runs it too (provenance["form"], runtime/policy_form.py)
 
     @property
     def feasible(self) -> bool:
@@ -140,7 +141,8 @@ class Solution:
                         "budget_bytes": self.budget_bytes, "backend": self.backend,
                         "gap": self.gap, "profile_run_id": profile_run_id, "device": device,
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                        "memplan_version": memplan_version()},
+                        "memplan_version": memplan_version(),
+                        **({"form": self.form} if self.form != "executor" else {})},
         )
 
 

@@ -1,0 +1,103 @@
+"""The policy form (runtime.apply) beside PyTorch's own checkpointing, measured side by side in one run.
+
+    .venv/bin/python bench/policy_form.py [--rounds 5] [--threads 1] [--fractions 0.7 0.5]
+
+One model for every row: the GPT-2 of bench/peers.py with transformers' default dropout of 0.1 (6 layers,
+256 wide, seq 256, batch 4), with eager attention and the key/value cache off (`runtime.policy.capture_eager`
+traces it with the all-ones attention mask; a checkpointed layer must not update a cache twice). Rows:
+eager; eager under torch.compile (`aot_eager_decomp_partition`, bench/peers.py's CPU compile); transformers'
+per-block `torch.utils.checkpoint`; torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`);
+memplan `selective-policy` plans, solved on this run's profile of the eager capture at each fraction of the
+no-recomputation peak and at the least it reaches, run by `runtime.apply` in eager and compiled. Peaks are
+`PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both as ratios
+to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak; "grad err" the
+largest gradient difference from eager (compiled dropout draws its masks differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+import transformers
+
+import runtime
+from bench.peers import (COMPILE_BACKENDS, median_ms, peak_and_grads, profiled_problem, selective_policy_step,
+                         smallest_fraction)
+from runtime.plan import graph_provenance
+from runtime.policy import capture_eager
+from tasks.solve import solve
+from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.solution import SolveOptions
+
+
+def gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=6, n_embd=256, n_head=4, n_positions=256, vocab_size=2048,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    config._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(config)
+    loss_fn = lambda m, x: m(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss  # noqa: E731
+    return model, loss_fn, (torch.randint(0, 2048, (4, 256)),)
+
+
+def compiled(model, loss_fn, batch):
+    """`model` under torch.compile (bench/peers.py's CPU backend), compiled by one step, and its step."""
+    fn = torch.compile(model, backend=COMPILE_BACKENDS["aot_eager_decomp_partition"])
+    step = lambda: loss_fn(fn, *batch).backward()  # noqa: E731
+    step()
+    model.zero_grad(set_to_none=True)
+    return model, step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fractions", type=float, nargs="*", default=[0.7])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, loss_fn, batch = gpt2()
+    graph = capture_eager(model, loss_fn, batch)
+    problem = profiled_problem(graph, "gpt2-dropout-eager-attention")
+    full = simulate(problem, default_schedule(problem)).peak_bytes
+    hand = copy.deepcopy(model)
+    hand.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()),
+            "eager, compiled": compiled(copy.deepcopy(model), loss_fn, batch),
+            "checkpoint per block": (hand, lambda: loss_fn(hand, *batch).backward()),
+            **selective_policy_step(model, loss_fn, batch)}
+    predicted = {}
+    least = smallest_fraction(problem, "selective-policy", SolveOptions(), full)
+    for fraction in sorted({*args.fractions, *([least] if least else [])}, reverse=True):
+        solution = solve(problem, "selective-policy", int(fraction * full))
+        if not solution.feasible:
+            continue
+        plan = solution.to_plan(problem)
+        plan.provenance.update(graph_provenance(graph))
+        label = f"memplan policy @ {fraction:.2f}"
+        applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+        runs[label] = (applied, lambda m=applied: loss_fn(m, *batch).backward())
+        runs[label + ", compiled"] = compiled(runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph),
+                                              loss_fn, batch)
+        predicted[label] = predicted[label + ", compiled"] = (solution.predicted_peak_bytes, solution.message)
+    peak_and_grads(model, runs["eager"][1])                      # eager's first step takes one-time buffers
+    eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
+    rows = {}
+    for label, (m, step) in runs.items():
+        peak, grads = peak_and_grads(m, step)
+        rows[label] = {"peak": peak / eager_peak, "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
+    times = median_ms(runs, args.rounds)
+    print(f"eager: {eager_peak / 2**20:.1f} MiB, {times['eager']:.0f} ms a step; no-recomputation peak predicted "
+          f"{full / 2**20:.1f} MiB; {torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    print("| run | peak / eager | time / eager | predicted peak / eager | grad err | plan |")
+    print("|---|---|---|---|---|---|")
+    for label, row in rows.items():
+        pred, message = predicted.get(label, (None, ""))
+        print(f"| {label} | {row['peak']:.3f} | {times[label] / times['eager']:.3f} | "
+              f"{'' if pred is None else f'{pred / eager_peak:.3f}'} | {row['err']:.1e} | {message} |")
+
+
+if __name__ == "__main__":
+    main()

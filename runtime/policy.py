@@ -1,0 +1,189 @@
+"""Run a plan in the policy form: selective activation checkpointing in the user's own training loop.
+
+`apply(plan, model, loss_fn, batch)` wraps the forward of each region the plan recomputes (a repeated
+module recorded at capture, runtime/modules.py) in `torch.utils.checkpoint(use_reentrant=False,
+context_fn=...)`, whose `create_selective_checkpoint_contexts` policy returns MUST_SAVE for the ops of
+the nodes the plan keeps and PREFER_RECOMPUTE for the rest (runtime/policy_form.py says which schedules
+that is and what the simulator predicts for them). The model then trains with `loss.backward()`, under
+`torch.compile` and DistributedDataParallel unchanged.
+
+Op calls are matched to the captured graph's ops of the region by order: the policy sees the region's
+ATen calls as eager PyTorch (or torch.compile's tracer) dispatches them, the graph holds them as
+AOTAutograd traced them (`capture_eager`). Views are skipped on both sides (recomputing a view allocates
+nothing); ops compare by name without overload or in-place suffix (`bernoulli_.float` is `bernoulli.p`).
+A call whose op is among the next `LOOKAHEAD` graph ops is that op, and the graph ops it passes count as
+run; torch.compile's `native_dropout` is eager's `empty_like`, `bernoulli`, `div`, `mul` (`_EXPANDS`); any
+other call is part of the next graph op and takes its decision. After each eager forward of a region every
+graph op must have been matched, else the model ran another forward than the captured one and the step
+raises PolicyMismatch. Each applied region is registered in `_REGIONS` under a key its wrapper holds
+(torch.compile takes a `context_fn` only as a function or a partial of constants).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from runtime.capture import capture
+from runtime.graph import OpGraph
+from runtime.modules import META_KEY, marked_modules
+from runtime.plan import Plan
+from runtime.policy_form import PolicyFormError, Regions, decisions
+
+LOOKAHEAD = 3
+_WRAPPED = "_memplan_policy"
+
+
+class PolicyMismatch(RuntimeError):
+    """A region's eager ATen calls do not follow the captured graph's ops, so the policy cannot map them."""
+
+
+_EXPANDS = {"native_dropout": ("empty_like", "bernoulli", "div", "mul")}
+"""A traced op (torch.compile's) standing for several ops of the eager capture, each as `_name` gives it."""
+
+
+def _name(func: Any) -> str:
+    """The op without overload and in-place suffix: eager's `bernoulli_.float` is the capture's `bernoulli.p`."""
+    return getattr(func, "_opname", str(func)).rstrip("_")
+
+
+def _is_view(func: Any) -> bool:
+    returns = getattr(getattr(func, "_schema", None), "returns", ())
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def region_ops(graph: OpGraph, name: str) -> list[tuple[Any, int]]:
+    """(ATen op, operator node id) of each non-view call of region `name`'s forward, in graph order."""
+    program = graph.program
+    group_of = {m: gid for gid, group in enumerate(program.groups) for m in group}
+    return [(m.target, group_of[m]) for m in program.gm.graph.nodes
+            if m.op == "call_function" and m.meta.get(META_KEY) == name and isinstance(m.target, torch._ops.OpOverload)
+            and not _is_view(m.target) and m in group_of and graph.nodes[group_of[m]].phase != "backward"]
+
+
+class _Matcher:
+    """Walks one eager forward (or recomputation) of a region against its graph ops (module docstring)."""
+
+    def __init__(self, ops: list[tuple[Any, int]], saved: frozenset[int]):
+        self.ops, self.saved, self.at = ops, saved, 0
+
+    def decide(self, func: Any) -> CheckpointPolicy:
+        if _is_view(func) or self.at >= len(self.ops):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        name = _name(func)
+        ahead = [_name(op) for op, _ in self.ops[self.at:self.at + LOOKAHEAD + len(_EXPANDS.get(name, ()))]]
+        chain = _EXPANDS.get(name, (name,))
+        hit = next((i for i in range(len(ahead)) if tuple(ahead[i:i + len(chain)]) == chain), None)
+        if hit is None:                                  # decomposed differently: part of the next graph op
+            node = self.ops[self.at][1]
+        else:
+            self.at += hit + len(chain)
+            node = self.ops[self.at - 1][1]
+        return CheckpointPolicy.MUST_SAVE if node in self.saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@dataclass(eq=False)
+class _Region:
+    """A checkpointed region: its name, graph ops, saved nodes and the matcher of its latest eager forward."""
+
+    name: str
+    ops: list[tuple[Any, int]]
+    saved: frozenset[int]
+    forward_pass: _Matcher | None = None
+
+
+_REGIONS: dict[str, _Region] = {}
+"""Applied regions by the key their wrapper passes to `_context` (module docstring)."""
+
+
+def _context(key: str) -> tuple[Any, Any]:
+    region = _REGIONS[key]
+    forward_pass, recompute = _Matcher(region.ops, region.saved), _Matcher(region.ops, region.saved)
+    region.forward_pass = forward_pass
+
+    def policy(ctx, func, *args, **kwargs):
+        return (recompute if ctx.is_recompute else forward_pass).decide(func)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpointed(forward: Callable, key: str, *args: Any, **kwargs: Any) -> Any:
+    out = checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_context, key), **kwargs)
+    region = _REGIONS[key]
+    if not torch.compiler.is_compiling() and region.forward_pass is not None and region.forward_pass.at < len(region.ops):
+        op, node = region.ops[region.forward_pass.at]
+        raise PolicyMismatch(f"region {region.name!r}: its eager forward ran none of the captured graph's {op} "
+                             f"(operator node {node}) and what follows, so the plan's decisions cannot be mapped "
+                             f"onto its ATen calls. The model's forward differs from the captured one (a branch on "
+                             f"a flag, a cache); capture it as it trains, or run the plan with runtime.load.")
+    return out
+
+
+@contextmanager
+def _eager_dropout() -> Iterator[None]:
+    """Trace `aten.dropout` as eager PyTorch runs it on the CPU (a float mask from `bernoulli_`, then
+    `div_` and `mul`) rather than through torch's Python decomposition (`native_dropout`, a bool mask),
+    so the graph holds the tensors eager autograd keeps."""
+    op = torch.ops.aten.dropout.default
+    keys = [k for k in (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
+            if k in op.py_kernels]
+    kernels = {k: op.py_kernels.pop(k) for k in keys}
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        op.py_kernels.update(kernels)
+        op._dispatch_cache.clear()
+
+
+def capture_eager(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> OpGraph:
+    """The graph the policy form plans on: the step captured without memplan's rewrites (they change
+    which tensors are kept, and eager autograd runs none of them) and, for a CPU step, with dropout as
+    eager runs it there. `apply` captures the same way for a plan whose provenance says
+    `capture = "eager"`."""
+    cpu = all(t.device.type == "cpu" for t in (*batch, *model.parameters()))
+    with _eager_dropout() if cpu else contextlib.nullcontext():
+        graph = capture(model, loss_fn, tuple(batch), rewrites={})
+    graph.meta["capture"] = "eager"
+    return graph
+
+
+def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
+          batch: tuple, graph: OpGraph | None = None) -> nn.Module:
+    """Make `model` train under `plan` in the policy form, in place, and return it. The plan must be one
+    selective checkpointing can run (runtime/policy_form.py; solver `selective-policy` makes them),
+    else PolicyFormError says why. `batch` is what the plan was made for: the model is captured with
+    `capture_eager` (or `graph` is, from this model and batch) and the plan checked against it."""
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        raise PolicyFormError("this model keeps a key/value cache (config.use_cache = True), which a checkpointed "
+                              "region would update twice (forward and recomputation). Set model.config.use_cache = "
+                              "False before runtime.apply, as transformers' own gradient checkpointing does.")
+    if any(hasattr(m, _WRAPPED) for m in model.modules()):
+        raise PolicyFormError("this model already runs a plan in the policy form (runtime.apply was called on it); "
+                              "apply a plan to a fresh copy of the model.")
+    if plan.provenance.get("capture") != "eager":
+        raise PolicyFormError("this plan was made on the graph memplan's executor runs (with its rewrites, "
+                              "e.g. fused GELU and cross-entropy), whose ops eager PyTorch does not run, so the policy "
+                              "form cannot map it. Make the plan on runtime.policy.capture_eager's graph (its "
+                              "provenance then says capture = 'eager'), or run this plan with runtime.load.")
+    if graph is None or graph.program is None or graph.meta.get("capture") != "eager":
+        graph = capture_eager(model, loss_fn, tuple(batch))
+    plan.validate(graph)
+    saved = decisions(Regions.of_graph(graph), plan.schedule)
+    modules = marked_modules(model)
+    for name, keep in saved.items():
+        module, key = modules[name], f"{uuid.uuid4().hex}:{name}"
+        _REGIONS[key] = _Region(name, region_ops(graph, name), keep)
+        setattr(module, _WRAPPED, key)
+        module.forward = functools.partial(_checkpointed, module.forward, key)
+    return model

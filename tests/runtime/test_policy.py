@@ -1,0 +1,174 @@
+"""The policy form (runtime.apply): a plan of `selective-policy` run by autograd with selective activation
+checkpointing trains like eager PyTorch (gradients within 1e-6) at the simulator's predicted peak (within
+5%), in eager and under torch.compile; a plan it cannot express is refused.
+
+The GPT-2 is conftest's tiny one (2 layers, 64 wide) with eager attention and the key/value cache off (a
+checkpointed layer would update the cache twice; with neither cache nor SDPA, transformers takes the
+all-ones attention mask capture can trace) and GELU as one op."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import runtime
+from runtime.meter import PeakMeter
+from runtime.plan import graph_provenance
+from runtime.policy import PolicyMismatch, capture_eager
+from runtime.policy_form import PolicyFormError, Regions, decisions, policy_schedule
+from tasks.solve import solve
+from tasks.solve.problem import Problem
+from tasks.solve.simulator import default_schedule, simulate
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.residual = True
+
+    def forward(self, x):
+        y = self.down(F.gelu(self.up(x), approximate="tanh"))
+        return x + y if self.residual else y
+
+
+class BlockMLP(nn.Module):
+    """Linear -> 3 residual MLP blocks (an nn.ModuleList, the repeated modules capture records) -> Linear."""
+
+    def __init__(self, d_in: int = 16, d: int = 32, d_out: int = 8):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d_in, d), nn.Linear(d, d_out)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def lm_loss(model, ids):
+    return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    if name == "mlp":
+        return BlockMLP(), lambda m, x, y: F.cross_entropy(m(x), y), (torch.randn(64, 16), torch.randint(0, 8, (64,)))
+    from transformers import GPT2Config, GPT2LMHeadModel
+    p = 0.1 if name == "gpt2" else 0.0
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0,
+                        use_cache=False, activation_function="gelu_pytorch_tanh", resid_pdrop=p, embd_pdrop=p,
+                        attn_pdrop=p)
+    config._attn_implementation = "eager"
+    return GPT2LMHeadModel(config).train(), lm_loss, (torch.randint(0, 128, (8, 32)),)
+
+
+_SETUPS: dict[str, tuple] = {}
+
+
+def setup(name: str):
+    """(model, loss_fn, batch, graph, problem, policy plan with every region checkpointed at least partly)."""
+    if name not in _SETUPS:
+        model, loss_fn, batch = build(name)
+        graph = capture_eager(model, loss_fn, batch)
+        problem = Problem.from_graph(graph)
+        regions = Regions.of_graph(graph)
+        budget = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
+        solution = solve(problem, "selective-policy", budget)
+        assert solution.feasible, solution.message
+        plan = solution.to_plan(problem)
+        plan.provenance.update(graph_provenance(graph))
+        _SETUPS[name] = (model, loss_fn, batch, graph, problem, plan)
+    return _SETUPS[name]
+
+
+def step(model, loss_fn, batch, *, allocator=False, seed=1):
+    """Peak and gradients of one `loss.backward()` step from zero gradients."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with PeakMeter("cpu", allocator=allocator) as meter:
+        loss_fn(model, *batch).backward()
+    return meter.peak_bytes, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def assert_grads_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2"])
+def test_policy_plan_trains_like_eager_at_the_predicted_peak(name):
+    model, loss_fn, batch, graph, problem, plan = setup(name)
+    eager_peak, eager_grads = step(copy.deepcopy(model), loss_fn, batch)
+    no_plan = simulate(problem, default_schedule(problem)).peak_bytes   # the eager capture counts what eager keeps
+    assert abs(eager_peak / no_plan - 1) <= 0.01, (eager_peak, no_plan)
+    assert plan.provenance["form"] == "policy"
+    assert decisions(Regions.of_graph(graph), plan.schedule)                        # something is recomputed
+    applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    peak, grads = step(applied, loss_fn, batch)
+    assert_grads_equal(grads, eager_grads)
+    assert abs(peak / plan.predicted["peak_bytes"] - 1) <= 0.05, (peak, plan.predicted["peak_bytes"])
+    assert peak < eager_peak
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2-nodropout"])
+def test_policy_plan_under_torch_compile(name):
+    model, loss_fn, batch, graph, problem, plan = setup(name)
+    _, eager_grads = step(copy.deepcopy(model), loss_fn, batch)
+    applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    compiled = torch.compile(applied, backend="aot_eager")
+    run = lambda: step(applied, lambda m, *b: loss_fn(compiled, *b), batch, allocator=True)  # noqa: E731
+    run()                                                                                # compiles
+    peak, grads = run()
+    assert_grads_equal(grads, eager_grads)
+    assert abs(peak / plan.predicted["peak_bytes"] - 1) <= 0.05, (peak, plan.predicted["peak_bytes"])
+
+
+def test_round_trip_of_decisions_and_solver_schedules():
+    _, _, _, graph, problem, plan = setup("gpt2")
+    regions = Regions.of_graph(graph)
+    assert Regions.of_problem(problem) == regions
+    saved = decisions(regions, plan.schedule)
+    assert [s["compute"] for s in policy_schedule(regions, saved)] == [s["compute"] for s in plan.schedule]
+    for fraction in (1.0, 0.9, 0.8):
+        full = simulate(problem, default_schedule(problem)).peak_bytes
+        solution = solve(problem, "selective-policy", int(fraction * full))
+        if solution.feasible:
+            assert solution.predicted_peak_bytes <= int(fraction * full)
+            decisions(regions, solution.schedule)                    # expressible, or it raises
+
+
+def test_plans_the_policy_form_cannot_express_are_refused(helpers):
+    model, loss_fn, batch, graph, problem, plan = setup("mlp")
+    regions = Regions.of_graph(graph)
+    first = regions.members[next(iter(regions.members))]
+    executor_plan = copy.deepcopy(plan)            # recomputes a region's node right before its first read
+    executor_plan.schedule = helpers.recompute_schedule(graph, {first[1]})
+    with pytest.raises(PolicyFormError, match="not one selective checkpointing can run"):
+        runtime.apply(executor_plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    outside = copy.deepcopy(plan)                  # recomputes the input projection, outside every block
+    outside.schedule = helpers.recompute_schedule(graph, {0})
+    with pytest.raises(PolicyFormError, match="outside every recorded module"):
+        runtime.apply(outside, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    executor_graph_plan = copy.deepcopy(plan)
+    executor_graph_plan.provenance.pop("capture")
+    with pytest.raises(PolicyFormError, match="graph memplan's executor runs"):
+        runtime.apply(executor_graph_plan, copy.deepcopy(model), loss_fn, batch)
+    with pytest.raises(PolicyFormError, match="already runs a plan"):
+        runtime.apply(plan, runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph), loss_fn, batch,
+                      graph=graph)
+
+
+def test_a_forward_that_departs_from_the_capture_is_caught():
+    model, loss_fn, batch, graph, problem, plan = setup("mlp")
+    applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    for block in applied.blocks:                    # the trained forward takes another branch than the captured one
+        block.residual = False
+    with pytest.raises(PolicyMismatch, match="its eager forward ran none of the captured graph's"):
+        step(applied, loss_fn, batch)
