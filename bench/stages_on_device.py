@@ -26,7 +26,7 @@ from tasks.config import expand_matrix, parse_config
 from tasks.models import resolve_device
 from tasks.profile import ProfileSettings, profile_graph
 from tasks.publish import publish
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.solution import SolveOptions
 from tasks.solve_stage import solve_case
 from tasks.trace import trace
 from tasks.validate import validate_plan

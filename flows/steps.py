@@ -117,7 +117,7 @@ def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, bud
     key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, settings=settings,
                                 device=device))
     plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
-    from tasks.solve.solution import SolveOptions
+    from tasks.solve.core.solution import SolveOptions
     from tasks.solve_stage import solve_case
 
     options = SolveOptions(**{k: v for k, v in settings.items() if k not in ("addresses", "variants")})

@@ -167,7 +167,7 @@ class TrainStep:
         if arena and not plan.addresses and plan.v1_offsets is None:
             raise ValueError("arena=True needs a plan with addresses (value copy -> arena offset), and this plan has "
                              "none. Plan with addresses (solve option addresses = 'greedy', or "
-                             "tasks.solve.addresses.greedy_addresses), or load it without arena=True.")
+                             "tasks.solve.core.addresses.greedy_addresses), or load it without arena=True.")
         devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
         if cuda_graph and devices != {"cuda"}:
             raise ValueError(f"cuda_graph=True replays the step as a CUDA graph, and this model's parameters and "

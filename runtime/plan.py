@@ -301,7 +301,7 @@ def _check_placement(graph: OpGraph, variants: GraphVariants, addresses: Mapping
                      live_until: Mapping[Copy, int]) -> None:
     """Refuse addresses the arena cannot hold: an offset not a multiple of the value's element size (the arena
     is viewed as that dtype there), a copy ending past `MAX_ARENA_BYTES`, or two copies live at a common step
-    (from the step computing each to its last read, as `tasks.solve.simulator` counts them) whose byte ranges
+    (from the step computing each to its last read, as `tasks.solve.core.simulator` counts them) whose byte ranges
     [offset, offset + bytes) overlap. A sweep over the copies by first step, each checked against the placed
     copies still live."""
     live: list[tuple[int, int, int, Copy]] = []           # (last step, low byte, high byte, copy)

@@ -11,7 +11,7 @@ from pathlib import Path
 from runtime.graph import OpGraph
 from runtime.variants import BIT_IDENTICAL_RULES, graph_variants
 from tasks.config import VariantChoice
-from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.core.problem import Problem, ProblemError
 from tasks.store import CostTable, load_costs
 
 

@@ -17,11 +17,11 @@ from runtime.plan import Plan, graph_provenance
 from tasks.config import Budget, VariantChoice
 from tasks.problems import LoadedProblem, load_problem
 from tasks.solve import SOLVERS, solve
-from tasks.solve.addresses import greedy_addresses
+from tasks.solve.core.addresses import greedy_addresses
 from tasks.solve.olla import olla_addresses
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation, default_schedule, normalize_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, min_budget_lower_bound
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation, default_schedule, normalize_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, min_budget_lower_bound
 
 Addresses = Literal["none", "greedy", "olla"]
 PROBES = ("ap-greedy", "linearized-greedy")

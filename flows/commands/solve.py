@@ -9,7 +9,7 @@ import typer
 
 from flows.commands.query import StoreOption
 from flows.locations import ConfigOption, locate
-from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
+from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
 
 
 def solvers_help() -> str:
@@ -63,8 +63,8 @@ def register(app: typer.Typer) -> None:
             from tasks.config import parse_budget_text, parse_option_text
             from tasks.problems import VARIANT_RULES, load_problem
             from tasks.solve import SOLVERS, OptionError, parse_options
-            from tasks.solve.milp import BACKENDS
-            from tasks.solve.solution import Gap, SolveOptions, Threads, TimeLimit, check_solve_value
+            from tasks.solve.core.milp import BACKENDS
+            from tasks.solve.core.solution import Gap, SolveOptions, Threads, TimeLimit, check_solve_value
             from tasks.solve_stage import plan_of, solve_loaded
 
             if solver not in SOLVERS:

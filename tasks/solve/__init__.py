@@ -3,7 +3,7 @@
 `SOLVERS[name]` is a `SolverSpec`: the solver function `(problem, budget_bytes, SolveOptions) ->
 Solution`, a one-line summary, the dataclass of its typed options (one `help` per field) and whether
 it chooses implementation variants. Recompute-only solvers see the problem without variants. Every
-returned schedule has been checked by the simulator (tasks/solve/simulator.py), the single definition
+returned schedule has been checked by the simulator (tasks/solve/core/simulator.py), the single definition
 of memory.
 
 Adding a solver: write `my_solver(problem, budget, options) -> Solution` in its own module (returning
@@ -21,10 +21,10 @@ from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
 from tasks.solve.monet import MonetOptions, monet, monet_noop
 from tasks.solve.olla import OllaOptions, olla
-from tasks.solve.options import OptionError, SolverSpec, describe_options, parse_options
-from tasks.solve.portfolio import CHEAP, best_known
-from tasks.solve.problem import Problem
-from tasks.solve.solution import Solution, SolveOptions
+from tasks.solve.core.options import OptionError, SolverSpec, describe_options, parse_options
+from tasks.solve.core.portfolio import CHEAP, best_known
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.solution import Solution, SolveOptions
 
 SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
     SolverSpec("checkpoint-all", baselines.checkpoint_all, "every node once in the default order, no recomputation."),
@@ -62,7 +62,7 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
 
 def solve(problem: Problem, solver: str, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
     """Run the solver named `solver`; a portfolio solver's answer is never worse than the cheap solvers'
-    (tasks.solve.portfolio) unless `options.portfolio` is False. Raises KeyError listing the known names
+    (tasks.solve.core.portfolio) unless `options.portfolio` is False. Raises KeyError listing the known names
     for an unknown solver and OptionError for options it does not take."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")

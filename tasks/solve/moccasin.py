@@ -24,7 +24,7 @@ Checkmate's MILP, so the two optima are equal (the bound is a bound within that 
 the paper's two phases: minimize `peak` down to the budget from the no-recomputation schedule, then
 minimize cost under peak <= budget from phase 1's schedule. Phase 1 is skipped when the start fits: by
 default (`insertion_start`) the start is the peak-directed insertion greedy's schedule
-(tasks/solve/peak_insertion.py) on the model's order, made frontier-advancing (`frontier_schedule`).
+(tasks/solve/core/peak_insertion.py) on the model's order, made frontier-advancing (`frontier_schedule`).
 The active copies sorted by slot are the schedule; the simulator checks it.
 """
 
@@ -38,12 +38,12 @@ from typing import Literal
 
 import numpy as np
 
-from tasks.solve.coarsen import solve_coarsened
-from tasks.solve.milp import Progress
-from tasks.solve.peak_insertion import peak_insertion_schedule
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from tasks.solve.core.coarsen import solve_coarsened
+from tasks.solve.core.milp import Progress
+from tasks.solve.core.peak_insertion import peak_insertion_schedule
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
 
@@ -65,10 +65,10 @@ class MoccasinOptions:
                 "solution from seconds to minutes."})
     insertion_start: bool = field(default=True, metadata={
         "help": "without a mip_start, when the no-recomputation schedule exceeds the budget, start from the "
-                "peak-directed insertion greedy's schedule (tasks/solve/peak_insertion.py) made frontier-advancing, "
+                "peak-directed insertion greedy's schedule (tasks/solve/core/peak_insertion.py) made frontier-advancing, "
                 "so that phase 1 is skipped when it fits."})
     coarsen: bool = field(default=False, metadata={
-        "help": "solve on the graph with single-reader chains merged (tasks/solve/coarsen.py), then expand."})
+        "help": "solve on the graph with single-reader chains merged (tasks/solve/core/coarsen.py), then expand."})
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.solution import SolveOptions
 
 from tasks.config import (
     Budget,

@@ -78,7 +78,7 @@ def test_every_default_plan_exists_on_a_device_with_twice_the_scratch(tmp_path):
     from tasks.config import expand_matrix, load_config
     from tasks.problems import load_problem
     from tasks.profile import ProfileSettings, profile_graph
-    from tasks.solve.solution import SolveOptions
+    from tasks.solve.core.solution import SolveOptions
     from tasks.solve_stage import solve_loaded
     from tasks.trace import trace
 

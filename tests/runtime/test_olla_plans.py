@@ -14,9 +14,9 @@ from runtime.exact import exact_fp32
 from runtime.plan import Plan
 from tasks.solve import solve
 from tasks.solve.olla import olla_addresses
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 TIME_LIMIT = 4.0
 ORDER = SolveOptions(time_limit=None, params={"whole_graph": False})

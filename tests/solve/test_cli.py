@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from runtime.graph import Node, OpGraph, Value
 from runtime.plan import Plan
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
 from tasks.store import ENV_VAR, new_run_id, write_run
 from tasks.store_schema import SCHEMA_VERSION
 
@@ -132,7 +132,7 @@ def test_cli_and_pipeline_share_the_solve_defaults():
     import typer
 
     from tasks.config import PlanConfig
-    from tasks.solve.solution import SolveOptions
+    from tasks.solve.core.solution import SolveOptions
 
     params = {p.name: p.default for p in typer.main.get_command(app).commands["solve"].params}
     shared = SolveOptions()

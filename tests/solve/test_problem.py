@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from runtime.graph import Node, OpGraph, Value
-from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.core.problem import Problem, ProblemError
 
 
 def _tiny_opgraph() -> OpGraph:

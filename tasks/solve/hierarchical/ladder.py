@@ -3,7 +3,7 @@
 A block's schedule runs in two parts: its forward part while the chain goes forward, and its backward
 part (with its recomputations) when the gradient reaches it. What the block costs the rest of the chain
 is the bytes it retains between the two (`BlockOption.retained`), so the ladder bounds that with
-Checkmate's MILP plus a retention limit (`checkmate_model.build_model(retained=...)`): each rung is
+Checkmate's MILP plus a retention limit (`remat_milp.build_model(retained=...)`): each rung is
 (fraction of the freely retained bytes, fraction of the block's own peak). Every rung is started from
 the cheapest option found so far that fits it (at first: no recomputation, the schedule that retains
 nothing: forward, then forward again and backward, and the options of `retention_greedy`, which
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.solve.checkmate_model import assignment_from_schedule, build_model, schedule_from_solution
-from tasks.solve.checkpoints import schedule_from_checkpoints
-from tasks.solve.milp import MilpOptions, solve_milp
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation, default_schedule, simulate
-from tasks.solve.solution import min_budget_lower_bound
+from tasks.solve.core.remat_milp import assignment_from_schedule, build_model, schedule_from_solution
+from tasks.solve.core.checkpoints import schedule_from_checkpoints
+from tasks.solve.core.milp import MilpOptions, solve_milp
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation, default_schedule, simulate
+from tasks.solve.core.solution import min_budget_lower_bound
 
 RUNGS = ((1.0, 1.0), (0.6, 1.0), (0.35, 1.0), (0.15, 1.0), (0.0, 1.0), (1.0, 0.8), (0.35, 0.8), (0.0, 0.8),
          (1.0, 0.6), (0.0, 0.6))
@@ -161,7 +161,7 @@ def _monet_rung(problem: Problem, budget: int, limit: float, start: BlockOption 
     """MONeT's schedule of the block under `budget` retaining at most `limit` bytes, started from `start`."""
     from tasks.solve.monet import MonetOptions
     from tasks.solve.monet.solver import solve_monet
-    from tasks.solve.solution import SolveOptions
+    from tasks.solve.core.solution import SolveOptions
 
     options = SolveOptions(time_limit=left, gap=gap, backend=backend, threads=threads, params=MonetOptions("none"),
                            mip_start=None if start is None else start.steps(0, len(start.schedule)), portfolio=False)

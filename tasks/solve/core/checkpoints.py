@@ -13,7 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.core.problem import Problem, ProblemError
 
 NEVER = np.iinfo(np.int64).max
 

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from runtime.plan import PlanError, normalize_step
-from tasks.solve.problem import DEFAULT_IMPL, Problem
+from tasks.solve.core.problem import DEFAULT_IMPL, Problem
 
 
 class InvalidSchedule(ValueError):
