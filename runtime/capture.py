@@ -42,6 +42,7 @@ from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from runtime.graph import Node, OpGraph, Value
+from runtime.facts import graph_facts
 from runtime.modules import META_KEY, boundary_hooks, strip_boundaries
 from runtime.rewrite_check import exact_instances
 from runtime.rewrites import PASSES, Rewriter
@@ -468,7 +469,9 @@ def _fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGra
     modules = [head.meta.get(META_KEY) if phase != "backward" else None for head, phase in zip(heads, phases)]
     if any(modules):
         meta["node_modules"] = modules
-    return OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
+    graph = OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
+    meta.update(graph_facts(graph))
+    return graph
 
 
 def _constant_ancestors(group: list[fx.Node], constants: set[fx.Node]) -> set[fx.Node]:
@@ -502,17 +505,6 @@ def _nodes(groups: list, heads: list, phases: list[str], value_of: dict, owner: 
                                          if m is not head and isinstance(m.target, torch._ops.OpOverload)]
         nodes.append(Node(gid, head.name, tuple(targets), phases[gid], tuple(reads), tuple(sorted(produced[gid]))))
     return nodes
-
-
-def op_of(target: str) -> torch._ops.OpOverload | None:
-    """The op a node target of a graph (JSON included) names, ATen's or memplan's (`aten.mm.default`,
-    `memplan.dropout_mask.default`); None for any other target."""
-    namespace, _, name = target.partition(".")
-    packet, _, overload = name.partition(".")
-    if namespace not in ("aten", "memplan"):
-        return None
-    op = getattr(getattr(getattr(torch.ops, namespace), packet, None), overload, None)
-    return op if isinstance(op, torch._ops.OpOverload) else None
 
 
 def _draws(m: fx.Node) -> bool:

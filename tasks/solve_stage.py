@@ -108,12 +108,11 @@ def variant_uses(loaded: LoadedProblem, schedule: list) -> list[VariantUse]:
 
 def in_place_steps(loaded: LoadedProblem, schedule: list) -> np.ndarray | None:
     """Schedule steps whose copies arena mode writes in place on the profiled device: default-implementation
-    computes of `runtime.arena.in_place_nodes` (None for benchmark graphs, which have no ops: all steps)."""
+    computes of the in-place nodes the graph recorded at capture (`runtime.facts`; None for benchmark graphs,
+    which have no ops: all steps)."""
     if loaded.graph is None:
         return None
-    from runtime.arena import in_place_nodes
-
-    nodes = in_place_nodes(loaded.graph, loaded.device or "cpu")
+    nodes = loaded.graph.in_place_nodes(loaded.device or "cpu")
     steps = normalize_schedule(schedule)
     return np.array([s.get("compute") in nodes and "impl" not in s for s in steps], dtype=bool)
 

@@ -73,13 +73,18 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) ->
 
 def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path) -> tuple[Traced, OpGraph]:
     """Capture the graph and write it to its fingerprint's file unless that file already holds the same rewrite
-    record (`meta["rewrites"]`: which instances apply and where they were verified); returns the record and
+    record (`meta["rewrites"]`: which instances apply and where they were verified) and op facts; returns the record and
     the captured graph (with its FX program)."""
     graph = capture_model(spec, batch_size, device, seed)
     path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint)
-    if not path.exists() or OpGraph.load(path).meta.get("rewrites") != graph.meta.get("rewrites"):
+    if not path.exists() or _record(OpGraph.load(path)) != _record(graph):
         graph.save(path)
     return describe(graph, path, spec.name, batch_size), graph
+
+
+def _record(graph: OpGraph) -> tuple:
+    """What a rewrite of the graph file would change: the rewrite record and the op facts (`runtime.facts`)."""
+    return tuple(graph.meta.get(key) for key in ("rewrites", "random_nodes", "in_place"))
 
 
 def describe(graph: OpGraph, path: str | Path, model: str, batch_size: int) -> Traced:

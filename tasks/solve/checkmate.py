@@ -17,8 +17,6 @@ from tasks.solve.core.remat_milp import (CheckmateLayout, assignment_from_schedu
                                          expand_ranges)
 from tasks.solve.core.checkpoints import recompute_closure
 from tasks.solve.core.coarsen import solve_coarsened
-from tasks.solve.dtr import DtrOptions, dtr
-from tasks.solve.greedy import greedy_schedule
 from tasks.solve.core.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
@@ -163,10 +161,10 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     incumbent = options.mip_start
     warm = opts.warm_start
     if incumbent is None and warm == "dtr":
-        incumbent = dtr(problem, budget, SolveOptions(time_limit=_remaining(deadline),
-                                                      params=DtrOptions(orders=("default",)))).schedule
+        incumbent = options.peers["dtr"](problem, budget, SolveOptions(time_limit=_remaining(deadline),
+                                                                       params={"orders": ("default",)})).schedule
     if incumbent is None and warm in ("greedy", "dtr"):
-        incumbent = greedy_schedule(problem, budget, deadline)
+        incumbent = options.peers["remat-greedy"](problem, budget, SolveOptions(time_limit=_remaining(deadline))).schedule
     elif incumbent is None and warm == "approx":
         approx = checkmate_approx(problem, budget, SolveOptions(
             time_limit=_remaining(deadline), threads=options.threads,

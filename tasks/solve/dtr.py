@@ -48,7 +48,7 @@ import scipy.sparse as sp
 
 from tasks.solve.core.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
 from tasks.solve.core.milp import Progress
-from tasks.solve.moccasin import keeps_random_order, memory_order
+from tasks.solve.core.orders import keeps_random_order, memory_order
 from tasks.solve.core.peak_insertion import peak_insertion_schedule
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate

@@ -8,7 +8,7 @@ from pathlib import Path
 from tasks.solve.core.problem import ProblemError
 
 _CANDIDATES = (
-    Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "graphs",
+    Path(__file__).resolve().parents[4] / "shared" / "benchmarks" / "graphs",
     Path("/work/shared/benchmarks/graphs"),
 )
 

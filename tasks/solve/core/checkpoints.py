@@ -18,6 +18,11 @@ from tasks.solve.core.problem import Problem, ProblemError
 NEVER = np.iinfo(np.int64).max
 
 
+def forward_nodes(problem: Problem) -> list[int]:
+    """Recomputable (forward and loss) nodes in the default order."""
+    return [int(v) for v in problem.order if problem.is_recomputable[v]]
+
+
 def recompute_closure(problem: Problem, targets: Iterable[int], resident: np.ndarray) -> list[int]:
     """Nodes to run, in default-order position, so that every node in `targets` can run: a target's
     input that is not `resident` (a boolean mask over values; graph inputs always are) has its

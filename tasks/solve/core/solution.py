@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable, Mapping
 
 import numpy as np
 from pydantic import Field, TypeAdapter, ValidationError
@@ -44,7 +44,9 @@ class SolveOptions:
     "highs"; "gurobi"); `mip_start` is a schedule to start from; `params` holds the solver's own typed
     options (its options dataclass, or a mapping the registry checks against it; see
     `tasks.solve.SOLVERS[name].options`). `portfolio`: a MILP/LP solver also returns no schedule worse
-    than the cheap solvers' at the same budget (tasks.solve.core.portfolio; False tests the solver alone)."""
+    than the cheap solvers' at the same budget (tasks.solve.core.portfolio; False tests the solver alone).
+    `peers`: the solvers (by name) this one may call for a warm start or a block, passed in by the registry
+    (`SolverSpec.peers`), so that no solver imports another."""
 
     time_limit: float | None = DEFAULT_TIME_LIMIT_S
     gap: float = DEFAULT_GAP
@@ -53,6 +55,7 @@ class SolveOptions:
     mip_start: list | None = None
     params: Any = None
     portfolio: bool = True
+    peers: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 @dataclass

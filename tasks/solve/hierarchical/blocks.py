@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 import numpy as np
 
-from tasks.solve.baselines import forward_nodes
+from tasks.solve.core.checkpoints import forward_nodes
 from tasks.solve.core.problem import Problem, Variant
 
 PIN_SPAN = 0.25

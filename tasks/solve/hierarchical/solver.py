@@ -66,8 +66,9 @@ def _block_ladder(problem: Problem, num_forward: int, key: str, opts: Hierarchic
     cache_key = (key, digest, opts.inner, opts.rungs, opts.inner_time_limit, opts.greedy, options.gap, options.backend)
     if cache_key in _LADDERS:
         return _LADDERS[cache_key]
+    inner = options.peers["monet-block"] if opts.inner == "monet" else None
     found, complete = ladder(problem, num_forward, opts.rungs, time_limit=opts.inner_time_limit, deadline=deadline,
-                             gap=options.gap, backend=options.backend, threads=options.threads, inner=opts.inner,
+                             gap=options.gap, backend=options.backend, threads=options.threads, inner=inner,
                              greedy=opts.greedy)
     if complete:
         _LADDERS[cache_key] = found

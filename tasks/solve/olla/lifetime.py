@@ -40,7 +40,7 @@ import scipy.sparse as sp
 
 from tasks.solve.core.remat_milp import expand_ranges
 from tasks.solve.core.milp import MilpModel, MilpOptions, MilpResult, solve_milp
-from tasks.solve.moccasin import keeps_random_order, memory_order
+from tasks.solve.core.orders import keeps_random_order, memory_order
 from tasks.solve.olla.spans import Edges, olla_edges
 from tasks.solve.olla.window import window_search
 from tasks.solve.core.problem import Problem
@@ -238,7 +238,7 @@ def lifetime_order(problem: Problem, *, time_limit: float | None = None, gap: fl
                    threads: int | None = None, warm_start: bool = True, window: int = WINDOW,
                    whole_graph: bool = True) -> LifetimeResult:
     """The operator order minimizing the peak (eq. 14). With `warm_start`, the whole-graph ILP starts
-    from the better of the default order and the greedy memory order (moccasin.memory_order, when it keeps
+    from the better of the default order and the greedy memory order (core.orders.memory_order, when it keeps
     the random nodes' order) improved by the window search (window.py; graphs above `window` nodes, at
     most half the time limit, all of it without `whole_graph`); the best incumbent when the time limit
     stops the solver. Never worse than either order."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.core.addresses import ALIGNMENT, _best_gap, greedy_addresses, placeable
+from tasks.solve.core.addresses import ALIGNMENT, best_gap, greedy_addresses, placeable
 from tasks.solve.core.milp import MilpModel, MilpOptions, solve_milp
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import Simulation
@@ -81,7 +81,7 @@ def best_fit(start: np.ndarray, end: np.ndarray, size: np.ndarray, fixed: np.nda
         if lo[k] >= 0:
             continue
         overlap = (lo >= 0) & (start <= end[k]) & (end >= start[k])
-        lo[k] = _best_gap(lo[overlap], lo[overlap] + size[overlap], int(size[k]))
+        lo[k] = best_gap(lo[overlap], lo[overlap] + size[overlap], int(size[k]))
     return lo
 
 
