@@ -1,7 +1,8 @@
 """The pipeline stages as Prefect tasks: thin wrappers over the plain functions in `tasks/`.
 
 The trace runs every time; each later task is cached by a content hash of what determines its result
-(`cache_key_fn`: the graph's fingerprint, settings, sources), so re-running an unchanged pipeline re-uses
+(`cache_key_fn`: the graph's fingerprint, settings, and the sources of the code the stage imports,
+flows/codehash.py), so re-running an unchanged pipeline re-uses
 profiles, solutions and validations, and a changed model never gets a stale one. Results are persisted
 by Prefect as JSON records (`result_serializer="json"`, never pickles) that point at the JSON graph and
 plan files and the Parquet profile runs the stages write (absolute paths: valid from any working
@@ -20,9 +21,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows import captures
+from flows.codehash import code_hash
 from flows.progress import stage_finished, stage_started
 from tasks.config import Budget, MemplanError, ModelConfig, ProfileConfig, ValidateConfig
-from tasks.trace import source_hash
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
 HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
@@ -75,7 +76,7 @@ def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cach
 def _profile_key(context: Any, p: Mapping[str, Any]) -> str:
     settings = p["settings"].model_dump(exclude={"retries"})
     return content_key("profile", p["traced"]["fingerprint"], p["device"], p["seed"], settings, p["store"],
-                       source_hash("tasks/profile.py", "tasks/store.py", "runtime"))
+                       code_hash("profile"))
 
 
 @task(name="profile", cache_key_fn=_profile_key, retry_delay_seconds=5,
@@ -103,9 +104,7 @@ def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: 
 
 def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
     return content_key("solve", p["traced"]["fingerprint"], p["profile"]["run_id"], p["solver"], p["budget"],
-                       p["settings"], p["device"],
-                       source_hash("tasks/solve", "tasks/solve_stage.py", "tasks/problems.py", "runtime/plan.py",
-                                   "runtime/variants.py"))
+                       p["settings"], p["device"], code_hash("solve"))
 
 
 @task(name="solve", cache_key_fn=_solve_key, task_run_name="solve {alias}", **PERSISTED, **HOOKS)
@@ -136,7 +135,7 @@ def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
     plan = plan_id(Plan.load(_existing(p["plan_path"], "solve")))
     return content_key("validate", plan, p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
                        p["settings"], torch.__version__,
-                       source_hash("runtime", "tasks/validate.py", "tasks/models.py"))
+                       code_hash("validate"))
 
 
 @task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)

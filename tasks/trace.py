@@ -8,8 +8,6 @@ changed model never meets a stale profile, plan or validation.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,20 +35,6 @@ class Traced:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Traced:
         return cls(**data)
-
-
-@functools.lru_cache(maxsize=None)
-def source_hash(*paths: str) -> str:
-    """SHA-256 over the Python sources under `paths` (files or folders of this repository): a cache key
-    part that changes when the code producing a result changes."""
-    digest = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]
-    for name in paths:
-        base = root / name
-        for path in [base] if base.is_file() else sorted(base.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str) -> Path:
