@@ -66,7 +66,7 @@ TARGETS = {
                           "tests/solve/test_acg_budget.py")),
     "acg_solver": Target("tasks/solve/acg/solver.py",
                          ("tests/solve/test_acg_solver.py", "tests/solve/test_acg_budget.py")),
-    "budget": Target("tasks/config.py",
+    "budget": Target("tasks/config/values.py",
                      ("tests/pipeline/test_config.py", "tests/pipeline/test_budget.py"),
                      ("*Budget*", "*parse_budget*", "*_budget_help*", "*_toml_value*")),
 }

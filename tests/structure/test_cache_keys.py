@@ -12,10 +12,10 @@ from flows import codehash
 from flows.codehash import PACKAGES, ROOT, STAGE_MODULES, code_hash, import_closure
 
 DEPENDENCIES = {
-    "profile": ["tasks/profile.py", "tasks/store.py", "tasks/config.py", "runtime/capture.py", "runtime/arena.py"],
+    "profile": ["tasks/profile.py", "tasks/store.py", "tasks/config/schema.py", "runtime/capture.py", "runtime/arena.py"],
     "solve": ["tasks/solve_stage.py", "tasks/solve/core/simulator.py", "tasks/solve/olla/location.py",
-              "tasks/problems.py", "tasks/store.py", "tasks/config.py", "runtime/plan.py", "runtime/variants.py"],
-    "validate": ["tasks/validate.py", "tasks/models.py", "tasks/config.py", "runtime/executor.py",
+              "tasks/problems.py", "tasks/store.py", "tasks/config/schema.py", "runtime/plan.py", "runtime/variants.py"],
+    "validate": ["tasks/validate.py", "tasks/models.py", "tasks/config/schema.py", "runtime/executor.py",
                  "runtime/arena.py", "runtime/capture.py", "runtime/cuda_graph.py"],
 }
 
