@@ -11,9 +11,16 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from tasks.config.sections import Section
 
 def _cron(expression: str) -> str:
-    from prefect._vendor.croniter import croniter
+    """`expression` when Prefect's public cron schedule takes it (and it has the five usual fields)."""
+    from prefect.client.schemas.schedules import CronSchedule
 
-    if len(expression.split()) != 5 or not croniter.is_valid(expression):
+    try:
+        CronSchedule(cron=expression)
+    except ValueError:
+        valid = False
+    else:
+        valid = True
+    if len(expression.split()) != 5 or not valid:
         raise ValueError(f"{expression!r} is not a cron expression; write five fields 'minute hour day month "
                          f"weekday', e.g. '0 3 * * *' (03:00 daily)")
     return expression
