@@ -13,8 +13,8 @@ _EXPORTS = {
     "Plan": "runtime.plan",
     "default_plan": "runtime.plan",
     "capture": "runtime.capture",
-    "node_function": "runtime.capture",
-    "variant_function": "runtime.capture",
+    "node_function": "runtime.node_functions",
+    "variant_function": "runtime.node_functions",
     "load": "runtime.executor",
     "ArenaFallbackWarning": "runtime.arena",
 }

@@ -29,11 +29,12 @@ import torch
 from torch import fx, nn
 
 from runtime.arena import ArenaFallbackWarning, ArenaReport, emit_out_call, keep_alive, new_arena, plan_arena
-from runtime.capture import Program, batch_signature, capture
+from runtime.capture import batch_signature, capture
 from runtime.cuda_graph import GraphedStep
 from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
 from runtime.plan import Plan
+from runtime.program import Program
 from runtime.variant_ops import emit_variant, head_node
 from runtime.variants import GraphVariants
 
