@@ -15,7 +15,7 @@ from flows.report import Outcome, create_artifacts
 from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
-from tasks.validate import Validation
+from tasks.records import Solved, Traced
 
 
 class PipelineFailed(MemplanError):
@@ -43,7 +43,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     cases = expand_matrix(config)
     rerun = {"refresh_cache": True} if refresh else {}
 
-    traced: dict[tuple[str, int], dict[str, Any]] = {}
+    traced: dict[tuple[str, int], Traced] = {}
     try:
         for m in config.models:
             for b in m.batch_sizes:
@@ -74,7 +74,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [future.result() for future in solved]   # no solver competes with the timed steps
             validating = {} if runner is None else {
                 case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
-                for case, s in zip(cases, solutions) if s["feasible"]}
+                for case, s in zip(cases, solutions) if s.feasible}
             outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias))
                         for case, s in zip(cases, solutions)]
     finally:
@@ -117,54 +117,42 @@ def cell_runner(run: RunConfig) -> Iterator[Any]:
         yield runner
 
 
-def _validate_parameters(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str) -> dict[str, Any]:
-    return dict(plan_path=solved["plan_path"], model=case.model, batch_size=case.batch_size, device=device,
+def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str) -> dict[str, Any]:
+    return dict(plan_path=solved.plan_path, model=case.model, batch_size=case.batch_size, device=device,
                 seed=config.seed, settings=config.validation, alias=case.alias)
 
 
-def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str,
+def _validate_and_publish(case: Case, solved: Solved, config: PipelineConfig, device: str,
                           rerun: dict[str, Any], validating: Any = None) -> Outcome:
     """Validate (or wait for the validation already submitted as `validating`) and publish one cell."""
-    common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
-                  budget=case.budget.label, budget_bytes=solved["budget_bytes"],
-                  checkpoint_all_peak_bytes=solved["checkpoint_all_peak_bytes"],
-                  predicted_peak_bytes=solved["predicted_peak_bytes"])
-    if not solved["feasible"]:
-        known = solved["smallest_feasible_budget"] or solved["checkpoint_all_peak_bytes"]
-        return Outcome(**common, status="infeasible", least_feasible_bytes=known,
-                       message=infeasible_message(case, solved))
+    if not solved.feasible:
+        return Outcome.of(case, solved, message=infeasible_message(case, solved))
     if validating is not None:
         validation = validating.result()
     else:
         validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device))
-    measured = dict(measured_peak_bytes=validation["measured_peak_bytes"],
-                    eager_peak_bytes=validation["eager_peak_bytes"], overhead=validation["overhead"],
-                    overhead_interval=validation.get("overhead_interval"),
-                    arena_peak_bytes=validation.get("arena_peak_bytes"),
-                    predicted_overhead=solved["objective"] / solved["checkpoint_all_cost"] - 1)
-    if not validation["passed"]:
-        message = Validation.from_json(validation).explain(case.alias)
-        return Outcome(**common, **measured, status="rejected", message=message)
-    published = publish_step(solved["plan_path"], validation, config.publish.dir, case.alias, case.model.name,
+    if not validation.passed:
+        return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
+    published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,
                              case.batch_size, case.budget.label)
-    return Outcome(**common, **measured, status="published", plan_id=published["plan_id"])
+    return Outcome.of(case, solved, validation, published)
 
 
-def infeasible_message(case: Case, solved: dict[str, Any]) -> str:
+def infeasible_message(case: Case, solved: Solved) -> str:
     """Why a cell has no plan, with the smallest feasible budget known."""
-    budget, peak = solved["budget_bytes"], solved["checkpoint_all_peak_bytes"]
+    budget, peak = solved.budget_bytes, solved.checkpoint_all_peak_bytes
     if case.budget.max_overhead is not None:
-        return (f"{case.alias}: solver {case.plan.solver} found {solved['message']}; raise max_overhead or pick "
+        return (f"{case.alias}: solver {case.plan.solver} found {solved.message}; raise max_overhead or pick "
                 f"another solver.")
     text = (
         f"{case.alias}: solver {case.plan.solver} found no schedule within {budget:,} B ({case.budget.label}; "
-        f"the checkpoint-all peak is {peak:,} B), status {solved['status']}"
-        + (f" ({solved['message']})" if solved["message"] else "")
-        + f"; no schedule fits below {solved['min_budget_lower_bound']:,} B"
+        f"the checkpoint-all peak is {peak:,} B), status {solved.status}"
+        + (f" ({solved.message})" if solved.message else "")
+        + f"; no schedule fits below {solved.min_budget_lower_bound:,} B"
     )
-    if solved["smallest_feasible_budget"] is not None:
-        text += f", and the smallest feasible budget found (greedy checkpointing) is {solved['smallest_feasible_budget']:,} B"
-    if "time limit" in solved["message"].lower():
+    if solved.smallest_feasible_budget is not None:
+        text += f", and the smallest feasible budget found (greedy checkpointing) is {solved.smallest_feasible_budget:,} B"
+    if "time limit" in solved.message.lower():
         text += f"; raise time_limit_s (now {case.plan.time_limit_s:g} s) or the budget"
     else:
         text += "; raise the budget"

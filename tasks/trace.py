@@ -8,33 +8,11 @@ changed model never meets a stale profile, plan or validation.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
 
 from runtime.graph import OpGraph
 from tasks.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class Traced:
-    """A stored operator graph and the numbers a report needs about it."""
-
-    path: str
-    fingerprint: str
-    model: str
-    batch_size: int
-    nodes: int
-    values: int
-    constant_bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Traced:
-        return cls(**data)
+from tasks.records import Traced
 
 
 def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str) -> Path:

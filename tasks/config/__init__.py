@@ -17,16 +17,17 @@ from tasks.config.values import (
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_max_overhead, parse_option_text,
 )
 from tasks.config.sections import (
-    InputSpec, ModelConfig, PlanConfig, ProfileConfig, PublishConfig, Section, ValidateConfig, VariantChoice,
+    Addresses, InputSpec, ModelConfig, PlanConfig, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
+    VariantChoice,
 )
 from tasks.config.fleet import Cron, DeployConfig, DeviceClassConfig
 from tasks.config.schema import PipelineConfig, RunConfig, load_config, parse_config, registered_solvers
 from tasks.config.matrix import Case, expand_matrix
 
 __all__ = [
-    'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',
+    'Addresses', 'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',
     'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MemplanError', 'ModelConfig',
-    'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
+    'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
     'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VariantChoice', 'expand_matrix', 'load_config',
     'parse_budget', 'parse_budget_text', 'parse_config', 'parse_max_overhead', 'parse_option_text',
     'registered_solvers',

@@ -12,7 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_max_overhead)
-from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, TimeLimit
+from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, SolveOptions, TimeLimit
 
 class Section(BaseModel):
     """A TOML table: unknown keys are refused with the list of allowed keys."""
@@ -146,6 +146,28 @@ VariantChoice = Literal["all", "bit-identical", "none"]
 """A plan's `variants` setting: which implementation-variant rules its solver may choose
 (`tasks.problems.VARIANT_RULES`)."""
 
+Addresses = Literal["none", "greedy", "olla"]
+"""A plan's `addresses` setting: how its value copies get arena offsets (`tasks.solve_stage.solve_loaded`)."""
+
+
+class PlanSettings(BaseModel):
+    """A plan's solve settings, parsed once from its `[[plans]]` table and handed to the solve stage whole:
+    the shared MILP settings, the solver's own `params` (checked against its options at load time),
+    `addresses` and `variants`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: str = DEFAULT_BACKEND
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S
+    gap: float = DEFAULT_GAP
+    params: dict[str, Any] = {}
+    addresses: Addresses = "none"
+    variants: VariantChoice = "all"
+
+    def solve_options(self) -> SolveOptions:
+        """The `SolveOptions` the solver gets."""
+        return SolveOptions(backend=self.backend, time_limit=self.time_limit, gap=self.gap, params=dict(self.params))
+
 
 class PlanConfig(Section):
     """One solver and the budgets to solve it at (each budget is one plan per model and batch size)."""
@@ -169,7 +191,7 @@ class PlanConfig(Section):
     options: dict[str, Any] = Field(
         default_factory=dict, description="The solver's own options (`memplan solve --help` and docs/solvers.md "
         "list them per solver).")
-    addresses: Literal["none", "greedy", "olla"] = Field(
+    addresses: Addresses = Field(
         "none", description="Plan an arena address for every value copy: 'greedy' (largest first, best gap), "
         "'olla' (OLLA's location ILP, never above greedy's arena; within time_limit_s) or 'none'. Plans with "
         "addresses run in arena mode with runtime.load(..., arena=True).")
@@ -225,10 +247,10 @@ class PlanConfig(Section):
             parse_options(SOLVERS[solver], options, where="")
         return options
 
-    def solve_settings(self) -> dict[str, Any]:
-        """What the solve stage needs, as JSON: the `SolveOptions` keywords, `addresses` and `variants`."""
-        return {"backend": self.backend, "time_limit": self.time_limit_s, "gap": self.gap,
-                "params": dict(self.options), "addresses": self.addresses, "variants": self.variants}
+    def solve_settings(self) -> PlanSettings:
+        """What the solve stage needs, in one typed object."""
+        return PlanSettings(backend=self.backend, time_limit=self.time_limit_s, gap=self.gap, params=dict(self.options),
+                            addresses=self.addresses, variants=self.variants)
 
 
 class ValidateConfig(Section):
