@@ -35,3 +35,14 @@ def test_imports_have_no_cycle():
                     graph.add_edge(name, target)
     cycles = list(nx.simple_cycles(graph))
     assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_layers_import_only_downward():
+    """runtime/ imports neither tasks/ nor flows/; tasks/ does not import flows/ (docs/architecture.md)."""
+    above = {"runtime": ("tasks", "flows"), "tasks": ("flows",)}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for target in targets:
+                assert target.split(".")[0] not in above.get(name.split(".")[0], ()), f"{name} imports {target}"
