@@ -1,4 +1,4 @@
-"""The schedule simulator: the single definition of memory (docs/plan-format.md, ARCHITECTURE.md).
+"""The schedule simulator: the single definition of memory (docs/plan-format.md, docs/architecture.md).
 
 A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or the plan's JSON dicts
 (`{"compute": N, "impl": ...}` / `{"free": X}`). Semantics:
