@@ -44,9 +44,9 @@ import runtime  # noqa: E402
 from peers import compiled_step, median_ms, peak_and_grads, profiled_costs, workload  # noqa: E402
 from runtime.variants import RULES, graph_variants  # noqa: E402
 from tasks.solve import solve  # noqa: E402
-from tasks.solve.problem import Problem  # noqa: E402
-from tasks.solve.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve.solution import SolveOptions, min_budget_lower_bound  # noqa: E402
+from tasks.solve.core.problem import Problem  # noqa: E402
+from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound  # noqa: E402
 
 FRACTIONS = (0.7, 0.5, 0.4)
 

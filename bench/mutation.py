@@ -44,7 +44,7 @@ class Target:
 
 
 TARGETS = {
-    "simulator": Target("tasks/solve/simulator.py",
+    "simulator": Target("tasks/solve/core/simulator.py",
                         ("tests/solve/test_simulator.py", "tests/solve/test_variants_addresses.py",
                          "tests/solve/test_simulator_contract.py")),
     "plan": Target("runtime/plan.py",
@@ -53,7 +53,7 @@ TARGETS = {
     "validate": Target("tasks/validate.py",
                        ("tests/pipeline/test_validate.py", "tests/pipeline/test_validate_gate.py"),
                        ("*compare_tensors*", "*peak_problem*", "*explain*", "*step_state*")),
-    "checkmate_model": Target("tasks/solve/checkmate_model.py",
+    "checkmate_model": Target("tasks/solve/core/remat_milp.py",
                               ("tests/solve/test_checkmate_model.py",
                                *(f"tests/solve/test_checkmate.py::test_ilp_finds_the_exhaustive_optimum_on_linear_graphs[{n}]"
                                  for n in range(1, 6)),
@@ -66,7 +66,7 @@ TARGETS = {
                           "tests/solve/test_acg_budget.py")),
     "acg_solver": Target("tasks/solve/acg/solver.py",
                          ("tests/solve/test_acg_solver.py", "tests/solve/test_acg_budget.py")),
-    "budget": Target("tasks/config.py",
+    "budget": Target("tasks/config/values.py",
                      ("tests/pipeline/test_config.py", "tests/pipeline/test_budget.py"),
                      ("*Budget*", "*parse_budget*", "*_budget_help*", "*_toml_value*")),
 }

@@ -38,8 +38,8 @@ from runtime.meter import PeakMeter
 from runtime.plan import Plan
 from tasks.solve.olla import olla_addresses
 from tasks.solve.olla.lifetime import lifetime_order
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
 
 PAPER_CAP_S = 300.0
 

@@ -63,9 +63,9 @@ from tasks.config import VariantChoice, parse_option_text
 from tasks.problems import VARIANT_RULES
 from tasks.profile import ProfileSettings, measure_graph
 from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, normalize_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 from tasks.store import CostTable, VariantCost
 
 SOLVERS = ("hierarchical", "module-checkpoint", "ap-greedy", "acg", "linearized-greedy")

@@ -25,9 +25,9 @@ from rich.table import Table
 import runtime
 from tasks.solve import solve
 from tasks.solve.hierarchical import solver as hierarchical_solver
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 OURS = ("hierarchical", "dtr")
 RIVALS = ("module-checkpoint", "ap-greedy", "linearized-greedy", "acg", "remat-greedy")

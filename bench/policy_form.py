@@ -28,8 +28,8 @@ from bench.peers import (COMPILE_BACKENDS, median_ms, peak_and_grads, profiled_p
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
 from tasks.solve import solve
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 
 def gpt2():

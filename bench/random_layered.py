@@ -23,7 +23,7 @@ in all:
     n1000   0.9     1.0043  2.2 s / 21 s
     n1000   0.8     1.0241  4.8 s / 36 s     1.0240  32 s / 300 s
 
-dtr's schedules at these budgets come from its peak-directed insertion greedy (tasks/solve/peak_insertion.py;
+dtr's schedules at these budgets come from its peak-directed insertion greedy (tasks/solve/core/peak_insertion.py;
 before it dtr found none within 5% at 0.8 and none for n1000); moccasin starts from that greedy's schedule
 made frontier-advancing (max_copies 2) and CP-SAT lowers the cost from there (n250: 1.0236 -> 1.0160;
 n500: 1.0441, its start with at most 2 copies, -> 1.0369; n1000: 1.0241 -> 1.0240). Before that start
@@ -42,10 +42,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from tasks.solve import solve  # noqa: E402
-from tasks.solve.benchmarks import benchmark_graphs  # noqa: E402
-from tasks.solve.problem import Problem  # noqa: E402
-from tasks.solve.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve.solution import Solution, SolveOptions  # noqa: E402
+from tasks.solve.core.benchmarks import benchmark_graphs  # noqa: E402
+from tasks.solve.core.problem import Problem  # noqa: E402
+from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from tasks.solve.core.solution import Solution, SolveOptions  # noqa: E402
 
 WITHIN = 1.05
 

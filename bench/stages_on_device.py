@@ -26,7 +26,6 @@ from tasks.config import expand_matrix, parse_config
 from tasks.models import resolve_device
 from tasks.profile import ProfileSettings, profile_graph
 from tasks.publish import publish
-from tasks.solve.solution import SolveOptions
 from tasks.solve_stage import solve_case
 from tasks.trace import trace
 from tasks.validate import validate_plan
@@ -62,11 +61,9 @@ def main() -> None:
     cells = []
     for case in expand_matrix(config):
         record, run = traced[case.model.name, case.batch_size], runs[case.model.name, case.batch_size]
-        settings = case.plan.solve_settings()
-        options = SolveOptions(**{k: v for k, v in settings.items() if k != "addresses"})
         start = time.perf_counter()
-        solved = solve_case(record.path, case.plan.solver, case.budget, options, run.device, work / "store",
-                            work / "solutions" / f"{case.alias}.json", settings["addresses"])
+        solved = solve_case(record.path, case.plan.solver, case.budget, case.plan.solve_settings(), run.device,
+                            work / "store", work / "solutions" / f"{case.alias}.json")
         cell = {"alias": case.alias, "solve_s": time.perf_counter() - start}
         if not solved.feasible:
             cells.append(cell | {"status": "infeasible", "message": solved.message})

@@ -48,8 +48,8 @@ from rich.table import Table
 
 import runtime
 from runtime.variants import graph_variants
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import InvalidSchedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import InvalidSchedule, simulate
 from variants_arena import measure  # bench/ is the script folder: the same eager/plan step meter
 
 

@@ -31,9 +31,9 @@ import runtime
 from runtime.arena import in_place_nodes
 from runtime.meter import PeakMeter
 from runtime.variants import graph_variants
-from tasks.solve.addresses import greedy_addresses
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.core.addresses import greedy_addresses
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
 
 
 def build(name: str, batch: int, size: int):

@@ -55,8 +55,8 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from tasks.config import MemplanError
 
     found: list[type[BaseException]] = [MemplanError, PlanError, GraphFormatError]
-    for module, name in (("tasks.store", "ProfileNotFoundError"), ("tasks.solve.problem", "ProblemError"),
-                         ("tasks.solve.simulator", "InvalidSchedule"), ("runtime.capture", "CaptureError")):
+    for module, name in (("tasks.store", "ProfileNotFoundError"), ("tasks.solve.core.problem", "ProblemError"),
+                         ("tasks.solve.core.simulator", "InvalidSchedule"), ("runtime.capture", "CaptureError")):
         if module in sys.modules:  # only errors of modules that ran can have been raised
             found.append(getattr(sys.modules[module], name))
     return tuple(found)

@@ -4,7 +4,6 @@ publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tes
 from __future__ import annotations
 
 import importlib.util
-
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,8 @@ from flows.report import Outcome, create_artifacts
 from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
+from tasks.records import Solved, Traced
 from tasks.store_access import check_store
-from tasks.validate import Validation
 
 
 class PipelineFailed(MemplanError):
@@ -47,7 +46,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     cases = expand_matrix(config)
     rerun = {"refresh_cache": True} if refresh else {}
 
-    traced: dict[tuple[str, int], dict[str, Any]] = {}
+    traced: dict[tuple[str, int], Traced] = {}
     try:
         for m in config.models:
             for b in m.batch_sizes:
@@ -80,7 +79,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             floors = least_known_budgets(cases, solutions)
             validating = {} if runner is None else {
                 case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
-                for case, s in zip(cases, solutions) if s["feasible"]}
+                for case, s in zip(cases, solutions) if s.feasible}
             outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias),
                                               floors.get((case.model.name, case.batch_size)))
                         for case, s in zip(cases, solutions)]
@@ -129,16 +128,16 @@ def cell_runner(run: RunConfig) -> Iterator[Any]:
         yield runner
 
 
-def _resolved_if_gone(solved: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
     """`solved`, or, where it is a cached result whose plan file is gone (a cleaned cache folder), the cell
     solved again: the cache never serves a result that points at nothing."""
-    if not solved["feasible"] or Path(solved["plan_path"]).exists():
+    if not solved.feasible or Path(solved.plan_path).exists():
         return solved
     return solve_step.with_options(refresh_cache=True)(**cell)
 
 
-def _validate_parameters(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str) -> dict[str, Any]:
-    return dict(plan_path=solved["plan_path"], model=case.model, batch_size=case.batch_size, device=device,
+def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str) -> dict[str, Any]:
+    return dict(plan_path=solved.plan_path, model=case.model, batch_size=case.batch_size, device=device,
                 seed=config.seed, settings=config.validation, alias=case.alias)
 
 
@@ -150,15 +149,15 @@ class KnownFloor:
     source: str
 
 
-def least_known_budgets(cases: list[Case], solutions: list[dict[str, Any]]) -> dict[tuple[str, int], KnownFloor]:
+def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tuple[str, int], KnownFloor]:
     """Per (model, batch size): the least of the peaks of the run's schedules and of the smallest feasible
     budgets its greedy probes found for infeasible cells: the floor an infeasibility message cites."""
     floors: dict[tuple[str, int], KnownFloor] = {}
     for case, solved in zip(cases, solutions):
-        if solved["feasible"]:
-            found = KnownFloor(solved["predicted_peak_bytes"], f"the peak of {case.alias}'s schedule")
-        elif solved["smallest_feasible_budget"] is not None:
-            found = KnownFloor(solved["smallest_feasible_budget"], "greedy checkpointing")
+        if solved.feasible:
+            found = KnownFloor(solved.predicted_peak_bytes, f"the peak of {case.alias}'s schedule")
+        elif solved.smallest_feasible_budget is not None:
+            found = KnownFloor(solved.smallest_feasible_budget, "greedy checkpointing")
         else:
             continue
         key = (case.model.name, case.batch_size)
@@ -167,50 +166,39 @@ def least_known_budgets(cases: list[Case], solutions: list[dict[str, Any]]) -> d
     return floors
 
 
-def _validate_and_publish(case: Case, solved: dict[str, Any], config: PipelineConfig, device: str,
+def _validate_and_publish(case: Case, solved: Solved, config: PipelineConfig, device: str,
                           rerun: dict[str, Any], validating: Any = None, floor: KnownFloor | None = None) -> Outcome:
     """Validate (or wait for the validation already submitted as `validating`) and publish one cell;
     `floor` is the least budget the run knows feasible for the cell's model and batch size."""
-    common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
-                  budget=case.budget.label, budget_bytes=solved["budget_bytes"],
-                  checkpoint_all_peak_bytes=solved["checkpoint_all_peak_bytes"],
-                  predicted_peak_bytes=solved["predicted_peak_bytes"])
-    if not solved["feasible"]:
-        known = floor.bytes if floor is not None else solved["checkpoint_all_peak_bytes"]
-        return Outcome(**common, status="infeasible", least_feasible_bytes=known,
-                       message=infeasible_message(case, solved, floor))
+    if not solved.feasible:
+        return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
+                          least_feasible_bytes=None if floor is None else floor.bytes)
     if validating is not None:
         validation = validating.result()
     else:
         validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device))
-    measured = dict(measured_peak_bytes=validation["measured_peak_bytes"],
-                    eager_peak_bytes=validation["eager_peak_bytes"], overhead=validation["overhead"],
-                    overhead_interval=validation.get("overhead_interval"),
-                    arena_peak_bytes=validation.get("arena_peak_bytes"),
-                    predicted_overhead=solved["objective"] / solved["checkpoint_all_cost"] - 1)
-    if not validation["passed"]:
-        message = Validation.from_json(validation).explain(case.alias)
-        return Outcome(**common, **measured, status="rejected", message=message)
-    published = publish_step(solved["plan_path"], validation, config.publish.dir, case.alias, case.model.name,
+    if not validation.passed:
+        return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
+    published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,
                              case.batch_size, case.budget.label)
-    return Outcome(**common, **measured, status="published", plan_id=published["plan_id"])
+    return Outcome.of(case, solved, validation, published)
 
 
-def infeasible_message(case: Case, solved: dict[str, Any], floor: KnownFloor | None = None) -> str:
+def infeasible_message(case: Case, solved: Solved, floor: KnownFloor | None = None) -> str:
     """Why a cell has no plan, with the least feasible budget the run knows (`floor`)."""
-    budget, peak = solved["budget_bytes"], solved["checkpoint_all_peak_bytes"]
+    budget, peak = solved.budget_bytes, solved.checkpoint_all_peak_bytes
     if case.budget.max_overhead is not None:
-        return (f"{case.alias}: solver {case.plan.solver} found {solved['message']}; raise max_overhead or pick "
+        return (f"{case.alias}: solver {case.plan.solver} found {solved.message}; raise max_overhead or pick "
                 f"another solver.")
     text = (
         f"{case.alias}: solver {case.plan.solver} found no schedule within {budget:,} B ({case.budget.label}; "
-        f"the checkpoint-all peak is {peak:,} B), status {solved['status']}"
-        + (f" ({solved['message']})" if solved["message"] else "")
-        + f"; no schedule fits below {solved['min_budget_lower_bound']:,} B"
+        f"the checkpoint-all peak is {peak:,} B), status {solved.status}"
+        + (f" ({solved.message})" if solved.message else "")
+        + f"; no schedule fits below {solved.min_budget_lower_bound:,} B"
     )
     if floor is not None:
         text += f", and the least feasible budget this run knows is {floor.bytes:,} B ({floor.source})"
-    if "time limit" in solved["message"].lower():
+    if "time limit" in solved.message.lower():
         text += f"; raise time_limit_s (now {case.plan.time_limit_s:g} s) or the budget"
     else:
         text += "; raise the budget"

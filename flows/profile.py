@@ -32,7 +32,7 @@ def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False,
         for batch_size in model.batch_sizes:
             traced = trace_step(model, batch_size, device, config.seed, config.cache_dir)
             run = measure(model, traced, device, config.seed, config.profile, config.store)
-            runs.append({"model": model.name, "batch_size": batch_size, "nodes": traced["nodes"], **run})
+            runs.append({"model": model.name, "batch_size": batch_size, "nodes": traced.nodes, **run.to_json()})
     return runs
 
 

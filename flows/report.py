@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tasks.config import Case
+from tasks.records import Published, Solved, Validated
+
 MIB = 2**20
 
 
@@ -40,6 +43,27 @@ class Outcome:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def of(cls, case: Case, solved: Solved, validated: Validated | None = None, published: Published | None = None,
+           message: str = "", least_feasible_bytes: int | None = None) -> Outcome:
+        """The outcome of a cell from its stage records: infeasible without a schedule (`least_feasible_bytes`:
+        the least budget the run knows fits, else the solve's own probe), rejected when validation failed,
+        published with the `Published` record."""
+        common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
+                      budget=case.budget.label, budget_bytes=solved.budget_bytes,
+                      checkpoint_all_peak_bytes=solved.checkpoint_all_peak_bytes,
+                      predicted_peak_bytes=solved.predicted_peak_bytes, message=message)
+        if validated is None:
+            known = least_feasible_bytes or solved.smallest_feasible_budget or solved.checkpoint_all_peak_bytes
+            return cls(**common, status="infeasible", least_feasible_bytes=known)
+        measured = dict(measured_peak_bytes=validated.measured_peak_bytes, eager_peak_bytes=validated.eager_peak_bytes,
+                        overhead=validated.overhead, overhead_interval=validated.overhead_interval,
+                        arena_peak_bytes=validated.arena_peak_bytes,
+                        predicted_overhead=solved.objective / solved.checkpoint_all_cost - 1)
+        if published is None:
+            return cls(**common, **measured, status="rejected")
+        return cls(**common, **measured, status="published", plan_id=published.plan_id)
 
 
 def _mib(nbytes: int | None) -> str:

@@ -1,7 +1,8 @@
 """The pipeline stages as Prefect tasks: thin wrappers over the plain functions in `tasks/`.
 
 The trace runs every time; each later task is cached by a content hash of what determines its result
-(`cache_key_fn`: the graph's fingerprint, settings, sources), so re-running an unchanged pipeline re-uses
+(`cache_key_fn`: the graph's fingerprint, settings, and the sources of the code the stage imports,
+flows/codehash.py), so re-running an unchanged pipeline re-uses
 profiles, solutions and validations, and a changed model never gets a stale one. Results are persisted
 by Prefect as JSON records (`result_serializer="json"`, never pickles) that point at the JSON graph and
 plan files and the Parquet profile runs the stages write (absolute paths: valid from any working
@@ -20,9 +21,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows import captures
+from flows.codehash import code_hash
 from flows.progress import stage_finished, stage_started
-from tasks.config import Budget, MemplanError, ModelConfig, ProfileConfig, ValidateConfig
-from tasks.trace import source_hash
+from tasks.config import Budget, MemplanError, ModelConfig, PlanSettings, ProfileConfig, ValidateConfig
+from tasks.records import Profiled, Published, Solved, Traced, Validated
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
 HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
@@ -59,14 +61,14 @@ def _existing(path: str, stage: str) -> Path:
 
 
 @task(name="trace", cache_policy=NO_CACHE, task_run_name="trace {model.name} b{batch_size}", **HOOKS)
-def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str) -> dict[str, Any]:
+def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str) -> Traced:
     """Capture the model's training step, every run (never cached: the fingerprint it yields keys every
     later stage); the graph JSON lands in `cache_dir/graphs/`."""
     from tasks.trace import trace
 
     traced, graph = trace(model, batch_size, device, seed, cache_dir)
     captures.keep(traced.fingerprint, graph)
-    return traced.to_json()
+    return traced
 
 
 # -- profile -----------------------------------------------------------------------------------------
@@ -74,55 +76,50 @@ def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cach
 
 def _profile_key(context: Any, p: Mapping[str, Any]) -> str:
     settings = p["settings"].model_dump(exclude={"retries"})
-    return content_key("profile", p["traced"]["fingerprint"], p["device"], p["seed"], settings, p["store"],
-                       source_hash("tasks/profile.py", "tasks/store.py", "runtime"))
+    return content_key("profile", p["traced"].fingerprint, p["device"], p["seed"], settings, p["store"],
+                       code_hash("profile"))
 
 
 @task(name="profile", cache_key_fn=_profile_key, retry_delay_seconds=5,
-      task_run_name="profile {model.name} b{traced[batch_size]}", **PERSISTED, **HOOKS)
-def profile_step(model: ModelConfig, traced: dict[str, Any], device: str, seed: int, settings: ProfileConfig,
-                 store: str) -> dict[str, Any]:
+      task_run_name="profile {model.name} b{traced.batch_size}", **PERSISTED, **HOOKS)
+def profile_step(model: ModelConfig, traced: Traced, device: str, seed: int, settings: ProfileConfig,
+                 store: str) -> Profiled:
     """Measure every operator node of the traced graph on `device` and write the run to the store."""
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.trace import capture_model
 
-    graph = captures.get(traced["fingerprint"]) or capture_model(model, traced["batch_size"], device, seed)
-    if graph.fingerprint != traced["fingerprint"]:
+    graph = captures.get(traced.fingerprint) or capture_model(model, traced.batch_size, device, seed)
+    if graph.fingerprint != traced.fingerprint:
         raise MemplanError(
-            f"re-capturing {model.name} at batch {traced['batch_size']} gave graph {graph.fingerprint[:12]}, "
-            f"not the traced {traced['fingerprint'][:12]}; capture is not deterministic for this model."
+            f"re-capturing {model.name} at batch {traced.batch_size} gave graph {graph.fingerprint[:12]}, "
+            f"not the traced {traced.fingerprint[:12]}; capture is not deterministic for this model."
         )
     run = profile_graph(graph, device, ProfileSettings(settings.warmup, settings.repeats, seed),
                         model=model.name, root=store, progress=False)
-    return {"run_id": run.run_id, "device": run.device, "fingerprint": run.fingerprint, "rows": run.rows,
-            "path": str(run.path)}
+    return Profiled(run_id=run.run_id, device=run.device, fingerprint=run.fingerprint, rows=run.rows,
+                    path=str(run.path))
 
 
 # -- solve -------------------------------------------------------------------------------------------
 
 
 def _solve_key(context: Any, p: Mapping[str, Any]) -> str:
-    return content_key("solve", p["traced"]["fingerprint"], p["profile"]["run_id"], p["solver"], p["budget"],
-                       p["settings"], p["device"],
-                       source_hash("tasks/solve", "tasks/solve_stage.py", "tasks/problems.py", "runtime/plan.py",
-                                   "runtime/variants.py"))
+    return content_key("solve", p["traced"].fingerprint, p["profile"].run_id, p["solver"], p["budget"],
+                       p["settings"], p["device"], code_hash("solve"))
 
 
 @task(name="solve", cache_key_fn=_solve_key, task_run_name="solve {alias}", **PERSISTED, **HOOKS)
-def solve_step(traced: dict[str, Any], profile: dict[str, Any], solver: str, budget: Budget, settings: dict[str, Any],
-               device: str, store: str, cache_dir: str, alias: str) -> dict[str, Any]:
-    """Solve one matrix cell with `settings` (`PlanConfig.solve_settings()`) on the costs of the device the
+def solve_step(traced: Traced, profile: Profiled, solver: str, budget: Budget, settings: PlanSettings,
+               device: str, store: str, cache_dir: str, alias: str) -> Solved:
+    """Solve one matrix cell with the plan's `settings` on the costs of the device the
     profile just measured (its device key, e.g. a fleet class: a newer profile of the same graph from another
     class of the same device type is never used); the plan lands in `cache_dir/solutions/`."""
     key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, settings=settings,
                                 device=device))
     plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
-    from tasks.solve.solution import SolveOptions
     from tasks.solve_stage import solve_case
 
-    options = SolveOptions(**{k: v for k, v in settings.items() if k not in ("addresses", "variants")})
-    return solve_case(_existing(traced["path"], "trace"), solver, budget, options, profile["device"], store, plan_path,
-                      settings["addresses"], settings["variants"]).to_json()
+    return solve_case(_existing(traced.path, "trace"), solver, budget, settings, profile.device, store, plan_path)
 
 
 # -- validate ----------------------------------------------------------------------------------------
@@ -136,12 +133,12 @@ def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
     plan = plan_id(Plan.load(_existing(p["plan_path"], "solve")))
     return content_key("validate", plan, p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
                        p["settings"], torch.__version__,
-                       source_hash("runtime", "tasks/validate.py", "tasks/models.py"))
+                       code_hash("validate"))
 
 
 @task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)
 def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: str, seed: int,
-                  settings: ValidateConfig, alias: str) -> dict[str, Any]:
+                  settings: ValidateConfig, alias: str) -> Validated:
     """Run the plan against eager PyTorch on `device` (tasks/validate.py), on the graph this run's trace
     captured when this process holds it (the plan runs without capturing the model again)."""
     from runtime.plan import Plan
@@ -149,25 +146,23 @@ def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: s
 
     plan = Plan.load(plan_path)
     return validate_plan(plan, model, batch_size, device, seed, settings,
-                         graph=captures.get(plan.fingerprint)).to_json()
+                         graph=captures.get(plan.fingerprint))
 
 
-def forget_captured(traced: Mapping[str, Mapping[str, Any]]) -> None:
+def forget_captured(traced: Mapping[Any, Traced]) -> None:
     """Drop the captured graphs of the `trace_step` results `traced` (at the end of a run)."""
-    captures.forget(record["fingerprint"] for record in traced.values())
+    captures.forget(record.fingerprint for record in traced.values())
 
 
 # -- publish -----------------------------------------------------------------------------------------
 
 
 @task(name="publish", task_run_name="publish {alias}", **HOOKS)
-def publish_step(plan_path: str, validation: dict[str, Any], plans_dir: str, alias: str, model: str,
-                 batch_size: int, budget: str) -> dict[str, Any]:
+def publish_step(plan_path: str, validation: Validated, plans_dir: str, alias: str, model: str,
+                 batch_size: int, budget: str) -> Published:
     """Publish a validated plan into `plans_dir` (idempotent, so never cached)."""
     from runtime.plan import Plan
     from tasks.publish import publish
-    from tasks.validate import Validation
 
-    published = publish(Plan.load(plan_path), Validation.from_json(validation), plans_dir, alias=alias,
-                        model=model, batch_size=batch_size, budget=budget)
-    return asdict(published)
+    return publish(Plan.load(plan_path), validation, plans_dir, alias=alias, model=model, batch_size=batch_size,
+                   budget=budget)

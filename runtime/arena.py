@@ -26,8 +26,8 @@ from functools import cache
 import torch
 from torch import fx
 
-from runtime.capture import op_of
-from runtime.graph import OpGraph
+from runtime.graph import OpGraph, backend
+from runtime.ops import op_of
 from runtime.plan import Plan
 from runtime.variant_ops import head_node
 from runtime.variants import DEFAULT, GraphVariants
@@ -106,12 +106,6 @@ def out_overload(op: torch._ops.OpOverload, backend: str = "CPU") -> tuple[torch
                 return None
             return candidate, tuple(a.name for a in outs), dropped
     return None
-
-
-def backend(device: str) -> str:
-    """The dispatch key whose kernels run on `device`: a device type ("cpu", "cuda:0") or a profile store
-    device key (`cpu`, or a GPU name such as `nvidia-h100-80gb-hbm3`)."""
-    return "CPU" if device.split(":")[0] == "cpu" else "CUDA"
 
 
 def in_place_nodes(graph: OpGraph, device: str) -> set[int]:

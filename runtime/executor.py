@@ -29,9 +29,12 @@ import torch
 from torch import fx, nn
 
 from runtime.arena import ArenaFallbackWarning, ArenaReport, emit_out_call, keep_alive, new_arena, plan_arena
-from runtime.capture import Program, batch_signature, capture
+from runtime.capture import batch_signature, capture
+from runtime.cuda_graph import GraphedStep
+from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
 from runtime.plan import Plan
+from runtime.program import Program
 from runtime.variant_ops import emit_variant, head_node
 from runtime.variants import GraphVariants
 
@@ -125,22 +128,6 @@ class _Compiled:
     graphed: Callable[[tuple], torch.Tensor] | None = None
 
 
-def stealable(p: torch.Tensor, g: torch.Tensor) -> bool:
-    """Whether gradient `g` can become `p.grad` as it is: the parameter's layout, a storage of its own."""
-    return g.stride() == p.stride() and g.storage_offset() == 0 and \
-        g.untyped_storage().nbytes() == g.numel() * g.element_size()
-
-
-def accumulate_grad(p: torch.Tensor, g: torch.Tensor, steal: bool | None = None) -> None:
-    """What autograd's AccumulateGrad does: steal a `stealable` gradient (`steal`, when the caller knows),
-    else copy it into the parameter's layout; add in place to an existing `.grad`."""
-    if p.grad is None:
-        steal = stealable(p, g) if steal is None else steal
-        p.grad = g if steal else torch.empty_strided(p.shape, p.stride(), dtype=g.dtype, device=g.device).copy_(g)
-    else:
-        p.grad += g
-
-
 def _refuse_random_replays(plan: Plan, program: Program) -> None:
     """A CUDA graph cannot hold a plan that recomputes a random op: replaying its draws resets the
     generator (`_replay_rng`), which capture forbids."""
@@ -167,7 +154,7 @@ class TrainStep:
         if arena and not plan.addresses and plan.v1_offsets is None:
             raise ValueError("arena=True needs a plan with addresses (value copy -> arena offset), and this plan has "
                              "none. Plan with addresses (solve option addresses = 'greedy', or "
-                             "tasks.solve.addresses.greedy_addresses), or load it without arena=True.")
+                             "tasks.solve.core.addresses.greedy_addresses), or load it without arena=True.")
         devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
         if cuda_graph and devices != {"cuda"}:
             raise ValueError(f"cuda_graph=True replays the step as a CUDA graph, and this model's parameters and "
@@ -219,7 +206,6 @@ class TrainStep:
             grad_params=[params[name] for name in program.grad_params],
         )
         if self.cuda_graph:
-            from runtime.cuda_graph import GraphedStep
             compiled.graphed = GraphedStep(fn, compiled.params, compiled.buffers, compiled.mutated,
                                            compiled.grad_params)
         self._compiled[key] = compiled

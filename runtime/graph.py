@@ -22,6 +22,16 @@ class GraphFormatError(ValueError):
     """A graph JSON (file or dict) that is malformed, inconsistent or tampered with."""
 
 
+BACKENDS = {"CPU": "cpu", "CUDA": "cuda"}
+"""The dispatch backends a graph records in-place facts for, each with a device of its kind."""
+
+
+def backend(device: str) -> str:
+    """The dispatch key whose kernels run on `device`: a device type ("cpu", "cuda:0") or a profile store
+    device key (`cpu`, or a GPU name such as `nvidia-h100-80gb-hbm3`)."""
+    return "CPU" if device.split(":")[0] == "cpu" else "CUDA"
+
+
 @dataclass(frozen=True)
 class Value:
     """One storage: graph input (`producer is None`) or allocated by node `producer`."""
@@ -91,6 +101,20 @@ class OpGraph:
     def constant_bytes(self) -> int:
         """Bytes of the graph inputs, reported apart from the schedule's peak."""
         return sum(v.bytes for v in self.values if v.producer is None)
+
+    def random_nodes(self) -> list[int]:
+        """Nodes that may draw random numbers, as recorded at capture (`runtime.facts`)."""
+        return list(self._fact("random_nodes"))
+
+    def in_place_nodes(self, device: str) -> set[int]:
+        """Nodes whose default implementation arena mode writes in place on `device`, as recorded at capture."""
+        return set(self._fact("in_place")[backend(device)])
+
+    def _fact(self, key: str) -> Any:
+        if key not in self.meta:
+            raise GraphFormatError(f"graph {self.fingerprint[:16]} was captured before memplan recorded {key!r} in "
+                                   f"its meta; trace it again (`memplan trace`) with this memplan.")
+        return self.meta[key]
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "meta": self.meta,

@@ -10,10 +10,11 @@ import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from runtime.graph import OpGraph
 from runtime.jsonio import read_json, sha256_hex, write_json_atomic
+from runtime.schedule import Absence, walk
 from runtime.variants import DEFAULT, GraphVariants, graph_variants
 
 FORMAT = "memplan-plan"
@@ -218,65 +219,13 @@ class Plan:
                 f"plan fingerprint {self.fingerprint} does not match the graph being executed "
                 f"(fingerprint {graph.fingerprint}): {self._difference(graph)} Make a plan for this graph.")
         variants = graph_variants(graph) if variants is None else variants
-        n_nodes = len(graph.nodes)
-        n_values = len(graph.values) + len(variants.values)
-        resident = {v.id for v in graph.values if v.producer is None}
-        freed_at: dict[int, int] = {}
-        overwritten_at: dict[int, int] = {}            # value -> the in-place step that overwrote it
-        shared: set[Copy] = set()                       # copies of in-place steps (no address may place them)
-        allocated: dict[int, tuple[int, ...]] = {}
-        last_copy: dict[int, int] = {}
-        live_until: dict[Copy, int] = {}                # copy -> last step it is live (the simulator's rule)
-        for i, step in enumerate(self.schedule):
-            if "compute" in step:
-                n = step["compute"]
-                if n >= n_nodes:
-                    raise PlanError(f"schedule[{i}] computes node {n}, which does not exist (0..{n_nodes - 1}).")
-                try:
-                    inputs, outputs = variants.io(graph, n, step.get("impl"))
-                except KeyError as exc:
-                    raise PlanError(f"schedule[{i}]: {exc.args[0]}") from None
-                for v in inputs:
-                    if v not in resident:
-                        why = (f"it was freed at schedule[{freed_at[v]}]" if v in freed_at else
-                               f"schedule[{overwritten_at[v]}] overwrote it in place" if v in overwritten_at
-                               else f"its producer node {variants.value(graph, v).producer} has not been "
-                                    f"computed by a variant that allocates it")
-                        raise PlanError(
-                            f"schedule[{i}] computes node {n} ({graph.nodes[n].name}), which reads value {v} "
-                            f"({variants.value(graph, v).name}), but {why}. Compute the producer first.")
-                    if v in last_copy:
-                        live_until[last_copy[v], v] = i
-                spec = variants.spec(n, step.get("impl"))
-                for out, v in spec.overwrites if spec is not None else ():
-                    resident.discard(v)
-                    freed_at.pop(v, None)
-                    overwritten_at[v] = i
-                    shared.update({(last_copy[v], v), (i, out)})
-                    live_until[last_copy[v], v] = i - 1
-                resident.update(outputs)
-                allocated[i] = outputs
-                last_copy.update((v, i) for v in outputs)
-                live_until.update(((i, v), i) for v in outputs)
-            else:
-                x = step["free"]
-                if x >= n_values:
-                    raise PlanError(f"schedule[{i}] frees value {x}, which does not exist (0..{n_values - 1}).")
-                if variants.value(graph, x).producer is None:
-                    raise PlanError(f"schedule[{i}] frees value {x} ({graph.values[x].kind} "
-                                    f"{graph.values[x].name}); graph inputs are always resident.")
-                if x not in resident:
-                    raise PlanError(f"schedule[{i}] frees value {x} ({variants.value(graph, x).name}), which is not "
-                                    f"resident.")
-                resident.discard(x)
-                freed_at[x] = i
-                overwritten_at.pop(x, None)
-        missing = [v for v in graph.outputs if v not in resident]
-        if missing:
-            raise PlanError(
-                f"graph outputs {missing[:10]} ({', '.join(graph.values[v].name for v in missing[:3])}...) are "
-                f"not resident at the end of the schedule; every output must be computed and not freed after.")
-        live_until.update(((last_copy[v], v), len(self.schedule) - 1) for v in graph.outputs)
+        w = walk(self.schedule, len(graph.nodes), len(graph.values) + len(variants.values),
+                 lambda v: variants.value(graph, v).producer is None,
+                 lambda i, node, impl: _step_io(graph, variants, i, node, impl), graph.outputs,
+                 _Complaints(graph, variants))
+        allocated = {i: tuple(io.outputs) for i, io in enumerate(w.io) if io is not None}
+        shared = {(w.copy_start[k], w.copy_value[k]) for k in w.shared}
+        live_until = {(start, v): end for start, v, end in zip(w.copy_start, w.copy_value, w.copy_end)}
         if self.v1_offsets is not None:
             self.addresses = _resolve_v1_offsets(self.v1_offsets, allocated)
             self.v1_offsets = None
@@ -288,12 +237,59 @@ class Plan:
                 raise PlanError(f"plan addresses place value {value} ({variants.value(graph, value).name}) at "
                                 f"schedule[{step}], a copy that an in-place step overwrites or writes into; their "
                                 f"shared storage outlives the copy, so it cannot live in the arena: drop that address.")
-            if value in graph.outputs and last_copy[value] == step:
+            if value in graph.outputs and w.copy_start[w.final[value]] == step:
                 raise PlanError(f"plan addresses place value {value} ({graph.values[value].name}) at "
                                 f"schedule[{step}], its final copy as a graph output, which outlives the step and so "
                                 f"cannot live in the step's arena; drop that address.")
         _check_placement(graph, variants, self.addresses or {}, live_until)
         return variants
+
+
+class _StepIO(NamedTuple):
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    overwrites: tuple[tuple[int, int], ...]
+
+
+def _step_io(graph: OpGraph, variants: GraphVariants, i: int, node: int, impl: str | None) -> _StepIO:
+    try:
+        inputs, outputs = variants.io(graph, node, impl)
+    except KeyError as exc:
+        raise PlanError(f"schedule[{i}]: {exc.args[0]}") from None
+    spec = variants.spec(node, impl)
+    return _StepIO(tuple(inputs), tuple(outputs), tuple(spec.overwrites) if spec is not None else ())
+
+
+class _Complaints:
+    """The plan's wording of an invalid schedule (`runtime.schedule.Complaints`)."""
+
+    def __init__(self, graph: OpGraph, variants: GraphVariants):
+        self.graph, self.variants = graph, variants
+
+    def error(self, message: str) -> PlanError:
+        return PlanError(message)
+
+    def absent_input(self, step: int, node: int, value: int, why: Absence) -> PlanError:
+        graph, variants = self.graph, self.variants
+        reason = (f"it was freed at schedule[{why.freed}]" if why.freed is not None else
+                  f"schedule[{why.overwritten}] overwrote it in place" if why.overwritten is not None
+                  else f"its producer node {variants.value(graph, value).producer} has not been "
+                       f"computed by a variant that allocates it")
+        return PlanError(f"schedule[{step}] computes node {node} ({graph.nodes[node].name}), which reads value "
+                         f"{value} ({variants.value(graph, value).name}), but {reason}. Compute the producer first.")
+
+    def free_input(self, step: int, value: int) -> PlanError:
+        v = self.graph.values[value]
+        return PlanError(f"schedule[{step}] frees value {value} ({v.kind} {v.name}); graph inputs are always resident.")
+
+    def free_absent(self, step: int, value: int, why: Absence) -> PlanError:
+        return PlanError(f"schedule[{step}] frees value {value} ({self.variants.value(self.graph, value).name}), "
+                         f"which is not resident.")
+
+    def missing_outputs(self, missing: list[int]) -> PlanError:
+        return PlanError(
+            f"graph outputs {missing[:10]} ({', '.join(self.graph.values[v].name for v in missing[:3])}...) are "
+            f"not resident at the end of the schedule; every output must be computed and not freed after.")
 
 
 ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -306,7 +302,7 @@ def _check_placement(graph: OpGraph, variants: GraphVariants, addresses: Mapping
                      live_until: Mapping[Copy, int]) -> None:
     """Refuse addresses the arena cannot hold: an offset not a multiple of the value's element size (the arena
     is viewed as that dtype there), a copy ending past `MAX_ARENA_BYTES`, or two copies live at a common step
-    (from the step computing each to its last read, as `tasks.solve.simulator` counts them) whose byte ranges
+    (from the step computing each to its last read, as `tasks.solve.core.simulator` counts them) whose byte ranges
     [offset, offset + bytes) overlap. A sweep over the copies by first step, each checked against the placed
     copies still live."""
     live: list[tuple[int, int, int, Copy]] = []           # (last step, low byte, high byte, copy)

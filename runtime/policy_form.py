@@ -49,7 +49,7 @@ class Regions:
 
     @classmethod
     def of_problem(cls, problem: Any) -> "Regions":
-        """From a `tasks.solve.problem.Problem`."""
+        """From a `tasks.solve.core.problem.Problem`."""
         n = len(problem.node_inputs)
         return cls(tuple(int(v) for v in problem.order), tuple(problem.node_inputs), tuple(problem.node_outputs),
                    frozenset(i for i, p in enumerate(problem.phase) if p == "backward"),

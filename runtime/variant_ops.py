@@ -4,7 +4,7 @@
 emitter (`RULES[spec.rule]`) copies or replaces the FX nodes of the node's captured group, filling `env`
 (captured FX node -> its copy), so later readers find the node's graph values as for a default step,
 and returns the FX nodes of the variant values it allocates, by value id. The executor and
-`runtime.capture.variant_function` share it.
+`runtime.node_functions.variant_function` share it.
 """
 
 from __future__ import annotations

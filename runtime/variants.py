@@ -43,7 +43,7 @@ Rules shipped (`RULES`):
   its input, writing the output into the input's storage (MONeT's in-place operators, appendix C.3), so
   the step allocates nothing. The spec declares it as data: `overwrites = ((output, input),)`; planners
   then count the output in the input's bytes and must not read the input after the step
-  (`tasks.solve.simulator`). Offered as `inplace` (the default backward, reading the output), and where
+  (`tasks.solve.core.simulator`). Offered as `inplace` (the default backward, reading the output), and where
   the node offers `mask` / `bitmask` also as `mask-inplace` / `bitmask-inplace`: the same mask value as
   `mask` / `bitmask` (so the backward's `mask` / `bitmask` variant reads it), computed from the input
   before `relu_` overwrites it. Bit-identical. Another node's variant may still read the input (the

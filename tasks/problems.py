@@ -11,7 +11,7 @@ from pathlib import Path
 from runtime.graph import OpGraph
 from runtime.variants import BIT_IDENTICAL_RULES, graph_variants
 from tasks.config import VariantChoice
-from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.core.problem import Problem, ProblemError
 from tasks.store import CostTable, load_costs
 
 
@@ -60,7 +60,7 @@ def load_problem(path: str | os.PathLike, *, device: str | None = None,
         offered = graph_variants(graph, VARIANT_RULES[variants])
         if variants == "bit-identical":
             offered = offered.restricted(lambda s: verified_exact(costs, s.node, s.name))
-        problem = Problem.from_graph(graph, costs, offered, random_nodes(graph))
+        problem = Problem.from_graph(graph, costs, offered, graph.random_nodes())
         return LoadedProblem(problem, graph, costs)
     return LoadedProblem(Problem.from_node_link(path), None, None)
 
@@ -70,22 +70,3 @@ def verified_exact(costs: CostTable, node: int, impl: str) -> bool:
     when it was not compared: unavailable there, or a profile of schema version 1)."""
     cost = costs.variants.get(node, {}).get(impl)
     return cost is not None and cost.exact is True
-
-
-def random_nodes(graph: OpGraph) -> list[int]:
-    """Nodes of a graph (loaded from JSON) running an op tagged `nondeterministic_seeded` (ATen's, or memplan's
-    `dropout_mask`): they may draw from a random generator. A captured program knows more (`runtime.capture`
-    also reads an attention op's `dropout_p`, and at 0 the op draws nothing); the JSON graph does not record
-    arguments, so this errs on the side of random."""
-    import torch
-
-    from runtime.capture import op_of
-
-    found = []
-    for node in graph.nodes:
-        for target in node.targets:
-            op = op_of(target)
-            if op is not None and torch.Tag.nondeterministic_seeded in op.tags:
-                found.append(node.id)
-                break
-    return found

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any, get_args, get_type_hints
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,36 +28,9 @@ import pyarrow.parquet as pq
 from runtime.jsonio import READABLE, sha256_hex, write_json_atomic
 from runtime.plan import Plan
 from tasks.config import MemplanError
+from tasks.records import Published, Validated
 from tasks.store import readable_files, schema_problem
 
-if TYPE_CHECKING:
-    from tasks.validate import Validation
-
-INDEX_SCHEMA = pa.schema(
-    [
-        pa.field("plan_id", pa.string(), nullable=False),
-        pa.field("alias", pa.string(), nullable=False),
-        pa.field("model", pa.string(), nullable=False),
-        pa.field("batch_size", pa.int32(), nullable=False),
-        pa.field("fingerprint", pa.string(), nullable=False),
-        pa.field("solver", pa.string(), nullable=False),
-        pa.field("budget", pa.string(), nullable=False),
-        pa.field("budget_bytes", pa.int64(), nullable=False),
-        pa.field("predicted_peak_bytes", pa.int64(), nullable=False),
-        pa.field("predicted_time_ms", pa.float64()),
-        pa.field("measured_peak_bytes", pa.int64(), nullable=False),
-        pa.field("measured_step_ms", pa.float64(), nullable=False),
-        pa.field("eager_peak_bytes", pa.int64(), nullable=False),
-        pa.field("eager_step_ms", pa.float64(), nullable=False),
-        pa.field("overhead", pa.float64(), nullable=False),
-        pa.field("device", pa.string(), nullable=False),
-        pa.field("device_name", pa.string()),
-        pa.field("device_class", pa.string()),
-        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("published_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("path", pa.string(), nullable=False),
-    ]
-)
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PLAN_ID = re.compile(r"^[0-9a-f]{64}$")
 DEVICE_CLASS_VAR = "MEMPLAN_DEVICE_CLASS"
@@ -74,12 +47,13 @@ class PlansIndexWarning(UserWarning):
 
 @dataclass(frozen=True)
 class IndexRow:
-    """What the index says about one published plan (the measured fields come from validation)."""
+    """What the index says about one published plan (the measured fields come from its `Validated` record).
+    The index's Parquet schema is derived from these fields (`INDEX_SCHEMA`): `X | None` is nullable."""
 
     plan_id: str
     alias: str
     model: str
-    batch_size: int
+    batch_size: Annotated[int, pa.int32()]
     fingerprint: str
     solver: str
     budget: str
@@ -92,21 +66,29 @@ class IndexRow:
     eager_step_ms: float
     overhead: float
     device: str
-    device_name: str
+    device_name: str | None
     device_class: str | None
     created_at: datetime
     published_at: datetime
     path: str
 
 
-@dataclass(frozen=True)
-class Published:
-    """Result of `publish`: where the plan is and whether this call wrote anything."""
+_ARROW = {str: pa.string(), int: pa.int64(), float: pa.float64(), datetime: pa.timestamp("us", tz="UTC")}
 
-    plan_id: str
-    path: str
-    alias_path: str
-    changed: bool
+
+def arrow_schema(row: type) -> pa.Schema:
+    """The Parquet schema of a row dataclass: each field's type (`_ARROW`, or the Arrow type an
+    `Annotated[..., pa.DataType]` names), nullable when it admits None."""
+    fields = []
+    for name, hint in get_type_hints(row, include_extras=True).items():
+        arrow = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, pa.DataType)), None)
+        args = get_args(hint)
+        kinds = [a for a in args if a is not type(None)] if type(None) in args else [hint]
+        fields.append(pa.field(name, arrow or _ARROW[kinds[0]], nullable=type(None) in args))
+    return pa.schema(fields)
+
+
+INDEX_SCHEMA = arrow_schema(IndexRow)
 
 
 def plan_id(plan: Plan) -> str:
@@ -118,7 +100,7 @@ def plan_id(plan: Plan) -> str:
 
 
 def publish(
-    plan: Plan, validation: Validation, plans_dir: str | os.PathLike, *, alias: str, model: str, batch_size: int, budget: str
+    plan: Plan, validation: Validated, plans_dir: str | os.PathLike, *, alias: str, model: str, batch_size: int, budget: str
 ) -> Published:
     """Write `plan` under its content address, its index row and the alias; idempotent.
 
@@ -152,11 +134,11 @@ def publish(
         for path in reversed(written):                  # a failure (disk full, Ctrl-C) leaves no partial plan
             path.unlink(missing_ok=True)
         raise
-    return Published(pid, str(target), str(alias_path), bool(written))
+    return Published(plan_id=pid, path=str(target), alias_path=str(alias_path), changed=bool(written))
 
 
 def _index_row(
-    plan: Plan, pid: str, alias: str, validation: Validation, filename: str, *, model: str, batch_size: int, budget: str
+    plan: Plan, pid: str, alias: str, validation: Validated, filename: str, *, model: str, batch_size: int, budget: str
 ) -> IndexRow:
     provenance, predicted = plan.provenance, plan.predicted
     missing = [k for k in ("solver", "budget_bytes") if provenance.get(k) is None]

@@ -9,49 +9,22 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 import numpy as np
 
 from runtime.plan import Plan, graph_provenance
-from tasks.config import Budget, VariantChoice
+from tasks.config import Addresses, Budget, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
+from tasks.records import Solved
 from tasks.solve import SOLVERS, solve
-from tasks.solve.addresses import greedy_addresses
+from tasks.solve.core.addresses import greedy_addresses
 from tasks.solve.olla import olla_addresses
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation, default_schedule, normalize_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, min_budget_lower_bound
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation, default_schedule, normalize_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, min_budget_lower_bound
 
-Addresses = Literal["none", "greedy", "olla"]
 PROBES = ("ap-greedy", "linearized-greedy")
-
-
-@dataclass(frozen=True)
-class Solved:
-    """A solver's answer for one matrix cell, with the numbers the report needs."""
-
-    solver: str
-    status: str
-    feasible: bool
-    budget_bytes: int
-    checkpoint_all_peak_bytes: int
-    checkpoint_all_cost: float
-    predicted_peak_bytes: int | None
-    arena_bytes: int | None
-    objective: float | None
-    gap: float | None
-    solve_seconds: float
-    backend: str | None
-    min_budget_lower_bound: int | None
-    smallest_feasible_budget: int | None
-    message: str
-    plan_path: str | None
-    profile_run_id: str | None
-    max_overhead: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def solve_loaded(loaded: LoadedProblem, solver: str, budget: Budget, options: SolveOptions,
@@ -108,22 +81,21 @@ def variant_uses(loaded: LoadedProblem, schedule: list) -> list[VariantUse]:
 
 def in_place_steps(loaded: LoadedProblem, schedule: list) -> np.ndarray | None:
     """Schedule steps whose copies arena mode writes in place on the profiled device: default-implementation
-    computes of `runtime.arena.in_place_nodes` (None for benchmark graphs, which have no ops: all steps)."""
+    computes of the in-place nodes the graph recorded at capture (`runtime.facts`; None for benchmark graphs,
+    which have no ops: all steps)."""
     if loaded.graph is None:
         return None
-    from runtime.arena import in_place_nodes
-
-    nodes = in_place_nodes(loaded.graph, loaded.device or "cpu")
+    nodes = loaded.graph.in_place_nodes(loaded.device or "cpu")
     steps = normalize_schedule(schedule)
     return np.array([s.get("compute") in nodes and "impl" not in s for s in steps], dtype=bool)
 
 
-def solve_case(graph_path: str | Path, solver: str, budget: Budget, options: SolveOptions, device: str, store: str,
-               plan_path: str, addresses: Addresses = "none", variants: VariantChoice = "all") -> Solved:
-    """Solve one cell of the pipeline matrix against the graph's newest complete profile on `device`, offering
-    the implementation variants of `variants`; when the solver finds a schedule, write its plan to `plan_path`."""
-    loaded = load_problem(graph_path, device=device, store=store, variants=variants)
-    solution, eager = solve_loaded(loaded, solver, budget, options, addresses)
+def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: PlanSettings, device: str, store: str,
+               plan_path: str) -> Solved:
+    """Solve one cell of the pipeline matrix with the plan's `settings` against the graph's newest complete
+    profile on `device`; when the solver finds a schedule, write its plan to `plan_path`."""
+    loaded = load_problem(graph_path, device=device, store=store, variants=settings.variants)
+    solution, eager = solve_loaded(loaded, solver, budget, settings.solve_options(), settings.addresses)
     problem = loaded.problem
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
     smallest = None

@@ -8,51 +8,14 @@ changed model never meets a stale profile, plan or validation.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 from runtime.graph import OpGraph
 from tasks.config import MemplanError, ModelConfig
-
-
-@dataclass(frozen=True)
-class Traced:
-    """A stored operator graph and the numbers a report needs about it."""
-
-    path: str
-    fingerprint: str
-    model: str
-    batch_size: int
-    nodes: int
-    values: int
-    constant_bytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Traced:
-        return cls(**data)
-
-
-@functools.lru_cache(maxsize=None)
-def source_hash(*paths: str) -> str:
-    """SHA-256 over the Python sources under `paths` (files or folders of this repository): a cache key
-    part that changes when the code producing a result changes."""
-    digest = hashlib.sha256()
-    root = Path(__file__).resolve().parents[1]
-    for name in paths:
-        base = root / name
-        for path in [base] if base.is_file() else sorted(base.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
+from tasks.records import Traced
 
 
 def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str) -> Path:
@@ -101,13 +64,18 @@ def _quiet_fake_tensors() -> Iterator[None]:
 
 def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path) -> tuple[Traced, OpGraph]:
     """Capture the graph and write it to its fingerprint's file unless that file already holds the same rewrite
-    record (`meta["rewrites"]`: which instances apply and where they were verified); returns the record and
+    record (`meta["rewrites"]`: which instances apply and where they were verified) and op facts; returns the record and
     the captured graph (with its FX program)."""
     graph = capture_model(spec, batch_size, device, seed)
     path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint)
-    if not path.exists() or OpGraph.load(path).meta.get("rewrites") != graph.meta.get("rewrites"):
+    if not path.exists() or _record(OpGraph.load(path)) != _record(graph):
         graph.save(path)
     return describe(graph, path, spec.name, batch_size), graph
+
+
+def _record(graph: OpGraph) -> tuple:
+    """What a rewrite of the graph file would change: the rewrite record and the op facts (`runtime.facts`)."""
+    return tuple(graph.meta.get(key) for key in ("rewrites", "random_nodes", "in_place"))
 
 
 def describe(graph: OpGraph, path: str | Path, model: str, batch_size: int) -> Traced:

@@ -29,7 +29,6 @@ import copy
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from math import comb
 from typing import Any, Callable, Mapping, Sequence
 
@@ -42,49 +41,11 @@ from runtime.graph import OpGraph
 from runtime.plan import Plan
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
+from tasks.records import Validated
 
 
 class ValidationFailed(MemplanError):
     """A plan that does not reproduce eager training or exceeds its budget; it is not published."""
-
-
-@dataclass(frozen=True)
-class Validation:
-    """Outcome of running one plan against eager PyTorch on one device."""
-
-    passed: bool
-    reasons: list[str]
-    device: str
-    device_name: str
-    budget_bytes: int
-    predicted_peak_bytes: int
-    measured_peak_bytes: int
-    eager_peak_bytes: int
-    measured_step_ms: float
-    eager_step_ms: float
-    overhead: float
-    loss: float
-    eager_loss: float
-    max_abs_error: float
-    tensors_compared: int
-    arena_peak_bytes: int | None = None
-    arena_step_ms: float | None = None
-    arena_bytes_not_placed: int | None = None
-    overhead_interval: list[float] | None = None
-    timed_steps: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Validation:
-        return cls(**data)
-
-    def explain(self, name: str, shown: int = 3) -> str:
-        """One paragraph saying why plan `name` failed (the first `shown` reasons)."""
-        more = len(self.reasons) - shown
-        return (f"plan {name} failed validation on {self.device}: " + "; ".join(self.reasons[:shown])
-                + (f"; and {more} more" if more > 0 else "") + ".")
 
 
 def compare_tensors(
@@ -135,7 +96,7 @@ def step_state(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor |
 def validate_plan(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     graph: OpGraph | None = None,
-) -> Validation:
+) -> Validated:
     """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc).
     `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
     `runtime.load` capturing the model again; without it the plan's step captures the model itself."""
@@ -189,7 +150,7 @@ def validate_plan(
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
     elif reason := peak_problem(peak, int(budget), settings.peak_rtol):
         problems.append(reason)
-    return Validation(
+    return Validated(
         passed=not problems,
         reasons=problems,
         device=device,

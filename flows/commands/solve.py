@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_args
 
 import typer
 
 from flows.commands.query import StoreOption
 from flows.locations import ConfigOption, locate
-from tasks.solve.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
+from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
 
 
 def solvers_help() -> str:
@@ -60,11 +60,11 @@ def register(app: typer.Typer) -> None:
         from flows.console import console, errors, exit_on_error, stdout_for_results_only
 
         with exit_on_error(), stdout_for_results_only(json_output):
-            from tasks.config import parse_budget_text, parse_option_text
+            from tasks.config import Addresses, parse_budget_text, parse_option_text
             from tasks.problems import VARIANT_RULES, load_problem
             from tasks.solve import SOLVERS, OptionError, parse_options
-            from tasks.solve.milp import BACKENDS
-            from tasks.solve.solution import Gap, SolveOptions, Threads, TimeLimit, check_solve_value
+            from tasks.solve.core.milp import BACKENDS
+            from tasks.solve.core.solution import Gap, SolveOptions, Threads, TimeLimit, check_solve_value
             from tasks.solve_stage import plan_of, solve_loaded
 
             if solver not in SOLVERS:
@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
                 errors().print(f"error: --out {out} is a folder; give a file name for the plan.", style="red",
                                markup=False)
                 raise typer.Exit(1)
-            if addresses not in ("none", "greedy", "olla"):
+            if addresses not in get_args(Addresses):
                 raise typer.BadParameter(f"{addresses!r}; choose none, greedy or olla.", param_hint="--addresses")
             if variants not in VARIANT_RULES:
                 raise typer.BadParameter(f"{variants!r}; choose {', '.join(VARIANT_RULES)}.", param_hint="--variants")

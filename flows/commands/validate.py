@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
 
 def run_validation(plan_path: Path, config_path: Path, model: str | None, batch: int | None):
     """Load the plan and the pipeline file, find the plan's model and validate on the configured device;
-    returns the `Validation`, the model entry and the batch size."""
+    returns the `Validated` record, the model entry and the batch size."""
     from rich.status import Status
 
     from flows.lookup import model_for_plan

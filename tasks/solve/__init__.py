@@ -3,7 +3,7 @@
 `SOLVERS[name]` is a `SolverSpec`: the solver function `(problem, budget_bytes, SolveOptions) ->
 Solution`, a one-line summary, the dataclass of its typed options (one `help` per field) and whether
 it chooses implementation variants. Recompute-only solvers see the problem without variants. Every
-returned schedule has been checked by the simulator (tasks/solve/simulator.py), the single definition
+returned schedule has been checked by the simulator (tasks/solve/core/simulator.py), the single definition
 of memory.
 
 Adding a solver: write `my_solver(problem, budget, options) -> Solution` in its own module (returning
@@ -19,15 +19,17 @@ from tasks.solve.dtr import DtrOptions, dtr
 from tasks.solve.moccasin import MoccasinOptions, moccasin
 from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
-from tasks.solve.monet import MonetOptions, monet, monet_noop
+from tasks.solve.monet import MonetOptions, block_rung, monet, monet_noop
 from tasks.solve.olla import OllaOptions, olla
 from tasks.solve.policy_solver import selective_policy
-from tasks.solve.options import OptionError, SolverSpec, describe_options, parse_options
-from tasks.solve.portfolio import CHEAP, best_known
-from tasks.solve.problem import Problem
-from tasks.solve.solution import Solution, SolveOptions
+from tasks.solve.core.options import OptionError, SolverSpec, describe_options, parse_options
+from tasks.solve.core.portfolio import CHEAP, best_known
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.solution import Solution, SolveOptions
 
-SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
+SOLVERS: dict[str, SolverSpec] = {}
+"""Every solver by name. A solver calling others (warm starts, blocks) gets them as `peers` here."""
+SOLVERS.update({spec.name: spec for spec in (
     SolverSpec("checkpoint-all", baselines.checkpoint_all, "every node once in the default order, no recomputation."),
     SolverSpec("chen-sqrt-n", baselines.chen_sqrt_n, "Chen et al.'s sqrt(n) segments (linear graphs only)."),
     SolverSpec("chen-greedy", baselines.chen_greedy, "Chen et al.'s greedy segments for the budget (linear graphs only)."),
@@ -47,25 +49,25 @@ SOLVERS: dict[str, SolverSpec] = {spec.name: spec for spec in (
     SolverSpec("checkmate-approx", checkmate.checkmate_approx, "Checkmate's LP relaxation + two-phase rounding.",
                checkmate.CheckmateApproxOptions, portfolio=True),
     SolverSpec("checkmate", checkmate.checkmate, "Checkmate's optimal rematerialization MILP (eq. 9).",
-               checkmate.CheckmateOptions, portfolio=True),
+               checkmate.CheckmateOptions, portfolio=True, peers=SOLVERS),
     SolverSpec("moccasin", moccasin, "MOCCASIN: retention intervals on OR-tools CP-SAT, at most C computations per node.",
                MoccasinOptions, portfolio=True),
     SolverSpec("acg", acg, "optimal gradient checkpoints on the division tree of the graph (Feng & Huang).",
                AcgOptions),
     SolverSpec("hierarchical", hierarchical, "chain of blocks, exact per-block ladders, chain dynamic program (Rockmate).",
-               HierarchicalOptions, variants=True, portfolio=True),
+               HierarchicalOptions, variants=True, portfolio=True, peers={"monet-block": block_rung}),
     SolverSpec("monet", monet, "MONeT's 0-1 program: checkpoints and implementation variants jointly (eq. 9).",
-               MonetOptions, variants=True, portfolio=True),
+               MonetOptions, variants=True, portfolio=True, peers=SOLVERS),
     SolverSpec("monet-noop", monet_noop, "MONeT's 0-1 program, checkpoints only (MONeT-NoOp).",
-               MonetOptions, portfolio=True),
+               MonetOptions, portfolio=True, peers=SOLVERS),
     SolverSpec("olla", olla, "OLLA's lifetime ILP: the order minimizing the peak, no recomputation (eq. 14).",
                OllaOptions),
-)}
+)})
 
 
 def solve(problem: Problem, solver: str, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
     """Run the solver named `solver`; a portfolio solver's answer is never worse than the cheap solvers'
-    (tasks.solve.portfolio) unless `options.portfolio` is False. Raises KeyError listing the known names
+    (tasks.solve.core.portfolio) unless `options.portfolio` is False. Raises KeyError listing the known names
     for an unknown solver and OptionError for options it does not take."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")

@@ -18,17 +18,12 @@ import networkx as nx
 import numpy as np
 from pydantic import Field
 
-from tasks.solve.checkpoints import schedule_from_checkpoints
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution
+from tasks.solve.core.checkpoints import forward_nodes, schedule_from_checkpoints
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 GREEDY_STEPS = 48
-
-
-def forward_nodes(problem: Problem) -> list[int]:
-    """Recomputable (forward and loss) nodes in the default order."""
-    return [int(v) for v in problem.order if problem.is_recomputable[v]]
 
 
 def forward_edges(problem: Problem) -> list[tuple[int, int]]:

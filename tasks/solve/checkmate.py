@@ -1,5 +1,5 @@
 """Checkmate solvers (Jain et al. 2020): the optimal MILP (`checkmate`, eq. 9) and the LP relaxation with
-two-phase rounding (`checkmate-approx`, sec. 5, Algorithm 2). The model itself is in checkmate_model.py.
+two-phase rounding (`checkmate-approx`, sec. 5, Algorithm 2). The model itself is in remat_milp.py.
 
 Solver options: `CheckmateOptions` and `CheckmateApproxOptions` (typed, one line of help per field).
 """
@@ -13,16 +13,14 @@ from typing import Literal
 
 import numpy as np
 
-from tasks.solve.checkmate_model import (CheckmateLayout, assignment_from_schedule, build_model, schedule_from_solution,
+from tasks.solve.core.remat_milp import (CheckmateLayout, assignment_from_schedule, build_model, schedule_from_solution,
                                          expand_ranges)
-from tasks.solve.checkpoints import recompute_closure
-from tasks.solve.coarsen import solve_coarsened
-from tasks.solve.dtr import DtrOptions, dtr
-from tasks.solve.greedy import greedy_schedule
-from tasks.solve.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from tasks.solve.core.checkpoints import recompute_closure
+from tasks.solve.core.coarsen import solve_coarsened
+from tasks.solve.core.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
 
@@ -55,7 +53,7 @@ class CheckmateOptions:
     allowances: tuple[float, ...] = field(default=(0.0, 0.1, 0.2), metadata={
         "help": "budget allowances of the checkmate-approx warm start (warm_start = 'approx')."})
     coarsen: bool = field(default=False, metadata={
-        "help": "solve on the graph with single-reader chains merged (tasks/solve/coarsen.py), then expand."})
+        "help": "solve on the graph with single-reader chains merged (tasks/solve/core/coarsen.py), then expand."})
 
 
 def two_phase_rounding(problem: Problem, L: CheckmateLayout, s_star: np.ndarray, threshold: float) -> list[tuple[str, int]]:
@@ -163,10 +161,10 @@ def checkmate(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     incumbent = options.mip_start
     warm = opts.warm_start
     if incumbent is None and warm == "dtr":
-        incumbent = dtr(problem, budget, SolveOptions(time_limit=_remaining(deadline),
-                                                      params=DtrOptions(orders=("default",)))).schedule
+        incumbent = options.peers["dtr"](problem, budget, SolveOptions(time_limit=_remaining(deadline),
+                                                                       params={"orders": ("default",)})).schedule
     if incumbent is None and warm in ("greedy", "dtr"):
-        incumbent = greedy_schedule(problem, budget, deadline)
+        incumbent = options.peers["remat-greedy"](problem, budget, SolveOptions(time_limit=_remaining(deadline))).schedule
     elif incumbent is None and warm == "approx":
         approx = checkmate_approx(problem, budget, SolveOptions(
             time_limit=_remaining(deadline), threads=options.threads,

@@ -24,11 +24,11 @@ recomputations read stay resident (evictable) until the step has run, rather tha
 Every combination of the options (`DtrOptions`: the problem's order and/or moccasin's low-peak
 `memory_order`, heuristics, staleness, hold, budget allowances) is walked, each walk stopping once it
 costs more than the best so far (each better schedule is logged as progress). Before the walks,
-`insertion` runs the peak-directed recomputation insertion greedy (tasks/solve/peak_insertion.py) from
+`insertion` runs the peak-directed recomputation insertion greedy (tasks/solve/core/peak_insertion.py) from
 each order: it does not thrash where the walks do (random layered graphs at 0.8). The simulator checks
 each schedule (a walk's peak is at most the walk's own count, since a copy is live only until its last
 read) and the cheapest within the budget is returned. When the problem offers implementation variants,
-all of this runs once per candidate choice of them (tasks/solve/fixed_variants.py: the time-saving
+all of this runs once per candidate choice of them (tasks/solve/core/fixed_variants.py: the time-saving
 families, such as the GELU's tanh by its sigmoid identity, alone and with the memory-saving families,
 each fixed on every node offering it), each schedule running its choice's variants;
 a choice whose nodes, each computed once, already cost more than the best schedule found is skipped (as
@@ -46,13 +46,13 @@ from typing import Callable, Literal
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
-from tasks.solve.milp import Progress
-from tasks.solve.moccasin import keeps_random_order, memory_order
-from tasks.solve.peak_insertion import peak_insertion_schedule
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from tasks.solve.core.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
+from tasks.solve.core.milp import Progress
+from tasks.solve.core.orders import keeps_random_order, memory_order
+from tasks.solve.core.peak_insertion import peak_insertion_schedule
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 Heuristic = Literal["eq", "local", "lookahead"]
 Staleness = Literal["last-access", "next-use"]
@@ -77,11 +77,11 @@ class DtrOptions:
     allowances: tuple[float, ...] = field(default=(1.0,), metadata={
         "help": "fractions of the budget the walk plans for (each in (0, 1])."})
     insertion: bool = field(default=True, metadata={
-        "help": "also run the peak-directed recomputation insertion greedy (tasks/solve/peak_insertion.py) "
+        "help": "also run the peak-directed recomputation insertion greedy (tasks/solve/core/peak_insertion.py) "
                 "from each order."})
     variants: bool = field(default=True, metadata={
         "help": "when the problem offers implementation variants, also plan with each candidate choice of them "
-                "fixed (tasks/solve/fixed_variants.py: the memory- and time-saving families, e.g. ReLU masks), an "
+                "fixed (tasks/solve/core/fixed_variants.py: the memory- and time-saving families, e.g. ReLU masks), an "
                 "equal share of the time each."})
     insertion_passes: int = field(default=0, metadata={
         "help": "remove-and-repair passes after each insertion run (random layered n250/n500 at 0.8: 0.4-0.5% "

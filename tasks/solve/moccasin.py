@@ -24,7 +24,7 @@ Checkmate's MILP, so the two optima are equal (the bound is a bound within that 
 the paper's two phases: minimize `peak` down to the budget from the no-recomputation schedule, then
 minimize cost under peak <= budget from phase 1's schedule. Phase 1 is skipped when the start fits: by
 default (`insertion_start`) the start is the peak-directed insertion greedy's schedule
-(tasks/solve/peak_insertion.py) on the model's order, made frontier-advancing (`frontier_schedule`).
+(tasks/solve/core/peak_insertion.py) on the model's order, made frontier-advancing (`frontier_schedule`).
 The active copies sorted by slot are the schedule; the simulator checks it.
 """
 
@@ -38,12 +38,13 @@ from typing import Literal
 
 import numpy as np
 
-from tasks.solve.coarsen import solve_coarsened
-from tasks.solve.milp import Progress
-from tasks.solve.peak_insertion import peak_insertion_schedule
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from tasks.solve.core.coarsen import solve_coarsened
+from tasks.solve.core.milp import Progress
+from tasks.solve.core.orders import memory_order
+from tasks.solve.core.peak_insertion import peak_insertion_schedule
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
 
@@ -65,10 +66,10 @@ class MoccasinOptions:
                 "solution from seconds to minutes."})
     insertion_start: bool = field(default=True, metadata={
         "help": "without a mip_start, when the no-recomputation schedule exceeds the budget, start from the "
-                "peak-directed insertion greedy's schedule (tasks/solve/peak_insertion.py) made frontier-advancing, "
+                "peak-directed insertion greedy's schedule (tasks/solve/core/peak_insertion.py) made frontier-advancing, "
                 "so that phase 1 is skipped when it fits."})
     coarsen: bool = field(default=False, metadata={
-        "help": "solve on the graph with single-reader chains merged (tasks/solve/coarsen.py), then expand."})
+        "help": "solve on the graph with single-reader chains merged (tasks/solve/core/coarsen.py), then expand."})
 
 
 @dataclass
@@ -93,49 +94,6 @@ def _integer_costs(cost: np.ndarray) -> tuple[np.ndarray, float]:
         return cost.astype(np.int64), 1.0
     unit = float(cost.max()) / COST_RESOLUTION
     return np.floor(cost / unit).astype(np.int64), unit
-
-
-def memory_order(problem: Problem) -> np.ndarray:
-    """A topological order that runs, among ready nodes, the one allocating the fewest net bytes (its
-    outputs minus the inputs it reads last); ties by default position."""
-    n, producer, users = problem.num_nodes, problem.value_producer, problem.value_users
-    remaining = np.array([len(u) for u in users])
-    preds = [{int(producer[w]) for w in problem.node_inputs[v] if producer[w] >= 0} for v in range(n)]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for v in range(n):
-        for u in preds[v]:
-            succs[u].append(v)
-    missing = np.array([len(x) for x in preds])
-    kept = np.array([bool(users[w]) or bool(problem.is_output[w]) for w in range(problem.num_values)])
-    alloc = [sum(int(problem.value_bytes[w]) for w in problem.node_outputs[v] if kept[w]) for v in range(n)]
-    pos = problem.position
-
-    def net(v: int) -> tuple[int, int]:
-        last = sum(int(problem.value_bytes[w]) for w in problem.node_inputs[v]
-                   if producer[w] >= 0 and remaining[w] == 1 and not problem.is_output[w])
-        return alloc[v] - last, int(pos[v])
-
-    ready, order = set(np.flatnonzero(missing == 0).tolist()), []
-    while ready:
-        v = min(ready, key=net)
-        ready.remove(v)
-        order.append(v)
-        for w in problem.node_inputs[v]:
-            remaining[w] -= 1
-        for s in succs[v]:
-            missing[s] -= 1
-            if missing[s] == 0:
-                ready.add(s)
-    return np.asarray(order, dtype=np.int64)
-
-
-def keeps_random_order(problem: Problem, order: np.ndarray) -> bool:
-    """Whether `order` runs the random nodes in their default relative order, as `Problem.random_nodes`
-    requires of every schedule."""
-    position = np.empty(len(order), dtype=np.int64)
-    position[np.asarray(order)] = np.arange(len(order))
-    randoms = sorted(problem.random_nodes, key=lambda v: int(problem.position[v]))
-    return bool(np.all(np.diff(position[randoms]) > 0))
 
 
 def slot(stage, position):

@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 
 from runtime.policy_form import FORM, Regions, policy_schedule
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 
 def decision_ladder(problem: Problem, regions: Regions) -> list[dict[str, frozenset[int]]]:

@@ -32,7 +32,7 @@ def test_editing_a_factory_s_source_changes_every_cache_key(tmp_path, monkeypatc
         inputs = dict(model=spec.models[0], batch_size=2, device="cpu", seed=0, cache_dir=spec.cache_dir)
         assert trace_step.cache_policy.compute_key(task_ctx=None, inputs=inputs, flow_parameters={}) is None
         traced = trace_step.fn(**inputs)
-        fingerprints.append(traced["fingerprint"])
+        fingerprints.append(traced.fingerprint)
         keys.append(_profile_key(None, dict(traced=traced, device="cpu", seed=0, settings=spec.profile,
                                             store=spec.store)))
     assert fingerprints[0] != fingerprints[1] and keys[0] != keys[1]
@@ -52,11 +52,11 @@ def test_cached_paths_resolve_from_the_pipeline_file_s_folder(tmp_path, monkeypa
 def test_a_plan_that_cannot_be_indexed_publishes_nothing(tmp_path):
     from runtime.plan import Plan
     from tasks.publish import PublishError, publish
-    from tasks.validate import Validation
+    from tasks.records import Validated
 
     plan = Plan("f" * 64, [{"compute": 0}], predicted={"peak_bytes": 10**30},
                 provenance={"solver": "checkmate", "budget_bytes": 10**30})
-    validation = Validation(passed=True, reasons=[], device="cpu", device_name="cpu", budget_bytes=10**30,
+    validation = Validated(passed=True, reasons=[], device="cpu", device_name="cpu", budget_bytes=10**30,
                             predicted_peak_bytes=10**30, measured_peak_bytes=1, eager_peak_bytes=2,
                             measured_step_ms=1.0, eager_step_ms=1.0, overhead=0.0, loss=1.0, eager_loss=1.0,
                             max_abs_error=0.0, tensors_compared=1)

@@ -89,7 +89,7 @@ def test_sighup_ends_a_run_and_its_prefect_server(tmp_path):
 
 
 def _resnet50() -> str:
-    from tasks.solve.benchmarks import benchmark_graphs
+    from tasks.solve.core.benchmarks import benchmark_graphs
 
     return str(next(p for p in benchmark_graphs() if p.name == "ResNet50_256_224_224_3_train.json"))
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from runtime.plan import Plan
 from tasks.publish import DEVICE_CLASS_VAR, publish
-from tasks.validate import Validation
+from tasks.records import Validated
 
 VALIDATION = dict(passed=True, reasons=[], device="cuda", device_name="NVIDIA A100-SXM4-80GB MIG 1g.10gb",
                   budget_bytes=200, predicted_peak_bytes=196, measured_peak_bytes=190, eager_peak_bytes=260,
@@ -22,7 +22,7 @@ def _publish(plans, monkeypatch, device_class: str, budget: int) -> str:
     monkeypatch.setenv(DEVICE_CLASS_VAR, device_class)
     plan = Plan("f" * 64, [{"compute": 0}], predicted={"peak_bytes": budget - 4},
                 provenance={"solver": "checkmate", "budget_bytes": budget})
-    return publish(plan, Validation(**VALIDATION), plans, alias=f"mlp-{device_class}-{budget}", model="mlp",
+    return publish(plan, Validated(**VALIDATION), plans, alias=f"mlp-{device_class}-{budget}", model="mlp",
                    batch_size=4, budget=f"{budget}B").plan_id
 
 

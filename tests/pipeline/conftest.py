@@ -94,11 +94,11 @@ def _toy_plan(created_at: str = "2026-01-01T00:00:00+00:00", budget_bytes: int =
 
 
 def _validation(passed: bool = True, **changes: Any):
-    """A `Validation` record as `validate_plan` returns it."""
-    from tasks.validate import Validation
+    """A `Validated` record as `validate_plan` returns it."""
+    from tasks.records import Validated
 
     fields = dict(passed=passed, reasons=[] if passed else ["grad:w differs from eager by up to 0.5 (rtol 0.0001, atol 1e-05)"],
                   device="cpu", device_name="cpu", budget_bytes=200, predicted_peak_bytes=196,
                   measured_peak_bytes=190, eager_peak_bytes=260, measured_step_ms=2.0, eager_step_ms=1.6,
                   overhead=0.25, loss=1.0, eager_loss=1.0, max_abs_error=0.0, tensors_compared=2)
-    return Validation(**(fields | changes))
+    return Validated(**(fields | changes))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.solution import SolveOptions
 
 from tasks.config import (
     Budget,
@@ -31,7 +31,7 @@ def test_defaults_fill_every_optional_section(config_data):
     assert config.models[1].batch_sizes == [8]
     shared = SolveOptions()
     assert (shared.backend, shared.gap, shared.time_limit) == ("auto", 0.01, 300.0)
-    assert config.plans[0].solve_settings() == {"backend": shared.backend, "time_limit": shared.time_limit,
+    assert config.plans[0].solve_settings().model_dump() == {"backend": shared.backend, "time_limit": shared.time_limit,
                                                 "gap": shared.gap, "params": {}, "addresses": "none",
                                                 "variants": "all"}
 

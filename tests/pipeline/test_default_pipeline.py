@@ -78,7 +78,6 @@ def test_every_default_plan_exists_on_a_device_with_twice_the_scratch(tmp_path):
     from tasks.config import expand_matrix, load_config
     from tasks.problems import load_problem
     from tasks.profile import ProfileSettings, profile_graph
-    from tasks.solve.solution import SolveOptions
     from tasks.solve_stage import solve_loaded
     from tasks.trace import trace
 
@@ -95,9 +94,8 @@ def test_every_default_plan_exists_on_a_device_with_twice_the_scratch(tmp_path):
     assert convolutions["resnet18"]                          # forward and backward convolutions grew
     for case in expand_matrix(config):
         settings = case.plan.solve_settings()
-        options = SolveOptions(**{k: v for k, v in settings.items() if k not in ("addresses", "variants")})
-        solution, eager = solve_loaded(loaded[case.model.name], case.plan.solver, case.budget, options,
-                                       settings["addresses"])
+        solution, eager = solve_loaded(loaded[case.model.name], case.plan.solver, case.budget,
+                                       settings.solve_options(), settings.addresses)
         assert solution.feasible, (case.alias, solution.message)
         assert solution.predicted_peak_bytes <= solution.budget_bytes <= eager.peak_bytes, case.alias
         assert solution.objective <= (1 + case.budget.max_overhead) * eager.compute_cost * (1 + 1e-9), case.alias

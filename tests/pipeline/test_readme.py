@@ -12,8 +12,8 @@ import torchvision
 import runtime
 from runtime.plan import Plan
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

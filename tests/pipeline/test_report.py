@@ -49,6 +49,14 @@ def test_content_key_depends_on_every_part_and_nothing_else():
     assert key.startswith("solve-") and len(key) == 6 + 64
 
 
+def _solved(fields: dict) -> "Solved":
+    """An infeasible cell's `Solved` record with `fields`."""
+    from tasks.records import Solved
+
+    return Solved(solver="checkmate", feasible=False, checkpoint_all_cost=1.0, predicted_peak_bytes=None, arena_bytes=None,
+                  objective=None, gap=None, solve_seconds=0.0, backend=None, plan_path=None, profile_run_id=None, **fields)
+
+
 def test_no_plan_messages_say_what_to_change():
     from flows.plan import KnownFloor, infeasible_message
     from tasks.config import Budget, Case, parse_config
@@ -59,17 +67,17 @@ def test_no_plan_messages_say_what_to_change():
     solved = {"budget_bytes": 500, "checkpoint_all_peak_bytes": 1000, "status": "no_solution",
               "message": "time limit reached without an incumbent", "min_budget_lower_bound": 300,
               "smallest_feasible_budget": 1000}
-    assert infeasible_message(case, solved, KnownFloor(700, "the peak of m-b8-dtr-ovh5pct's schedule")) == (
+    assert infeasible_message(case, _solved(solved), KnownFloor(700, "the peak of m-b8-dtr-ovh5pct's schedule")) == (
         "m-b8-checkmate-50pct: solver checkmate found no schedule within 500 B (50pct; the checkpoint-all peak "
         "is 1,000 B), status no_solution (time limit reached without an incumbent); no schedule fits below 300 B, "
         "and the least feasible budget this run knows is 700 B (the peak of m-b8-dtr-ovh5pct's schedule); raise "
         "time_limit_s (now 2 s) or the budget."
     )
     proved = solved | {"status": "infeasible", "message": "", "smallest_feasible_budget": None}
-    assert infeasible_message(case, proved).endswith("no schedule fits below 300 B; raise the budget.")
+    assert infeasible_message(case, _solved(proved)).endswith("no schedule fits below 300 B; raise the budget.")
     greedy = solved | {"message": "no segment size b of 12 checkpoint sets tried fits the budget"}
-    assert "time_limit_s" not in infeasible_message(case, greedy)         # no time limit stopped it
-    assert infeasible_message(case, greedy).endswith("raise the budget.")
+    assert "time_limit_s" not in infeasible_message(case, _solved(greedy))         # no time limit stopped it
+    assert infeasible_message(case, _solved(greedy)).endswith("raise the budget.")
 
 
 def _measured(ratios: list[float]) -> tuple[float, list[float]]:

@@ -71,10 +71,10 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     from runtime.plan import Plan
     from tasks.config import ModelConfig, ValidateConfig
     from tasks.models import build_batch, build_loss, build_model
-    from tasks.solve.addresses import greedy_addresses
-    from tasks.solve.problem import Problem
+    from tasks.solve.core.addresses import greedy_addresses
+    from tasks.solve.core.problem import Problem
     from tasks.profile import ProfileSettings, profile_graph
-    from tasks.solve.simulator import default_schedule, simulate
+    from tasks.solve.core.simulator import default_schedule, simulate
     from tasks.store import load_costs
     from tasks.validate import validate_plan
 
@@ -198,9 +198,9 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     from tasks.models import build_batch, build_loss, build_model
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve import solve
-    from tasks.solve.problem import Problem
-    from tasks.solve.simulator import default_schedule, simulate
-    from tasks.solve.solution import SolveOptions
+    from tasks.solve.core.problem import Problem
+    from tasks.solve.core.simulator import default_schedule, simulate
+    from tasks.solve.core.solution import SolveOptions
     from tasks.store import load_costs
     from tasks.validate import validate_plan
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.validate import Validation, compare_tensors, peak_problem
+from tasks.records import Validated
+from tasks.validate import compare_tensors, peak_problem
 
 RTOL, ATOL = 1e-4, 1e-5                        # the defaults of [validate]
 
@@ -61,11 +62,13 @@ def test_peak_limit_is_budget_times_one_plus_slack(measured, budget, slack, over
 
 
 def test_explain_names_the_plan_the_device_and_the_first_reasons():
-    record = Validation(False, ["a", "b", "c", "d", "e"], "cpu", "cpu", 1, 1, 1, 1, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1)
+    record = Validated(passed=False, reasons=["a", "b", "c", "d", "e"], device="cpu", device_name="cpu", budget_bytes=1,
+                       predicted_peak_bytes=1, measured_peak_bytes=1, eager_peak_bytes=1, measured_step_ms=1.0,
+                       eager_step_ms=1.0, overhead=0.0, loss=1.0, eager_loss=1.0, max_abs_error=0.0, tensors_compared=1)
     assert record.explain("p.json") == "plan p.json failed validation on cpu: a; b; c; and 2 more."
     assert record.explain("p.json", shown=5) == "plan p.json failed validation on cpu: a; b; c; d; e."
     assert record.explain("p.json", shown=4) == "plan p.json failed validation on cpu: a; b; c; d; and 1 more."
-    assert Validation.from_json(record.to_json()) == record
+    assert Validated.from_json(record.to_json()) == record
 
 
 # -- validate_plan end to end on a tiny model ----------------------------------------------------------

@@ -10,7 +10,7 @@ from torch import nn
 import runtime
 from runtime.variants import graph_variants
 from tasks.profile import ProfileSettings, profile_graph
-from tasks.solve.problem import Problem
+from tasks.solve.core.problem import Problem
 from tasks.store import connect, load_costs
 
 FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)

@@ -18,8 +18,8 @@ from runtime.plan import Plan
 from runtime.variant_ops import attention_math_backward, attention_math_forward
 from tasks.problems import load_problem
 from tasks.profile import ProfileSettings, VariantUnavailableWarning, profile_graph
-from tasks.solve.simulator import simulate
-from tasks.solve.solution import checked_solution
+from tasks.solve.core.simulator import simulate
+from tasks.solve.core.solution import checked_solution
 from tasks.solve_stage import plan_of
 from tasks.store import connect, load_costs
 

@@ -19,8 +19,8 @@ from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
 from runtime.policy_form import Regions, policy_schedule
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
 
 
 class Block(nn.Module):

@@ -5,9 +5,9 @@ import pytest
 
 from runtime.plan import Plan
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 
 def acg_plan(graph, budget_fraction=None):

@@ -11,9 +11,9 @@ import runtime
 from runtime.arena import ArenaFallbackWarning, out_overload
 from runtime.meter import PeakMeter
 from runtime.plan import Plan
-from tasks.solve.addresses import greedy_addresses
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.core.addresses import greedy_addresses
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
 
 aten = torch.ops.aten
 

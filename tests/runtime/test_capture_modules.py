@@ -8,9 +8,9 @@ import runtime
 from runtime.modules import marked_modules
 from tasks.solve import solve
 from tasks.solve.baselines import module_instances
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 
 class Residual(nn.Module):

@@ -8,8 +8,8 @@ from torch import nn
 
 import runtime
 import runtime.capture as capture_module
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
 
 aten = torch.ops.aten
 CAT = "aten.cat.default"

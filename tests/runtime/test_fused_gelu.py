@@ -14,8 +14,8 @@ import runtime.capture as capture_module
 from runtime import fused_gelu
 from runtime.meter import PeakMeter
 from runtime.plan import Plan
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
 
 C = math.sqrt(2.0 / math.pi)
 CONSTANTS = (0.5, 3.0, 0.044715, C, 1.0)

@@ -12,8 +12,8 @@ from torch import nn
 import runtime
 import runtime.fused_loss as fused_loss
 from runtime.meter import PeakMeter
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
 
 aten = torch.ops.aten
 LINEAR_CE = "memplan.linear_cross_entropy.default"

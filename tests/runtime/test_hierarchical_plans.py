@@ -2,9 +2,9 @@
 and the measured peak is the simulator's prediction."""
 
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 
 def test_hierarchical_gpt2_plan_trains_like_eager_within_its_budget(captured, helpers):

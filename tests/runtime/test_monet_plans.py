@@ -10,9 +10,9 @@ from torch import nn
 import runtime
 from runtime.variants import graph_variants
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 
 class SmallConvNet(nn.Module):

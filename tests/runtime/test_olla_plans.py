@@ -14,9 +14,9 @@ from runtime.exact import exact_fp32
 from runtime.plan import Plan
 from tasks.solve import solve
 from tasks.solve.olla import olla_addresses
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 TIME_LIMIT = 4.0
 ORDER = SolveOptions(time_limit=None, params={"whole_graph": False})
@@ -71,10 +71,11 @@ def test_olla_order_and_addresses_train_like_eager(captured, helpers, name):
 
 def test_random_nodes_of_a_graph_loaded_from_json_are_the_captured_ones(captured):
     from runtime.graph import OpGraph
-    from tasks.problems import random_nodes
+    from runtime.ops import random_nodes
 
     *_, graph = captured("gpt2")
     loaded = OpGraph.from_json(graph.to_json())
     assert random_nodes(loaded) == sorted(graph.program.random_devices) != []
+    assert loaded.random_nodes() == random_nodes(loaded)
     assert Problem.from_graph(loaded, random_nodes=random_nodes(loaded)).random_nodes == \
         Problem.from_graph(graph).random_nodes

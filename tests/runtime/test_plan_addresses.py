@@ -1,5 +1,5 @@
 """A plan's arena addresses are checked structurally before any step runs: `Plan.validate` refuses exactly
-the address sets the simulator's own check (`tasks.solve.simulator.check_addresses`) refuses, and
+the address sets the simulator's own check (`tasks.solve.core.simulator.check_addresses`) refuses, and
 misaligned or corrupt offsets, so `runtime.load(..., arena=True)` never runs an overlapping plan."""
 
 import copy
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import runtime
 from runtime.plan import Plan, PlanError
-from tasks.solve.addresses import greedy_addresses
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import AddressConflict, check_addresses, simulate
+from tasks.solve.core.addresses import greedy_addresses
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import AddressConflict, check_addresses, simulate
 
 
 @pytest.fixture(scope="module", params=["mlp", "resnet18"])

@@ -21,8 +21,8 @@ from runtime.plan import graph_provenance
 from runtime.policy import PolicyMismatch, capture_eager
 from runtime.policy_form import PolicyFormError, Regions, decisions, policy_schedule
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
 
 
 class Block(nn.Module):

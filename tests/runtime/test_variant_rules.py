@@ -14,9 +14,9 @@ from runtime.variant_ops import (batch_norm_backward_from_output, dense_order, l
                                  window_positions)
 from runtime.variants import RULES, graph_variants
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions, min_budget_lower_bound
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
 
 aten = torch.ops.aten
 # bit-identical to ATen (rules, and the variant names of rule `inplace`); the others within the validation tolerance

@@ -13,8 +13,8 @@ import runtime
 from runtime.plan import Plan, PlanError
 from runtime.variant_ops import VariantError
 from runtime.variants import graph_variants
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import InvalidSchedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import InvalidSchedule, simulate
 
 _CAPTURES = {}
 
@@ -171,7 +171,7 @@ def in_place_schedule(graph, variants, impl="inplace"):
 
 @pytest.mark.filterwarnings("ignore:arena mode")            # copies of steps without an out= kernel: expected
 def test_in_place_relu_trains_exactly_like_eager_at_the_simulated_peak_and_in_arena_mode(helpers):
-    from tasks.solve.addresses import greedy_addresses
+    from tasks.solve.core.addresses import greedy_addresses
 
     torch.manual_seed(0)
     model = ConvBnReLU()

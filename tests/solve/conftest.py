@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.solve.benchmarks import benchmark_graphs
-from tasks.solve.problem import Problem
+from tasks.solve.core.benchmarks import benchmark_graphs
+from tasks.solve.core.problem import Problem
 
 
 def linear_graph(n: int, cost: float = 1.0, nbytes: int = 1) -> Problem:

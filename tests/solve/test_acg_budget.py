@@ -17,9 +17,9 @@ from tasks.solve import solve
 from tasks.solve.acg.division import division_tree
 from tasks.solve.acg.forward import forward_graph, reforward_schedule
 from tasks.solve.acg.solver import budgeted, memory_optimal
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 _spec = importlib.util.spec_from_file_location("acg_solver_tests", Path(__file__).with_name("test_acg_solver.py"))
 _helpers = importlib.util.module_from_spec(_spec)
@@ -197,7 +197,7 @@ def test_the_exact_search_returns_at_its_deadline():
 
 
 def test_solutions_name_acg_and_their_time_in_every_outcome():
-    from tasks.solve.problem import Problem
+    from tasks.solve.core.problem import Problem
 
     no_backward = Problem.from_edges([1.0] * 3, [1] * 3, [(0, 1), (1, 2)])
     chainy = skip_chain([5, 6, 7, 8])

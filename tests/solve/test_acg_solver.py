@@ -12,9 +12,9 @@ from tasks.solve import solve
 from tasks.solve.acg.forward import SOURCE, forward_graph, reforward_schedule
 from tasks.solve.acg.solver import budgeted, memory_optimal
 from tasks.solve.acg.division import division_tree
-from tasks.solve.problem import Problem, ProblemError
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem, ProblemError
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 
 def training_problem(forward_edges, n, nbytes, cost=None, extra_sink=False):

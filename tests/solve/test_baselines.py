@@ -4,9 +4,9 @@ import pytest
 
 from tasks.solve import SOLVERS, solve
 from tasks.solve.baselines import articulation_points, is_linear, revolve_cost, revolve_schedule
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 EXACT = {"checkmate", "monet", "monet-noop", "moccasin", "olla"}
 """MILP / CP-SAT solvers, tested against exhaustive optima on small graphs (test_checkmate, test_monet,

@@ -1,8 +1,8 @@
 import pytest
 
-from tasks.solve.checkpoints import schedule_from_checkpoints
-from tasks.solve.problem import Problem, ProblemError
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.checkpoints import schedule_from_checkpoints
+from tasks.solve.core.problem import Problem, ProblemError
+from tasks.solve.core.simulator import default_schedule, simulate
 
 
 def _nodes(schedule):

@@ -7,10 +7,11 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from runtime.facts import graph_facts
 from runtime.graph import Node, OpGraph, Value
 from runtime.plan import Plan
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
 from tasks.store import ENV_VAR, new_run_id, write_run
 from tasks.store_schema import SCHEMA_VERSION
 
@@ -25,7 +26,9 @@ def _chain_graph() -> OpGraph:
         values.append(Value(2 + i, 64, (16,), "float32", "output" if i == 3 else "activation", f"a{i}", i))
         nodes.append(Node(i, f"mul{i}", ("aten.mul.Tensor",), "loss" if i == 3 else "forward",
                           (0 if i == 0 else 1 + i, 1), (2 + i,)))
-    return OpGraph(values, nodes, [5], {"model": "chain"})
+    graph = OpGraph(values, nodes, [5], {"model": "chain"})
+    graph.meta.update(graph_facts(graph))      # as runtime.capture records them
+    return graph
 
 
 def _profile(graph: OpGraph) -> list[dict]:
@@ -132,7 +135,7 @@ def test_cli_and_pipeline_share_the_solve_defaults():
     import typer
 
     from tasks.config import PlanConfig
-    from tasks.solve.solution import SolveOptions
+    from tasks.solve.core.solution import SolveOptions
 
     params = {p.name: p.default for p in typer.main.get_command(app).commands["solve"].params}
     shared = SolveOptions()

@@ -1,4 +1,4 @@
-"""Chain coarsening (tasks/solve/coarsen.py): expanded schedules run in the simulator within the coarse
+"""Chain coarsening (tasks/solve/core/coarsen.py): expanded schedules run in the simulator within the coarse
 peak at the coarse cost, the coarse optimum bounds the fine one from above, and on a graph of
 conv -> relu layers it equals the fine optimum wherever the coarse problem is feasible."""
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from tasks.solve import solve
-from tasks.solve.coarsen import chains, coarsen
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.coarsen import chains, coarsen
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 EXACT = SolveOptions(gap=0.0, portfolio=False, params={"warm_start": "none"})
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from tasks.solve import solve
 from tasks.solve.dtr import dtr_schedule
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions, min_budget_lower_bound
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
 
 from tests.solve.test_checkmate import exhaustive_optimum
 

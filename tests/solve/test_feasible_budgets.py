@@ -13,10 +13,10 @@ import pytest
 
 from tasks.solve import solve
 from tasks.solve.baselines import revolve_schedule
-from tasks.solve.checkpoints import schedule_from_checkpoints
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.checkpoints import schedule_from_checkpoints
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 from .test_checkmate import exhaustive_optimum
 

@@ -1,4 +1,4 @@
-"""Variants fixed family by family (tasks/solve/fixed_variants.py) and `dtr` planning with them: the fixed
+"""Variants fixed family by family (tasks/solve/core/fixed_variants.py) and `dtr` planning with them: the fixed
 problem simulates exactly as the original with the chosen implementations named, and `dtr` uses a
 variant where only a variant fits."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from tasks.solve import solve
-from tasks.solve.fixed_variants import candidate_choices, family_choice, fixed_problem, tag_schedule
-from tasks.solve.problem import Problem, Variant
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.fixed_variants import candidate_choices, family_choice, fixed_problem, tag_schedule
+from tasks.solve.core.problem import Problem, Variant
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 from tests.solve.test_monet import _budgets, brute_force, masked_chain, two_masks
 
 

@@ -10,15 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks.solve import solve
-from tasks.solve.checkmate_model import build_model
+from tasks.solve.core.remat_milp import build_model
 from tasks.solve.hierarchical.blocks import block_chain, pinned_values, segments
 from tasks.solve.hierarchical.chain import Choice, Sweep, chain_dp, chain_peak, nested_chain_dp
 from tasks.solve.hierarchical.ladder import ladder
 from tasks.solve.hierarchical.solver import compose
-from tasks.solve.milp import MilpOptions, solve_milp
-from tasks.solve.problem import Problem, Variant
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.milp import MilpOptions, solve_milp
+from tasks.solve.core.problem import Problem, Variant
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import SolveOptions
 
 
 def layered_step(layers: int, width: int = 3, mask: bool = False) -> Problem:

@@ -8,9 +8,9 @@ import pytest
 
 from tasks.solve import solve
 from tasks.solve.moccasin import MoccasinOptions, moccasin
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
+from tasks.solve.core.solution import SolveOptions
 
 from .test_checkmate import exhaustive_optimum
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tasks.solve import solve
-from tasks.solve.problem import Problem, Variant
-from tasks.solve.simulator import InvalidSchedule, simulate
-from tasks.solve.solution import SolveOptions, min_budget_lower_bound
+from tasks.solve.core.problem import Problem, Variant
+from tasks.solve.core.simulator import InvalidSchedule, simulate
+from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
 
 ALONE = SolveOptions(portfolio=False, time_limit=60)
 
@@ -195,7 +195,7 @@ def test_monet_auto_warm_start_runs_hierarchical_then_ap_greedy_when_checkpoint_
     """warm_start 'auto' below the eager peak: hierarchical's schedule seeds the MILP, and ap-greedy runs
     only when hierarchical has none; the optimum is the brute force's either way."""
     from tasks.solve import SOLVERS
-    from tasks.solve.solution import Solution
+    from tasks.solve.core.solution import Solution
 
     p = masked_chain(6, n=5).without_variants()
     budget, optimum = next((b, s) for b in reversed(_budgets(p)[:-1])

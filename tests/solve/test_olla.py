@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from tasks.problems import LoadedProblem
 from tasks.solve import solve
-from tasks.solve.addresses import greedy_addresses
+from tasks.solve.core.addresses import greedy_addresses
 from tasks.solve.olla.lifetime import lifetime_order
 from tasks.solve.olla.location import olla_addresses
 from tasks.solve.olla.window import window_problem
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
-from tasks.solve.solution import SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
+from tasks.solve.core.solution import SolveOptions
 from tasks.solve_stage import solve_loaded
 from tasks.config import parse_budget
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tasks.solve import solve
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import min_budget_lower_bound
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import min_budget_lower_bound
 from tasks.solve_stage import bisect_budget, least_memory_within
 
 

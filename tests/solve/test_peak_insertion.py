@@ -1,4 +1,4 @@
-"""Peak-directed recomputation insertion (tasks/solve/peak_insertion.py): its vectorized simulation equals the
+"""Peak-directed recomputation insertion (tasks/solve/core/peak_insertion.py): its vectorized simulation equals the
 shared simulator, its schedules fit and are never cheaper than an exhaustive optimum over all schedules, a
 hand-checked chain gets its optimum, and moccasin takes its frontier-advancing form as a hint."""
 
@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks.solve.moccasin import add_hint, build_model, frontier_slots, insertion_start
-from tasks.solve.peak_insertion import _Schedules, peak_insertion_schedule
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import min_budget_lower_bound
+from tasks.solve.core.peak_insertion import _Schedules, peak_insertion_schedule
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import min_budget_lower_bound
 
 from tests.solve.test_dtr import cheapest_schedule_cost, small_dags
 

@@ -3,8 +3,9 @@ import json
 import numpy as np
 import pytest
 
+from runtime.facts import graph_facts
 from runtime.graph import Node, OpGraph, Value
-from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.core.problem import Problem, ProblemError
 
 
 def _tiny_opgraph() -> OpGraph:
@@ -22,7 +23,9 @@ def _tiny_opgraph() -> OpGraph:
         Node(1, "relu", ("aten.relu.default",), "forward", (2,), (3, 4)),
         Node(2, "sum", ("aten.sum.default",), "loss", (3, 3, 4), (5,)),
     ]
-    return OpGraph(values, nodes, [5], {"model": "tiny"})
+    graph = OpGraph(values, nodes, [5], {"model": "tiny"})
+    graph.meta.update(graph_facts(graph))      # as runtime.capture records them
+    return graph
 
 
 def test_from_graph_keeps_ids_costs_and_constant_bytes():

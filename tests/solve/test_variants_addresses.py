@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks.solve import solve
-from tasks.solve.addresses import ALIGNMENT, greedy_addresses, placeable
-from tasks.solve.problem import Problem, ProblemError, Variant
-from tasks.solve.simulator import AddressConflict, InvalidSchedule, default_schedule, simulate
+from tasks.solve.core.addresses import ALIGNMENT, greedy_addresses, placeable
+from tasks.solve.core.problem import Problem, ProblemError, Variant
+from tasks.solve.core.simulator import AddressConflict, InvalidSchedule, default_schedule, simulate
 
 
 def relu_sum_problem() -> Problem:

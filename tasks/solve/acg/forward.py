@@ -27,8 +27,8 @@ import numpy as np
 
 from tasks.solve.acg.dag import TensorDag
 from tasks.solve.acg.division import pieces
-from tasks.solve.checkpoints import recompute_closure
-from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.core.checkpoints import recompute_closure
+from tasks.solve.core.problem import Problem, ProblemError
 
 SOURCE = "source"
 

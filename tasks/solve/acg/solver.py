@@ -31,9 +31,9 @@ import numpy as np
 from tasks.solve.acg.division import Segment, division_tree
 from tasks.solve.acg.forward import ForwardGraph, all_vertices, forward_graph, reforward_schedule
 from tasks.solve.acg.search import AcgSolution, DivisionSearch, acg_checkpoints
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation, default_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation, default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 @dataclass(frozen=True)
 class AcgOptions:

@@ -3,7 +3,7 @@
 A block's schedule runs in two parts: its forward part while the chain goes forward, and its backward
 part (with its recomputations) when the gradient reaches it. What the block costs the rest of the chain
 is the bytes it retains between the two (`BlockOption.retained`), so the ladder bounds that with
-Checkmate's MILP plus a retention limit (`checkmate_model.build_model(retained=...)`): each rung is
+Checkmate's MILP plus a retention limit (`remat_milp.build_model(retained=...)`): each rung is
 (fraction of the freely retained bytes, fraction of the block's own peak). Every rung is started from
 the cheapest option found so far that fits it (at first: no recomputation, the schedule that retains
 nothing: forward, then forward again and backward, and the options of `retention_greedy`, which
@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from tasks.solve.checkmate_model import assignment_from_schedule, build_model, schedule_from_solution
-from tasks.solve.checkpoints import schedule_from_checkpoints
-from tasks.solve.milp import MilpOptions, solve_milp
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation, default_schedule, simulate
-from tasks.solve.solution import min_budget_lower_bound
+from tasks.solve.core.remat_milp import assignment_from_schedule, build_model, schedule_from_solution
+from tasks.solve.core.checkpoints import schedule_from_checkpoints
+from tasks.solve.core.milp import MilpOptions, solve_milp
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation, default_schedule, simulate
+from tasks.solve.core.solution import min_budget_lower_bound
+
+BlockSolver = Callable[[Problem, int, float, "list | None", float, float, str, "int | None"], "list | None"]
+"""An inner solver other than Checkmate's MILP: (block problem, budget, retention limit, start schedule, time
+left, gap, backend, threads) -> schedule or None (e.g. `tasks.solve.monet.block_rung`, passed in by the registry)."""
 
 RUNGS = ((1.0, 1.0), (0.6, 1.0), (0.35, 1.0), (0.15, 1.0), (0.0, 1.0), (1.0, 0.8), (0.35, 0.8), (0.0, 0.8),
          (1.0, 0.6), (0.0, 0.6))
@@ -117,10 +122,10 @@ def retention_greedy(problem: Problem, num_forward: int) -> list[BlockOption]:
 
 def ladder(problem: Problem, num_forward: int, rungs=RUNGS, *, time_limit: float, deadline: float | None = None,
            gap: float, backend: str = "auto", threads: int | None = None,
-           inner: str = "checkmate", greedy: bool = True) -> tuple[list[BlockOption], bool]:
+           inner: BlockSolver | None = None, greedy: bool = True) -> tuple[list[BlockOption], bool]:
     """The block's options for `rungs` (module docstring), without duplicate schedules, the
-    no-recomputation and retain-nothing schedules included; each MILP (`inner`: "checkmate", or "monet":
-    MONeT's program with the block's implementation variants, tasks.solve.monet) gets `time_limit`
+    no-recomputation and retain-nothing schedules included; each MILP (`inner`: None for Checkmate's, or a
+    `BlockSolver`, e.g. MONeT's program with the block's implementation variants) gets `time_limit`
     seconds and none starts after `deadline` (perf_counter); with `greedy`, `retention_greedy`'s options
     too. Also says whether every rung was solved."""
     full = option(problem, num_forward, default_schedule(problem))
@@ -142,8 +147,9 @@ def ladder(problem: Problem, num_forward: int, rungs=RUNGS, *, time_limit: float
         limit = bare.retained + keep * max(full.retained - bare.retained, 0)
         fits = [o for o in found.values() if max(o.forward_peak, o.backward_peak) <= budget and o.retained <= limit]
         cheapest = min(fits, key=lambda o: o.cost(problem.cost)) if fits else None
-        if inner == "monet":
-            schedule = _monet_rung(problem, budget, limit, cheapest, left, gap, backend, threads)
+        if inner is not None:
+            schedule = inner(problem, budget, limit, None if cheapest is None else cheapest.steps(0, len(cheapest.schedule)),
+                             left, gap, backend, threads)
         else:
             model, L = build_model(problem, budget, retained=(num_forward, limit))
             start = None if cheapest is None else assignment_from_schedule(problem, L, cheapest.steps(0, len(cheapest.schedule)))
@@ -154,15 +160,3 @@ def ladder(problem: Problem, num_forward: int, rungs=RUNGS, *, time_limit: float
             found_option = option(problem, num_forward, schedule)
             found.setdefault((found_option.schedule, found_option.impls), found_option)
     return list(found.values()), complete
-
-
-def _monet_rung(problem: Problem, budget: int, limit: float, start: BlockOption | None, left: float, gap: float,
-                backend: str, threads: int | None) -> list | None:
-    """MONeT's schedule of the block under `budget` retaining at most `limit` bytes, started from `start`."""
-    from tasks.solve.monet import MonetOptions
-    from tasks.solve.monet.solver import solve_monet
-    from tasks.solve.solution import SolveOptions
-
-    options = SolveOptions(time_limit=left, gap=gap, backend=backend, threads=threads, params=MonetOptions("none"),
-                           mip_start=None if start is None else start.steps(0, len(start.schedule)), portfolio=False)
-    return solve_monet(problem, budget, options, retained=limit).schedule

@@ -23,13 +23,13 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.solve.fixed_variants import Choice as VariantChoice, candidate_choices, fixed_problem, tag_schedule
+from tasks.solve.core.fixed_variants import Choice as VariantChoice, candidate_choices, fixed_problem, tag_schedule
 from tasks.solve.hierarchical.blocks import BlockChain, block_chain, blocks_by_key
 from tasks.solve.hierarchical.chain import Choice, Op, Sweep, chain_dp, nested_chain_dp
 from tasks.solve.hierarchical.ladder import RUNGS, BlockOption, ladder, option, recompute_block
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 WORKING_BUDGETS = np.geomspace(0.8, 1.25, 13)
 """Budgets the chain program is run at, as fractions of the target (1.0 among them: the program's
@@ -66,8 +66,9 @@ def _block_ladder(problem: Problem, num_forward: int, key: str, opts: Hierarchic
     cache_key = (key, digest, opts.inner, opts.rungs, opts.inner_time_limit, opts.greedy, options.gap, options.backend)
     if cache_key in _LADDERS:
         return _LADDERS[cache_key]
+    inner = options.peers["monet-block"] if opts.inner == "monet" else None
     found, complete = ladder(problem, num_forward, opts.rungs, time_limit=opts.inner_time_limit, deadline=deadline,
-                             gap=options.gap, backend=options.backend, threads=options.threads, inner=opts.inner,
+                             gap=options.gap, backend=options.backend, threads=options.threads, inner=inner,
                              greedy=opts.greedy)
     if complete:
         _LADDERS[cache_key] = found
@@ -152,7 +153,7 @@ def _cost_floor(problem: Problem) -> float:
 
 def _time_saving_fixed(problem: Problem) -> tuple[Problem, VariantChoice]:
     """For a recompute-only inner solver: the problem without variants, but with the time-saving families
-    fixed (tasks/solve/fixed_variants.py: variants reading and allocating what their defaults do, at least
+    fixed (tasks/solve/core/fixed_variants.py: variants reading and allocating what their defaults do, at least
     5% cheaper as profiled, such as the GELU's tanh by its sigmoid identity), and that choice."""
     if not problem.has_variants:
         return problem, {}

@@ -79,9 +79,9 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.milp import MilpModel
-from tasks.solve.problem import Problem, ProblemError
-from tasks.solve.simulator import normalize_schedule, simulate
+from tasks.solve.core.milp import MilpModel
+from tasks.solve.core.problem import Problem, ProblemError
+from tasks.solve.core.simulator import normalize_schedule, simulate
 
 
 @dataclass
@@ -778,7 +778,7 @@ def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
 def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray, threads: int | None = None) -> np.ndarray | None:
     """A full start from fixed integer columns: the continuous columns by an LP (on `threads`) with the
     integers fixed (they are determined up to slack); None when the integers violate the model."""
-    from tasks.solve.milp import MilpOptions, solve_milp
+    from tasks.solve.core.milp import MilpOptions, solve_milp
 
     n_int = L.num_vars
     lo, hi = model.col_lower.copy(), model.col_upper.copy()

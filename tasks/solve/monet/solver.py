@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Literal
 
-from tasks.solve.milp import MilpOptions, Progress, solve_milp
+from tasks.solve.core.milp import MilpOptions, Progress, solve_milp
 from tasks.solve.monet.model import build_model, complete_start, integer_assignment, schedule_from_solution
-from tasks.solve.problem import Problem, ProblemError
-from tasks.solve.simulator import InvalidSchedule, default_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from tasks.solve.core.problem import Problem, ProblemError
+from tasks.solve.core.simulator import InvalidSchedule, default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
 
@@ -61,10 +61,8 @@ def warm_schedules(problem: Problem, budget: int, how: str, options: SolveOption
             yield noop.schedule
         if how == "monet-noop":
             return
-    from tasks.solve import SOLVERS
-
     for name in ("hierarchical", "ap-greedy") if how == "auto" else (how,):
-        sol = SOLVERS[name](problem, budget, SolveOptions(time_limit=options.time_limit, threads=options.threads,
+        sol = options.peers[name](problem, budget, SolveOptions(time_limit=options.time_limit, threads=options.threads,
                                                            backend=options.backend, portfolio=False))
         if sol.schedule is not None:
             yield sol.schedule
@@ -131,3 +129,12 @@ def monet(problem: Problem, budget: int, options: SolveOptions) -> Solution:
 def monet_noop(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """Checkpoints only (the registry hands it the problem without variants): MONeT-NoOp."""
     return solve_monet(problem, budget, options, "monet-noop")
+
+
+def block_rung(problem: Problem, budget: int, limit: float, start: list | None, left: float, gap: float,
+               backend: str, threads: int | None) -> list | None:
+    """MONeT's schedule of a block under `budget` retaining at most `limit` bytes, started from the schedule
+    `start`: the inner solver of `hierarchical` with `inner = "monet"` (passed in by the registry)."""
+    options = SolveOptions(time_limit=left, gap=gap, backend=backend, threads=threads, params=MonetOptions("none"),
+                           mip_start=start, portfolio=False)
+    return solve_monet(problem, budget, options, retained=limit).schedule

@@ -23,7 +23,7 @@ max ALAP of its sinks] (eq. 11), fixed to 1 on PRES(e) (eq. 12). Rows:
 
 The objective is `peak` (eq. 14). Only C is declared integer: once C is integral, the least P meeting
 eq. 2 and 4 is 0/1, and the peak row makes the optimum pick it, so the optimal peak is unchanged.
-The live bytes of a step are the simulator's (tasks/solve/simulator.py: a value lives from its
+The live bytes of a step are the simulator's (tasks/solve/core/simulator.py: a value lives from its
 creation through its last read, graph outputs to the end, the running node's workspace on top), so
 the decoded order (Function 1) simulates to at most the ILP's peak. The pair pruning of sec. 4.2 is
 for the location constraints of the joint ILP (eq. 9); we solve the split problem (sec. 4.4), whose
@@ -38,13 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.checkmate_model import expand_ranges
-from tasks.solve.milp import MilpModel, MilpOptions, MilpResult, solve_milp
-from tasks.solve.moccasin import keeps_random_order, memory_order
+from tasks.solve.core.remat_milp import expand_ranges
+from tasks.solve.core.milp import MilpModel, MilpOptions, MilpResult, solve_milp
+from tasks.solve.core.orders import keeps_random_order, memory_order
 from tasks.solve.olla.spans import Edges, olla_edges
 from tasks.solve.olla.window import window_search
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
 
 
 WINDOW = 16
@@ -238,7 +238,7 @@ def lifetime_order(problem: Problem, *, time_limit: float | None = None, gap: fl
                    threads: int | None = None, warm_start: bool = True, window: int = WINDOW,
                    whole_graph: bool = True) -> LifetimeResult:
     """The operator order minimizing the peak (eq. 14). With `warm_start`, the whole-graph ILP starts
-    from the better of the default order and the greedy memory order (moccasin.memory_order, when it keeps
+    from the better of the default order and the greedy memory order (core.orders.memory_order, when it keeps
     the random nodes' order) improved by the window search (window.py; graphs above `window` nodes, at
     most half the time limit, all of it without `whole_graph`); the best incumbent when the time limit
     stops the solver. Never worse than either order."""

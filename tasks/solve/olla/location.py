@@ -1,7 +1,7 @@
 """OLLA's tensor-location ILP (Steiner et al. 2022, sec. 3.3 and 4.4-4.5, eq. 15) for any schedule.
 
 Given a schedule (OLLA's order or any solver's, recomputations included), every placeable copy
-(`tasks.solve.addresses.placeable`: the rules greedy placement follows) gets an arena offset so that
+(`tasks.solve.core.addresses.placeable`: the rules greedy placement follows) gets an arena offset so that
 copies live at a common step never overlap and the arena is as small as possible. Sizes and offsets
 are in units of `ALIGNMENT` bytes. The lifetimes are fixed by the schedule, so the pairs to separate
 are exactly the placed copies whose live steps intersect (what the precedence and MUL pruning of
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.addresses import ALIGNMENT, _best_gap, greedy_addresses, placeable
-from tasks.solve.milp import MilpModel, MilpOptions, solve_milp
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation
+from tasks.solve.core.addresses import ALIGNMENT, best_gap, greedy_addresses, placeable
+from tasks.solve.core.milp import MilpModel, MilpOptions, solve_milp
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation
 
 
 @dataclass
@@ -81,7 +81,7 @@ def best_fit(start: np.ndarray, end: np.ndarray, size: np.ndarray, fixed: np.nda
         if lo[k] >= 0:
             continue
         overlap = (lo >= 0) & (start <= end[k]) & (end >= start[k])
-        lo[k] = _best_gap(lo[overlap], lo[overlap] + size[overlap], int(size[k]))
+        lo[k] = best_gap(lo[overlap], lo[overlap] + size[overlap], int(size[k]))
     return lo
 
 

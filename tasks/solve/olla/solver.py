@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 
 from tasks.solve.olla.lifetime import WINDOW, lifetime_order
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
-from tasks.solve.solution import Solution, SolveOptions, checked_solution
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 
 @dataclass(frozen=True)

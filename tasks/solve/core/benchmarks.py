@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tasks.solve.problem import ProblemError
+from tasks.solve.core.problem import ProblemError
 
 _CANDIDATES = (
-    Path(__file__).resolve().parents[3] / "shared" / "benchmarks" / "graphs",
+    Path(__file__).resolve().parents[4] / "shared" / "benchmarks" / "graphs",
     Path("/work/shared/benchmarks/graphs"),
 )
 

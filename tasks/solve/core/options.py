@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Mapping, get_args, get_origin
 
 from pydantic import TypeAdapter, ValidationError
 
-from tasks.solve.problem import Problem
-from tasks.solve.solution import Solution, SolveOptions
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.solution import Solution, SolveOptions
 
 
 class OptionError(ValueError):
@@ -36,7 +36,8 @@ class SolverSpec:
     """A registered solver: `run(problem, budget_bytes, options) -> Solution`, a one-line `summary`, the
     dataclass of its `options` (None: it takes none), whether it chooses implementation `variants`
     (otherwise it sees `problem.without_variants()`) and whether its answers are checked against the
-    cheap solvers' (`portfolio`, for the MILP/LP solvers). Calling the spec checks the options first."""
+    cheap solvers' (`portfolio`, for the MILP/LP solvers); `peers`: the solvers it may call (warm starts,
+    blocks), handed to it in `SolveOptions.peers`. Calling the spec checks the options first."""
 
     name: str
     run: Callable[[Problem, int, SolveOptions], Solution]
@@ -44,11 +45,12 @@ class SolverSpec:
     options: type | None = None
     variants: bool = False
     portfolio: bool = False
+    peers: Mapping[str, Callable[..., Any]] = field(default_factory=dict, compare=False, hash=False)
 
     def __call__(self, problem: Problem, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
         options = options or SolveOptions()
         params = parse_options(self, options.params)
-        return self.run(self.problem_for(problem), int(budget_bytes), replace(options, params=params))
+        return self.run(self.problem_for(problem), int(budget_bytes), replace(options, params=params, peers=self.peers))
 
     def problem_for(self, problem: Problem) -> Problem:
         """What the solver sees: the problem, without variants unless it chooses them."""

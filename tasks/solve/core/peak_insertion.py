@@ -13,7 +13,7 @@ move taken maximizes (excess before - excess after) / (cost of the inserted step
 being sum over steps of max(0, live bytes - budget); moves that do not lower the excess are never taken.
 Moves are ranked by an estimate of that score (`_Insertion.estimate`) and the EXACT_MOVES best that lower
 the excess are simulated exactly, by a vectorized simulation of compute-only schedules equal to
-`tasks.solve.simulator.simulate` (the caller checks the result with it again). Finally each recomputation
+`tasks.solve.core.simulator.simulate` (the caller checks the result with it again). Finally each recomputation
 is removed again, dearest first, when the schedule stays within the budget.
 """
 
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from tasks.solve.problem import Problem
+from tasks.solve.core.problem import Problem
 
 EXACT_MOVES = 8
 """Moves simulated exactly per insertion, the best by estimated score (`_Insertion.estimate`)."""

@@ -31,8 +31,8 @@ from itertools import product
 
 import numpy as np
 
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import default_schedule, simulate
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
 
 Choice = dict[int, str]
 """Node -> the name of its fixed non-default implementation (nodes left out run their default)."""

@@ -13,9 +13,14 @@ from typing import Iterable
 
 import numpy as np
 
-from tasks.solve.problem import Problem, ProblemError
+from tasks.solve.core.problem import Problem, ProblemError
 
 NEVER = np.iinfo(np.int64).max
+
+
+def forward_nodes(problem: Problem) -> list[int]:
+    """Recomputable (forward and loss) nodes in the default order."""
+    return [int(v) for v in problem.order if problem.is_recomputable[v]]
 
 
 def recompute_closure(problem: Problem, targets: Iterable[int], resident: np.ndarray) -> list[int]:

@@ -1,4 +1,4 @@
-"""The schedule simulator: the single definition of memory (docs/plan-format.md, ARCHITECTURE.md).
+"""The schedule simulator: the single definition of memory (docs/plan-format.md, docs/architecture.md).
 
 A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or the plan's JSON dicts
 (`{"compute": N, "impl": ...}` / `{"free": X}`). Semantics:
@@ -25,12 +25,13 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from runtime.plan import PlanError, normalize_step
-from tasks.solve.problem import DEFAULT_IMPL, Problem
+from runtime.schedule import Absence, walk
+from tasks.solve.core.problem import DEFAULT_IMPL, Problem
 
 
 class InvalidSchedule(ValueError):
@@ -113,78 +114,14 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     """Peak, memory timeline and compute cost of `schedule` on `problem`, and with `addresses` the arena
     they need (module docstring); addresses are checked by `check_addresses`."""
     steps = normalize_schedule(schedule)
-    n, nv = problem.num_nodes, problem.num_values
-    producer = problem.value_producer
-    current = np.full(nv, -1, dtype=np.int64)     # value -> index of its newest resident copy
-    freed_at: dict[int, int] = {}
-    overwritten_at: dict[int, tuple[int, int]] = {}   # value -> (step, node) that overwrote its copy in place
-    shared: list[int] = []                            # copies of in-place steps (Simulation.in_place)
-    copy_value: list[int] = []
-    copy_start: list[int] = []
-    copy_end: list[int] = []                      # last step the copy is live
-    workspace = np.zeros(len(steps), dtype=np.int64)
-    is_compute = np.zeros(len(steps), dtype=bool)
-    cost = 0.0
-    for i, step in enumerate(steps):
-        if "compute" in step:
-            node = step["compute"]
-            if node >= n:
-                raise InvalidSchedule(f"schedule[{i}] computes node {node}, which does not exist (0..{n - 1}).")
-            impl = step.get("impl")
-            overwrites = ()
-            if impl is None or impl == DEFAULT_IMPL:
-                inputs, outputs = problem.node_inputs[node], problem.node_outputs[node]
-                node_workspace, node_cost = problem.workspace[node], problem.cost[node]
-            else:
-                try:
-                    variant = problem.variant(node, impl)
-                except KeyError as exc:
-                    raise InvalidSchedule(f"schedule[{i}]: {exc.args[0]}") from None
-                inputs, outputs, overwrites = variant.inputs, variant.outputs, variant.overwrites
-                node_workspace, node_cost = variant.workspace, variant.cost
-            for v in inputs:
-                if producer[v] < 0:
-                    continue
-                c = current[v]
-                if c < 0:
-                    raise InvalidSchedule(f"schedule[{i}] computes {problem.node_label(node)}, which reads "
-                                          f"value {v}, but {_why_absent(problem, v, freed_at, overwritten_at)}.")
-                copy_end[c] = i
-            for _, v in overwrites:                  # the input's copy ends with the step before
-                copy_end[current[v]] = i - 1
-                shared.append(int(current[v]))
-                current[v] = -1
-                freed_at.pop(v, None)
-                overwritten_at[v] = (i, node)
-            shared.extend(len(copy_value) + outputs.index(o) for o, _ in overwrites)
-            for v in outputs:
-                current[v] = len(copy_value)
-                copy_value.append(v)
-                copy_start.append(i)
-                copy_end.append(i)
-            workspace[i] = node_workspace
-            is_compute[i] = True
-            cost += float(node_cost)
-        else:
-            v = step["free"]
-            if v >= nv:
-                raise InvalidSchedule(f"schedule[{i}] frees value {v}, which does not exist (0..{nv - 1}).")
-            if producer[v] < 0:
-                raise InvalidSchedule(f"schedule[{i}] frees value {v}, a graph input; graph inputs are always resident.")
-            if current[v] < 0:
-                why = f": {_why_absent(problem, v, freed_at, overwritten_at)}" if v in overwritten_at else ""
-                raise InvalidSchedule(f"schedule[{i}] frees value {v}, which is not resident{why}.")
-            current[v] = -1
-            freed_at[v] = i
-            overwritten_at.pop(v, None)
-    missing = [v for v in problem.outputs if current[v] < 0]
-    if missing:
-        raise InvalidSchedule(f"graph outputs {missing[:10]} are not resident at the end of the schedule "
-                              f"({len(missing)} missing); compute each and do not free it afterwards.")
-    values = np.asarray(copy_value, dtype=np.int64)
-    starts = np.asarray(copy_start, dtype=np.int64)
-    ends = np.asarray(copy_end, dtype=np.int64)
-    ends[current[list(problem.outputs)]] = len(steps) - 1
+    w = walk(steps, problem.num_nodes, problem.num_values, lambda v: problem.value_producer[v] < 0,
+             lambda i, node, impl: _step_io(problem, i, node, impl), problem.outputs, _Complaints(problem))
+    is_compute = np.array([io is not None for io in w.io], dtype=bool)
+    workspace = np.array([0 if io is None else io.workspace for io in w.io], dtype=np.int64)
+    cost = sum(float(io.cost) for io in w.io if io is not None)
+    values = np.asarray(w.copy_value, dtype=np.int64)
+    starts = np.asarray(w.copy_start, dtype=np.int64)
+    ends = np.asarray(w.copy_end, dtype=np.int64)
     nbytes = problem.value_bytes[values]
     timeline = _live_bytes(starts, ends, nbytes, len(steps)) + workspace
     compute_live = np.where(is_compute, timeline, -1)
@@ -202,7 +139,7 @@ def simulate(problem: Problem, schedule: Iterable[Any],
         copy_bytes=nbytes,
         workspace=workspace,
         is_compute=is_compute,
-        shares_storage=np.isin(np.arange(len(values)), shared) if shared else None,
+        shares_storage=np.isin(np.arange(len(values)), w.shared) if w.shared else None,
     )
     if addresses is None:
         return sim
@@ -250,15 +187,58 @@ def check_addresses(problem: Problem, sim: Simulation,
     return placed, offsets
 
 
-def _why_absent(problem: Problem, v: int, freed_at: Mapping[int, int],
-                overwritten_at: Mapping[int, tuple[int, int]]) -> str:
+class _StepIO(NamedTuple):
+    inputs: Sequence[int]
+    outputs: Sequence[int]
+    overwrites: Sequence[tuple[int, int]]
+    workspace: int
+    cost: float
+
+
+def _step_io(problem: Problem, i: int, node: int, impl: str | None) -> Any:
+    """What compute step `i` reads, allocates and overwrites, with its workspace and cost."""
+    if impl is None or impl == DEFAULT_IMPL:
+        return _StepIO(problem.node_inputs[node], problem.node_outputs[node], (), problem.workspace[node],
+                       problem.cost[node])
+    try:
+        return problem.variant(node, impl)
+    except KeyError as exc:
+        raise InvalidSchedule(f"schedule[{i}]: {exc.args[0]}") from None
+
+
+class _Complaints:
+    """The simulator's wording of an invalid schedule (`runtime.schedule.Complaints`)."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+
+    def error(self, message: str) -> InvalidSchedule:
+        return InvalidSchedule(message)
+
+    def absent_input(self, step: int, node: int, value: int, why: Absence) -> InvalidSchedule:
+        return InvalidSchedule(f"schedule[{step}] computes {self.problem.node_label(node)}, which reads "
+                               f"value {value}, but {_why_absent(self.problem, value, why)}.")
+
+    def free_input(self, step: int, value: int) -> InvalidSchedule:
+        return InvalidSchedule(f"schedule[{step}] frees value {value}, a graph input; graph inputs are always "
+                               f"resident.")
+
+    def free_absent(self, step: int, value: int, why: Absence) -> InvalidSchedule:
+        detail = f": {_why_absent(self.problem, value, why)}" if why.overwritten is not None else ""
+        return InvalidSchedule(f"schedule[{step}] frees value {value}, which is not resident{detail}.")
+
+    def missing_outputs(self, missing: list[int]) -> InvalidSchedule:
+        return InvalidSchedule(f"graph outputs {missing[:10]} are not resident at the end of the schedule "
+                               f"({len(missing)} missing); compute each and do not free it afterwards.")
+
+
+def _why_absent(problem: Problem, v: int, why: Absence) -> str:
     """Why value `v` has no resident copy: freed, overwritten in place, or never computed."""
-    if v in freed_at:
-        return f"it was freed at schedule[{freed_at[v]}]"
-    if v in overwritten_at:
-        step, node = overwritten_at[v]
-        return (f"schedule[{step}] ran {problem.node_label(node)} in place, overwriting it; compute value {v} "
-                f"again before this step or run that step without overwriting it")
+    if why.freed is not None:
+        return f"it was freed at schedule[{why.freed}]"
+    if why.overwritten is not None:
+        return (f"schedule[{why.overwritten}] ran {problem.node_label(why.by)} in place, overwriting it; compute "
+                f"value {v} again before this step or run that step without overwriting it")
     return (f"its producer {problem.node_label(int(problem.value_producer[v]))} has not been computed "
             f"by a variant that allocates it ({', '.join(_allocating(problem, v))})")
 

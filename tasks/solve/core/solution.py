@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable, Mapping
 
 import numpy as np
 from pydantic import Field, TypeAdapter, ValidationError
 
 from runtime.plan import Plan, memplan_version
-from tasks.solve.milp import Progress, relative_gap
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation, simulate
+from tasks.solve.core.milp import Progress, relative_gap
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation, simulate
 
 
 DEFAULT_BACKEND = "auto"
@@ -44,7 +44,9 @@ class SolveOptions:
     "highs"; "gurobi"); `mip_start` is a schedule to start from; `params` holds the solver's own typed
     options (its options dataclass, or a mapping the registry checks against it; see
     `tasks.solve.SOLVERS[name].options`). `portfolio`: a MILP/LP solver also returns no schedule worse
-    than the cheap solvers' at the same budget (tasks.solve.portfolio; False tests the solver alone)."""
+    than the cheap solvers' at the same budget (tasks.solve.core.portfolio; False tests the solver alone).
+    `peers`: the solvers (by name) this one may call for a warm start or a block, passed in by the registry
+    (`SolverSpec.peers`), so that no solver imports another."""
 
     time_limit: float | None = DEFAULT_TIME_LIMIT_S
     gap: float = DEFAULT_GAP
@@ -53,6 +55,7 @@ class SolveOptions:
     mip_start: list | None = None
     params: Any = None
     portfolio: bool = True
+    peers: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,7 +67,7 @@ class Solution:
     total compute cost, `bound` a lower bound on the optimal cost. Schedule steps are
     `("compute", node[, impl])` / `("free", value)`; `addresses` (optional) maps a value copy (step
     computing it, value) to its arena offset, and `simulation` then carries the arena size. `source`
-    names the solver whose schedule this is when it is not `solver` itself (tasks.solve.portfolio)."""
+    names the solver whose schedule this is when it is not `solver` itself (tasks.solve.core.portfolio)."""
 
     solver: str
     budget_bytes: int

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.solve.problem import Problem
-from tasks.solve.simulator import Simulation
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import Simulation
 
 ALIGNMENT = 64
 """Bytes every offset is a multiple of (the widest dtype, and a cache line)."""
@@ -40,11 +40,11 @@ def greedy_addresses(problem: Problem, sim: Simulation, steps: np.ndarray | None
     lo = np.full(len(ids), -1, dtype=np.int64)              # offset of each placed copy, -1 while unplaced
     for k in order:
         overlap = (lo >= 0) & (start <= end[k]) & (end >= start[k])
-        lo[k] = _best_gap(lo[overlap], lo[overlap] + size[overlap], int(size[k]))
+        lo[k] = best_gap(lo[overlap], lo[overlap] + size[overlap], int(size[k]))
     return {(int(sim.copy_start[c]), int(sim.copy_value[c])): int(o) for c, o in zip(ids, lo)}
 
 
-def _best_gap(lows: np.ndarray, highs: np.ndarray, size: int) -> int:
+def best_gap(lows: np.ndarray, highs: np.ndarray, size: int) -> int:
     """The lowest offset of the smallest free gap of at least `size` bytes between the busy ranges
     [lows, highs), or the top of the highest range when none fits."""
     if not len(lows):

@@ -5,7 +5,7 @@ workspace per node, and per node its implementation variants (`Variant`: another
 set of values read and allocated; MONeT's operator implementations). It is built from the project's
 operator graph, its variants (`runtime.variants`) and its profiled costs (`Problem.from_graph`) or from
 the node-link JSON of the public benchmarks (`Problem.from_node_link`). Memory is defined by
-`tasks.solve.simulator.simulate`, never here.
+`tasks.solve.core.simulator.simulate`, never here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ProblemError(ValueError):
 class Variant:
     """One implementation of a node: compute cost, workspace bytes, values read and values allocated.
     `overwrites`: pairs (output, input) of an in-place implementation, the output written into the input's
-    storage (it allocates nothing; the input's copy ends as the step starts, `tasks.solve.simulator`).
+    storage (it allocates nothing; the input's copy ends as the step starts, `tasks.solve.core.simulator`).
     A node's default variant is its entry in the problem's per-node arrays."""
 
     name: str

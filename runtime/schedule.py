@@ -1,0 +1,122 @@
+"""The one checker of valid schedules (torch-free), shared by the plan's validation (`runtime.plan.Plan.validate`)
+and the simulator (`tasks.solve.core.simulator.simulate`).
+
+A schedule is valid when every compute finds its inputs resident: graph inputs always are; a value is
+resident once computed (by an implementation that allocates it), until an explicit free or an in-place
+step that overwrites it; freeing a value that is not resident or is a graph input is an error; graph
+outputs must be resident at the end. `walk` checks this and returns the value copies with their live
+ranges: a copy lives from the step computing it to its last read (the step before an in-place step that
+overwrites it), a graph output's final copy to the end. Each caller words its own errors (`Complaints`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+
+class StepIO(Protocol):
+    """What a compute step reads, allocates and overwrites in place ((output, overwritten input) pairs)."""
+
+    inputs: Sequence[int]
+    outputs: Sequence[int]
+    overwrites: Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Absence:
+    """Why a value has no resident copy: freed at step `freed`, overwritten in place at step `overwritten`
+    (by node `by`), or neither (never computed by an implementation that allocates it)."""
+
+    freed: int | None = None
+    overwritten: int | None = None
+    by: int | None = None
+
+
+class Complaints(Protocol):
+    """The caller's exceptions for each way a schedule is invalid (step index first); `error(message)` for a
+    node or value id out of range."""
+
+    def error(self, message: str) -> Exception: ...
+    def absent_input(self, step: int, node: int, value: int, why: Absence) -> Exception: ...
+    def free_input(self, step: int, value: int) -> Exception: ...
+    def free_absent(self, step: int, value: int, why: Absence) -> Exception: ...
+    def missing_outputs(self, missing: list[int]) -> Exception: ...
+
+
+@dataclass
+class Walk:
+    """The copies of a valid schedule: copy k holds `copy_value[k]`, computed at `copy_start[k]` and live
+    through `copy_end[k]`; `shared` lists the copies of in-place steps (an overwritten input's and the output
+    written into it), `io[i]` is step i's `StepIO` (None for a free) and `final[v]` value v's last copy."""
+
+    copy_value: list[int] = field(default_factory=list)
+    copy_start: list[int] = field(default_factory=list)
+    copy_end: list[int] = field(default_factory=list)
+    shared: list[int] = field(default_factory=list)
+    io: list[Any] = field(default_factory=list)
+    final: dict[int, int] = field(default_factory=dict)
+
+
+def walk(steps: Iterable[Mapping[str, Any]], num_nodes: int, num_values: int, is_input: Callable[[int], bool],
+         io: Callable[[int, int, str | None], StepIO], outputs: Sequence[int], complaints: Complaints) -> Walk:
+    """Check the normalized `steps` (module docstring) and return their copies; `io(step, node, impl)` raises
+    the caller's error for an implementation the node does not offer."""
+    w = Walk()
+    copy_value, copy_end = w.copy_value, w.copy_end
+    current: dict[int, int] = {}                   # value -> its resident copy
+    freed_at: dict[int, int] = {}
+    overwritten_at: dict[int, tuple[int, int]] = {}
+    for i, step in enumerate(steps):
+        if "compute" in step:
+            node = step["compute"]
+            if node >= num_nodes:
+                raise complaints.error(f"schedule[{i}] computes node {node}, which does not exist (0..{num_nodes - 1}).")
+            spec = io(i, node, step.get("impl"))
+            w.io.append(spec)
+            for v in spec.inputs:
+                if is_input(v):
+                    continue
+                if v not in current:
+                    raise complaints.absent_input(i, node, v, _absence(v, freed_at, overwritten_at))
+                copy_end[current[v]] = i
+            for _, v in spec.overwrites:              # the input's copy ends with the step before
+                c = current.pop(v)
+                copy_end[c] = i - 1
+                w.shared.append(c)
+                freed_at.pop(v, None)
+                overwritten_at[v] = (i, node)
+            if spec.overwrites:
+                w.shared.extend(len(copy_value) + list(spec.outputs).index(o) for o, _ in spec.overwrites)
+            for v in spec.outputs:
+                current[v] = len(copy_value)
+                copy_value.append(v)
+                w.copy_start.append(i)
+                copy_end.append(i)
+        else:
+            w.io.append(None)
+            v = step["free"]
+            if v >= num_values:
+                raise complaints.error(f"schedule[{i}] frees value {v}, which does not exist (0..{num_values - 1}).")
+            if is_input(v):
+                raise complaints.free_input(i, v)
+            if v not in current:
+                raise complaints.free_absent(i, v, _absence(v, freed_at, overwritten_at))
+            del current[v]
+            freed_at[v] = i
+            overwritten_at.pop(v, None)
+    missing = [v for v in outputs if v not in current]
+    if missing:
+        raise complaints.missing_outputs(missing)
+    for v in outputs:
+        w.copy_end[current[v]] = len(w.io) - 1
+    w.final = current
+    return w
+
+
+def _absence(v: int, freed_at: Mapping[int, int], overwritten_at: Mapping[int, tuple[int, int]]) -> Absence:
+    if v in freed_at:
+        return Absence(freed=freed_at[v])
+    if v in overwritten_at:
+        return Absence(overwritten=overwritten_at[v][0], by=overwritten_at[v][1])
+    return Absence()

@@ -1,0 +1,34 @@
+"""The `pipeline.toml` schema and the values it shares with the CLI, as a package:
+
+- `errors`: `MemplanError` (a user-facing failure) and `ConfigError`;
+- `values`: budgets, `--option KEY=VALUE` assignments, overhead limits, the names values are checked against;
+- `sections`: the tables (models, profile, plans, validate, publish), defaults documented next to each field;
+- `fleet`: the device classes and deployment (docs/fleet.md);
+- `schema`: `PipelineConfig` and `load_config(path)`, whose errors (`ConfigError`) name the file, the key
+  path, the bad value and what is allowed;
+- `matrix`: `expand_matrix(config)`, the (model, batch size, plan, budget) `Case`s a run solves.
+"""
+
+from __future__ import annotations
+
+from tasks.config.errors import ConfigError, MemplanError
+from tasks.config.values import (
+    Budget, DEVICE, DTYPES, IMPORT_PATH, MAX_BUDGET_BYTES, MAX_OVERHEAD, NAMED_LOSSES,
+    TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_max_overhead, parse_option_text,
+)
+from tasks.config.sections import (
+    Addresses, InputSpec, ModelConfig, PlanConfig, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
+    VariantChoice,
+)
+from tasks.config.fleet import Cron, DeployConfig, DeviceClassConfig
+from tasks.config.schema import PipelineConfig, RunConfig, load_config, parse_config, registered_solvers
+from tasks.config.matrix import Case, expand_matrix
+
+__all__ = [
+    'Addresses', 'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',
+    'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MemplanError', 'ModelConfig',
+    'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
+    'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VariantChoice', 'expand_matrix', 'load_config',
+    'parse_budget', 'parse_budget_text', 'parse_config', 'parse_max_overhead', 'parse_option_text',
+    'registered_solvers',
+]

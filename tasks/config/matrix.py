@@ -1,0 +1,37 @@
+"""The pipeline matrix: models x batch sizes x plans x budgets as the list of `Case`s a run solves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tasks.config.schema import PipelineConfig
+from tasks.config.sections import ModelConfig, PlanConfig
+from tasks.config.values import Budget
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the matrix: a model at a batch size, solved by one solver at one budget."""
+
+    model: ModelConfig
+    batch_size: int
+    plan: PlanConfig
+    budget: Budget
+
+    @property
+    def alias(self) -> str:
+        """Readable plan name, e.g. `resnet18-b8-checkmate-60pct`."""
+        return f"{self.model.name}-b{self.batch_size}-{self.plan.solver}-{self.budget.label}"
+
+
+def expand_matrix(config: PipelineConfig) -> list[Case]:
+    """All (model, batch size, plan, budget) combinations, in declaration order, without duplicates."""
+    cases: dict[str, Case] = {}
+    for model in config.models:
+        for batch_size in model.batch_sizes:
+            for plan in config.plans:
+                if plan.models is not None and model.name not in plan.models:
+                    continue
+                for budget in plan.cell_budgets:
+                    case = Case(model, batch_size, plan, budget)
+                    cases.setdefault(case.alias, case)
+    return list(cases.values())

@@ -1,0 +1,283 @@
+"""The tables of `pipeline.toml`: models and their inputs, profiling, plans, validation, publishing;
+each field's default and meaning next to it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
+    TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_max_overhead)
+from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, SolveOptions, TimeLimit
+
+class Section(BaseModel):
+    """A TOML table: unknown keys are refused with the list of allowed keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, allow_inf_nan=False)
+
+    @classmethod
+    def toml_keys(cls) -> list[str]:
+        """The TOML keys this table accepts."""
+        return [field.alias or name for name, field in cls.model_fields.items()]
+
+MAX_NAME = 100
+"""The longest model name: plan aliases and graph files are named after it (file names end at 255 bytes)."""
+
+
+class InputSpec(Section):
+    """One tensor of the batch; the batch size is prepended to `shape`."""
+
+    shape: list[int] = Field(description="Per-sample shape (without the batch dimension); [] for a scalar per sample.")
+    dtype: Literal[DTYPES] = Field("float32", description="Element type.")
+    high: int | None = Field(
+        None,
+        description="Integer inputs are drawn uniformly from [0, high) (class labels, token ids); "
+        "required for integer dtypes. Float inputs are standard normal.",
+    )
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: list[int]) -> list[int]:
+        if any(d <= 0 for d in shape):
+            raise ValueError(f"every dimension must be a positive integer, got {shape}")
+        return shape
+
+    @model_validator(mode="after")
+    def _integer_range(self) -> InputSpec:
+        integer = self.dtype.startswith(("int", "uint"))
+        if integer and (self.high is None or self.high <= 0):
+            raise ValueError(f"dtype {self.dtype!r} needs 'high' (a positive integer: values are drawn from [0, high))")
+        if not integer and self.high is not None:
+            raise ValueError(f"'high' applies to integer dtypes only, not {self.dtype!r}")
+        return self
+
+
+class ModelConfig(Section):
+    """One model: where it comes from, its loss and its inputs."""
+
+    name: str = Field(description="Label used in plan names and the plans index; unique in the file.")
+    torchvision: str | None = Field(None, description="A torchvision.models name, e.g. 'resnet18' (random weights).")
+    transformers: str | None = Field(
+        None, description="A transformers model type, e.g. 'gpt2', built from a config (no download)."
+    )
+    factory: str | None = Field(None, description="Import path 'pkg.module:function' returning an nn.Module.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the torchvision builder, the transformers config, or the factory.",
+    )
+    auto_class: Literal[TRANSFORMERS_AUTO_CLASSES] = Field(
+        "AutoModelForCausalLM", description="transformers only: the Auto class built from the config."
+    )
+    loss: str = Field(
+        "cross_entropy",
+        description="A named loss (cross_entropy, mse, causal_lm, sum) or an import path "
+        "'pkg.module:function' called as loss(model, *batch) -> scalar.",
+    )
+    inputs: list[InputSpec] = Field(description="The batch tensors, in the order the loss receives them.")
+    batch_sizes: list[int] = Field([8], description="Batch sizes to plan for (one graph each).")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            raise ValueError(f"name {name!r} must be letters, digits, '-', '_' or '.' (it becomes a file name)")
+        if len(name) > MAX_NAME:
+            raise ValueError(f"name {name[:40]!r}... is {len(name)} characters long; give at most {MAX_NAME} (it "
+                             f"becomes part of file names)")
+        return name
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, path: str | None) -> str | None:
+        if path is not None and not IMPORT_PATH.match(path):
+            raise ValueError(f"factory {path!r} is not an import path; write 'package.module:function'")
+        return path
+
+    @field_validator("loss")
+    @classmethod
+    def _loss(cls, loss: str) -> str:
+        if loss not in NAMED_LOSSES and not IMPORT_PATH.match(loss):
+            raise ValueError(
+                f"loss {loss!r} is neither a named loss ({', '.join(NAMED_LOSSES)}) nor an import path "
+                "'package.module:function'"
+            )
+        return loss
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batch_sizes(cls, sizes: list[int]) -> list[int]:
+        if not sizes or any(b <= 0 for b in sizes):
+            raise ValueError(f"batch_sizes must be a non-empty list of positive integers, got {sizes}")
+        return sizes
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        sources = [k for k in ("torchvision", "transformers", "factory") if getattr(self, k) is not None]
+        if len(sources) != 1:
+            raise ValueError(
+                f"model {self.name!r} needs exactly one of 'torchvision', 'transformers' or 'factory', "
+                f"got {sources or 'none'}"
+            )
+        if not self.inputs:
+            raise ValueError(f"model {self.name!r} needs at least one entry in 'inputs'")
+        return self
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(kind, name): ('torchvision', 'resnet18'), ('transformers', 'gpt2') or ('factory', 'pkg.m:f')."""
+        for kind in ("torchvision", "transformers", "factory"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        raise AssertionError("validated: exactly one source")
+
+    def content_hash(self, batch_size: int) -> str:
+        """SHA-256 of everything that determines the traced graph of this model at `batch_size`."""
+        spec = self.model_dump(exclude={"name", "batch_sizes"}) | {"batch_size": batch_size}
+        return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class ProfileConfig(Section):
+    """Operator profiling (the costs the solvers minimise)."""
+
+    warmup: int = Field(2, ge=0, description="Untimed runs of each operator before timing.")
+    repeats: int = Field(5, ge=1, description="Timed runs of each operator; the store keeps their statistics.")
+    retries: int = Field(2, ge=0, description="Prefect retries of a profiling task that raised.")
+
+
+VariantChoice = Literal["all", "bit-identical", "none"]
+"""A plan's `variants` setting: which implementation-variant rules its solver may choose
+(`tasks.problems.VARIANT_RULES`)."""
+
+Addresses = Literal["none", "greedy", "olla"]
+"""A plan's `addresses` setting: how its value copies get arena offsets (`tasks.solve_stage.solve_loaded`)."""
+
+
+class PlanSettings(BaseModel):
+    """A plan's solve settings, parsed once from its `[[plans]]` table and handed to the solve stage whole:
+    the shared MILP settings, the solver's own `params` (checked against its options at load time),
+    `addresses` and `variants`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: str = DEFAULT_BACKEND
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S
+    gap: float = DEFAULT_GAP
+    params: dict[str, Any] = {}
+    addresses: Addresses = "none"
+    variants: VariantChoice = "all"
+
+    def solve_options(self) -> SolveOptions:
+        """The `SolveOptions` the solver gets."""
+        return SolveOptions(backend=self.backend, time_limit=self.time_limit, gap=self.gap, params=dict(self.params))
+
+
+class PlanConfig(Section):
+    """One solver and the budgets to solve it at (each budget is one plan per model and batch size)."""
+
+    solver: str = Field(description="A registered solver name (see `memplan solve --help`).")
+    budgets: list[Annotated[Budget, BeforeValidator(parse_budget)]] | None = Field(
+        None, description="Bytes (int), a size with a unit ('1.5 GiB'), or a fraction of the checkpoint-all "
+        "peak (0.6 or '60%'); one plan each. Give this or `max_overhead`."
+    )
+    max_overhead: Annotated[list[float], BeforeValidator(parse_max_overhead)] | None = Field(
+        None, description="Instead of `budgets`: a predicted-overhead limit (0.10) or a list of them, one plan each: "
+        "the least memory whose schedule's predicted cost is at most (1 + max_overhead) x the no-recomputation "
+        "schedule's, searched over budgets with this solver."
+    )
+    backend: Literal["highs", "gurobi", "auto"] = Field(
+        DEFAULT_BACKEND, description="MILP backend (MILP solvers only); 'auto' takes Gurobi when the license "
+        "present covers the model (the pip license covers up to 2000 variables and constraints), else HiGHS."
+    )
+    time_limit_s: TimeLimit = Field(DEFAULT_TIME_LIMIT_S, description="Wall-clock limit of one solve, seconds.")
+    gap: Gap = Field(DEFAULT_GAP, description="Relative MIP gap at which a MILP solve stops.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="The solver's own options (`memplan solve --help` and docs/solvers.md "
+        "list them per solver).")
+    addresses: Addresses = Field(
+        "none", description="Plan an arena address for every value copy: 'greedy' (largest first, best gap), "
+        "'olla' (OLLA's location ILP, never above greedy's arena; within time_limit_s) or 'none'. Plans with "
+        "addresses run in arena mode with runtime.load(..., arena=True).")
+    variants: VariantChoice = Field(
+        "all", description="Implementation variants the solver may choose (docs/plan-format.md): 'all'; "
+        "'bit-identical' (ReLU masks, compact max-pool, in-place ReLU, where the profile found them "
+        "bit-identical to the captured op on its device); 'none' (the captured ops only). The others ('output', "
+        "'math', 'sigmoid') are within the validation tolerance.")
+    models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, budgets: list[Budget] | None) -> list[Budget] | None:
+        if budgets is not None and not budgets:
+            raise ValueError("budgets is empty; list at least one budget")
+        return budgets
+
+    @model_validator(mode="after")
+    def _budgets_or_overhead(self) -> PlanConfig:
+        if (self.budgets is None) == (self.max_overhead is None):
+            given = "both 'budgets' and 'max_overhead'" if self.budgets is not None else "neither 'budgets' nor 'max_overhead'"
+            raise ValueError(
+                f"plan of solver {self.solver!r} gives {given}; give exactly one: budgets = [\"60%\"] (fractions "
+                "of the checkpoint-all peak, or bytes) or max_overhead = 0.10 (the least memory within 10% "
+                "predicted overhead), in separate [[plans]] tables for both")
+        return self
+
+    @property
+    def cell_budgets(self) -> list[Budget]:
+        """One `Budget` per plan cell: the `budgets`, or one overhead limit per `max_overhead` value."""
+        if self.max_overhead is not None:
+            return [Budget(max_overhead=x) for x in self.max_overhead]
+        return list(self.budgets or [])
+
+    @field_validator("solver")
+    @classmethod
+    def _registered(cls, solver: str, info) -> str:
+        registered = (info.context or {}).get("solvers")
+        if registered is not None and solver not in registered:
+            raise ValueError(f"unknown solver {solver!r}; registered solvers: {', '.join(sorted(registered))}")
+        return solver
+
+    @field_validator("options")
+    @classmethod
+    def _typed_options(cls, options: dict[str, Any], info) -> dict[str, Any]:
+        solver = info.data.get("solver")
+        registered = (info.context or {}).get("solvers")
+        if solver is None or (registered is not None and solver not in registered):
+            return options
+        from tasks.solve import SOLVERS, parse_options
+
+        if solver in SOLVERS:
+            parse_options(SOLVERS[solver], options, where="")
+        return options
+
+    def solve_settings(self) -> PlanSettings:
+        """What the solve stage needs, in one typed object."""
+        return PlanSettings(backend=self.backend, time_limit=self.time_limit_s, gap=self.gap, params=dict(self.options),
+                            addresses=self.addresses, variants=self.variants)
+
+
+class ValidateConfig(Section):
+    """What a plan must satisfy before it is published."""
+
+    steps: int = Field(10, ge=1, description="Timed training steps of the plan and of eager PyTorch (median kept).")
+    max_steps: int = Field(30, ge=1, description="Timing goes on past `steps`, up to this many steps, until the "
+                           "overhead's 95% interval lies within +-`overhead_precision` (a busy host needs more).")
+    overhead_precision: float = Field(0.02, gt=0, description="Half-width of the overhead's 95% interval at which "
+                                      "timing stops (0.02: +-2 percentage points).")
+    warmup: int = Field(1, ge=0, description="Untimed steps before timing.")
+    rtol: float = Field(1e-4, ge=0, description="Relative tolerance on loss, gradients and buffer updates.")
+    atol: float = Field(1e-5, ge=0, description="Absolute tolerance on loss, gradients and buffer updates.")
+    peak_rtol: float = Field(
+        0.05,
+        ge=0,
+        description="Measured peak (tensor bytes allocated during the step) may exceed the budget by this fraction.",
+    )
+
+
+class PublishConfig(Section):
+    """Where validated plans go."""
+
+    dir: str = Field("plans", description="Folder of published plans, their aliases and the Parquet index.")

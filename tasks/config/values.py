@@ -1,0 +1,130 @@
+"""Values of `pipeline.toml` and the CLI: byte budgets (bytes, sizes with units, fractions of the
+checkpoint-all peak), `--option KEY=VALUE` assignments, overhead limits, and the names they are checked against."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+NAMED_LOSSES = ("cross_entropy", "mse", "causal_lm", "sum")
+TRANSFORMERS_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForMaskedLM",
+    "AutoModelForSequenceClassification",
+    "AutoModel",
+)
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d{1,4})?)\s*([A-Za-z]+)\s*$")     # exponents of 4 digits at most: sizes are exact
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget: absolute bytes, a fraction of the checkpoint-all peak (no recomputation), or
+    `max_overhead`: the least memory whose schedule's predicted cost is at most (1 + max_overhead) times
+    the checkpoint-all schedule's (found by a search over budgets, `tasks.solve_stage.least_memory_within`)."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+    max_overhead: float | None = None
+
+    @property
+    def label(self) -> str:
+        """Readable form used in plan aliases: `60pct`, `1610612736B` or `ovh10pct`."""
+        if self.max_overhead is not None:
+            return f"ovh{self.max_overhead * 100:g}pct"
+        if self.fraction is not None:
+            return f"{self.fraction * 100:g}pct"
+        return f"{self.bytes}B"
+
+    def resolve(self, checkpoint_all_peak_bytes: int) -> int:
+        """Budget in bytes given the peak of the eager schedule that keeps every activation (an overhead
+        limit starts its search there)."""
+        if self.max_overhead is not None:
+            return int(checkpoint_all_peak_bytes)
+        if self.fraction is not None:
+            return int(self.fraction * checkpoint_all_peak_bytes)
+        return int(self.bytes)
+
+
+MAX_BUDGET_BYTES = 2**63 - 1
+"""The largest budget in bytes: plans and the plans index store budgets as signed 64-bit integers."""
+
+
+def parse_budget(value: Any) -> Budget:
+    """Parse `2000000000` (bytes), `0.6` or `"60%"` (fraction of checkpoint-all), `"1.5 GiB"`."""
+    if isinstance(value, bool):
+        raise ValueError(_budget_help(value))
+    if isinstance(value, int):
+        if not 0 < value <= MAX_BUDGET_BYTES:
+            raise ValueError(_budget_help(value))
+        return Budget(bytes=value)
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(_budget_help(value))
+        return Budget(fraction=value)
+    if isinstance(value, str):
+        if m := _PERCENT.match(value):
+            fraction = float(m.group(1)) / 100
+            if 0.0 < fraction <= 1.0:
+                return Budget(fraction=fraction)
+        elif (m := _BYTES.match(value)) and m.group(2).lower() in _UNITS:
+            nbytes = Fraction(Decimal(m.group(1))) * _UNITS[m.group(2).lower()]    # exact, unlike a float
+            if 1 <= nbytes <= MAX_BUDGET_BYTES:             # "0.5 B" would be a 0-byte budget
+                return Budget(bytes=int(nbytes))
+    raise ValueError(_budget_help(value))
+
+
+def parse_budget_text(text: str) -> Budget:
+    """A budget written on the command line, read as the TOML value it would be in pipeline.toml:
+    `2000000000` (bytes), `0.8` (fraction), `80%` or `1.5GiB` (a string without quotes)."""
+    return parse_budget(_toml_value(text))
+
+
+def parse_option_text(assignment: str) -> tuple[str, Any]:
+    """`KEY=VALUE` from the command line: VALUE read as a TOML value (`mode=memory` and `mode="memory"`
+    are the same string, `keep=[1, 2]` a list, `gap=0.1` a float)."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"option {assignment!r} is not KEY=VALUE (e.g. --option mode=memory).")
+    return key.strip(), _toml_value(text.strip())
+
+
+def _toml_value(text: str) -> Any:
+    """`text` read as a TOML value (`0.8`, `[1, 2]`, `"x"`); text that is not one stays the string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+MAX_OVERHEAD = 10.0
+"""The largest `max_overhead` accepted: a schedule 11 times slower than no recomputation is a typo."""
+
+
+def parse_max_overhead(value: Any) -> list[float]:
+    """`max_overhead = 0.1` or `[0.05, 0.25]`: each a number in [0, 10], one plan each."""
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_OVERHEAD
+                         for v in values):                    # NaN fails the comparison too
+        raise ValueError(
+            "max_overhead must be a number or a non-empty list of numbers in [0, 10], the predicted step-time "
+            "overhead allowed over the no-recomputation schedule as a fraction (0.10: at most 10% slower); "
+            "write e.g. max_overhead = 0.10 or max_overhead = [0.05, 0.25]")
+    return [float(v) for v in values]
+
+
+def _budget_help(value: Any) -> str:
+    return (
+        f"budget {value!r} is not understood; write an integer number of bytes (2000000000), a size "
+        f"with a unit ('1.5 GiB', '512 MiB'; units {', '.join(_UNITS)}), or a fraction of the "
+        "checkpoint-all peak as a float in (0, 1] (0.6) or a percentage ('60%'); byte budgets lie in "
+        f"1..{MAX_BUDGET_BYTES}"
+    )

@@ -1,0 +1,110 @@
+"""The typed records that travel between the pipeline's stages (torch-free pydantic models).
+
+Each stage returns one record: trace a `Traced`, profile a `Profiled`, solve a `Solved`, validate a
+`Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py, never pickles) and
+gives them back typed; the run's outcome table (flows/report.py) is built from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Record(BaseModel):
+    """A stage result: immutable, JSON in and out."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Record":
+        return cls.model_validate(data)
+
+
+class Traced(Record):
+    """A stored operator graph and the numbers a report needs about it."""
+
+    path: str
+    fingerprint: str
+    model: str
+    batch_size: int
+    nodes: int
+    values: int
+    constant_bytes: int
+
+
+class Profiled(Record):
+    """One profiling run written to the store: its id, device key, graph and rows, and its Parquet file."""
+
+    run_id: str
+    device: str
+    fingerprint: str
+    rows: int
+    path: str
+
+
+class Solved(Record):
+    """A solver's answer for one matrix cell, with the numbers the report needs."""
+
+    solver: str
+    status: str
+    feasible: bool
+    budget_bytes: int
+    checkpoint_all_peak_bytes: int
+    checkpoint_all_cost: float
+    predicted_peak_bytes: int | None
+    arena_bytes: int | None
+    objective: float | None
+    gap: float | None
+    solve_seconds: float
+    backend: str | None
+    min_budget_lower_bound: int | None
+    smallest_feasible_budget: int | None
+    message: str
+    plan_path: str | None
+    profile_run_id: str | None
+    max_overhead: float | None = None
+
+
+class Validated(Record):
+    """Outcome of running one plan against eager PyTorch on one device."""
+
+    passed: bool
+    reasons: list[str]
+    device: str
+    device_name: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    eager_peak_bytes: int
+    measured_step_ms: float
+    eager_step_ms: float
+    overhead: float
+    loss: float
+    eager_loss: float
+    max_abs_error: float
+    tensors_compared: int
+    arena_peak_bytes: int | None = None
+    arena_step_ms: float | None = None
+    arena_bytes_not_placed: int | None = None
+    overhead_interval: list[float] | None = None
+    timed_steps: int | None = None
+
+    def explain(self, name: str, shown: int = 3) -> str:
+        """One paragraph saying why plan `name` failed (the first `shown` reasons)."""
+        more = len(self.reasons) - shown
+        return (f"plan {name} failed validation on {self.device}: " + "; ".join(self.reasons[:shown])
+                + (f"; and {more} more" if more > 0 else "") + ".")
+
+
+class Published(Record):
+    """Result of `publish`: where the plan is and whether this call wrote anything."""
+
+    plan_id: str
+    path: str
+    alias_path: str
+    changed: bool

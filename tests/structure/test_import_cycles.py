@@ -1,0 +1,48 @@
+"""No import cycles among the project's modules: imports at module level and inside functions (a module
+importing its own package's `__init__` excluded, since importing a submodule runs it anyway)."""
+
+from __future__ import annotations
+
+import ast
+
+import networkx as nx
+
+from flows.codehash import PACKAGES, ROOT, module_file
+
+
+def _modules() -> dict[str, object]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def test_imports_have_no_cycle():
+    modules, graph = _modules(), nx.DiGraph()
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules and module_file(target, ROOT) is not None and target != name \
+                        and not name.startswith(target + "."):
+                    graph.add_edge(name, target)
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_layers_import_only_downward():
+    """runtime/ imports neither tasks/ nor flows/; tasks/ does not import flows/ (docs/architecture.md)."""
+    above = {"runtime": ("tasks", "flows"), "tasks": ("flows",)}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for target in targets:
+                assert target.split(".")[0] not in above.get(name.split(".")[0], ()), f"{name} imports {target}"
