@@ -17,7 +17,7 @@ from flows.steps import forget_captured, profile_step, publish_step, solve_step,
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
 from tasks.records import Solved, Traced
-from tasks.store_access import check_store
+from tasks.store import check_store
 
 
 class PipelineFailed(MemplanError):

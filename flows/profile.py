@@ -13,7 +13,7 @@ from flows.preflight import check_locations
 from flows.steps import profile_step, trace_step
 from tasks.config import PipelineConfig, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
-from tasks.store_access import check_store
+from tasks.store import check_store
 
 
 @flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.")

@@ -145,6 +145,13 @@ def locate(root: str | os.PathLike | None = None) -> StoreLocation:
     return StoreLocation(where, fs, base.rstrip("/"))
 
 
+def check_store(root: str | os.PathLike | None = None) -> None:
+    """Refuse, in seconds, a store whose bucket cannot be read (`tasks.store_access.check_location`)."""
+    from tasks.store_access import check_location
+
+    check_location(locate(root))
+
+
 def new_run_id() -> str:
     """A run id that sorts by creation time and is unique across hosts: `<UTC time>-<random hex>`."""
     return f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:12]}"

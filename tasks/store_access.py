@@ -25,13 +25,6 @@ def _endpoint(options: dict) -> str | None:
     return None
 
 
-def check_store(root=None) -> None:
-    """`check_location` of the store at `root` (resolved as `tasks.store.store_root`)."""
-    from tasks.store import locate
-
-    check_location(locate(root))
-
-
 def check_location(where) -> None:
     """Raise `StoreUnreachable` naming the bucket, the endpoint and the fix when the `StoreLocation` is an
     object store whose bucket cannot be read; a folder passes (a new store folder is created by its first
