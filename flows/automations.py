@@ -81,9 +81,20 @@ def _block_id(client, slug: str):
 
 
 def _comparable(automation) -> dict[str, Any]:
+    """What a deploy compares of an automation, in a canonical form: the trigger's event sets (`after`,
+    `expect`, `for_each`) dump as lists in the process's string-hash order, so they are sorted."""
     data = automation.model_dump(mode="json", include={"name", "description", "enabled", "trigger", "actions"})
     data["trigger"].pop("id", None)
-    return data
+    return _canonical(data)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _canonical(item) for key, item in value.items()}
+    if isinstance(value, list):
+        items = [_canonical(item) for item in value]
+        return sorted(items) if all(isinstance(item, str) for item in items) else items
+    return value
 
 
 def ensure_automations(client, deploy: DeployConfig, dry_run: bool = False) -> list[tuple[str, str]]:

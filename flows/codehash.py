@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,6 +20,10 @@ PACKAGES = ("runtime", "tasks", "flows")
 STAGE_MODULES = {"profile": ("tasks.profile", "tasks.trace"), "solve": ("tasks.solve_stage",),
                  "validate": ("tasks.validate",)}
 """The modules each cached stage runs (flows/steps.py keys each stage by their closure)."""
+
+_PARSING = threading.Lock()
+"""Stage cells compute keys on several threads at once, and CPython 3.11's `ast.parse` is not thread-safe
+("SystemError: AST constructor recursion depth mismatch"): one parse at a time."""
 
 
 def module_file(module: str, root: Path) -> Path | None:
@@ -37,7 +42,9 @@ def _named_modules(path: Path, module: str, mtime_ns: int) -> frozenset[str]:
     """Modules `path` may import: import statements, `from X import name` submodules, and string literals
     naming a module, each with its parent packages (importing `a.b` runs `a/__init__.py`)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+    with _PARSING:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
