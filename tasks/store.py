@@ -27,8 +27,8 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from runtime.variants import DEFAULT
 from tasks.store_schema import (
-    DEFAULT_IMPL,
     REQUIRED,
     RUN_COLUMNS,
     SCHEMA,
@@ -367,8 +367,8 @@ VIEWS = {
     "runs": f"""
         SELECT {_RUN_VALUES},
                count(*) AS rows,
-               count(DISTINCT node_id) FILTER (WHERE impl = '{DEFAULT_IMPL}') AS nodes,
-               count(DISTINCT node_id) FILTER (WHERE impl = '{DEFAULT_IMPL}') = any_value(graph_nodes) AS complete
+               count(DISTINCT node_id) FILTER (WHERE impl = '{DEFAULT}') AS nodes,
+               count(DISTINCT node_id) FILTER (WHERE impl = '{DEFAULT}') = any_value(graph_nodes) AS complete
         FROM profiles GROUP BY {', '.join(_GROUP)}""",
     "latest_runs": """
         SELECT * FROM runs WHERE complete
@@ -461,7 +461,7 @@ class CostTable(Mapping):
     variants: Mapping[int, Mapping[str, VariantCost]]
 
     def __getitem__(self, node_id: int) -> NodeCost:
-        cost = self.variants[node_id][DEFAULT_IMPL]
+        cost = self.variants[node_id][DEFAULT]
         return NodeCost(cost.time_ms, cost.workspace_bytes)
 
     def __iter__(self) -> Iterator[int]:
