@@ -39,6 +39,7 @@ from tasks.store_schema import (
 )
 
 ENV_VAR = "MEMPLAN_PROFILES_DB"
+DEFAULT_STORE = "profiles_db"   # the store folder when nothing names one, from the current folder
 NONNEGATIVE = ("time_ms", "output_bytes", "workspace_bytes")   # the costs planners read: finite, >= 0
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -57,9 +58,9 @@ def is_url(location: str | os.PathLike) -> bool:
 
 
 def store_root(root: str | os.PathLike | None = None) -> Path | str:
-    """The store: `root` if given, else `$MEMPLAN_PROFILES_DB`, else `<repo>/profiles_db`; a folder as an
-    absolute `Path`, a URL as the string given."""
-    chosen = root if root is not None else os.environ.get(ENV_VAR) or Path(__file__).resolve().parents[1] / "profiles_db"
+    """The store: `root` if given, else `$MEMPLAN_PROFILES_DB`, else `DEFAULT_STORE` in the current folder
+    (`./profiles_db`); a folder as an absolute `Path`, a URL as the string given."""
+    chosen = root if root is not None else os.environ.get(ENV_VAR) or DEFAULT_STORE
     return str(chosen) if is_url(chosen) else Path(chosen).expanduser().resolve()
 
 
