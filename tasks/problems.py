@@ -12,7 +12,7 @@ from runtime.graph import OpGraph
 from runtime.variants import graph_variants
 from tasks.config import VARIANT_RULES, VariantChoice
 from tasks.solve.core.problem import Problem, ProblemError
-from tasks.store import CostTable, load_costs
+from tasks.store_query import CostTable, load_costs
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,7 @@ class Problem:
     def from_graph(cls, graph: Any, costs: Mapping[int, Sequence[float]] | None = None,
                    variants: Any = None, random_nodes: Iterable[int] | None = None) -> "Problem":
         """Problem of a `runtime.graph.OpGraph`; `costs[node_id] = (time, workspace_bytes)` from the
-        profile store (a `tasks.store.CostTable`, whose `.variants[node][impl]` prices the variants).
+        profile store (a `tasks.store_query.CostTable`, whose `.variants[node][impl]` prices the variants).
         Without `costs`, every node costs 1 and each workspace is the variant's analytic one (0 for the
         default). `variants` is a `runtime.variants.GraphVariants` of the graph (None: no variants);
         `random_nodes` (None: those of the captured program, none for a graph loaded from JSON). With
