@@ -66,7 +66,7 @@ from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate
 from tasks.solve.core.solution import SolveOptions
-from tasks.store import CostTable, VariantCost
+from tasks.store_query import CostTable, VariantCost
 
 SOLVERS = ("hierarchical", "module-checkpoint", "ap-greedy", "acg", "linearized-greedy")
 FRACTIONS = (0.9, 0.7, 0.5)

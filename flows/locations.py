@@ -62,7 +62,7 @@ def _given(path: Path | str, option: str) -> Path | str:
 
 def locate(config: Path | None = None, store: str | Path | None = None, plans: Path | None = None) -> Locations:
     """The store and plans folders, following the order of this module's docstring."""
-    from tasks.store import ENV_VAR
+    from tasks.store import ENV_VAR, store_root
 
     found = {}
     if store is not None:
@@ -78,6 +78,6 @@ def locate(config: Path | None = None, store: str | Path | None = None, plans: P
         found.setdefault("plans", (Path(loaded.publish.dir).resolve(), f"publish.dir of {path}"))
     if "store" not in found and os.environ.get(ENV_VAR):
         found["store"] = (_store(os.environ[ENV_VAR]), f"${ENV_VAR}")
-    found.setdefault("store", (Path("profiles_db").resolve(), "no pipeline.toml here"))
+    found.setdefault("store", (store_root(), "no pipeline.toml here"))   # $MEMPLAN_PROFILES_DB unset here
     found.setdefault("plans", (Path("plans").resolve(), "no pipeline.toml here"))
     return Locations(found["store"][0], found["plans"][0], found["store"][1], found["plans"][1])

@@ -12,7 +12,7 @@ from tasks.config import ConfigError, ModelConfig, PipelineConfig
 def model_for_plan(config: PipelineConfig, plan: Plan, model: str | None, batch: int | None) -> tuple[ModelConfig, int]:
     """The (model entry, batch size) of `config` the plan belongs to: the only cell left after the
     `model`/`batch` filters, or the one whose traced graph in `cache_dir/graphs` has the plan's fingerprint."""
-    cells = [(m, b) for m in config.models for b in m.batch_sizes if model in (None, m.name) and batch in (None, b)]
+    cells = config.model_batches(model, batch)
     if len(cells) > 1:
         traced = _traced_cells(Path(config.cache_dir) / "graphs", plan.fingerprint)
         cells = [(m, b) for m, b in cells if (m.name, b) in traced] or cells

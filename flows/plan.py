@@ -48,15 +48,13 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
 
     traced: dict[tuple[str, int], Traced] = {}
     try:
-        for m in config.models:
-            for b in m.batch_sizes:
-                traced[m.name, b] = trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir)
+        for m, b in config.model_batches():
+            traced[m.name, b] = trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir)
         profiled = {
             (m.name, b): profile_step.with_options(retries=config.profile.retries, **rerun)(
                 m, traced[m.name, b], device, config.seed, config.profile, config.store
             )
-            for m in config.models
-            for b in m.batch_sizes
+            for m, b in config.model_batches()
         }
         cells = dict(
             traced=[traced[c.model.name, c.batch_size] for c in cases],

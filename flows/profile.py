@@ -28,11 +28,10 @@ def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False,
     device = resolve_device(config.device)
     measure = profile_step.with_options(retries=config.profile.retries, refresh_cache=not reuse)
     runs = []
-    for model in config.models:
-        for batch_size in model.batch_sizes:
-            traced = trace_step(model, batch_size, device, config.seed, config.cache_dir)
-            run = measure(model, traced, device, config.seed, config.profile, config.store)
-            runs.append({"model": model.name, "batch_size": batch_size, "nodes": traced.nodes, **run.to_json()})
+    for model, batch_size in config.model_batches():
+        traced = trace_step(model, batch_size, device, config.seed, config.cache_dir)
+        run = measure(model, traced, device, config.seed, config.profile, config.store)
+        runs.append({"model": model.name, "batch_size": batch_size, "nodes": traced.nodes, **run.to_json()})
     return runs
 
 

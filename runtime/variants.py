@@ -1,7 +1,7 @@
 """Implementation variants of operator nodes: which ones a graph offers, what each reads and allocates.
 
 Torch-free: planners and the plan checker see variants as data. The executor's code for each variant
-lives in `runtime.variant_ops` (torch).
+lives in `runtime.variant_ops` (torch; its kernels in `runtime.variant_kernels`).
 
 A node's **default** variant is the captured ATen op (the node as the graph lists it). A non-default
 variant computes the same values the node's readers need, but may read other values, allocate extra

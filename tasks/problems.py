@@ -9,16 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.graph import OpGraph
-from runtime.variants import BIT_IDENTICAL_RULES, graph_variants
-from tasks.config import VariantChoice
+from runtime.variants import graph_variants
+from tasks.config import VARIANT_RULES, VariantChoice
 from tasks.solve.core.problem import Problem, ProblemError
-from tasks.store import CostTable, load_costs
-
-
-VARIANT_RULES: dict[VariantChoice, tuple[str, ...] | None] = {"all": None, "bit-identical": BIT_IDENTICAL_RULES,
-                                                             "none": ()}
-"""The implementation-variant rules (runtime.variants) a solver may choose from, by the name a plan's `variants`
-setting gives: every rule; those whose code gives ATen's bits; none (the captured ops only)."""
+from tasks.store_query import CostTable, load_costs
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from runtime.variants import DEFAULT
 from tasks.store import new_run_id, write_run
-from tasks.store_schema import DEFAULT_IMPL, SCHEMA_VERSION
+from tasks.store_schema import SCHEMA_VERSION
 
 DEVICE_KEY_VAR = "MEMPLAN_DEVICE_KEY"
 NodeFunction = Callable[[Any, int], Callable[..., tuple]]
@@ -272,7 +273,7 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
         raise ValueError("Name the model being profiled (model=...): the graph's meta has no 'model'.")
     variants = GraphVariants(len(graph.values), (), {}) if defaults_only else graph_variants(graph)
     specs = [list(variants.specs.get(node.id, {}).values()) for node in graph.nodes]
-    functions = [[Implementation(DEFAULT_IMPL, tuple(node.inputs), tuple(node.outputs), (),
+    functions = [[Implementation(DEFAULT, tuple(node.inputs), tuple(node.outputs), (),
                                  node_function(graph, node.id))] +
                  [_variant(graph, s, variant_function) for s in specs[node.id]]
                  for node in graph.nodes]
@@ -323,12 +324,12 @@ def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int
             if key in measured.unavailable:
                 continue
             missing = [v for v in impl.inputs if v not in live]
-            if impl.unavailable is not None or (missing and impl.name != DEFAULT_IMPL):
+            if impl.unavailable is not None or (missing and impl.name != DEFAULT):
                 _drop(measured, node, impl.name, impl.unavailable or f"it reads variant value {missing[0]}, which "
                       f"no available variant of its producer computed", device)
                 continue
             args = [live[v].clone() if v in impl.overwritten else live[v] for v in impl.inputs]
-            where = node.name if impl.name == DEFAULT_IMPL else f"{node.name}, variant {impl.name}"
+            where = node.name if impl.name == DEFAULT else f"{node.name}, variant {impl.name}"
             try:
                 samples = _time_calls(impl.fn, args, device, settings)
                 if meter:
@@ -338,7 +339,7 @@ def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int
                 else:
                     outputs = impl.fn(*args)
             except Exception as exc:
-                if impl.name != DEFAULT_IMPL:
+                if impl.name != DEFAULT:
                     _drop(measured, node, impl.name, f"{type(exc).__name__}: {exc}", device)
                     continue
                 raise RuntimeError(f"Profiling node {node.id} ({where}, {', '.join(node.targets)}) failed on "
@@ -348,14 +349,14 @@ def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int
                                    f"message and the model.") from exc
             if len(outputs) != len(impl.outputs):
                 why = f"returned {len(outputs)} tensors but the graph lists {len(impl.outputs)} outputs"
-                if impl.name == DEFAULT_IMPL:
+                if impl.name == DEFAULT:
                     raise RuntimeError(f"Node {node.id} ({where}) {why}; the node function does not match the graph.")
                 _drop(measured, node, impl.name, f"it {why}", device)
                 continue
             measured.times.setdefault(key, []).extend(samples)
             if meter:
                 measured.memory[key] = memory
-            if impl.name == DEFAULT_IMPL:
+            if impl.name == DEFAULT:
                 live.update(zip(impl.outputs, outputs))
             else:
                 produced = dict(zip(impl.outputs, outputs))

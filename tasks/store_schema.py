@@ -15,7 +15,6 @@ import pyarrow as pa
 
 SCHEMA_KEY = b"memplan.profile_schema"
 SCHEMA_VERSION = 2
-DEFAULT_IMPL = "default"
 
 _RUN_FIELDS = [
     pa.field("schema_version", pa.int32(), nullable=False),

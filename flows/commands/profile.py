@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
             from tasks.config import load_config
 
             loaded = load_config(config)
-            with stage_progress(2 * sum(len(m.batch_sizes) for m in loaded.models), "starting Prefect"):
+            with stage_progress(2 * len(loaded.model_batches()), "starting Prefect"):
                 runs = run_profile(config, reuse, loaded)
             table = Table("model", "batch", "nodes", "device", "run id", "file", title=f"profile runs in {loaded.store}")
             for run in runs:

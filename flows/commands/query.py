@@ -170,7 +170,7 @@ def register(app: typer.Typer) -> None:
         from flows.console import exit_on_error
         from tasks.config import MemplanError
         from tasks.publish import INDEX_SCHEMA, index_files
-        from tasks.store import query as run_query
+        from tasks.store_query import query as run_query
 
         check_output(fmt, output)
         with exit_on_error():

@@ -44,7 +44,7 @@ def _run(config: Path, refresh: bool, loaded) -> None:
     from flows.progress import stage_progress
     from tasks.config import expand_matrix
 
-    graphs = sum(len(m.batch_sizes) for m in loaded.models)
+    graphs = len(loaded.model_batches())
     stages = 2 * graphs + 3 * len(expand_matrix(loaded))
     try:
         with stage_progress(stages, "starting Prefect"):

@@ -29,8 +29,7 @@ def register(app: typer.Typer) -> None:
 
             loaded = load_config(config)
             device = resolve_device(loaded.device)
-            cells = [(m, b) for m in loaded.models for b in m.batch_sizes
-                     if model in (None, m.name) and batch in (None, b)]
+            cells = loaded.model_batches(model, batch)
             if not cells:
                 names = ", ".join(f"{m.name} (batch {m.batch_sizes})" for m in loaded.models)
                 raise ConfigError(f"{config} declares no model {model or ''} at batch {batch or 'any'}; it declares {names}.")

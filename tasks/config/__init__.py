@@ -18,6 +18,7 @@ from tasks.config.values import (
 )
 from tasks.config.sections import (
     Addresses, InputSpec, ModelConfig, PlanConfig, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
+    VARIANT_RULES,
     VariantChoice,
 )
 from tasks.config.fleet import Cron, DeployConfig, DeviceClassConfig
@@ -28,7 +29,7 @@ __all__ = [
     'Addresses', 'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',
     'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MemplanError', 'ModelConfig',
     'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
-    'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VariantChoice', 'expand_matrix', 'load_config',
+    'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VARIANT_RULES', 'VariantChoice', 'expand_matrix', 'load_config',
     'parse_budget', 'parse_budget_text', 'parse_config', 'parse_max_overhead', 'parse_option_text',
     'registered_solvers',
 ]

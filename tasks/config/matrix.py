@@ -26,12 +26,11 @@ class Case:
 def expand_matrix(config: PipelineConfig) -> list[Case]:
     """All (model, batch size, plan, budget) combinations, in declaration order, without duplicates."""
     cases: dict[str, Case] = {}
-    for model in config.models:
-        for batch_size in model.batch_sizes:
-            for plan in config.plans:
-                if plan.models is not None and model.name not in plan.models:
-                    continue
-                for budget in plan.cell_budgets:
-                    case = Case(model, batch_size, plan, budget)
-                    cases.setdefault(case.alias, case)
+    for model, batch_size in config.model_batches():
+        for plan in config.plans:
+            if plan.models is not None and model.name not in plan.models:
+                continue
+            for budget in plan.cell_budgets:
+                case = Case(model, batch_size, plan, budget)
+                cases.setdefault(case.alias, case)
     return list(cases.values())

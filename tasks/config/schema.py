@@ -85,6 +85,11 @@ class PipelineConfig(Section):
         publish = self.publish.model_copy(update={"dir": inside(self.publish.dir)})
         return self.model_copy(update={"store": inside(self.store), "cache_dir": inside(self.cache_dir), "publish": publish})
 
+    def model_batches(self, model: str | None = None, batch: int | None = None) -> list[tuple[ModelConfig, int]]:
+        """The (model entry, batch size) pairs the file declares, in declaration order: each graph the run
+        traces and profiles. `model` / `batch`, when given, keep only that model's / batch size's."""
+        return [(m, b) for m in self.models for b in m.batch_sizes if model in (None, m.name) and batch in (None, b)]
+
     @property
     def validation(self) -> ValidateConfig:
         """The `[validate]` section (`validate` itself is a pydantic method name)."""

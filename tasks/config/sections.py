@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from runtime.variants import BIT_IDENTICAL_RULES
 from tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_max_overhead)
 from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, SolveOptions, TimeLimit
@@ -148,9 +149,13 @@ class ProfileConfig(Section):
     retries: int = Field(2, ge=0, description="Prefect retries of a profiling task that raised.")
 
 
-VariantChoice = Literal["all", "bit-identical", "none"]
-"""A plan's `variants` setting: which implementation-variant rules its solver may choose
-(`tasks.problems.VARIANT_RULES`)."""
+VARIANT_RULES: dict[str, tuple[str, ...] | None] = {"all": None, "bit-identical": BIT_IDENTICAL_RULES, "none": ()}
+"""The implementation-variant rules (runtime.variants) a solver may choose from, by the name a plan's `variants`
+setting gives: every rule; those whose code gives ATen's bits; none (the captured ops only)."""
+
+VariantChoice = Literal[tuple(VARIANT_RULES)]  # type: ignore[valid-type]
+"""A plan's `variants` setting: which implementation-variant rules its solver may choose (the names of
+`VARIANT_RULES`)."""
 
 Addresses = Literal["none", "greedy", "olla"]
 """A plan's `addresses` setting: how its value copies get arena offsets (`tasks.solve_stage.solve_loaded`)."""

@@ -15,7 +15,8 @@ from torch import nn
 
 import runtime
 from tasks.profile import ProfileSettings, profile_graph
-from tasks.store import locate, query
+from tasks.store import locate
+from tasks.store_query import query
 
 from .conftest import REPO
 

@@ -15,7 +15,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from tasks.store import locate, read_runs, query, write_run
+from tasks.store import locate, read_runs, write_run
+from tasks.store_query import query
 
 from .conftest import REPO
 

@@ -50,7 +50,7 @@ def test_a_grouped_query_attention_decoder_publishes_its_plans(tmp_path, harness
     from runtime.graph import OpGraph
     from runtime.plan import Plan
     from tasks.publish import read_index
-    from tasks.store import connect
+    from tasks.store_query import connect
 
     config = tmp_path / "pipeline.toml"
     config.write_text(PIPELINE)

@@ -75,7 +75,7 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     from tasks.solve.core.problem import Problem
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve.core.simulator import default_schedule, simulate
-    from tasks.store import load_costs
+    from tasks.store_query import load_costs
     from tasks.validate import validate_plan
 
     spec = ModelConfig(name="r18", torchvision="resnet18", kwargs={"num_classes": 4},
@@ -201,7 +201,7 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     from tasks.solve.core.problem import Problem
     from tasks.solve.core.simulator import default_schedule, simulate
     from tasks.solve.core.solution import SolveOptions
-    from tasks.store import load_costs
+    from tasks.store_query import load_costs
     from tasks.validate import validate_plan
 
     spec = ModelConfig(name="gpt2-dropout", transformers="gpt2", loss="causal_lm",

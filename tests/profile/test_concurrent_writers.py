@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tasks.store import connect, load_costs
+from tasks.store_query import connect, load_costs
 
 WORKERS = 8
 

@@ -15,7 +15,7 @@ from runtime.graph import Node, OpGraph, Value
 from runtime.variants import graph_variants
 from tasks.profile import ProfileSettings, measure_graph, profile_graph
 from tasks.solve.core.problem import Problem
-from tasks.store import connect, load_costs
+from tasks.store_query import connect, load_costs
 
 # One thread: on a shared 2-core machine, OpenMP threads waiting for a descheduled peer make timings vary
 # by orders of magnitude between runs.

@@ -11,7 +11,7 @@ import runtime
 from runtime.variants import graph_variants
 from tasks.profile import ProfileSettings, profile_graph
 from tasks.solve.core.problem import Problem
-from tasks.store import connect, load_costs
+from tasks.store_query import connect, load_costs
 
 FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)
 SCALARS = 16

@@ -10,15 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.store import (
-    ProfileNotFoundError,
-    ProfileStoreWarning,
-    connect,
-    load_costs,
-    run_files,
-    store_root,
-    write_run,
-)
+from tasks.store import ProfileNotFoundError, ProfileStoreWarning, run_files, store_root, write_run
+from tasks.store_query import connect, load_costs
 
 
 def test_write_run_is_hive_partitioned_and_leaves_no_temp_files(store, make_run):

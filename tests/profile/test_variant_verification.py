@@ -15,13 +15,13 @@ import runtime
 import runtime.variant_ops as variant_ops
 from runtime.exact import exact_fp32
 from runtime.plan import Plan
-from runtime.variant_ops import attention_math_backward, attention_math_forward
+from runtime.variant_kernels import attention_math_backward, attention_math_forward
 from tasks.problems import load_problem
 from tasks.profile import ProfileSettings, VariantUnavailableWarning, profile_graph
 from tasks.solve.core.simulator import simulate
 from tasks.solve.core.solution import checked_solution
 from tasks.solve_stage import plan_of
-from tasks.store import connect, load_costs
+from tasks.store_query import connect, load_costs
 
 aten = torch.ops.aten
 FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)

@@ -9,9 +9,9 @@ import torch
 import runtime
 from runtime.fused_gelu import tanh_by_sigmoid
 from runtime.plan import Plan
-from runtime.variant_ops import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
-                                 max_pool_backward_from_windows, pack_zero_bits, unpack_zero_bits,
-                                 window_positions)
+from runtime.variant_kernels import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
+                                     max_pool_backward_from_windows, pack_zero_bits, unpack_zero_bits,
+                                     window_positions)
 from runtime.variants import RULES, graph_variants
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem

@@ -19,8 +19,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from runtime.variants import DEFAULT
+
 PHASES = ("forward", "loss", "backward")
-DEFAULT_IMPL = "default"
 
 
 class ProblemError(ValueError):
@@ -91,12 +92,12 @@ class Problem:
 
     def impls(self, node: int) -> tuple[str, ...]:
         """Implementation names of `node`, the default first."""
-        return (DEFAULT_IMPL, *(v.name for v in (self.variants[node] if self.variants else ())))
+        return (DEFAULT, *(v.name for v in (self.variants[node] if self.variants else ())))
 
     def variant(self, node: int, impl: str | None = None) -> Variant:
         """Node `node` run as `impl` (None or "default": the node as listed). KeyError names the choices."""
-        if impl is None or impl == DEFAULT_IMPL:
-            return Variant(DEFAULT_IMPL, float(self.cost[node]), int(self.workspace[node]),
+        if impl is None or impl == DEFAULT:
+            return Variant(DEFAULT, float(self.cost[node]), int(self.workspace[node]),
                            self.node_inputs[node], self.node_outputs[node])
         for v in self.variants[node] if self.variants else ():
             if v.name == impl:
@@ -171,7 +172,7 @@ class Problem:
     def from_graph(cls, graph: Any, costs: Mapping[int, Sequence[float]] | None = None,
                    variants: Any = None, random_nodes: Iterable[int] | None = None) -> "Problem":
         """Problem of a `runtime.graph.OpGraph`; `costs[node_id] = (time, workspace_bytes)` from the
-        profile store (a `tasks.store.CostTable`, whose `.variants[node][impl]` prices the variants).
+        profile store (a `tasks.store_query.CostTable`, whose `.variants[node][impl]` prices the variants).
         Without `costs`, every node costs 1 and each workspace is the variant's analytic one (0 for the
         default). `variants` is a `runtime.variants.GraphVariants` of the graph (None: no variants);
         `random_nodes` (None: those of the captured program, none for a graph loaded from JSON). With
@@ -368,9 +369,9 @@ def _check(p: Problem) -> None:
         raise ProblemError(f"problem {p.name!r}: every produced value must be listed by its producer node.")
     for node, offered in enumerate(p.variants):
         names = [v.name for v in offered]
-        if DEFAULT_IMPL in names or len(set(names)) != len(names):
+        if DEFAULT in names or len(set(names)) != len(names):
             raise ProblemError(f"problem {p.name!r}: {p.node_label(node)} has variant names {names}; each must be "
-                               f"unique and not {DEFAULT_IMPL!r}.")
+                               f"unique and not {DEFAULT!r}.")
         for v in offered:
             if not (np.isfinite(v.cost) and v.cost >= 0 and v.workspace >= 0) or \
                     any(not 0 <= x < nv for x in (*v.inputs, *v.outputs)) or \

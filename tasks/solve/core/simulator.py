@@ -31,7 +31,8 @@ import numpy as np
 
 from runtime.plan import PlanError, normalize_step
 from runtime.schedule import Absence, walk
-from tasks.solve.core.problem import DEFAULT_IMPL, Problem
+from runtime.variants import DEFAULT
+from tasks.solve.core.problem import Problem
 
 
 class InvalidSchedule(ValueError):
@@ -197,7 +198,7 @@ class _StepIO(NamedTuple):
 
 def _step_io(problem: Problem, i: int, node: int, impl: str | None) -> Any:
     """What compute step `i` reads, allocates and overwrites, with its workspace and cost."""
-    if impl is None or impl == DEFAULT_IMPL:
+    if impl is None or impl == DEFAULT:
         return _StepIO(problem.node_inputs[node], problem.node_outputs[node], (), problem.workspace[node],
                        problem.cost[node])
     try:
