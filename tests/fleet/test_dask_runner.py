@@ -30,7 +30,7 @@ cache_dir = "{cache}"
 
 [[models]]
 name = "mlp"
-factory = "tiny_models:mlp"
+factory = "dask_models:mlp"
 loss = "cross_entropy"
 batch_sizes = [64]
 inputs = [{{ shape = [8] }}, {{ shape = [], dtype = "int64", high = 4 }}]
@@ -54,6 +54,8 @@ dir = "{plans}"
 {run}
 """
 
+# A module name of its own: other fleet tests import their own `tiny_models` in the same pytest process, and
+# the local cluster's forked workers would inherit that module instead of importing this one.
 MODELS = '''
 from torch import nn
 
@@ -83,27 +85,38 @@ def _copy_profiled_cache(source: Path, target: Path) -> None:
         record.unlink()
 
 
-def _published(outcomes: list[dict], plans: Path) -> dict[str, tuple[str, int]]:
-    """Per cell: the content address of the plan file its alias names (a hash of the schedule and the rest
-    of the plan, without its creation time) and the peak its validation measured."""
-    from runtime.plan import Plan
-    from tasks.publish import plan_id
+def _run(config: Path) -> None:
+    """`memplan run --debug config` in a process of its own, as a user runs it (a local cluster's workers then
+    fork from that process, not from this test session's; `--debug` keeps Prefect's task logs, which the
+    run's settings carry to the Dask workers, on the workers' consoles)."""
+    import subprocess
 
-    assert [o["status"] for o in outcomes] == ["published"] * len(ALIASES), outcomes
-    addresses = {o["alias"]: plan_id(Plan.load(plans / f"{o['alias']}.json")) for o in outcomes}
-    assert addresses == {o["alias"]: o["plan_id"] for o in outcomes}
-    return {o["alias"]: (addresses[o["alias"]], o["measured_peak_bytes"]) for o in outcomes}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(config.parent)]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--debug", str(config)], cwd=config.parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+
+
+def _published(plans: Path) -> dict[str, tuple[str, int]]:
+    """Per cell: the content address of the plan file its alias names (a hash of the schedule and the rest
+    of the plan, without its creation time) and the peak its validation measured, from the plans index."""
+    from runtime.plan import Plan
+    from tasks.publish import plan_id, read_index
+
+    rows = {r["alias"]: r for r in read_index(plans)}
+    assert sorted(rows) == sorted(ALIASES), rows
+    addresses = {alias: plan_id(Plan.load(plans / f"{alias}.json")) for alias in rows}
+    assert addresses == {alias: r["plan_id"] for alias, r in rows.items()}
+    return {alias: (addresses[alias], r["measured_peak_bytes"]) for alias, r in rows.items()}
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """A project (model module, store) and the plans of the default thread pool: (project, published)."""
-    from flows.plan import run_plan
-
     project = tmp_path_factory.mktemp("dask-project")
-    (project / "tiny_models.py").write_text(textwrap.dedent(MODELS))
-    outcomes = run_plan(_write(project, "threads", 'task_runner = "threads"'))
-    return project, _published(outcomes, project / "plans-threads")
+    (project / "dask_models.py").write_text(textwrap.dedent(MODELS))
+    _run(_write(project, "threads", 'task_runner = "threads"'))
+    return project, _published(project / "plans-threads")
 
 
 @contextmanager
@@ -139,24 +152,20 @@ def _logs(folder: Path) -> str:
 
 @pytest.mark.fleet_e2e
 def test_local_dask_cluster_publishes_the_thread_pools_plans(baseline):
-    from flows.plan import run_plan
-
     project, expected = baseline
     _copy_profiled_cache(project / "cache-threads", project / "cache-local")
-    config = _write(project, "local", 'task_runner = "dask"\ndask_workers = 2')
-    assert _published(run_plan(config), project / "plans-local") == expected
+    _run(_write(project, "local", 'task_runner = "dask"\ndask_workers = 2'))
+    assert _published(project / "plans-local") == expected
     assert len(list((project / "cache-local" / "solutions").glob("*.json"))) == len(ALIASES)   # solved again
 
 
 @pytest.mark.fleet_e2e
 def test_external_dask_cluster_publishes_the_thread_pools_plans(baseline):
-    from flows.plan import run_plan
-
     project, expected = baseline
     _copy_profiled_cache(project / "cache-threads", project / "cache-external")
     with dask_cluster(project) as address:
-        config = _write(project, "external", f'task_runner = "dask"\ndask_address = "{address}"')
-        published = _published(run_plan(config), project / "plans-external")
+        _run(_write(project, "external", f'task_runner = "dask"\ndask_address = "{address}"'))
+        published = _published(project / "plans-external")
     worker_logs = "".join((project / f"worker-{i}.log").read_text() for i in range(2))
     missing = [f"{stage} {alias}" for stage in ("solve", "validate") for alias in ALIASES
                if f"{stage} {alias}" not in worker_logs]
