@@ -49,7 +49,8 @@ def test_the_rewrites_check_exact_on_this_cpu_and_the_graph_trains_bit_for_bit(h
     g = runtime.capture(model, loss_fn, batch, verify=True)
     record = g.meta["rewrites"]
     assert {p for p, found in record["found"].items() if found} == passes
-    assert record["applied"] == default["applied"] and not any(record["inexact"].values())
+    for name_, instances in default["applied"].items():     # each default instance: applied, or found inexact here
+        assert sorted(record["applied"][name_] + record["inexact"].get(name_, [])) == sorted(instances), name_
     assert record["verified_on"]["threads"] == torch.get_num_threads()
     helpers.train_like_eager_bitwise(model, loss_fn, batch, g)
 
