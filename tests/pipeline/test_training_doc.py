@@ -15,7 +15,9 @@ DOC = ROOT / "docs" / "training.md"
 def run(script: str, cwd: Path, port: int) -> str:
     path = cwd / "example.py"
     path.write_text(script)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(port)}
+    # Unbuffered, as many CI runners set it: output must still come out whole.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "MASTER_PORT": str(port)}
     done = subprocess.run([sys.executable, str(path)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return done.stdout
@@ -34,5 +36,5 @@ def test_training_doc_examples_run(tmp_path):
     losses = [float(line) for line in plain_and_compiled.split()]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert (tmp_path / "gpt2-policy.json").exists()
-    ranks = re.findall(r"rank (\d): loss (\S+)", run(blocks[2], tmp_path, free_port()))
-    assert sorted(r for r, _ in ranks) == ["0", "1"]
+    ddp = run(blocks[2], tmp_path, free_port())
+    assert re.fullmatch(r"mean loss over 2 ranks: \d+\.\d{4}\n", ddp), ddp

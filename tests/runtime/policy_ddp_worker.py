@@ -63,7 +63,10 @@ def worker(rank: int, world: int, port: int) -> None:
     reference = grads(DDP(copy.deepcopy(model)), batch)
     checkpointed = grads(DDP(runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)), batch)
     diff = max((reference[k] - checkpointed[k]).abs().max().item() for k in reference)
-    print(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)}", flush=True)
+    # One write per line: under PYTHONUNBUFFERED, print's text and its newline are two writes, which
+    # the other rank's line can land between.
+    sys.stdout.write(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)}\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     if diff > 1e-6:
         sys.exit(1)

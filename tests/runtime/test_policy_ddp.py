@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_policy_model_under_ddp_gets_the_gradients_of_ddp_without_checkpointing():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # Unbuffered, as many CI runners set it: each line must still come out whole.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     run = subprocess.run([sys.executable, str(Path(__file__).with_name("policy_ddp_worker.py"))], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
