@@ -135,8 +135,8 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
 
 
 def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str) -> dict[str, Any]:
-    return dict(plan_path=solved.plan_path, model=case.model, batch_size=case.batch_size, device=device,
-                seed=config.seed, settings=config.validation, alias=case.alias)
+    return dict(plan_path=solved.plan_path, plan_id=solved.plan_id, model=case.model, batch_size=case.batch_size,
+                device=device, seed=config.seed, settings=config.validation, alias=case.alias)
 
 
 @dataclass(frozen=True)

@@ -126,27 +126,27 @@ def solve_step(traced: Traced, profile: Profiled, solver: str, budget: Budget, s
 
 
 def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
-    import torch
-    from runtime.plan import Plan
-    from tasks.publish import plan_id
-
-    plan = plan_id(Plan.load(_existing(p["plan_path"], "solve")))
-    return content_key("validate", plan, p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
+    _existing(p["plan_path"], "solve")
+    return content_key("validate", p["plan_id"], p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
                        p["settings"], torch.__version__,
                        code_hash("validate"))
 
 
 @task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)
-def validate_step(plan_path: str, model: ModelConfig, batch_size: int, device: str, seed: int,
+def validate_step(plan_path: str, plan_id: str, model: ModelConfig, batch_size: int, device: str, seed: int,
                   settings: ValidateConfig, alias: str) -> Validated:
-    """Run the plan against eager PyTorch on `device` (tasks/validate.py), on the graph this run's trace
-    captured when this process holds it (the plan runs without capturing the model again)."""
+    """Run the plan (solved as content address `plan_id`) against eager PyTorch on `device`
+    (tasks/validate.py), on the graph this run's trace captured when this process holds it (the plan runs
+    without capturing the model again)."""
     from runtime.plan import Plan
     from tasks.validate import validate_plan
 
     plan = Plan.load(plan_path)
-    return validate_plan(plan, model, batch_size, device, seed, settings,
-                         graph=captures.get(plan.fingerprint))
+    validation = validate_plan(plan, model, batch_size, device, seed, settings, graph=captures.get(plan.fingerprint))
+    if validation.plan_id != plan_id:
+        raise RuntimeError(f"{plan_path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "
+                           f"solved {plan_id[:12]}); run again with --refresh.")
+    return validation
 
 
 def forget_captured(traced: Mapping[Any, Traced]) -> None:
@@ -160,7 +160,8 @@ def forget_captured(traced: Mapping[Any, Traced]) -> None:
 @task(name="publish", task_run_name="publish {alias}", **HOOKS)
 def publish_step(plan_path: str, validation: Validated, plans_dir: str, alias: str, model: str,
                  batch_size: int, budget: str) -> Published:
-    """Publish a validated plan into `plans_dir` (idempotent, so never cached)."""
+    """Publish the validated plan at `plan_path` into `plans_dir` (idempotent, so never cached; refused
+    when the file is not the plan `validation` ran)."""
     from runtime.plan import Plan
     from tasks.publish import publish
 

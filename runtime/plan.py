@@ -407,3 +407,11 @@ def _v1_offsets(offsets: Any) -> dict[int, int]:
                             f"both non-negative integers.")
         out[key] = v
     return out
+
+
+def plan_id(plan: Plan) -> str:
+    """Content address of a plan: SHA-256 of its canonical JSON without `checksum` and `created_at`."""
+    body = plan.to_json()
+    body.pop("checksum")
+    body["provenance"] = {k: v for k, v in body["provenance"].items() if k != "created_at"}
+    return sha256_hex(body)

@@ -25,8 +25,8 @@ from typing import Annotated, Any, get_args, get_type_hints
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runtime.jsonio import READABLE, sha256_hex, write_json_atomic
-from runtime.plan import Plan
+from runtime.jsonio import READABLE, write_json_atomic
+from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError
 from tasks.records import Published, Validated
 from tasks.store import readable_files, schema_problem
@@ -91,14 +91,6 @@ def arrow_schema(row: type) -> pa.Schema:
 INDEX_SCHEMA = arrow_schema(IndexRow)
 
 
-def plan_id(plan: Plan) -> str:
-    """Content address of a plan: SHA-256 of its canonical JSON without `checksum` and `created_at`."""
-    body = plan.to_json()
-    body.pop("checksum")
-    body["provenance"] = {k: v for k, v in body["provenance"].items() if k != "created_at"}
-    return sha256_hex(body)
-
-
 def publish(
     plan: Plan, validation: Validated, plans_dir: str | os.PathLike, *, alias: str, model: str, batch_size: int, budget: str
 ) -> Published:
@@ -112,6 +104,9 @@ def publish(
     check_alias(alias)
     plans_dir = Path(plans_dir)
     pid = plan_id(plan)
+    if pid != validation.plan_id:
+        raise PublishError(f"plan {alias} ({pid[:12]}) is not the plan that was validated ({validation.plan_id[:12]}): "
+                           f"its file changed after validation. Validate it again; it was not published.")
     target = plans_dir / f"{pid}.json"
     index_file = plans_dir / "index" / f"{pid}.parquet"
     alias_path = plans_dir / f"{alias}.json"

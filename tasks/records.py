@@ -66,13 +66,15 @@ class Solved(Record):
     smallest_feasible_budget: int | None
     message: str
     plan_path: str | None
+    plan_id: str | None
     profile_run_id: str | None
     max_overhead: float | None = None
 
 
 class Validated(Record):
-    """Outcome of running one plan against eager PyTorch on one device."""
+    """Outcome of running one plan (content address `plan_id`) against eager PyTorch on one device."""
 
+    plan_id: str
     passed: bool
     reasons: list[str]
     device: str

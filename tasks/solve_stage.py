@@ -13,7 +13,7 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from runtime.plan import Plan, graph_provenance
+from runtime.plan import Plan, graph_provenance, plan_id
 from tasks.config import Addresses, Budget, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
 from tasks.records import Solved
@@ -123,6 +123,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         smallest_feasible_budget=smallest,
         message=solution.message,
         plan_path=plan_path if solution.feasible else None,
+        plan_id=plan_id(plan) if solution.feasible else None,
         profile_run_id=loaded.profile_run_id,
         max_overhead=budget.max_overhead,
     )

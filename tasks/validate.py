@@ -38,7 +38,7 @@ from torch import nn
 from runtime.arena import ArenaFallbackWarning
 from runtime.exact import exact_fp32
 from runtime.graph import OpGraph
-from runtime.plan import Plan
+from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
 from tasks.records import Validated
@@ -151,6 +151,7 @@ def validate_plan(
     elif reason := peak_problem(peak, int(budget), settings.peak_rtol):
         problems.append(reason)
     return Validated(
+        plan_id=plan_id(plan),
         passed=not problems,
         reasons=problems,
         device=device,

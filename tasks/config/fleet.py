@@ -78,16 +78,16 @@ class DeviceClassConfig(Section):
         return self.device or self.name
 
     def max_age_s(self, now=None) -> float:
-        """The longest time between two scheduled profile runs (cron), the age at which a profile is late."""
+        """The longest time between two scheduled profile runs (the next eight, in the class's timezone),
+        the age at which a profile is late."""
         from datetime import datetime, timezone
         from zoneinfo import ZoneInfo
 
-        from prefect._vendor.croniter import croniter
+        from cronsim import CronSim
 
-        start = (now or datetime.now(timezone.utc)).astimezone(ZoneInfo(self.timezone))
-        it = croniter(self.profile_cron, start)
-        times = [it.get_prev(datetime) for _ in range(8)]
-        return max((a - b).total_seconds() for a, b in zip(times, times[1:]))
+        runs = CronSim(self.profile_cron, (now or datetime.now(timezone.utc)).astimezone(ZoneInfo(self.timezone)))
+        times = [next(runs) for _ in range(8)]
+        return max((b - a).total_seconds() for a, b in zip(times, times[1:]))
 
 
 class DeployConfig(Section):

@@ -51,12 +51,13 @@ def test_cached_paths_resolve_from_the_pipeline_file_s_folder(tmp_path, monkeypa
 
 def test_a_plan_that_cannot_be_indexed_publishes_nothing(tmp_path):
     from runtime.plan import Plan
+    from runtime.plan import plan_id
     from tasks.publish import PublishError, publish
     from tasks.records import Validated
 
     plan = Plan("f" * 64, [{"compute": 0}], predicted={"peak_bytes": 10**30},
                 provenance={"solver": "checkmate", "budget_bytes": 10**30})
-    validation = Validated(passed=True, reasons=[], device="cpu", device_name="cpu", budget_bytes=10**30,
+    validation = Validated(plan_id=plan_id(plan), passed=True, reasons=[], device="cpu", device_name="cpu", budget_bytes=10**30,
                             predicted_peak_bytes=10**30, measured_peak_bytes=1, eager_peak_bytes=2,
                             measured_step_ms=1.0, eager_step_ms=1.0, overhead=0.0, loss=1.0, eager_loss=1.0,
                             max_abs_error=0.0, tensors_compared=1)

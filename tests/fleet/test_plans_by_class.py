@@ -8,7 +8,7 @@ import json
 from typer.testing import CliRunner
 
 from flows.cli import app
-from runtime.plan import Plan
+from runtime.plan import Plan, plan_id
 from tasks.publish import DEVICE_CLASS_VAR, publish
 from tasks.records import Validated
 
@@ -22,7 +22,7 @@ def _publish(plans, monkeypatch, device_class: str, budget: int) -> str:
     monkeypatch.setenv(DEVICE_CLASS_VAR, device_class)
     plan = Plan("f" * 64, [{"compute": 0}], predicted={"peak_bytes": budget - 4},
                 provenance={"solver": "checkmate", "budget_bytes": budget})
-    return publish(plan, Validated(**VALIDATION), plans, alias=f"mlp-{device_class}-{budget}", model="mlp",
+    return publish(plan, Validated(plan_id=plan_id(plan), **VALIDATION), plans, alias=f"mlp-{device_class}-{budget}", model="mlp",
                    batch_size=4, budget=f"{budget}B").plan_id
 
 

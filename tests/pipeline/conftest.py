@@ -93,11 +93,12 @@ def _toy_plan(created_at: str = "2026-01-01T00:00:00+00:00", budget_bytes: int =
     )
 
 
-def _validation(passed: bool = True, **changes: Any):
-    """A `Validated` record as `validate_plan` returns it."""
+def _validation(of: Any, passed: bool = True, **changes: Any):
+    """A `Validated` record as `validate_plan` returns it for the plan `of`."""
+    from runtime.plan import plan_id
     from tasks.records import Validated
 
-    fields = dict(passed=passed, reasons=[] if passed else ["grad:w differs from eager by up to 0.5 (rtol 0.0001, atol 1e-05)"],
+    fields = dict(plan_id=plan_id(of), passed=passed, reasons=[] if passed else ["grad:w differs from eager by up to 0.5 (rtol 0.0001, atol 1e-05)"],
                   device="cpu", device_name="cpu", budget_bytes=200, predicted_peak_bytes=196,
                   measured_peak_bytes=190, eager_peak_bytes=260, measured_step_ms=2.0, eager_step_ms=1.6,
                   overhead=0.25, loss=1.0, eager_loss=1.0, max_abs_error=0.0, tensors_compared=2)

@@ -109,7 +109,7 @@ def test_plans_list_and_show(tmp_path, make_plan, make_validation):
     from tasks.publish import plan_id, publish
 
     plan = make_plan()
-    publish(plan, make_validation(), tmp_path, alias="toy-b4-checkmate-200B", model="toy", batch_size=4, budget="200B")
+    publish(plan, make_validation(plan), tmp_path, alias="toy-b4-checkmate-200B", model="toy", batch_size=4, budget="200B")
     listed = runner.invoke(app, ["plans", "list", "--dir", str(tmp_path)])
     assert listed.exit_code == 0
     assert plan_id(plan)[:12] in listed.output and "toy-b4-checkmate-200B" in listed.output
@@ -148,7 +148,7 @@ def test_a_corrupt_index_file_is_skipped_with_a_warning_and_rewritten_by_the_nex
     from tasks.publish import plan_id, publish
 
     plan, args = make_plan(), dict(alias="toy-b4-checkmate-200B", model="toy", batch_size=4, budget="200B")
-    publish(plan, make_validation(), tmp_path, **args)
+    publish(plan, make_validation(plan), tmp_path, **args)
     row = tmp_path / "index" / f"{plan_id(plan)}.parquet"
     umask = os.umask(0)
     os.umask(umask)
@@ -158,6 +158,6 @@ def test_a_corrupt_index_file_is_skipped_with_a_warning_and_rewritten_by_the_nex
     assert listed.exit_code == 0 and "Skipping plans index file" in listed.output and "Traceback" not in listed.output
     shown = runner.invoke(app, ["plans", "show", "toy-b4-checkmate-200B", "--dir", str(tmp_path)])
     assert shown.exit_code == 0 and "index.measured_peak_bytes" not in shown.output
-    assert publish(plan, make_validation(), tmp_path, **args).changed                 # the row is rewritten
+    assert publish(plan, make_validation(plan), tmp_path, **args).changed                 # the row is rewritten
     again = runner.invoke(app, ["plans", "list", "--dir", str(tmp_path)])
     assert again.exit_code == 0 and "Skipping" not in again.output and plan_id(plan)[:12] in again.output

@@ -30,7 +30,7 @@ def test_publish_writes_plan_alias_and_index_row(tmp_path, make_plan, make_valid
     from runtime.plan import Plan
 
     plan = make_plan()
-    done = publish_toy(tmp_path, plan, make_validation())
+    done = publish_toy(tmp_path, plan, make_validation(plan))
     pid = plan_id(plan)
     assert done.changed and done.plan_id == pid
     assert (tmp_path / f"{pid}.json").is_file()
@@ -47,9 +47,10 @@ def test_publish_writes_plan_alias_and_index_row(tmp_path, make_plan, make_valid
 
 
 def test_publishing_the_same_plan_again_changes_nothing(tmp_path, make_plan, make_validation):
-    publish_toy(tmp_path, make_plan(), make_validation())
+    publish_toy(tmp_path, make_plan(), make_validation(make_plan()))
     before = snapshot(tmp_path)
-    again = publish_toy(tmp_path, make_plan("2030-01-01T00:00:00+00:00"), make_validation(measured_step_ms=9.0))
+    later = make_plan("2030-01-01T00:00:00+00:00")
+    again = publish_toy(tmp_path, later, make_validation(later, measured_step_ms=9.0))
     assert not again.changed
     assert snapshot(tmp_path) == before
     assert len(read_index(tmp_path)) == 1
@@ -57,8 +58,8 @@ def test_publishing_the_same_plan_again_changes_nothing(tmp_path, make_plan, mak
 
 def test_alias_moves_to_the_newest_plan_and_both_stay_indexed(tmp_path, make_plan, make_validation):
     first, second = make_plan(), make_plan(budget_bytes=300)
-    publish_toy(tmp_path, first, make_validation())
-    publish_toy(tmp_path, second, make_validation())
+    publish_toy(tmp_path, first, make_validation(first))
+    publish_toy(tmp_path, second, make_validation(second))
     assert os.readlink(tmp_path / "toy-b4-checkmate-200B.json") == f"{plan_id(second)}.json"
     assert {r["plan_id"] for r in read_index(tmp_path)} == {plan_id(first), plan_id(second)}
     assert [r["plan_id"] for r in read_index(tmp_path, "budget_bytes = ?", [300])] == [plan_id(second)]
@@ -66,18 +67,24 @@ def test_alias_moves_to_the_newest_plan_and_both_stay_indexed(tmp_path, make_pla
 
 def test_failed_validation_is_not_published(tmp_path, make_plan, make_validation):
     with pytest.raises(PublishError, match="grad:w differs from eager .* It was not published"):
-        publish_toy(tmp_path / "plans", make_plan(), make_validation(passed=False))
+        publish_toy(tmp_path / "plans", make_plan(), make_validation(make_plan(), passed=False))
+    assert not (tmp_path / "plans").exists()
+
+
+def test_only_the_plan_that_was_validated_is_published(tmp_path, make_plan, make_validation):
+    with pytest.raises(PublishError, match="is not the plan that was validated .* it was not published"):
+        publish_toy(tmp_path / "plans", make_plan(budget_bytes=300), make_validation(make_plan()))
     assert not (tmp_path / "plans").exists()
 
 
 def test_bad_alias_is_refused_before_writing(tmp_path, make_plan, make_validation):
     with pytest.raises(PublishError, match="alias '../x'"):
-        publish_toy(tmp_path, make_plan(), make_validation(), alias="../x")
+        publish_toy(tmp_path, make_plan(), make_validation(make_plan()), alias="../x")
     assert snapshot(tmp_path) == {}
 
 
 def test_no_temporary_files_are_left(tmp_path, make_plan, make_validation):
-    publish_toy(tmp_path, make_plan(), make_validation())
+    publish_toy(tmp_path, make_plan(), make_validation(make_plan()))
     assert not [p for p in tmp_path.rglob(".*")]
 
 
@@ -87,7 +94,7 @@ def test_index_of_an_empty_folder_is_empty(tmp_path):
 
 def test_resolve_by_alias_id_and_prefix(tmp_path, make_plan, make_validation):
     plan = make_plan()
-    publish_toy(tmp_path, plan, make_validation())
+    publish_toy(tmp_path, plan, make_validation(plan))
     pid = plan_id(plan)
     assert resolve(tmp_path, "toy-b4-checkmate-200B").resolve() == (tmp_path / f"{pid}.json").resolve()
     assert resolve(tmp_path, pid) == tmp_path / f"{pid}.json"
@@ -99,8 +106,8 @@ def test_resolve_by_alias_id_and_prefix(tmp_path, make_plan, make_validation):
 def test_duckdb_sees_the_index_as_a_table(tmp_path, make_plan, make_validation):
     import duckdb
 
-    publish_toy(tmp_path, make_plan(), make_validation())
-    publish_toy(tmp_path, make_plan(budget_bytes=300), make_validation(), alias="toy-b4-checkmate-300B")
+    publish_toy(tmp_path, make_plan(), make_validation(make_plan()))
+    publish_toy(tmp_path, make_plan(budget_bytes=300), make_validation(make_plan(budget_bytes=300)), alias="toy-b4-checkmate-300B")
     with duckdb.connect() as con:
         rows = con.execute(
             "SELECT alias, measured_peak_bytes <= budget_bytes FROM read_parquet(?) ORDER BY budget_bytes",

@@ -54,7 +54,7 @@ def _solved(fields: dict) -> "Solved":
     from tasks.records import Solved
 
     return Solved(solver="checkmate", feasible=False, checkpoint_all_cost=1.0, predicted_peak_bytes=None, arena_bytes=None,
-                  objective=None, gap=None, solve_seconds=0.0, backend=None, plan_path=None, profile_run_id=None, **fields)
+                  objective=None, gap=None, solve_seconds=0.0, backend=None, plan_path=None, plan_id=None, profile_run_id=None, **fields)
 
 
 def test_no_plan_messages_say_what_to_change():

@@ -62,7 +62,7 @@ def test_peak_limit_is_budget_times_one_plus_slack(measured, budget, slack, over
 
 
 def test_explain_names_the_plan_the_device_and_the_first_reasons():
-    record = Validated(passed=False, reasons=["a", "b", "c", "d", "e"], device="cpu", device_name="cpu", budget_bytes=1,
+    record = Validated(plan_id="0" * 64, passed=False, reasons=["a", "b", "c", "d", "e"], device="cpu", device_name="cpu", budget_bytes=1,
                        predicted_peak_bytes=1, measured_peak_bytes=1, eager_peak_bytes=1, measured_step_ms=1.0,
                        eager_step_ms=1.0, overhead=0.0, loss=1.0, eager_loss=1.0, max_abs_error=0.0, tensors_compared=1)
     assert record.explain("p.json") == "plan p.json failed validation on cpu: a; b; c; and 2 more."
