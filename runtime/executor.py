@@ -11,7 +11,7 @@ compute and set for each recomputation (then restored), so a recomputed dropout 
 and the generator ends the step where eager PyTorch leaves it. (On CPU graphs a dropout's draw is a node
 of its own, runtime/dropout.py: recomputing the output from the kept mask draws nothing.)
 
-A compute step naming a non-default `impl` emits the variant's code (`runtime.variant_ops`); variant
+A compute step naming a non-default `impl` emits the variant's code (`runtime.variant_rules`); variant
 values (e.g. masks) have their own environment keyed by value id, newest copy first like graph values.
 With `arena=True`, copies with addresses live in one arena per step (`runtime.arena`); with
 `cuda_graph=True` the program is replayed as one CUDA graph (`runtime.cuda_graph`).
@@ -35,7 +35,8 @@ from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
 from runtime.plan import Plan
 from runtime.program import Program
-from runtime.variant_ops import emit_variant, head_node
+from runtime.variant_ops import head_node
+from runtime.variant_rules import emit_variant
 from runtime.variants import GraphVariants
 
 

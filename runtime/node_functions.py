@@ -10,7 +10,7 @@ from torch import fx
 
 from runtime.graph import OpGraph
 from runtime.program import CaptureError, Program
-from runtime.variant_ops import emit_variant
+from runtime.variant_rules import emit_variant
 from runtime.variants import graph_variants
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
-import runtime.variant_ops as variant_ops
+import runtime.variant_kernels as variant_kernels
 from runtime.exact import exact_fp32
 from runtime.plan import Plan
 from runtime.variant_kernels import attention_math_backward, attention_math_forward
@@ -115,7 +115,7 @@ def test_a_variant_that_fails_is_dropped_on_its_node_and_the_run_goes_on(store, 
 
     def broken(*args):
         raise RuntimeError("forced failure of the math attention")
-    monkeypatch.setattr(variant_ops, "attention_math_forward", broken)
+    monkeypatch.setattr(variant_kernels, "attention_math_forward", broken)
     with pytest.warns(VariantUnavailableWarning) as caught:
         profile_graph(graph, "cpu", FAST, model="llama-gqa", progress=False)
     messages = [str(w.message) for w in caught if issubclass(w.category, VariantUnavailableWarning)]
@@ -173,12 +173,12 @@ def test_a_bit_identical_plan_skips_a_variant_not_exact_on_this_device(store, tm
     model, batch = PoolNet(), (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
     loss_fn = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
     graph = runtime.capture(model, loss_fn, batch)
-    exact_backward = variant_ops.max_pool_backward_from_windows
+    exact_backward = variant_kernels.max_pool_backward_from_windows
 
     def one_ulp_off(*args):
         grad = exact_backward(*args)
         return torch.nextafter(grad, torch.full_like(grad, float("inf")))
-    monkeypatch.setattr(variant_ops, "max_pool_backward_from_windows", one_ulp_off)
+    monkeypatch.setattr(variant_kernels, "max_pool_backward_from_windows", one_ulp_off)
 
     profile_graph(graph, "cpu", FAST, model="poolnet", progress=False)
     pool_backward = next(n.id for n in graph.nodes if n.targets[0] == "aten.max_pool2d_with_indices_backward.default")
