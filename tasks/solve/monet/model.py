@@ -80,154 +80,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from tasks.solve.core.milp import MilpModel
-from tasks.solve.core.problem import Problem, ProblemError
-from tasks.solve.core.simulator import normalize_schedule, simulate
-
-
-@dataclass
-class _Impl:
-    """Implementations of one node: names (default first), inputs, outputs, workspace, cost, and the inputs
-    each overwrites in place (`over`)."""
-
-    names: tuple[str, ...]
-    ins: list[frozenset[int]]
-    outs: list[frozenset[int]]
-    ws: np.ndarray
-    cost: np.ndarray
-    over: list[frozenset[int]]
-
-
-@dataclass
-class MonetLayout:
-    """Forward nodes `fwd` (position i), backward nodes `bwd` (stage k), variable forward values `vals`
-    (index a: producer position p[a], last forward reader position c[a], last stage needing it
-    lastk[a]); column tables hold -1 where a variable does not exist. A step's non-default
-    implementations l = 1..n-1 have the consecutive columns start + l - 1 from its start: `df[i]`
-    (forward pass), `db[k]` (backward node), `dr[k, i]` (recomputation; -1 also where r[k, i] is)."""
-
-    problem: Problem
-    fwd: np.ndarray
-    bwd: np.ndarray
-    vals: np.ndarray
-    p: np.ndarray
-    c: np.ndarray
-    lastk: np.ndarray
-    nodelast: np.ndarray
-    impl: dict[int, _Impl]
-    unit: float
-    df: np.ndarray
-    db: np.ndarray
-    r: np.ndarray
-    dr: np.ndarray
-    s: np.ndarray
-    num_vars: int
-
-    @property
-    def N(self) -> int:
-        return len(self.fwd)
-
-    @property
-    def K(self) -> int:
-        return len(self.bwd)
-
-
-def _impls(problem: Problem, node: int) -> _Impl:
-    vs = [problem.variant(node, name) for name in problem.impls(node)]
-    return _Impl(tuple(v.name for v in vs), [frozenset(v.inputs) for v in vs], [frozenset(v.outputs) for v in vs],
-                 np.array([v.workspace for v in vs], dtype=np.float64), np.array([v.cost for v in vs], dtype=np.float64),
-                 [frozenset(i for _, i in v.overwrites) for v in vs])
-
-
-def split_passes(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
-    """Forward (recomputable) and backward nodes in the default order; ProblemError when a forward
-    node reads a backward node's value (the forward pass could not run first)."""
-    order = problem.order
-    rec = problem.is_recomputable[order]
-    fwd, bwd = order[rec], order[~rec]
-    is_bwd = ~problem.is_recomputable
-    for node in fwd.tolist():
-        for impl in problem.impls(node):
-            for v in problem.variant(node, impl).inputs:
-                prod = problem.value_producer[v]
-                if prod >= 0 and is_bwd[prod]:
-                    raise ProblemError(f"problem {problem.name!r}: forward {problem.node_label(node)} reads value {v} "
-                                       f"of backward {problem.node_label(int(prod))}; MONeT runs the whole forward "
-                                       f"pass first, so forward nodes may read only forward values and inputs.")
-    for node in bwd.tolist():
-        if any(problem.variant(node, impl).overwrites for impl in problem.impls(node)):
-            raise ProblemError(f"problem {problem.name!r}: backward {problem.node_label(node)} has an in-place "
-                               f"implementation; MONeT's program models in-place forward nodes only (C.3).")
-    return fwd, bwd
-
-
-def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Groups of sizes `counts` (negative: empty) laid end to end: each element's group and its offset in it."""
-    counts = np.maximum(np.asarray(counts, dtype=np.int64), 0)
-    group = np.repeat(np.arange(len(counts)), counts)
-    return group, np.arange(len(group)) - (np.cumsum(counts) - counts)[group]
-
-
-def _starts(counts: np.ndarray, first: int) -> np.ndarray:
-    """Column starts of consecutive blocks of `counts` columns from `first`; -1 for empty blocks."""
-    return np.where(counts > 0, first + np.cumsum(counts) - counts, -1)
-
-
-def layout(problem: Problem, budget: float) -> MonetLayout:
-    """Index the passes, values and the integer columns (df, db, r, dr, s), pruned to the stages where
-    each node or value can still be needed (module docstring)."""
-    fwd, bwd = split_passes(problem)
-    N, K = len(fwd), len(bwd)
-    fpos = np.full(problem.num_nodes, -1, dtype=np.int64)
-    fpos[fwd] = np.arange(N)
-    bpos = np.full(problem.num_nodes, -1, dtype=np.int64)
-    bpos[bwd] = np.arange(K)
-    impl = {int(x): _impls(problem, int(x)) for x in problem.order}
-    producer = problem.value_producer
-    vals = np.array([v for v in range(problem.num_values) if producer[v] >= 0 and fpos[producer[v]] >= 0
-                     and not problem.is_output[v]], dtype=np.int64)
-    a_of = {int(v): a for a, v in enumerate(vals.tolist())}
-    p = fpos[producer[vals]] if len(vals) else np.zeros(0, np.int64)
-    c = p.copy()
-    bk = np.full(len(vals), -1, dtype=np.int64)
-    fw_readers: list[list[int]] = [[] for _ in vals]
-    for x, im in impl.items():
-        for v in set().union(*im.ins):
-            a = a_of.get(v)
-            if a is None:
-                continue
-            if fpos[x] >= 0:
-                c[a] = max(c[a], fpos[x])
-                fw_readers[a].append(int(fpos[x]))
-            else:
-                bk[a] = max(bk[a], bpos[x])
-    lastk = bk.copy()
-    nodelast = np.full(N, -1, dtype=np.int64)
-    outs_of: list[list[int]] = [[] for _ in range(N)]
-    for a in range(len(vals)):
-        outs_of[p[a]].append(a)
-    for i in range(N - 1, -1, -1):
-        for a in outs_of[i]:
-            lastk[a] = max([lastk[a], *(nodelast[t] for t in fw_readers[a])])
-        nodelast[i] = max((lastk[a] for a in outs_of[i]), default=-1)
-    extra_f = np.array([len(impl[x].names) - 1 for x in fwd.tolist()], dtype=np.int64)
-    extra_b = np.array([len(impl[x].names) - 1 for x in bwd.tolist()], dtype=np.int64)
-    col = 0
-    df = _starts(extra_f, col)
-    col += int(extra_f.sum())
-    db = _starts(extra_b, col)
-    col += int(extra_b.sum())
-    r = np.full((K, N), -1, dtype=np.int64)
-    exists = np.arange(K)[:, None] <= nodelast[None, :]
-    r[exists] = col + np.arange(int(exists.sum()))
-    col += int(exists.sum())
-    extra_r = np.where(exists, extra_f[None, :], 0)
-    dr = _starts(extra_r.ravel(), col).reshape(K, N)
-    col += int(extra_r.sum())
-    s = np.full((K, len(vals)), -1, dtype=np.int64)
-    exists = np.arange(K)[:, None] <= lastk[None, :]
-    s[exists] = col + np.arange(int(exists.sum()))
-    col += int(exists.sum())
-    return MonetLayout(problem, fwd, bwd, vals, p, c, lastk, nodelast, impl, float(max(budget, 1)), df, db, r, dr, s, col)
+from tasks.solve.core.problem import Problem
+from tasks.solve.monet.layout import Impl, MonetLayout, layout, ragged
 
 
 def _impl_terms(vals: np.ndarray, nimpl: np.ndarray, base: np.ndarray,
@@ -247,7 +101,7 @@ def _impl_terms(vals: np.ndarray, nimpl: np.ndarray, base: np.ndarray,
     return const, np.concatenate(expr), np.concatenate(col), np.concatenate(coef)
 
 
-def _membership(impls: list[_Impl], sets: str, a_of: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _membership(impls: list[Impl], sets: str, a_of: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pairs (step j, variable value a) with a in the `sets` ("ins" or "outs") of some implementation of
     impls[j], sorted by (a, j), and their rows m[pair, l] = [a in sets of implementation l]."""
     j, v, l = [], [], []
@@ -372,7 +226,7 @@ def _program(problem: Problem, L: MonetLayout) -> _Program:
     bim = [L.impl[x] for x in L.bwd.tolist()]
     width = max([len(im.names) for im in fim + bim], default=1)
 
-    def out_bytes(im: _Impl) -> np.ndarray:        # an in-place output takes its input's bytes (C.3)
+    def out_bytes(im: Impl) -> np.ndarray:        # an in-place output takes its input's bytes (C.3)
         return np.array([problem.value_bytes[list(o)].sum() - problem.value_bytes[list(w)].sum()
                          for o, w in zip(im.outs, im.over)], dtype=np.float64) / M
 
@@ -416,11 +270,11 @@ def _program(problem: Problem, L: MonetLayout) -> _Program:
     live = L.s >= 0
     full = live.any(axis=1) | (L.r >= 0).any(axis=1)
     nlive = live.sum(axis=1)
-    oa, off = _ragged(L.c - L.p)
+    oa, off = ragged(L.c - L.p)
     oi = L.p[oa] + 1 + off
     order = np.lexsort((oa, oi))
     oi, oa = oi[order], oa[order]
-    yj, yk = _ragged(np.minimum(L.nodelast[oi], L.lastk[oa]) + 1)
+    yj, yk = ragged(np.minimum(L.nodelast[oi], L.lastk[oa]) + 1)
     ny = np.bincount(yk, minlength=K)
     size = np.where(full, nlive + 2 * N + 1, 0) + ny
     wbase = L.num_vars + N + 1 + np.cumsum(size) - size
@@ -448,7 +302,7 @@ def _implementation_rows(P: _Program, rows: _Rows) -> tuple[float, np.ndarray, n
     offset, cols, coefs = 0.0, [], []
     for n, first, cost in ((nf, L.df, P.cost_f), (P.nb, L.db, P.cost_b)):
         multi = np.flatnonzero(n > 1)
-        step, l = _ragged(n[multi] - 1)
+        step, l = ragged(n[multi] - 1)
         rows.add(rows.block(len(multi), -np.inf, 1.0)[step], first[multi][step] + l, 1.0)
         const, _, col, coef = _impl_terms(cost, n, np.full(len(n), -1), first)
         offset += float(const.sum())
@@ -456,7 +310,7 @@ def _implementation_rows(P: _Program, rows: _Rows) -> tuple[float, np.ndarray, n
         coefs.append(coef)
     k, i = np.nonzero(L.r >= 0)
     multi = np.flatnonzero(nf[i] > 1)
-    step, l = _ragged(nf[i[multi]] - 1)
+    step, l = ragged(nf[i[multi]] - 1)
     rws = rows.block(len(multi), -np.inf, 0.0)
     rows.add(rws[step], L.dr[k, i][multi][step] + l, 1.0)
     rows.add(rws, L.r[k, i][multi], -1.0)
@@ -513,7 +367,7 @@ def _stage_rows(P: _Program, rows: _Rows) -> None:
     w_v^k >= sum_{l: v in D_k^l} db_{k,l}, w_v^k >= s_v^{k+1}."""
     L = P.L
     r, dr, s = L.r, L.dr, L.s
-    q, k = _ragged(L.nodelast[P.ri] + 1)
+    q, k = ragged(L.nodelast[P.ri] + 1)
     i, a = P.ri[q], P.ra[q]
     rws = rows.block(len(q), -np.inf, 0.0)
     _, e, col, coef = _impl_terms(P.read[q], P.nf[i], r[k, i], dr[k, i])
@@ -580,9 +434,9 @@ def _memory_rows(P: _Program, rows: _Rows) -> np.ndarray:
     rows.add(rws, P.wcol[yk, oa[yj]], -1.0)
     key = P.ra * N + P.ri                                      # forward reads, sorted
     lo = np.searchsorted(key, oa * N + oi)
-    pair, off = _ragged(np.searchsorted(key, oa * N + N) - lo)  # (open pair, read by t >= i of its value)
+    pair, off = ragged(np.searchsorted(key, oa * N + N) - lo)  # (open pair, read by t >= i of its value)
     q = lo[pair] + off
-    h, k = _ragged(np.minimum(np.minimum(L.nodelast[oi[pair]], L.lastk[oa[pair]]), L.nodelast[P.ri[q]]) + 1)
+    h, k = ragged(np.minimum(np.minimum(L.nodelast[oi[pair]], L.lastk[oa[pair]]), L.nodelast[P.ri[q]]) + 1)
     pair, q = pair[h], q[h]
     t = P.ri[q]
     rws = rows.block(len(h), 0.0, np.inf)
@@ -602,7 +456,7 @@ def _repeat_terms(e: np.ndarray, n: int, owner: np.ndarray) -> tuple[np.ndarray,
     (row j, term index) pairs."""
     count = np.bincount(e, minlength=n)
     by_expr = np.argsort(e, kind="stable")
-    j, off = _ragged(count[owner])
+    j, off = ragged(count[owner])
     return j, by_expr[(np.cumsum(count) - count)[owner[j]] + off]
 
 
@@ -619,7 +473,7 @@ def _in_place_rows(P: _Program, rows: _Rows) -> None:
         return
     key = P.ra * N + P.ri                                      # forward reads, sorted
     lo, hi = np.searchsorted(key, wa * N + wi + 1), np.searchsorted(key, wa * N + N)
-    entry, off = _ragged(hi - lo)                              # (entry, a read of its value by t > i)
+    entry, off = ragged(hi - lo)                              # (entry, a read of its value by t > i)
     q = lo[entry] + off
     t = P.ri[q]
 
@@ -644,7 +498,7 @@ def _in_place_rows(P: _Program, rows: _Rows) -> None:
     i, a = wi[x], wa[x]
     _, qe, qcol, qcoef = _impl_terms(P.over[x], nf[i], L.r[k, i], L.dr[k, i])
     n = len(x)
-    z, off = _ragged(hi[x] - lo[x])                            # later readers t of a recomputed in stage k
+    z, off = ragged(hi[x] - lo[x])                            # later readers t of a recomputed in stage k
     q = lo[x[z]] + off
     t = P.ri[q]
     keep = L.r[k[z], t] >= 0
@@ -689,106 +543,3 @@ def build_model(problem: Problem, budget: float, retained: float | None = None) 
     model = MilpModel(c, A, lo, hi, np.zeros(P.ncols), col_hi, integrality, offset=offset, objective_scale=P.cost_unit,
                       budget_rows=np.concatenate(budget_rows).astype(np.int32))
     return model, L
-
-
-def _chosen(L: MonetLayout, node: int, first: int, x: np.ndarray) -> tuple:
-    """The compute step of `node` with the implementation x picks among its columns from `first`."""
-    chosen = [l for l in range(1, len(L.impl[node].names)) if x[first + l - 1] > 0.5]
-    return ("compute", node, L.impl[node].names[chosen[0]]) if chosen else ("compute", node)
-
-
-def schedule_from_solution(L: MonetLayout, x: np.ndarray) -> list[tuple]:
-    """Algorithms 1-2: the forward pass with its implementations, then per backward node its
-    recomputations in forward order and the node itself."""
-    fwd, bwd = L.fwd.tolist(), L.bwd.tolist()
-    out = [_chosen(L, node, int(L.df[i]), x) for i, node in enumerate(fwd)]
-    for k, node in enumerate(bwd):
-        for i in np.flatnonzero(L.r[k] >= 0).tolist():
-            if x[L.r[k, i]] > 0.5:
-                out.append(_chosen(L, fwd[i], int(L.dr[k, i]), x))
-        out.append(_chosen(L, node, int(L.db[k]), x))
-    return out
-
-
-def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
-    """The integer columns (impls, r, s) of a schedule in MONeT's space (forward pass once in order,
-    then per backward node in order its recomputations in forward order), s minimal (a copy is kept
-    into stage k when it was made before stage k and is read in stage k or later); None when the
-    schedule is not in that space. The continuous columns are left to `complete_start`."""
-    problem = L.problem
-    steps = normalize_schedule(schedule)
-    computes = [(i, st) for i, st in enumerate(steps) if "compute" in st]
-    N, K = L.N, L.K
-    if len(computes) < N or [st["compute"] for _, st in computes[:N]] != L.fwd.tolist():
-        return None
-    x = np.zeros(L.num_vars)
-    fpos = {int(n): i for i, n in enumerate(L.fwd)}
-    bpos = {int(n): k for k, n in enumerate(L.bwd)}
-
-    def impl_index(node: int, st: dict) -> int:
-        name = st.get("impl") or "default"
-        return L.impl[node].names.index(name)
-
-    for i, (_, st) in enumerate(computes[:N]):
-        l = impl_index(st["compute"], st)
-        if l:
-            x[L.df[i] + l - 1] = 1.0
-    stage_start = np.zeros(K, dtype=np.int64)
-    k, last = 0, -1
-    first_of_stage = True
-    for idx, st in computes[N:]:
-        node = st["compute"]
-        if first_of_stage:
-            if k >= K:
-                return None
-            stage_start[k] = idx
-            first_of_stage = False
-        if node in bpos:
-            if bpos[node] != k:
-                return None
-            l = impl_index(node, st)
-            if l:
-                x[L.db[k] + l - 1] = 1.0
-            k, last, first_of_stage = k + 1, -1, True
-            continue
-        i = fpos[node]
-        if i <= last or L.r[k, i] < 0:
-            return None
-        last = i
-        x[L.r[k, i]] = 1.0
-        l = impl_index(node, st)
-        if l:
-            x[L.dr[k, i] + l - 1] = 1.0
-    if k != K:
-        return None
-    sim = simulate(problem, schedule)
-    a_of = {int(v): a for a, v in enumerate(L.vals.tolist())}
-    for cidx in range(len(sim.copy_value)):
-        a = a_of.get(int(sim.copy_value[cidx]))
-        if a is None:
-            continue
-        kept = (sim.copy_start[cidx] < stage_start) & (sim.copy_end[cidx] >= stage_start)
-        for kk in np.flatnonzero(kept).tolist():
-            if L.s[kk, a] < 0:
-                return None
-            x[L.s[kk, a]] = 1.0
-    return x
-
-
-def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray, threads: int | None = None) -> np.ndarray | None:
-    """A full start from fixed integer columns: the continuous columns by an LP (on `threads`) with the
-    integers fixed (they are determined up to slack); None when the integers violate the model."""
-    from tasks.solve.core.milp import MilpOptions, solve_milp
-
-    n_int = L.num_vars
-    lo, hi = model.col_lower.copy(), model.col_upper.copy()
-    lo[:n_int] = x_int
-    hi[:n_int] = x_int
-    fixed = MilpModel(np.zeros(model.num_variables), model.A, model.row_lower, model.row_upper, lo, hi,
-                      np.zeros(model.num_variables, dtype=bool))
-    res = solve_milp(fixed, MilpOptions(backend="highs", relax=True, time_limit=30.0, threads=threads))
-    if res.x is None:
-        return None
-    x = res.x.copy()
-    x[:n_int] = x_int
-    return x
