@@ -1,8 +1,10 @@
 """Two gloo ranks on the CPU (run by tests/runtime/test_policy_fsdp.py): a tiny GPT-2 with a policy plan
 applied, then sharded with FSDP2 (`fully_shard` per transformer block, then the root), trains for a few
 AdamW steps to the same parameter shards on each rank as the same model under FSDP2 without
-checkpointing. Prints `rank R max_abs_diff D recomputations N peak P predicted Q reference_peak E` per
-rank (peaks of one step in bytes, measured around forward and backward); exits non-zero on a difference."""
+checkpointing. Prints `rank R max_abs_diff D recomputations N peak P predicted Q reference_peak E
+reference_predicted F` per rank: the measured peaks of one step (forward and backward, bytes) with and
+without the plan, and the simulator's peaks of the plan and of no recomputation; exits non-zero on a
+difference."""
 
 import copy
 import os
@@ -22,7 +24,7 @@ from runtime.policy import capture_eager
 from runtime.policy_form import Regions, policy_schedule
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from tasks.solve.core.simulator import default_schedule, simulate
 
 STEPS = 3
 
@@ -40,14 +42,15 @@ def gpt2() -> transformers.GPT2LMHeadModel:
 
 
 def policy_plan(model, batch):
-    """The cheapest selective-policy plan within the peak of checkpointing every block whole."""
+    """The cheapest selective-policy plan within the peak of checkpointing every block whole, its graph, and
+    the predicted peak of no recomputation."""
     graph = capture_eager(model, loss_fn, batch)
     problem = Problem.from_graph(graph)
     regions = Regions.of_graph(graph)
     budget = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
     plan = solve(problem, "selective-policy", budget).to_plan(problem)
     plan.provenance.update(graph_provenance(graph))
-    return plan, graph
+    return plan, graph, simulate(problem, default_schedule(problem)).peak_bytes
 
 
 def sharded(model):
@@ -76,7 +79,7 @@ def worker(rank: int, world: int, port: int) -> None:
     model = gpt2()
     torch.manual_seed(1 + rank)                                  # each rank its own batch
     batch = (torch.randint(0, 128, (8, 32)),)
-    plan, graph = policy_plan(model, batch)
+    plan, graph, reference_predicted = policy_plan(model, batch)
     reference, reference_peak = train(sharded(copy.deepcopy(model)), batch, rank)
     # The order that works: runtime.apply on the whole model, then fully_shard.
     applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
@@ -85,7 +88,8 @@ def worker(rank: int, world: int, port: int) -> None:
     # One write per line: under PYTHONUNBUFFERED, print's text and its newline are two writes, which
     # the other rank's line can land between.
     sys.stdout.write(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)} "
-                     f"peak {peak} predicted {plan.predicted['peak_bytes']} reference_peak {reference_peak}\n")
+                     f"peak {peak} predicted {plan.predicted['peak_bytes']} reference_peak {reference_peak} "
+                     f"reference_predicted {reference_predicted}\n")
     sys.stdout.flush()
     dist.destroy_process_group()
     if diff > 1e-6:
