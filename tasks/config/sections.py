@@ -25,6 +25,7 @@ class Section(BaseModel):
         """The TOML keys this table accepts."""
         return [field.alias or name for name, field in cls.model_fields.items()]
 
+
 PRECISION_DEFAULTS = {"dtype": "float32", "autocast": None}
 """The precision keys of `[[models]]` at their defaults (full precision), left out of `content_hash`."""
 

@@ -1,5 +1,5 @@
 """Mixed precision through the pipeline's stages: a tiny GPT-2 whose `[[models]]` entry says `autocast`
-(bfloat16 or float16) or `dtype = "bfloat16"` is traced, profiled and planned in the dtypes its step runs
+(bfloat16 or float16) or `dtype` (the same two) is traced, profiled and planned in the dtypes its step runs
 in, and its plan validates against eager PyTorch in the same precision: gradients equal, measured peak
 equal to the predicted one. The policy form trains under autocast float16 with a GradScaler like eager."""
 
@@ -48,7 +48,8 @@ def float_dtypes(graph) -> set[torch.dtype]:
 
 @pytest.mark.parametrize("precision, low", [({"autocast": "bfloat16"}, torch.bfloat16),
                                             ({"autocast": "float16"}, torch.float16),
-                                            ({"dtype": "bfloat16"}, torch.bfloat16)])
+                                            ({"dtype": "bfloat16"}, torch.bfloat16),
+                                            ({"dtype": "float16"}, torch.float16)])
 def test_low_precision_plan_validates_at_its_predicted_peak(precision, low):
     from tasks.validate import validate_plan
 
