@@ -7,6 +7,7 @@ the calling convention of `runtime.capture` and `runtime.load`.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import math
@@ -123,6 +124,8 @@ def build_model(spec: ModelConfig, seed: int) -> nn.Module:
         ) from None
     if not isinstance(model, nn.Module):
         raise ModelError(f"{where} returned a {type(model).__name__}, not a torch.nn.Module.")
+    if spec.dtype != "float32":
+        model = model.to(getattr(torch, spec.dtype))            # floating parameters and buffers only
     return model.train()
 
 
@@ -144,10 +147,19 @@ def _transformers(model_type: str, auto_class: str, kwargs: dict[str, Any], wher
 
 
 def build_loss(spec: ModelConfig) -> Callable[..., torch.Tensor]:
-    """The loss of `spec`: a named loss or the function at its import path."""
-    if spec.loss in NAMED_LOSSES:
-        return _NAMED[spec.loss]
-    return import_object(spec.loss, f"loss of model {spec.name!r}")
+    """The loss of `spec`: a named loss or the function at its import path, run under `torch.autocast`
+    when `spec.autocast` names a dtype."""
+    loss = _NAMED[spec.loss] if spec.loss in NAMED_LOSSES else import_object(spec.loss, f"loss of model {spec.name!r}")
+    if spec.autocast is None:
+        return loss
+    return functools.partial(autocast_loss, loss, getattr(torch, spec.autocast))
+
+
+def autocast_loss(loss: Callable[..., torch.Tensor], dtype: torch.dtype, model: nn.Module,
+                  *batch: torch.Tensor) -> torch.Tensor:
+    """`loss(model, *batch)` under `torch.autocast` of the batch's device type with `dtype`."""
+    with torch.autocast(batch[0].device.type, dtype=dtype):
+        return loss(model, *batch)
 
 
 def check_batch_fits(spec: ModelConfig, batch_size: int, device: str) -> None:

@@ -4,7 +4,9 @@ the budget, step time and overhead measured.
 What counts:
 - correctness: the loss, every parameter gradient and every buffer after one step of the plan equal
   those of one eager step from the same weights and batch: |plan - eager| <= atol + rtol * |eager|
-  elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other. On CUDA
+  elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other. Both run in
+  the model's precision (`dtype`, `autocast`); a step computing in bfloat16 or float16 is compared with
+  at least torch.testing's tolerances for that dtype (`step_tolerance`). On CUDA
   both steps run with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`: cuDNN and TF32
   off), since eager cuDNN kernels round differently from the graph's ATen kernels by more than the
   tolerance; the timed and metered steps keep the process's settings;
@@ -74,6 +76,17 @@ def compare_tensors(
     return problems, worst, compared
 
 
+LOW_PRECISION_TOLERANCES = {"bfloat16": (1.6e-2, 1e-5), "float16": (1e-3, 1e-5)}
+"""(rtol, atol) of `torch.testing.assert_close` for each low-precision dtype: one rounding in it."""
+
+
+def step_tolerance(spec: ModelConfig, settings: ValidateConfig) -> tuple[float, float]:
+    """(rtol, atol) for comparing the plan's step with eager's: `settings`', widened to
+    `LOW_PRECISION_TOLERANCES` of the model's `dtype` or `autocast` dtype when it computes in one."""
+    low = [LOW_PRECISION_TOLERANCES[d] for d in (spec.dtype, spec.autocast) if d in LOW_PRECISION_TOLERANCES]
+    return max([settings.rtol, *(r for r, _ in low)]), max([settings.atol, *(a for _, a in low)])
+
+
 def peak_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float) -> str | None:
     """Why a measured peak breaks its budget (`measured > budget * (1 + peak_rtol)`), or None."""
     limit = budget_bytes * (1 + peak_rtol)
@@ -137,9 +150,10 @@ def validate_plan(
     ratios = [p / e for p, e in zip(times[1], times[0])]
     interval = median_interval(ratios)
 
-    problems, worst, compared = compare_tensors(eager, planned, settings.rtol, settings.atol)
+    rtol, atol = step_tolerance(spec, settings)
+    problems, worst, compared = compare_tensors(eager, planned, rtol, atol)
     if plan.addresses:
-        mismatches, arena_worst, _ = compare_tensors(eager, in_arena, settings.rtol, settings.atol)
+        mismatches, arena_worst, _ = compare_tensors(eager, in_arena, rtol, atol)
         problems += [f"arena mode: {m}" for m in mismatches]
         worst = max(worst, arena_worst)
         report, = arena_step.arena_report.values()

@@ -25,6 +25,10 @@ class Section(BaseModel):
         """The TOML keys this table accepts."""
         return [field.alias or name for name, field in cls.model_fields.items()]
 
+
+PRECISION_DEFAULTS = {"dtype": "float32", "autocast": None}
+"""The precision keys of `[[models]]` at their defaults (full precision), left out of `content_hash`."""
+
 MAX_NAME = 100
 """The longest model name: plan aliases and graph files are named after it (file names end at 255 bytes)."""
 
@@ -80,6 +84,12 @@ class ModelConfig(Section):
     )
     inputs: list[InputSpec] = Field(description="The batch tensors, in the order the loss receives them.")
     batch_sizes: list[int] = Field([8], description="Batch sizes to plan for (one graph each).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The parameters' and floating buffers' dtype (`model.to(dtype)` after building)."
+    )
+    autocast: Literal["bfloat16", "float16"] | None = Field(
+        None, description="Run the loss (forward and loss) under `torch.autocast(device, dtype=autocast)`."
+    )
 
     @field_validator("name")
     @classmethod
@@ -138,6 +148,9 @@ class ModelConfig(Section):
     def content_hash(self, batch_size: int) -> str:
         """SHA-256 of everything that determines the traced graph of this model at `batch_size`."""
         spec = self.model_dump(exclude={"name", "batch_sizes"}) | {"batch_size": batch_size}
+        for key, default in PRECISION_DEFAULTS.items():    # files without them keep their cache keys
+            if spec[key] == default:
+                del spec[key]
         return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 
 from tasks.solve.core.solution import SolveOptions
@@ -96,6 +99,19 @@ def test_content_hash_ignores_labels_but_not_shapes(config_data):
     assert wider.content_hash(8) != model.content_hash(8)
 
 
+def test_content_hash_keeps_full_precision_keys_and_tells_low_precision_apart(config_data):
+    model = parse(config_data).models[0]
+    explicit = model.model_copy(update={"dtype": "float32", "autocast": None})
+    before = {k: v for k, v in model.model_dump().items() if k not in ("dtype", "autocast")}
+    assert model.content_hash(8) == explicit.content_hash(8)
+    # the hash of a file written before the precision keys existed
+    old = {k: v for k, v in before.items() if k not in ("name", "batch_sizes")} | {"batch_size": 8}
+    assert model.content_hash(8) == hashlib.sha256(json.dumps(old, sort_keys=True, default=str).encode()).hexdigest()
+    hashes = {model.model_copy(update=u).content_hash(8) for u in
+              ({}, {"dtype": "bfloat16"}, {"autocast": "bfloat16"}, {"autocast": "float16"})}
+    assert len(hashes) == 4
+
+
 def error(data) -> str:
     with pytest.raises(ConfigError) as info:
         parse(data)
@@ -154,6 +170,8 @@ def test_bad_literal_lists_allowed_values(config_data):
         (lambda d: d["plans"][0].update(time_limit_s=float("nan")), "plans[0].time_limit_s = nan"),
         (lambda d: d["plans"][0].update(time_limit_s=0), "plans[0].time_limit_s = 0"),
         (lambda d: d.update(models=[]), "models = []"),
+        (lambda d: d["models"][0].update(dtype="bf16"), "models[0].dtype = 'bf16'"),
+        (lambda d: d["models"][0].update(autocast="float32"), "models[0].autocast = 'float32'"),
     ],
 )
 def test_bad_values_are_named(config_data, change, fragment):

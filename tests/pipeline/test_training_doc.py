@@ -1,5 +1,6 @@
-"""docs/training.md's examples run as written: make a policy plan and train in a plain loop, under
-torch.compile, and under DDP on two gloo ranks (each example as a script, as a user runs it)."""
+"""docs/training.md's examples run as written, each as a script as a user runs it. Every ```python block
+starts with a marker line `# example: NAME`; each name has its own expected output here (the DDP and FSDP2
+examples load the plan file the plain example writes, so all run in one folder)."""
 
 import os
 import re
@@ -8,16 +9,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "training.md"
+MARKER = re.compile(r"# example: ([\w-]+)")
 
 
-def run(script: str, cwd: Path, port: int) -> str:
+def examples() -> dict[str, str]:
+    """The doc's ```python blocks by the name on their first line."""
+    named: dict[str, str] = {}
+    for block in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S):
+        marker = MARKER.match(block)
+        assert marker, f"a ```python block of {DOC.name} does not start with '# example: NAME': {block[:80]!r}"
+        assert marker[1] not in named, f"two examples named {marker[1]!r} in {DOC.name}"
+        named[marker[1]] = block
+    return named
+
+
+def run(script: str, cwd: Path) -> str:
     path = cwd / "example.py"
     path.write_text(script)
     # Unbuffered, as many CI runners set it: output must still come out whole.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "MASTER_PORT": str(port)}
+           "MASTER_PORT": str(free_port()), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, str(path)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return done.stdout
@@ -29,12 +44,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_training_doc_examples_run(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 3
-    plain_and_compiled = run(blocks[0] + blocks[1], tmp_path, free_port())
-    losses = [float(line) for line in plain_and_compiled.split()]
-    assert len(losses) == 6 and losses[-1] < losses[0]
-    assert (tmp_path / "gpt2-policy.json").exists()
-    ddp = run(blocks[2], tmp_path, free_port())
-    assert re.fullmatch(r"mean loss over 2 ranks: \d+\.\d{4}\n", ddp), ddp
+def losses(stdout: str, count: int) -> list[float]:
+    values = [float(line) for line in stdout.split()]
+    assert len(values) == count and all(v > 0 for v in values), stdout
+    return values
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("training-doc")
+
+
+@pytest.fixture(scope="module")
+def plain_and_compiled(folder) -> str:
+    """The plain example then the compile example in one script (the second continues the first)."""
+    blocks = examples()
+    return run(blocks["plain"] + blocks["compile"], folder)
+
+
+def test_every_block_is_a_named_example_with_a_test():
+    assert set(examples()) == {"plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer"}
+
+
+def test_plain_loop_and_torch_compile(plain_and_compiled, folder):
+    values = losses(plain_and_compiled, 6)
+    assert values[-1] < values[0]
+    assert (folder / "gpt2-policy.json").exists()
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_distributed_examples_print_one_mean_loss(name, plain_and_compiled, folder):
+    out = run(examples()[name], folder)
+    assert re.fullmatch(r"mean loss over 2 ranks: \d+\.\d{4}\n", out), out
+
+
+def test_mixed_precision(tmp_path):
+    values = losses(run(examples()["mixed-precision"], tmp_path), 3)
+    assert values[-1] < values[0]
+
+
+def test_hugging_face_trainer(tmp_path):
+    out = run(examples()["trainer"], tmp_path)            # Trainer prints its run's metrics first
+    assert re.fullmatch(r"trained 3 steps, mean loss \d+\.\d{4}", out.splitlines()[-1]), out
