@@ -188,7 +188,8 @@ def fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGrap
                       grad_params=grad_params, groups=groups, value_of=value_of, primary=primary,
                       random_devices=random_devices)
     meta = {"model": type(model).__name__, "torch": torch.__version__,
-            "batch": [{"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for t in batch]}
+            "batch": [{"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for t in batch],
+            "grad_params": grad_params}
     modules = [head.meta.get(META_KEY) if phase != "backward" else None for head, phase in zip(heads, phases)]
     if any(modules):
         meta["node_modules"] = modules

@@ -110,6 +110,13 @@ class OpGraph:
         """Nodes whose default implementation arena mode writes in place on `device`, as recorded at capture."""
         return set(self._fact("in_place")[backend(device)])
 
+    def gradient_updates(self) -> list[tuple[int, int]]:
+        """(gradient value, parameter value) per gradient output, in output order (the gradients follow the
+        loss in `outputs`), from the parameter names recorded at capture (`meta["grad_params"]`)."""
+        names = self._fact("grad_params")
+        params = {v.name: v.id for v in self.values if v.kind == "param"}
+        return [(g, params[name]) for g, name in zip(self.outputs[1:1 + len(names)], names)]
+
     def _fact(self, key: str) -> Any:
         if key not in self.meta:
             raise GraphFormatError(f"graph {self.fingerprint[:16]} was captured before memplan recorded {key!r} in "

@@ -120,3 +120,19 @@ def _absence(v: int, freed_at: Mapping[int, int], overwritten_at: Mapping[int, t
     if v in overwritten_at:
         return Absence(overwritten=overwritten_at[v][0], by=overwritten_at[v][1])
     return Absence()
+
+
+def update_steps(io: Sequence[StepIO | None], updates: Sequence[tuple[int, int]]) -> list[int | None]:
+    """For each (gradient value, parameter value) pair, the step after which an optimizer inside the step
+    updates the parameter: the last compute step that allocates the gradient or reads either of them (so no
+    later step reads a parameter already updated, nor a gradient already freed); None when no step computes
+    the gradient. `io[i]` is step i's `StepIO` (None for a free), as `Walk.io` holds them."""
+    last: dict[int, int] = {}
+    computed: set[int] = set()
+    for i, spec in enumerate(io):
+        if spec is None:
+            continue
+        for v in (*spec.inputs, *spec.outputs):
+            last[v] = i
+        computed.update(spec.outputs)
+    return [max(last[g], last.get(p, -1)) if g in computed else None for g, p in updates]
