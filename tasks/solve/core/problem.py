@@ -43,6 +43,17 @@ class Variant:
     overwrites: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class ParamUpdate:
+    """The optimizer inside the step updates parameter value `param` from gradient value `grad` (a value made
+    by a node, not a graph output: it dies at the update), with `workspace` bytes of temporaries while it runs
+    (`tasks.solve.core.optimizer`; the simulator charges both)."""
+
+    grad: int
+    param: int
+    workspace: int = 0
+
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     """Nodes `0..n-1` and values `0..V-1`, ids as in the source graph.
@@ -61,6 +72,8 @@ class Problem:
     recomputations, so a solver that reorders nodes (OLLA) keeps these in their default relative order.
     `node_modules[i]`: the repeated module (a transformer layer, a residual block) whose forward
     computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
+    `updates`: with the optimizer inside the step, one `ParamUpdate` per parameter it updates (empty: the
+    optimizer runs after the step); `optimizer_state_bytes` its resident state, reported like `constant_bytes`.
     """
 
     name: str
@@ -80,6 +93,8 @@ class Problem:
     cost_unit: str | None = None
     random_nodes: tuple[int, ...] = ()
     node_modules: tuple[str | None, ...] = ()
+    updates: tuple[ParamUpdate, ...] = ()
+    optimizer_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check(self)
@@ -334,11 +349,13 @@ def _check_overwrites(p: Problem, node: int, v: Variant) -> None:
     outs, ins = [o for o, _ in v.overwrites], [i for _, i in v.overwrites]
     for o, i in v.overwrites:
         if o not in v.outputs or i not in v.inputs or outs.count(o) > 1 or ins.count(i) > 1 or \
-                p.value_bytes[o] != p.value_bytes[i] or p.value_producer[i] < 0 or i in p.outputs:
+                p.value_bytes[o] != p.value_bytes[i] or p.value_producer[i] < 0 or i in p.outputs or \
+                any(i == u.grad for u in p.updates):
             raise ProblemError(
                 f"problem {p.name!r}: variant {v.name!r} of {p.node_label(node)} overwrites input {i} with output {o}; "
                 f"an in-place pair must name one of the variant's outputs and one of its inputs, each once, of equal "
-                f"bytes, the input made by a node (not a graph input) and not a graph output.")
+                f"bytes, the input made by a node (not a graph input) and not a graph output nor a gradient the "
+                f"optimizer updates in the step.")
 
 
 def _check(p: Problem) -> None:
@@ -397,3 +414,9 @@ def _check(p: Problem) -> None:
         raise ProblemError(f"problem {p.name!r}: random_nodes must be node ids 0..{n - 1}.")
     if any(not 0 <= v < nv or p.value_producer[v] < 0 for v in p.outputs):
         raise ProblemError(f"problem {p.name!r}: graph outputs must be values produced by nodes.")
+    grads = [u.grad for u in p.updates]
+    if len(set(grads)) != len(grads) or any(
+            not (0 <= u.grad < nv and 0 <= u.param < nv) or p.value_producer[u.grad] < 0 or u.grad in p.outputs
+            or p.value_producer[u.param] >= 0 or u.workspace < 0 for u in p.updates) or p.optimizer_state_bytes < 0:
+        raise ProblemError(f"problem {p.name!r}: each parameter update names a distinct gradient made by a node (not "
+                           f"a graph output) and a graph input parameter, with non-negative workspace and state bytes.")

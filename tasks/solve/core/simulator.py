@@ -16,6 +16,10 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   step on, so during the step only one of the two counts. The input value is then gone (as if freed): the
   schedule is invalid (InvalidSchedule) if a later step reads it or frees it before it is computed again;
   the problem refuses an overwritten input that is a graph input or a graph output;
+- with the optimizer inside the step (`Problem.updates`, `tasks.solve.core.optimizer`), each updated
+  gradient's last copy lives through its update step (`runtime.schedule.update_steps`: the last step that
+  computes it or reads it or its parameter), which also holds the update's workspace (the largest of the
+  updates after that step: they run one after another); a gradient never computed is an InvalidSchedule;
 - with addresses (copy (step, value) -> byte offset), `arena_bytes` is the extent they span and
   `arena_peak_bytes` = arena_bytes + max over compute steps of (unplaced live copies + workspace): the
   arena is one allocation for the whole step, copies without an address are allocated as usual.
@@ -30,7 +34,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from runtime.plan import PlanError, normalize_step
-from runtime.schedule import Absence, walk
+from runtime.schedule import Absence, Walk, update_steps, walk
 from runtime.variants import DEFAULT
 from tasks.solve.core.problem import Problem
 
@@ -123,6 +127,8 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     values = np.asarray(w.copy_value, dtype=np.int64)
     starts = np.asarray(w.copy_start, dtype=np.int64)
     ends = np.asarray(w.copy_end, dtype=np.int64)
+    if problem.updates:
+        workspace += _in_step_updates(problem, w, ends)
     nbytes = problem.value_bytes[values]
     timeline = _live_bytes(starts, ends, nbytes, len(steps)) + workspace
     compute_live = np.where(is_compute, timeline, -1)
@@ -148,6 +154,22 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     arena = int((offsets[placed] + nbytes[placed]).max(initial=0))
     unplaced = np.where(is_compute, sim.live_timeline(~placed) + workspace, 0)
     return replace(sim, arena_bytes=arena, arena_peak_bytes=arena + int(unplaced.max(initial=0)))
+
+
+def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> np.ndarray:
+    """Extend each updated gradient's last copy through its update step (in `ends`); the update workspace per step."""
+    charged = np.zeros(len(w.io), dtype=np.int64)
+    last_copy = {v: k for k, v in enumerate(w.copy_value)}
+    pairs = [(u.grad, u.param) for u in problem.updates]
+    for u, step in zip(problem.updates, update_steps(w.io, pairs)):
+        if step is None:
+            raise InvalidSchedule(f"the schedule never computes value {u.grad}, the gradient of parameter value "
+                                  f"{u.param}; with the optimizer inside the step every parameter it updates needs "
+                                  f"its gradient computed.")
+        k = last_copy[u.grad]
+        ends[k] = max(ends[k], step)
+        charged[step] = max(charged[step], u.workspace)
+    return charged
 
 
 def check_addresses(problem: Problem, sim: Simulation,
