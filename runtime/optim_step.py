@@ -15,6 +15,7 @@ refused. `update_points` says after which schedule step each parameter is update
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, NamedTuple, Sequence
 
 import torch
@@ -52,6 +53,11 @@ class InStepOptimizer:
 
     def update(self, i: int, grad: torch.Tensor) -> None:
         """Update `params[i]` with `grad` (its final gradient of this step), then drop the gradient."""
+        self.params[i].grad = grad
+        self.step_accumulated(i)
+
+    def step_accumulated(self, i: int, *_: object) -> None:
+        """Update `params[i]` with its `.grad`, then set it to None (also a post-accumulate-grad hook)."""
         p, single = self.params[i], self._single[i]
         group = single.param_groups[0]
         group.update(_hyperparameters(self._groups[i]))
@@ -59,10 +65,19 @@ class InStepOptimizer:
         if single.state.get(p) is not state:
             single.state[p] = state
         if self.clip_grad_value is not None:
-            grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
-        p.grad = grad
+            p.grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
         single.step()
         p.grad = None
+
+
+def step_in_backward(optimizer: optim.Optimizer, model: torch.nn.Module) -> list:
+    """The policy form's optimizer inside the step: a `register_post_accumulate_grad_hook` on each parameter
+    `optimizer` holds runs its update as soon as autograd has accumulated the parameter's gradient, and frees
+    it. Returns the hooks' handles (`handle.remove()` takes the optimizer out of the step again)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    in_step = InStepOptimizer(optimizer, params)
+    return [p.register_post_accumulate_grad_hook(functools.partial(in_step.step_accumulated, i))
+            for i, p in enumerate(params) if in_step.holds(i)]
 
 
 def _hyperparameters(group: Mapping) -> dict:
