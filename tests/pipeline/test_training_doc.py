@@ -1,5 +1,7 @@
 """docs/training.md's examples run as written: make a policy plan and train in a plain loop, under
-torch.compile, and under DDP on two gloo ranks (each example as a script, as a user runs it)."""
+torch.compile, and under DDP on two gloo ranks, and train with the optimizer inside the step (each example as
+a script, as a user runs it). Examples are found by their first line, `# example: <name>`, so blocks added
+elsewhere on the page do not shift them; a block without that line, or one this test does not run, fails."""
 
 import os
 import re
@@ -29,12 +31,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_training_doc_examples_run(tmp_path):
+def examples() -> dict[str, str]:
+    """Each ```python block of the page by the name on its `# example: <name>` first line."""
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 3
-    plain_and_compiled = run(blocks[0] + blocks[1], tmp_path, free_port())
+    named = {}
+    for block in blocks:
+        marker = re.match(r"# example: ([\w-]+)", block)
+        assert marker, f"docs/training.md has a python block without an `# example: <name>` first line:\n{block[:200]}"
+        named[marker.group(1)] = block
+    return named
+
+
+RUN = ("policy-loop", "policy-compile", "ddp", "optimizer-in-step")
+
+
+def test_every_example_is_run():
+    assert sorted(examples()) == sorted(RUN), "run each docs/training.md example in this file"
+
+
+def test_policy_examples_run(tmp_path):
+    blocks = examples()
+    plain_and_compiled = run(blocks["policy-loop"] + blocks["policy-compile"], tmp_path, free_port())
     losses = [float(line) for line in plain_and_compiled.split()]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert (tmp_path / "gpt2-policy.json").exists()
-    ddp = run(blocks[2], tmp_path, free_port())
+    ddp = run(blocks["ddp"], tmp_path, free_port())
     assert re.fullmatch(r"mean loss over 2 ranks: \d+\.\d{4}\n", ddp), ddp
+
+
+def test_optimizer_in_step_example_runs(tmp_path):
+    out = run(examples()["optimizer-in-step"], tmp_path, free_port()).splitlines()
+    peak = re.fullmatch(r"peak (\d+\.\d) MiB with the optimizer inside the step, (\d+\.\d) MiB without; "
+                        r"momentum (\d+\.\d) MiB", out[0])
+    assert peak and float(peak[1]) < float(peak[2]) and float(peak[3]) > 40, out[0]
+    losses = [float(line) for line in out[1:]]
+    assert len(losses) == 3 and losses[-1] < losses[0]
