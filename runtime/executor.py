@@ -75,13 +75,14 @@ def replayed_random_nodes(plan: Plan, program: Program) -> set[int]:
 
 def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = None, *,
                  arena: bool = False, update: Callable[[int, torch.Tensor], None] | None = None,
-                 updates: Mapping[int, Sequence[int]] | None = None) -> tuple[fx.GraphModule, ArenaReport | None]:
+                 updates: Mapping[int, Sequence[tuple[int, Sequence[int]]]] | None = None,
+                 ) -> tuple[fx.GraphModule, ArenaReport | None]:
     """The plan's schedule as one FX GraphModule `f(*params, *buffers, *batch) -> outputs` (the joint
     graph's output order: buffer updates, loss, gradients), and with `arena` the arena report
     (runtime.arena). `variants` are the graph's (`plan.validate(graph)`, which runs when they are None).
-    With `updates` (schedule step -> gradient output indices, `runtime.optim_step.update_points`), the program
-    calls `update(j, gradient j)` right after that step and outputs None for gradient j (the optimizer inside
-    the step)."""
+    With `updates` (schedule step -> (k, gradient output indices js), `runtime.optim_step.update_points`), the
+    program calls `update(k, *gradients js)` right after that step and outputs None for those gradients (the
+    optimizer inside the step)."""
     variants = plan.validate(graph) if variants is None else variants
     program: Program = graph.program
     g = fx.Graph()
@@ -119,11 +120,11 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
                     env[where] = g.call_function(_own_storage, (env[where],))
         if previous is not None:
             g.call_function(_set_rng_state, (previous, program.random_devices[n]))
-        for j in updates.get(i, ()):
-            g.call_function(update, (j, env[grads[j]]))
+        for k, js in updates.get(i, ()):
+            g.call_function(update, (k, *(env[grads[j]] for j in js)))
     if arena_node is not None:
         g.call_function(keep_alive, (arena_node,))
-    updated = {grads[j] for js in updates.values() for j in js}
+    updated = {grads[j] for group in updates.values() for _, js in group for j in js}
     g.output(tuple(None if o in updated else env[o] for o in program.outputs))
     return fx.GraphModule(program.gm, g), report
 
@@ -220,9 +221,11 @@ class TrainStep:
         if self.cuda_graph:
             _refuse_random_replays(self.plan, program)
         grad_params = [params[name] for name in program.grad_params]
-        in_step = None if self.optimizer is None else InStepOptimizer(self.optimizer, grad_params, self.clip_grad_value)
-        updates = None if in_step is None else update_points(
-            graph, self.plan, variants, [j for j in range(len(grad_params)) if in_step.holds(j)])
+        in_step = updates = None
+        if self.optimizer is not None:
+            tensors = [grad_params[graph.outputs.index(grads[0]) - 1] for grads, _ in graph.gradient_updates()]
+            in_step = InStepOptimizer(self.optimizer, tensors, self.clip_grad_value)
+            updates = update_points(graph, self.plan, variants, [k for k in range(len(tensors)) if in_step.holds(k)])
         fn, report = compile_plan(graph, self.plan, variants, arena=self.arena,
                                   update=None if in_step is None else in_step.update, updates=updates)
         if report is not None:

@@ -21,6 +21,7 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 from torch import optim
 
+from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
 from runtime.plan import Plan
 from runtime.schedule import update_steps
@@ -51,9 +52,11 @@ class InStepOptimizer:
         """Whether the optimizer updates `params[i]`."""
         return self._groups[i] is not None
 
-    def update(self, i: int, grad: torch.Tensor) -> None:
-        """Update `params[i]` with `grad` (its final gradient of this step), then drop the gradient."""
-        self.params[i].grad = grad
+    def update(self, i: int, *grads: torch.Tensor) -> None:
+        """Update `params[i]` with the sum of `grads` (its final gradients of this step: one per name the model
+        holds it under, summed as autograd's AccumulateGrad does), then drop the gradient."""
+        for grad in grads:
+            accumulate_grad(self.params[i], grad)
         self.step_accumulated(i)
 
     def step_accumulated(self, i: int, *_: object) -> None:
@@ -104,15 +107,17 @@ def check_optimizer(optimizer: object) -> None:
 
 
 def update_points(graph: OpGraph, plan: Plan, variants: GraphVariants,
-                  grads: Sequence[int]) -> dict[int, list[int]]:
-    """Schedule step -> the gradient outputs (indices into the graph's gradient outputs, `grads` those the
-    optimizer updates) whose parameter is updated right after that step (`runtime.schedule.update_steps`)."""
+                  held: Sequence[int]) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+    """Schedule step -> (k, gradient output indices) of the parameter tensors `graph.gradient_updates()[k]`,
+    k in `held`, updated right after that step from the sum of those gradients
+    (`runtime.schedule.update_steps`). Gradient output j is value `graph.outputs[1 + j]`."""
     io = [None if "compute" not in step else
           _Reads(*variants.io(graph, step["compute"], step.get("impl"))) for step in plan.schedule]
-    pairs = graph.gradient_updates()
-    after: dict[int, list[int]] = {}
-    for j, step in zip(grads, update_steps(io, [pairs[j] for j in grads])):
-        after.setdefault(step, []).append(j)
+    updates = graph.gradient_updates()
+    output = {v: j for j, v in enumerate(graph.outputs[1:])}
+    after: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for k, step in zip(held, update_steps(io, [updates[k] for k in held])):
+        after.setdefault(step, []).append((k, tuple(output[g] for g in updates[k][0])))
     return after
 
 

@@ -122,11 +122,13 @@ def _absence(v: int, freed_at: Mapping[int, int], overwritten_at: Mapping[int, t
     return Absence()
 
 
-def update_steps(io: Sequence[StepIO | None], updates: Sequence[tuple[int, int]]) -> list[int | None]:
-    """For each (gradient value, parameter value) pair, the step after which an optimizer inside the step
-    updates the parameter: the last compute step that allocates the gradient or reads either of them (so no
-    later step reads a parameter already updated, nor a gradient already freed); None when no step computes
-    the gradient. `io[i]` is step i's `StepIO` (None for a free), as `Walk.io` holds them."""
+def update_steps(io: Sequence[StepIO | None],
+                 updates: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int | None]:
+    """For each parameter tensor's (gradient values, parameter values) (several of each for a tensor held under
+    several names, whose gradients the step sums), the step after which an optimizer inside the step updates
+    it: the last compute step that allocates one of the gradients or reads any of these values (so no later
+    step reads a parameter already updated, nor a gradient already freed); None when some gradient is never
+    computed. `io[i]` is step i's `StepIO` (None for a free), as `Walk.io` holds them."""
     last: dict[int, int] = {}
     computed: set[int] = set()
     for i, spec in enumerate(io):
@@ -135,4 +137,5 @@ def update_steps(io: Sequence[StepIO | None], updates: Sequence[tuple[int, int]]
         for v in (*spec.inputs, *spec.outputs):
             last[v] = i
         computed.update(spec.outputs)
-    return [max(last[g], last.get(p, -1)) if g in computed else None for g, p in updates]
+    return [max(last[v] for v in (*grads, *params) if v in last) if computed.issuperset(grads) else None
+            for grads, params in updates]

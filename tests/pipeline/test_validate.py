@@ -221,3 +221,38 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, settings)
     assert validation.passed, validation.reasons
     assert validation.max_abs_error == 0.0 and validation.tensors_compared > 10
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw"])
+def test_a_plan_with_the_optimizer_inside_the_step_is_validated_on_parameters(optimizer):
+    """Validation of a plan made with the optimizer inside the step runs eager loss.backward(); opt.step() beside
+    runtime.load(..., optimizer=opt) and compares the parameters after the step (the gradients are freed in the
+    step), and the measured peak is within the budget. GPT-2 ties its token embedding and output weights: the
+    graph has a gradient per name, summed for one update after the last of them."""
+    import runtime
+    from runtime.plan import Plan
+    from tasks.config import ModelConfig, ValidateConfig
+    from tasks.models import build_batch, build_loss, build_model
+    from tasks.solve import solve
+    from tasks.solve.core.optimizer import in_step
+    from tasks.solve.core.problem import Problem
+    from tasks.solve.core.simulator import default_schedule, simulate
+    from tasks.solve.core.solution import SolveOptions
+    from tasks.validate import validate_plan
+
+    spec = ModelConfig(name="gpt2-tiny", transformers="gpt2", loss="causal_lm",
+                       kwargs={"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 16,
+                               "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                               "attn_pdrop": 0.0},
+                       inputs=[{"shape": [16], "dtype": "int64", "high": 50}])
+    model = build_model(spec, 0)
+    graph = runtime.capture(model, build_loss(spec), build_batch(spec, 2, 0, "cpu"))
+    problem = in_step(Problem.from_graph(graph), graph.gradient_updates(), optimizer)
+    budget = simulate(problem, default_schedule(problem)).peak_bytes
+    plan = solve(problem, "ap-greedy", budget, SolveOptions(portfolio=False)).to_plan(problem)
+    plan.provenance["optimizer_in_step"] = optimizer
+    validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2))
+    assert validation.passed, validation.reasons
+    parameters = len(list(model.parameters()))
+    assert validation.tensors_compared >= 1 + parameters                       # the loss and every parameter
+    assert validation.measured_peak_bytes <= plan.predicted["peak_bytes"] < validation.eager_peak_bytes

@@ -41,8 +41,8 @@ def test_gradient_lives_to_the_end_without_the_optimizer_in_the_step():
 
 def test_gradient_dies_after_the_last_read_of_its_parameter():
     """SGD: no state, no temporaries. dW is updated after n3, the last reader of W, so it is live through step 3."""
-    p = in_step(problem(), [(GW, W)], "sgd")
-    assert p.outputs == (LOSS, OUT) and p.updates == (ParamUpdate(GW, W, 0),) and p.optimizer_state_bytes == 0
+    p = in_step(problem(), [((GW,), (W,))], "sgd")
+    assert p.outputs == (LOSS, OUT) and p.updates == (ParamUpdate((GW,), (W,), 0),) and p.optimizer_state_bytes == 0
     sim = simulate(p, schedule(0, 1, 2, 3, 4))
     assert sim.timeline.tolist() == [40, 44, 104, 134, 54]
     assert sim.peak_bytes == 134
@@ -50,7 +50,7 @@ def test_gradient_dies_after_the_last_read_of_its_parameter():
 
 def test_update_workspace_and_state_of_adamw():
     """AdamW: state 2 x 100 B (resident, not in the peak), 2 x 100 B of temporaries at the update step."""
-    p = in_step(problem(), [(GW, W)], "adamw")
+    p = in_step(problem(), [((GW,), (W,))], "adamw")
     assert p.optimizer_state_bytes == 200
     sim = simulate(p, schedule(0, 1, 2, 3, 4))
     assert sim.timeline.tolist() == [40, 44, 104, 334, 54]
@@ -59,7 +59,7 @@ def test_update_workspace_and_state_of_adamw():
 
 def test_the_update_follows_the_gradient_when_the_parameter_is_read_first():
     """Order n3 before n2: W's last read is step 2, dW is computed at step 3 and updated right after it."""
-    sim = simulate(in_step(problem(), [(GW, W)], "sgd-momentum"), schedule(0, 1, 3, 2, 4))
+    sim = simulate(in_step(problem(), [((GW,), (W,))], "sgd-momentum"), schedule(0, 1, 3, 2, 4))
     assert sim.timeline.tolist() == [40, 44, 34, 134, 54]
     assert sim.peak_bytes == 134
 
@@ -67,7 +67,7 @@ def test_the_update_follows_the_gradient_when_the_parameter_is_read_first():
 def test_a_freed_gradient_still_lives_through_its_update_and_the_plan_keeps_it():
     """A free of dW before W's last read releases nothing (the update still reads dW), and the plan drops the
     free: the runtime's graph keeps the gradient an output that its program frees at the update."""
-    p = in_step(problem(), [(GW, W)], "adamw")
+    p = in_step(problem(), [((GW,), (W,))], "adamw")
     steps = [*schedule(0, 1, 2), ("free", GW), *schedule(3, 4)]
     solution = checked_solution(p, "test", 1000, steps)
     assert solution.simulation.peak_bytes == 334
@@ -76,17 +76,26 @@ def test_a_freed_gradient_still_lives_through_its_update_and_the_plan_keeps_it()
     assert plan.predicted["optimizer_state_bytes"] == 200 and plan.predicted["peak_bytes"] == 334
 
 
+def test_the_gradients_of_a_tied_tensor_live_until_its_one_update():
+    """A tensor held under two names has two gradients, summed for one update after the last step touching any of
+    them (n4 reads dx): both live to step 4, and the state counts the tensor once."""
+    p = in_step(problem(), [((GW, GX), (W,))], "sgd-momentum")
+    assert p.optimizer_state_bytes == 100 and p.outputs == (LOSS, OUT)
+    sim = simulate(p, schedule(0, 1, 2, 3, 4))
+    assert sim.timeline.tolist() == [40, 44, 104, 134, 154]
+
+
 def test_a_gradient_never_computed_is_an_invalid_schedule():
-    with pytest.raises(InvalidSchedule, match=f"never computes value {GW}, the gradient of parameter value {W}"):
-        simulate(in_step(problem(), [(GW, W)], "sgd"), schedule(0, 1, 3, 4))
+    with pytest.raises(InvalidSchedule, match=f"never computes value {GW}, a gradient of parameter value {W}"):
+        simulate(in_step(problem(), [((GW,), (W,))], "sgd"), schedule(0, 1, 3, 4))
 
 
 def test_updates_must_name_a_computed_gradient_and_a_parameter():
     base = problem()
     with pytest.raises(ProblemError, match="each parameter update names"):
-        in_step(base, [(GW, A)], "sgd")                               # a is not a graph input
+        in_step(base, [((GW,), (A,))], "sgd")                               # a is not a graph input
     with pytest.raises(ProblemError, match="each parameter update names"):
-        Problem(**{**base.__dict__, "updates": (ParamUpdate(GW, W),)})   # dW is still a graph output
+        Problem(**{**base.__dict__, "updates": (ParamUpdate((GW,), (W,)),)})   # dW is still a graph output
 
 
 PLAN = {"solver": "checkmate", "budgets": ["70%"]}

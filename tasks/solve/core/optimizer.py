@@ -41,12 +41,14 @@ OPTIMIZERS = {
 """The optimizers a plan can run inside the step, by the name of the plan setting `optimizer`."""
 
 
-def in_step(problem: Problem, pairs: Sequence[tuple[int, int]], optimizer: str) -> Problem:
-    """`problem` with `optimizer` (a name in `OPTIMIZERS`) inside the step for the (gradient value,
-    parameter value) `pairs` (`runtime.graph.OpGraph.gradient_updates`); see the module docstring."""
+def in_step(problem: Problem, updates: Sequence[tuple[Sequence[int], Sequence[int]]], optimizer: str) -> Problem:
+    """`problem` with `optimizer` (a name in `OPTIMIZERS`) inside the step for each parameter tensor's
+    (gradient values, parameter values) in `updates` (`runtime.graph.OpGraph.gradient_updates`); see the module
+    docstring. A tied tensor's state and workspace count once."""
     model = OPTIMIZERS[optimizer]
-    grads = {g for g, _ in pairs}
-    updates = tuple(ParamUpdate(g, p, model.workspace * int(problem.value_bytes[p])) for g, p in pairs)
-    state = model.state * sum(int(problem.value_bytes[p]) for _, p in pairs)
-    return replace(problem, outputs=tuple(v for v in problem.outputs if v not in grads), updates=updates,
-                   optimizer_state_bytes=state)
+    grads = {g for gs, _ in updates for g in gs}
+    nbytes = [int(problem.value_bytes[params[0]]) for _, params in updates]
+    return replace(problem, outputs=tuple(v for v in problem.outputs if v not in grads),
+                   updates=tuple(ParamUpdate(tuple(gs), tuple(ps), model.workspace * b)
+                                 for (gs, ps), b in zip(updates, nbytes)),
+                   optimizer_state_bytes=model.state * sum(nbytes))

@@ -45,12 +45,13 @@ class Variant:
 
 @dataclass(frozen=True)
 class ParamUpdate:
-    """The optimizer inside the step updates parameter value `param` from gradient value `grad` (a value made
-    by a node, not a graph output: it dies at the update), with `workspace` bytes of temporaries while it runs
+    """The optimizer inside the step updates one parameter tensor, graph input values `params` (one per name
+    the model holds it under: tied weights), from the sum of gradient values `grads` (made by nodes, not graph
+    outputs: they die at the update), with `workspace` bytes of temporaries while it runs
     (`tasks.solve.core.optimizer`; the simulator charges both)."""
 
-    grad: int
-    param: int
+    grads: tuple[int, ...]
+    params: tuple[int, ...]
     workspace: int = 0
 
 
@@ -350,7 +351,7 @@ def _check_overwrites(p: Problem, node: int, v: Variant) -> None:
     for o, i in v.overwrites:
         if o not in v.outputs or i not in v.inputs or outs.count(o) > 1 or ins.count(i) > 1 or \
                 p.value_bytes[o] != p.value_bytes[i] or p.value_producer[i] < 0 or i in p.outputs or \
-                any(i == u.grad for u in p.updates):
+                any(i in u.grads for u in p.updates):
             raise ProblemError(
                 f"problem {p.name!r}: variant {v.name!r} of {p.node_label(node)} overwrites input {i} with output {o}; "
                 f"an in-place pair must name one of the variant's outputs and one of its inputs, each once, of equal "
@@ -414,9 +415,10 @@ def _check(p: Problem) -> None:
         raise ProblemError(f"problem {p.name!r}: random_nodes must be node ids 0..{n - 1}.")
     if any(not 0 <= v < nv or p.value_producer[v] < 0 for v in p.outputs):
         raise ProblemError(f"problem {p.name!r}: graph outputs must be values produced by nodes.")
-    grads = [u.grad for u in p.updates]
-    if len(set(grads)) != len(grads) or any(
-            not (0 <= u.grad < nv and 0 <= u.param < nv) or p.value_producer[u.grad] < 0 or u.grad in p.outputs
-            or p.value_producer[u.param] >= 0 or u.workspace < 0 for u in p.updates) or p.optimizer_state_bytes < 0:
+    grads = [g for u in p.updates for g in u.grads]
+    if len(set(grads)) != len(grads) or any(not 0 <= v < nv for u in p.updates for v in (*u.grads, *u.params)) or any(
+            not u.grads or p.value_producer[list(u.grads)].min() < 0 or set(u.grads) & set(p.outputs)
+            or p.value_producer[list(u.params)].max(initial=-1) >= 0 or u.workspace < 0 for u in p.updates) or \
+            p.optimizer_state_bytes < 0:
         raise ProblemError(f"problem {p.name!r}: each parameter update names a distinct gradient made by a node (not "
                            f"a graph output) and a graph input parameter, with non-negative workspace and state bytes.")

@@ -160,14 +160,14 @@ def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> np.ndarray:
     """Extend each updated gradient's last copy through its update step (in `ends`); the update workspace per step."""
     charged = np.zeros(len(w.io), dtype=np.int64)
     last_copy = {v: k for k, v in enumerate(w.copy_value)}
-    pairs = [(u.grad, u.param) for u in problem.updates]
-    for u, step in zip(problem.updates, update_steps(w.io, pairs)):
+    for u, step in zip(problem.updates, update_steps(w.io, [(u.grads, u.params) for u in problem.updates])):
         if step is None:
-            raise InvalidSchedule(f"the schedule never computes value {u.grad}, the gradient of parameter value "
-                                  f"{u.param}; with the optimizer inside the step every parameter it updates needs "
-                                  f"its gradient computed.")
-        k = last_copy[u.grad]
-        ends[k] = max(ends[k], step)
+            missing = next(g for g in u.grads if g not in last_copy)
+            raise InvalidSchedule(f"the schedule never computes value {missing}, a gradient of parameter value "
+                                  f"{u.params[0]}; with the optimizer inside the step every parameter it updates "
+                                  f"needs its gradient computed.")
+        for g in u.grads:
+            ends[last_copy[g]] = max(ends[last_copy[g]], step)
         charged[step] = max(charged[step], u.workspace)
     return charged
 

@@ -154,7 +154,7 @@ class Solution:
 def _keeping_updated_gradients(problem: Problem, schedule: list, addresses: Mapping | None) -> list:
     """The schedule without frees of the gradients the optimizer updates inside the step: the runtime's graph
     keeps them as outputs (its program frees each at its update), and a free changes no simulated lifetime."""
-    grads = {u.grad for u in problem.updates}
+    grads = {g for u in problem.updates for g in u.grads}
     if not grads:
         return list(schedule)
     if addresses:
