@@ -224,20 +224,18 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw"])
-def test_a_plan_with_the_optimizer_inside_the_step_is_validated_on_parameters(optimizer):
-    """Validation of a plan made with the optimizer inside the step runs eager loss.backward(); opt.step() beside
-    runtime.load(..., optimizer=opt) and compares the parameters after the step (the gradients are freed in the
-    step), and the measured peak is within the budget. GPT-2 ties its token embedding and output weights: the
-    graph has a gradient per name, summed for one update after the last of them."""
+def test_a_plan_with_the_optimizer_inside_the_step_is_solved_and_validated_on_parameters(optimizer, tmp_path):
+    """The solve stage with the plan setting `optimizer` plans the gradients' early deaths (a lower predicted peak
+    than the same cell without it) and records the optimizer; validation then runs eager loss.backward();
+    opt.step() beside runtime.load(..., optimizer=opt), compares the parameters after the step (the gradients
+    are freed in the step) and finds the measured peak within the budget. GPT-2 ties its token embedding and
+    output weights: the graph has a gradient per name, summed for one update after the last of them."""
     import runtime
     from runtime.plan import Plan
-    from tasks.config import ModelConfig, ValidateConfig
+    from tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
     from tasks.models import build_batch, build_loss, build_model
-    from tasks.solve import solve
-    from tasks.solve.core.optimizer import in_step
-    from tasks.solve.core.problem import Problem
-    from tasks.solve.core.simulator import default_schedule, simulate
-    from tasks.solve.core.solution import SolveOptions
+    from tasks.profile import ProfileSettings, profile_graph
+    from tasks.solve_stage import solve_case
     from tasks.validate import validate_plan
 
     spec = ModelConfig(name="gpt2-tiny", transformers="gpt2", loss="causal_lm",
@@ -247,11 +245,18 @@ def test_a_plan_with_the_optimizer_inside_the_step_is_validated_on_parameters(op
                        inputs=[{"shape": [16], "dtype": "int64", "high": 50}])
     model = build_model(spec, 0)
     graph = runtime.capture(model, build_loss(spec), build_batch(spec, 2, 0, "cpu"))
-    problem = in_step(Problem.from_graph(graph), graph.gradient_updates(), optimizer)
-    budget = simulate(problem, default_schedule(problem)).peak_bytes
-    plan = solve(problem, "ap-greedy", budget, SolveOptions(portfolio=False)).to_plan(problem)
-    plan.provenance["optimizer_in_step"] = optimizer
-    validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2))
+    graph.save(tmp_path / "graph.json")
+    profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    cells = {name: solve_case(tmp_path / "graph.json", "ap-greedy", Budget(max_overhead=0.25),
+                              PlanSettings(optimizer=name), "cpu", str(tmp_path), str(tmp_path / f"{name}.json"))
+             for name in ("none", optimizer)}
+    assert cells[optimizer].predicted_peak_bytes < cells["none"].predicted_peak_bytes
+    plan = Plan.load(tmp_path / f"{optimizer}.json")
+    assert plan.provenance["optimizer_in_step"] == optimizer and "optimizer_in_step" not in \
+        Plan.load(tmp_path / "none.json").provenance
+    assert plan.predicted["optimizer_state_bytes"] == (1 if optimizer == "sgd-momentum" else 2) * sum(
+        p.numel() * 4 for p in model.parameters())
+    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2), graph=graph)
     assert validation.passed, validation.reasons
     parameters = len(list(model.parameters()))
     assert validation.tensors_compared >= 1 + parameters                       # the loss and every parameter
