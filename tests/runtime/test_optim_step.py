@@ -122,10 +122,9 @@ def test_clip_grad_value_is_exact_per_parameter(setup):
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_measured_peak_is_the_prediction(setup, name):
-    """On CPU the meter counts what the memory model counts: with SGD's in-place update the peak is the
-    prediction to the byte; AdamW's update temporaries are charged at the step its updates follow, with that
-    step's inputs still counted, so the measured peak is at most the prediction and at least the prediction
-    without them."""
+    """On CPU the meter counts what the memory model counts: the peak is the prediction to the byte, with SGD's
+    in-place update and with AdamW's temporaries (2x the parameter's bytes while it is updated); with SGD it is
+    lower than the same plan's with the optimizer outside."""
     model, batches, graph, plan = setup
     planned = copy.deepcopy(model)
     step = runtime.load(plan, planned, loss_fn, graph=graph, optimizer=OPTIMIZERS[name](planned.parameters()))
@@ -134,14 +133,9 @@ def test_measured_peak_is_the_prediction(setup, name):
         step(*batches[1])
     problem = in_step(Problem.from_graph(graph), graph.gradient_updates(), name)
     predicted = simulate(problem, plan.schedule).peak_bytes
-    bare = simulate(in_step(Problem.from_graph(graph), graph.gradient_updates(), "sgd"), plan.schedule).peak_bytes
-    if name == "sgd-momentum":
-        assert meter.peak_bytes == predicted
-    else:
-        assert bare < meter.peak_bytes <= predicted
-    outside = simulate(Problem.from_graph(graph), plan.schedule).peak_bytes
-    assert predicted == bare if name == "sgd-momentum" else predicted > bare
-    assert bare < outside
+    assert meter.peak_bytes == predicted
+    if name == "sgd-momentum":              # (AdamW's scratch outweighs this tiny model's gradients)
+        assert predicted < simulate(Problem.from_graph(graph), plan.schedule).peak_bytes
 
 
 def test_gradients_cannot_accumulate_across_steps(setup):

@@ -57,6 +57,17 @@ def test_update_workspace_and_state_of_adamw():
     assert sim.constant_bytes == 108 and sim.peak_bytes == 334
 
 
+def test_updates_run_after_the_node_without_its_scratch_and_dead_inputs():
+    """n3 with 50 B of workspace: during n3 134 + 50 B are live. The update after it runs without that scratch
+    and with what lives on (loss 4, dx 30) plus dW (100) plus its temporaries: SGD 134 (n3's 184 stays the
+    step's), AdamW 134 + 200 = 334 (not 384: the node's scratch is gone by then)."""
+    base = problem()
+    with_scratch = Problem(**{**base.__dict__, "workspace": np.array([0, 0, 0, 50, 0], dtype=np.int64)})
+    for optimizer, step3 in (("sgd", 184), ("adamw", 334)):
+        sim = simulate(in_step(with_scratch, [((GW,), (W,))], optimizer), schedule(0, 1, 2, 3, 4))
+        assert sim.timeline.tolist() == [40, 44, 104, step3, 54]
+
+
 def test_the_update_follows_the_gradient_when_the_parameter_is_read_first():
     """Order n3 before n2: W's last read is step 2, dW is computed at step 3 and updated right after it."""
     sim = simulate(in_step(problem(), [((GW,), (W,))], "sgd-momentum"), schedule(0, 1, 3, 2, 4))

@@ -17,9 +17,11 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   schedule is invalid (InvalidSchedule) if a later step reads it or frees it before it is computed again;
   the problem refuses an overwritten input that is a graph input or a graph output;
 - with the optimizer inside the step (`Problem.updates`, `tasks.solve.core.optimizer`), each updated
-  gradient's last copy lives through its update step (`runtime.schedule.update_steps`: the last step that
-  computes it or reads it or its parameter), which also holds the update's workspace (the largest of the
-  updates after that step: they run one after another); a gradient never computed is an InvalidSchedule;
+  gradient's last copy lives through its update step u (`runtime.schedule.update_steps`: the last step that
+  computes it or reads it or its parameter); the updates run after u's node, when its scratch and the copies
+  ending with u are gone: live then = the copies live into step u + 1 + the gradients updated after u + the
+  largest update workspace among them (they run one after another), and step u counts the larger of that and
+  its node's live bytes; a gradient never computed is an InvalidSchedule;
 - with addresses (copy (step, value) -> byte offset), `arena_bytes` is the extent they span and
   `arena_peak_bytes` = arena_bytes + max over compute steps of (unplaced live copies + workspace): the
   arena is one allocation for the whole step, copies without an address are allocated as usual.
@@ -50,8 +52,9 @@ class AddressConflict(InvalidSchedule):
 
 @dataclass(frozen=True)
 class Simulation:
-    """`timeline[i]`: live bytes during step i (a compute step includes the node's workspace; a free
-    step shows what stays live after it). `peak_step` is the first compute step reaching the peak.
+    """`timeline[i]`: live bytes during step i (a compute step includes the node's workspace, or the optimizer
+    updates after it where those hold more; a free step shows what stays live after it). `peak_step` is the
+    first compute step reaching the peak.
     Copy c of value `copy_value[c]` is live during steps `copy_start[c]..copy_end[c]` (`copy_start` is
     the step computing it, so (copy_start[c], copy_value[c]) is the copy's key in plan addresses).
     `arena_bytes` / `arena_peak_bytes` are set when the schedule was simulated with addresses;
@@ -127,10 +130,13 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     values = np.asarray(w.copy_value, dtype=np.int64)
     starts = np.asarray(w.copy_start, dtype=np.int64)
     ends = np.asarray(w.copy_end, dtype=np.int64)
-    if problem.updates:
-        workspace += _in_step_updates(problem, w, ends)
+    updating = _in_step_updates(problem, w, ends) if problem.updates else None
     nbytes = problem.value_bytes[values]
     timeline = _live_bytes(starts, ends, nbytes, len(steps)) + workspace
+    if updating is not None:                   # the updates after step u: what lives on, their gradients, scratch
+        scratch, grads = updating
+        during = _live_bytes(starts, ends - 1, nbytes, len(steps)) + grads + scratch
+        timeline = np.where(grads > 0, np.maximum(timeline, during), timeline)
     compute_live = np.where(is_compute, timeline, -1)
     peak_step = int(np.argmax(compute_live)) if is_compute.any() else -1
     sim = Simulation(
@@ -156,9 +162,10 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     return replace(sim, arena_bytes=arena, arena_peak_bytes=arena + int(unplaced.max(initial=0)))
 
 
-def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> np.ndarray:
-    """Extend each updated gradient's last copy through its update step (in `ends`); the update workspace per step."""
-    charged = np.zeros(len(w.io), dtype=np.int64)
+def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Extend each updated gradient's last copy through its update step (in `ends`). Per step, the largest
+    update workspace and the bytes of the gradients updated after it."""
+    scratch, grads = np.zeros(len(w.io), dtype=np.int64), np.zeros(len(w.io), dtype=np.int64)
     last_copy = {v: k for k, v in enumerate(w.copy_value)}
     for u, step in zip(problem.updates, update_steps(w.io, [(u.grads, u.params) for u in problem.updates])):
         if step is None:
@@ -168,8 +175,9 @@ def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> np.ndarray:
                                   f"needs its gradient computed.")
         for g in u.grads:
             ends[last_copy[g]] = max(ends[last_copy[g]], step)
-        charged[step] = max(charged[step], u.workspace)
-    return charged
+        scratch[step] = max(scratch[step], u.workspace)
+        grads[step] += int(problem.value_bytes[list(u.grads)].sum())
+    return scratch, grads
 
 
 def check_addresses(problem: Problem, sim: Simulation,
