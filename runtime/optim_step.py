@@ -33,8 +33,9 @@ PER_PARAMETER = (optim.SGD, optim.Adam, optim.AdamW, optim.Adamax, optim.NAdam, 
 
 
 class InStepOptimizer:
-    """Updates parameter `params[i]` from gradient `grad` (`update(i, grad)`) with a per-parameter copy of
-    `optimizer` (module docstring); parameters the optimizer does not hold are not updated (`holds`)."""
+    """Updates parameter `params[i]` from its gradients (`update(i, *grads)`, or from `.grad`:
+    `step_accumulated(i)`) with a per-parameter copy of `optimizer` (module docstring), `clip_grad_value`
+    clamping the gradient first; parameters the optimizer does not hold are not updated (`holds`)."""
 
     def __init__(self, optimizer: optim.Optimizer, params: Sequence[torch.Tensor],
                  clip_grad_value: float | None = None):
