@@ -23,7 +23,7 @@ import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -33,6 +33,7 @@ from runtime.capture import batch_signature, capture
 from runtime.cuda_graph import GraphedStep
 from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
+from runtime.optim_step import InStepOptimizer, check_optimizer, refuse_accumulation, refuse_global_clipping, update_points
 from runtime.plan import Plan
 from runtime.program import Program
 from runtime.variant_ops import head_node
@@ -74,10 +75,15 @@ def replayed_random_nodes(plan: Plan, program: Program) -> set[int]:
 
 
 def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = None, *,
-                 arena: bool = False) -> tuple[fx.GraphModule, ArenaReport | None]:
+                 arena: bool = False, update: Callable[[int, torch.Tensor], None] | None = None,
+                 updates: Mapping[int, Sequence[tuple[int, Sequence[int]]]] | None = None,
+                 ) -> tuple[fx.GraphModule, ArenaReport | None]:
     """The plan's schedule as one FX GraphModule `f(*params, *buffers, *batch) -> outputs` (the joint
     graph's output order: buffer updates, loss, gradients), and with `arena` the arena report
-    (runtime.arena). `variants` are the graph's (`plan.validate(graph)`, which runs when they are None)."""
+    (runtime.arena). `variants` are the graph's (`plan.validate(graph)`, which runs when they are None).
+    With `updates` (schedule step -> (k, gradient output indices js), `runtime.optim_step.update_points`), the
+    program calls `update(k, *gradients js)` right after that step and outputs None for those gradients (the
+    optimizer inside the step)."""
     variants = plan.validate(graph) if variants is None else variants
     program: Program = graph.program
     g = fx.Graph()
@@ -88,6 +94,8 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
     arena_node = g.call_function(new_arena, (report.arena_bytes, device)) if placements else None
     replayed = replayed_random_nodes(plan, program)
     saved: dict[int, fx.Node] = {}
+    updates = updates or {}
+    grads = program.outputs[len(program.mutated_buffers) + 1:]
     for i, step in enumerate(plan.schedule):
         if "compute" not in step:
             continue
@@ -113,9 +121,12 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
                     env[where] = g.call_function(_own_storage, (env[where],))
         if previous is not None:
             g.call_function(_set_rng_state, (previous, program.random_devices[n]))
+        for k, js in updates.get(i, ()):
+            g.call_function(update, (k, *(env[grads[j]] for j in js)))
     if arena_node is not None:
         g.call_function(keep_alive, (arena_node,))
-    g.output(tuple(env[o] for o in program.outputs))
+    updated = {grads[j] for group in updates.values() for _, js in group for j in js}
+    g.output(tuple(None if o in updated else env[o] for o in program.outputs))
     return fx.GraphModule(program.gm, g), report
 
 
@@ -127,6 +138,7 @@ class _Compiled:
     mutated: list[torch.Tensor]
     grad_params: list[torch.Tensor]
     graphed: Callable[[tuple], torch.Tensor] | None = None
+    in_step: InStepOptimizer | None = None
 
 
 def _refuse_random_replays(plan: Plan, program: Program) -> None:
@@ -151,7 +163,20 @@ class TrainStep:
     captured once and replayed as a CUDA graph (runtime.cuda_graph says what that asks of the caller)."""
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
-                 graph: OpGraph | None = None, arena: bool = False, cuda_graph: bool = False):
+                 graph: OpGraph | None = None, arena: bool = False, cuda_graph: bool = False,
+                 optimizer: torch.optim.Optimizer | None = None, clip_grad_value: float | None = None,
+                 clip_grad_norm: float | None = None):
+        if optimizer is not None:
+            check_optimizer(optimizer)
+            refuse_global_clipping(clip_grad_norm)
+            if cuda_graph:
+                raise ValueError("cuda_graph=True does not run the optimizer inside the step yet: the replayed CUDA "
+                                 "graph holds the step's kernels only. Load with optimizer= and without "
+                                 "cuda_graph=True, or with cuda_graph=True and call optimizer.step() after the step.")
+        elif clip_grad_value is not None or clip_grad_norm is not None:
+            raise ValueError("clip_grad_value= and clip_grad_norm= apply to the optimizer inside the step, and "
+                             "runtime.load got no optimizer=. Pass optimizer=, or clip p.grad yourself after the "
+                             "step (torch.nn.utils.clip_grad_norm_) before calling optimizer.step().")
         if arena and not plan.addresses and plan.v1_offsets is None:
             raise ValueError("arena=True needs a plan with addresses (value copy -> arena offset), and this plan has "
                              "none. Plan with addresses (solve option addresses = 'greedy', or "
@@ -167,6 +192,8 @@ class TrainStep:
         self.arena = arena
         self.cuda_graph = cuda_graph
         self.arena_report: dict[tuple, ArenaReport] = {}
+        self.optimizer = optimizer
+        self.clip_grad_value = clip_grad_value
         self._graph = graph
         self._compiled: dict[tuple, _Compiled] = {}
 
@@ -194,7 +221,14 @@ class TrainStep:
                                  f"was captured from another model. Pass a graph of this model, or none.")
         if self.cuda_graph:
             _refuse_random_replays(self.plan, program)
-        fn, report = compile_plan(graph, self.plan, variants, arena=self.arena)
+        grad_params = [params[name] for name in program.grad_params]
+        in_step = updates = None
+        if self.optimizer is not None:
+            tensors = [grad_params[graph.outputs.index(grads[0]) - 1] for grads, _ in graph.gradient_updates()]
+            in_step = InStepOptimizer(self.optimizer, tensors, self.clip_grad_value)
+            updates = update_points(graph, self.plan, variants, [k for k in range(len(tensors)) if in_step.holds(k)])
+        fn, report = compile_plan(graph, self.plan, variants, arena=self.arena,
+                                  update=None if in_step is None else in_step.update, updates=updates)
         if report is not None:
             self.arena_report[key] = report
             if report.fallback:
@@ -204,7 +238,8 @@ class TrainStep:
             params=[params[name] for name in program.params],
             buffers=[buffers[name] for name in program.buffers],
             mutated=[buffers[name] for name in program.mutated_buffers],
-            grad_params=[params[name] for name in program.grad_params],
+            grad_params=grad_params,
+            in_step=in_step,
         )
         if self.cuda_graph:
             compiled.graphed = GraphedStep(fn, compiled.params, compiled.buffers, compiled.mutated,
@@ -214,6 +249,8 @@ class TrainStep:
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         c = self.compile(*batch)
+        if c.in_step is not None:
+            refuse_accumulation(c.in_step)
         with torch.no_grad():
             if c.graphed is not None:
                 return c.graphed(batch)
@@ -222,17 +259,22 @@ class TrainStep:
             for buf, new in zip(c.mutated, outs[:n_mut]):
                 buf.copy_(new)
             for p, g in zip(c.grad_params, outs[n_mut + 1:]):
-                accumulate_grad(p, g)
+                if g is not None:
+                    accumulate_grad(p, g)
             return outs[n_mut]
 
 
 def load(plan_or_path: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module,
          loss_fn: Callable[..., torch.Tensor], graph: OpGraph | None = None, arena: bool = False,
-         cuda_graph: bool = False) -> TrainStep:
+         cuda_graph: bool = False, optimizer: torch.optim.Optimizer | None = None,
+         clip_grad_value: float | None = None, clip_grad_norm: float | None = None) -> TrainStep:
     """A training step running `model` and `loss_fn(model, *batch)` under the plan (a `Plan`, its JSON
     dict or a plan file). `graph`, a graph captured from the same model and batch shapes, saves the
     capture on the first call. `arena=True` places value copies at the plan's addresses (runtime.arena);
     otherwise addresses are ignored. `cuda_graph=True` (a model on a GPU) replays each step as one CUDA
-    graph (runtime.cuda_graph)."""
+    graph (runtime.cuda_graph). `optimizer=opt` (a torch.optim optimizer over the model's parameters) runs it
+    inside the step: each parameter it holds is updated right after its final gradient and that gradient is
+    freed, so the step leaves no `.grad` for them (runtime.optim_step; docs/training.md); `clip_grad_value`
+    clamps each gradient elementwise first, and `clip_grad_norm` is refused there with the reason."""
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
-    return TrainStep(plan, model, loss_fn, graph, arena, cuda_graph)
+    return TrainStep(plan, model, loss_fn, graph, arena, cuda_graph, optimizer, clip_grad_value, clip_grad_norm)

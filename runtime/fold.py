@@ -188,13 +188,22 @@ def fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGrap
                       grad_params=grad_params, groups=groups, value_of=value_of, primary=primary,
                       random_devices=random_devices)
     meta = {"model": type(model).__name__, "torch": torch.__version__,
-            "batch": [{"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for t in batch]}
+            "batch": [{"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for t in batch],
+            "grad_params": grad_params, "tied_params": _tied_parameters(model)}
     modules = [head.meta.get(META_KEY) if phase != "backward" else None for head, phase in zip(heads, phases)]
     if any(modules):
         meta["node_modules"] = modules
     graph = OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
     meta.update(graph_facts(graph))
     return graph
+
+
+def _tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that the model holds under more than one name (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _constant_ancestors(group: list[fx.Node], constants: set[fx.Node]) -> set[fx.Node]:

@@ -110,6 +110,22 @@ class OpGraph:
         """Nodes whose default implementation arena mode writes in place on `device`, as recorded at capture."""
         return set(self._fact("in_place")[backend(device)])
 
+    def gradient_updates(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per parameter tensor with gradient outputs, in output order: (its gradient values, its parameter
+        values). A tensor the model holds under several names (tied weights, `meta["tied_params"]`) has a value
+        and a gradient output per name; the step sums the gradients. From the names recorded at capture
+        (`meta["grad_params"]`: the parameter of each gradient output, which follow the loss in `outputs`)."""
+        names = self._fact("grad_params")
+        canonical = {name: group[0] for group in self._fact("tied_params") for name in group}
+        params = {v.name: v.id for v in self.values if v.kind == "param"}
+        grads: dict[str, list[int]] = {}
+        values: dict[str, list[int]] = {}
+        for g, name in zip(self.outputs[1:1 + len(names)], names):
+            key = canonical.get(name, name)
+            grads.setdefault(key, []).append(g)
+            values.setdefault(key, []).append(params[name])
+        return [(tuple(grads[k]), tuple(values[k])) for k in grads]
+
     def _fact(self, key: str) -> Any:
         if key not in self.meta:
             raise GraphFormatError(f"graph {self.fingerprint[:16]} was captured before memplan recorded {key!r} in "

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from runtime.capture import capture
 from runtime.graph import OpGraph
 from runtime.modules import META_KEY, marked_modules
+from runtime.optim_step import check_optimizer, step_in_backward
 from runtime.plan import Plan
 from runtime.policy_form import PolicyFormError, Regions, decisions
 
@@ -158,12 +159,16 @@ def capture_eager(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch:
 
 
 def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
-          batch: tuple, graph: OpGraph | None = None) -> nn.Module:
+          batch: tuple, graph: OpGraph | None = None, optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
     """Make `model` train under `plan` in the policy form, in place, and return it. The plan must be one
     selective checkpointing can run (runtime/policy_form.py; solver `selective-policy` makes them),
     else PolicyFormError says why. `batch` is what the plan was made for: the model is captured with
-    `capture_eager` (or `graph` is, from this model and batch) and the plan checked against it."""
+    `capture_eager` (or `graph` is, from this model and batch) and the plan checked against it. With
+    `optimizer`, `loss.backward()` also runs it, each parameter updated as soon as its gradient is accumulated
+    (`runtime.optim_step.step_in_backward`: post-accumulate-grad hooks); do not call optimizer.step()."""
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if optimizer is not None:
+        check_optimizer(optimizer)
     if getattr(getattr(model, "config", None), "use_cache", False):
         raise PolicyFormError("this model keeps a key/value cache (config.use_cache = True), which a checkpointed "
                               "region would update twice (forward and recomputation). Set model.config.use_cache = "
@@ -186,4 +191,6 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
         _REGIONS[key] = _Region(name, region_ops(graph, name), keep)
         setattr(module, _WRAPPED, key)
         module.forward = functools.partial(_checkpointed, module.forward, key)
+    if optimizer is not None:
+        step_in_backward(optimizer, model)
     return model

@@ -120,3 +120,22 @@ def _absence(v: int, freed_at: Mapping[int, int], overwritten_at: Mapping[int, t
     if v in overwritten_at:
         return Absence(overwritten=overwritten_at[v][0], by=overwritten_at[v][1])
     return Absence()
+
+
+def update_steps(io: Sequence[StepIO | None],
+                 updates: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int | None]:
+    """For each parameter tensor's (gradient values, parameter values) (several of each for a tensor held under
+    several names, whose gradients the step sums), the step after which an optimizer inside the step updates
+    it: the last compute step that allocates one of the gradients or reads any of these values (so no later
+    step reads a parameter already updated, nor a gradient already freed); None when some gradient is never
+    computed. `io[i]` is step i's `StepIO` (None for a free), as `Walk.io` holds them."""
+    last: dict[int, int] = {}
+    computed: set[int] = set()
+    for i, spec in enumerate(io):
+        if spec is None:
+            continue
+        for v in (*spec.inputs, *spec.outputs):
+            last[v] = i
+        computed.update(spec.outputs)
+    return [max(last[v] for v in (*grads, *params) if v in last) if computed.issuperset(grads) else None
+            for grads, params in updates]

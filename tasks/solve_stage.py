@@ -19,6 +19,7 @@ from tasks.problems import LoadedProblem, load_problem
 from tasks.records import Solved
 from tasks.solve import SOLVERS, solve
 from tasks.solve.core.addresses import greedy_addresses
+from tasks.solve.core.optimizer import in_step
 from tasks.solve.olla import olla_addresses
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import Simulation, default_schedule, normalize_schedule, simulate
@@ -95,6 +96,8 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
     """Solve one cell of the pipeline matrix with the plan's `settings` against the graph's newest complete
     profile on `device`; when the solver finds a schedule, write its plan to `plan_path`."""
     loaded = load_problem(graph_path, device=device, store=store, variants=settings.variants)
+    if settings.optimizer != "none":
+        loaded = replace(loaded, problem=in_step(loaded.problem, loaded.graph.gradient_updates(), settings.optimizer))
     solution, eager = solve_loaded(loaded, solver, budget, settings.solve_options(), settings.addresses)
     problem = loaded.problem
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
@@ -103,6 +106,8 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         plan = plan_of(loaded, solution, device)
         if budget.max_overhead is not None:
             plan.provenance["max_overhead"] = budget.max_overhead
+        if settings.optimizer != "none":
+            plan.provenance["optimizer_in_step"] = settings.optimizer
         plan.save(plan_path)
     elif eager.peak_bytes > solution.budget_bytes:
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes)

@@ -20,6 +20,10 @@ What counts:
   time - 1, so that a host that slows a whole round slows both sides of its ratio. After `steps` rounds,
   timing goes on, up to `max_steps` rounds, until the 95% interval of that median (`median_interval`)
   lies within +-`overhead_precision`; the interval (none below 6 rounds) and the rounds are recorded;
+- the optimizer inside the step, for a plan with `provenance.optimizer_in_step` (`tasks.solve.core.optimizer`):
+  eager runs `loss.backward(); opt.step()` with its own copy of that optimizer, the plan runs
+  `runtime.load(..., optimizer=opt)`, and the parameters after the step are compared instead of the
+  gradients (freed inside the step); the measured peak is a later step's, with the optimizer state resident;
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   eager the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -44,6 +48,7 @@ from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
 from tasks.records import Validated
+from tasks.solve.core.optimizer import OPTIMIZERS
 
 
 class ValidationFailed(MemplanError):
@@ -98,9 +103,24 @@ def peak_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float) -> st
     return None
 
 
-def step_state(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """Loss, parameter gradients and buffers after a step, keyed `loss`, `grad:<name>`, `buffer:<name>`."""
+def in_step_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer | None:
+    """The optimizer a plan with `provenance.optimizer_in_step` was planned for, over `model`'s parameters."""
+    name = plan.provenance.get("optimizer_in_step")
+    if name is None:
+        return None
+    if name not in OPTIMIZERS:
+        raise ValidationFailed(f"the plan's provenance.optimizer_in_step is {name!r}, which this memplan does not "
+                               f"know (one of {', '.join(OPTIMIZERS)}); solve the plan again with this memplan.")
+    spec = OPTIMIZERS[name]
+    return getattr(torch.optim, spec.torch_class)(model.parameters(), lr=0.01, **dict(spec.torch_kwargs))
+
+
+def step_state(model: nn.Module, loss: torch.Tensor, params: bool = False) -> dict[str, torch.Tensor | None]:
+    """Loss, parameter gradients and buffers after a step, keyed `loss`, `grad:<name>`, `buffer:<name>`, and with
+    `params` the parameters, `param:<name>` (the optimizer inside the step updates them and leaves no gradient)."""
     state: dict[str, torch.Tensor | None] = {"loss": loss.detach().clone()}
+    if params:
+        state |= {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
     state |= {f"grad:{n}": None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
     state |= {f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()}
     return state
@@ -119,13 +139,17 @@ def validate_plan(
     loss_fn = build_loss(spec)
     batch = build_batch(spec, batch_size, seed, device)
     eager_model, plan_model = copy.deepcopy(base), copy.deepcopy(base)
+    eager_opt, plan_opt = (in_step_optimizer(plan, m) for m in (eager_model, plan_model))
 
     def eager_step() -> torch.Tensor:
         loss = loss_fn(eager_model, *batch)
         loss.backward()
+        if eager_opt is not None:
+            eager_opt.step()
+            eager_opt.zero_grad(set_to_none=True)
         return loss
 
-    planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph)
+    planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph, optimizer=plan_opt)
 
     def plan_step() -> torch.Tensor:
         return planned_step(*batch)
@@ -140,8 +164,9 @@ def validate_plan(
             arena_step.compile(*batch)
         runs.append((arena_model, lambda: arena_step(*batch)))
 
-    eager, eager_peak = _first_steps(eager_model, eager_step, device, seed)
-    planned, peak = _first_steps(plan_model, plan_step, device, seed)
+    in_step = plan_opt is not None
+    eager, eager_peak = _first_steps(eager_model, eager_step, device, seed, in_step)
+    planned, peak = _first_steps(plan_model, plan_step, device, seed, in_step)
     if plan.addresses:                          # before any timed step moves its buffers
         in_arena, arena_peak = _first_steps(arena_model, runs[2][1], device, seed)
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
@@ -188,14 +213,15 @@ def validate_plan(
 
 
 def _first_steps(
-    model: nn.Module, step: Callable[[], torch.Tensor], device: str, seed: int
+    model: nn.Module, step: Callable[[], torch.Tensor], device: str, seed: int, params: bool = False
 ) -> tuple[dict[str, torch.Tensor | None], int]:
-    """The state after one step from the fresh `model`, and the measured peak of a second step."""
+    """The state after one step from the fresh `model` (`step_state`, with `params`), and the measured peak of a
+    second step."""
     from runtime.meter import PeakMeter
 
     torch.manual_seed(seed)
     with exact_fp32(device):
-        state = step_state(model, step())
+        state = step_state(model, step(), params)
     model.zero_grad(set_to_none=True)
     with PeakMeter(device, allocator=True) as meter:
         step()

@@ -13,6 +13,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from runtime.variants import BIT_IDENTICAL_RULES
 from tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_max_overhead)
+from tasks.solve.core.optimizer import OPTIMIZERS
 from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, SolveOptions, TimeLimit
 
 class Section(BaseModel):
@@ -170,6 +171,9 @@ VariantChoice = Literal[tuple(VARIANT_RULES)]  # type: ignore[valid-type]
 """A plan's `variants` setting: which implementation-variant rules its solver may choose (the names of
 `VARIANT_RULES`)."""
 
+OptimizerChoice = Literal[("none", *OPTIMIZERS)]  # type: ignore[valid-type]
+"""A plan's `optimizer` setting: none, or the optimizer it runs inside the step (`tasks.solve.core.optimizer`)."""
+
 Addresses = Literal["none", "greedy", "olla"]
 """A plan's `addresses` setting: how its value copies get arena offsets (`tasks.solve_stage.solve_loaded`)."""
 
@@ -177,7 +181,7 @@ Addresses = Literal["none", "greedy", "olla"]
 class PlanSettings(BaseModel):
     """A plan's solve settings, parsed once from its `[[plans]]` table and handed to the solve stage whole:
     the shared MILP settings, the solver's own `params` (checked against its options at load time),
-    `addresses` and `variants`."""
+    `addresses`, `variants` and the `optimizer` run inside the step ("none": after it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -187,6 +191,7 @@ class PlanSettings(BaseModel):
     params: dict[str, Any] = {}
     addresses: Addresses = "none"
     variants: VariantChoice = "all"
+    optimizer: OptimizerChoice = "none"
 
     def solve_options(self) -> SolveOptions:
         """The `SolveOptions` the solver gets."""
@@ -224,6 +229,13 @@ class PlanConfig(Section):
         "'bit-identical' (ReLU masks, compact max-pool, in-place ReLU, where the profile found them "
         "bit-identical to the captured op on its device); 'none' (the captured ops only). The others ('output', "
         "'math', 'sigmoid') are within the validation tolerance.")
+    optimizer: OptimizerChoice = Field(
+        "none", description="The optimizer the training job runs (with optimizer_in_step = true): "
+        + "; ".join(f"'{k}': {m.help}" for k, m in OPTIMIZERS.items()) + ". Its state is reported as "
+        "predicted.optimizer_state_bytes.")
+    optimizer_in_step: bool = Field(
+        False, description="Plan for the optimizer inside the step (runtime.load(..., optimizer=opt)): each "
+        "parameter gradient dies where its parameter is updated, not at the end of the step. Needs `optimizer`.")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")
@@ -241,6 +253,22 @@ class PlanConfig(Section):
                 f"plan of solver {self.solver!r} gives {given}; give exactly one: budgets = [\"60%\"] (fractions "
                 "of the checkpoint-all peak, or bytes) or max_overhead = 0.10 (the least memory within 10% "
                 "predicted overhead), in separate [[plans]] tables for both")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_in_step(self) -> PlanConfig:
+        if self.optimizer_in_step and self.optimizer == "none":
+            raise ValueError(f"plan of solver {self.solver!r} sets optimizer_in_step = true without an optimizer; "
+                             f"name the one the training job runs: optimizer = one of "
+                             f"{', '.join(repr(k) for k in OPTIMIZERS)}")
+        if self.optimizer != "none" and not self.optimizer_in_step:
+            raise ValueError(f"plan of solver {self.solver!r} names optimizer = {self.optimizer!r} but not "
+                             f"optimizer_in_step = true; the optimizer only changes a plan that runs it inside the "
+                             f"step: add optimizer_in_step = true, or drop optimizer")
+        if self.optimizer_in_step and self.addresses != "none":
+            raise ValueError(f"plan of solver {self.solver!r} sets optimizer_in_step = true with addresses = "
+                             f"{self.addresses!r}; arena addresses do not combine with the optimizer inside the "
+                             f"step yet: use addresses = \"none\" in this [[plans]] table")
         return self
 
     @property
@@ -274,7 +302,7 @@ class PlanConfig(Section):
     def solve_settings(self) -> PlanSettings:
         """What the solve stage needs, in one typed object."""
         return PlanSettings(backend=self.backend, time_limit=self.time_limit_s, gap=self.gap, params=dict(self.options),
-                            addresses=self.addresses, variants=self.variants)
+                            addresses=self.addresses, variants=self.variants, optimizer=self.optimizer)
 
 
 class ValidateConfig(Section):

@@ -63,7 +63,7 @@ def plain_and_compiled(folder) -> str:
 
 
 def test_every_block_is_a_named_example_with_a_test():
-    assert set(examples()) == {"plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer"}
+    assert set(examples()) == {"plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer", "optimizer-in-step"}
 
 
 def test_plain_loop_and_torch_compile(plain_and_compiled, folder):
@@ -86,3 +86,12 @@ def test_mixed_precision(tmp_path):
 def test_hugging_face_trainer(tmp_path):
     out = run(examples()["trainer"], tmp_path)            # Trainer prints its run's metrics first
     assert re.fullmatch(r"trained 3 steps, mean loss \d+\.\d{4}", out.splitlines()[-1]), out
+
+
+def test_optimizer_in_step(tmp_path):
+    out = run(examples()["optimizer-in-step"], tmp_path).splitlines()
+    peak = re.fullmatch(r"peak (\d+\.\d) MiB with the optimizer inside the step, (\d+\.\d) MiB without; "
+                        r"momentum (\d+\.\d) MiB", out[0])
+    assert peak and float(peak[1]) < float(peak[2]) and float(peak[3]) > 40, out[0]
+    values = losses("\n".join(out[1:]), 3)
+    assert values[-1] < values[0]

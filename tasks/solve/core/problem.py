@@ -43,6 +43,18 @@ class Variant:
     overwrites: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class ParamUpdate:
+    """The optimizer inside the step updates one parameter tensor, graph input values `params` (one per name
+    the model holds it under: tied weights), from the sum of gradient values `grads` (made by nodes, not graph
+    outputs: they die at the update), with `workspace` bytes of temporaries while it runs
+    (`tasks.solve.core.optimizer`; the simulator charges both)."""
+
+    grads: tuple[int, ...]
+    params: tuple[int, ...]
+    workspace: int = 0
+
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     """Nodes `0..n-1` and values `0..V-1`, ids as in the source graph.
@@ -61,6 +73,8 @@ class Problem:
     recomputations, so a solver that reorders nodes (OLLA) keeps these in their default relative order.
     `node_modules[i]`: the repeated module (a transformer layer, a residual block) whose forward
     computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
+    `updates`: with the optimizer inside the step, one `ParamUpdate` per parameter it updates (empty: the
+    optimizer runs after the step); `optimizer_state_bytes` its resident state, reported like `constant_bytes`.
     """
 
     name: str
@@ -80,6 +94,8 @@ class Problem:
     cost_unit: str | None = None
     random_nodes: tuple[int, ...] = ()
     node_modules: tuple[str | None, ...] = ()
+    updates: tuple[ParamUpdate, ...] = ()
+    optimizer_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check(self)
@@ -334,11 +350,13 @@ def _check_overwrites(p: Problem, node: int, v: Variant) -> None:
     outs, ins = [o for o, _ in v.overwrites], [i for _, i in v.overwrites]
     for o, i in v.overwrites:
         if o not in v.outputs or i not in v.inputs or outs.count(o) > 1 or ins.count(i) > 1 or \
-                p.value_bytes[o] != p.value_bytes[i] or p.value_producer[i] < 0 or i in p.outputs:
+                p.value_bytes[o] != p.value_bytes[i] or p.value_producer[i] < 0 or i in p.outputs or \
+                any(i in u.grads for u in p.updates):
             raise ProblemError(
                 f"problem {p.name!r}: variant {v.name!r} of {p.node_label(node)} overwrites input {i} with output {o}; "
                 f"an in-place pair must name one of the variant's outputs and one of its inputs, each once, of equal "
-                f"bytes, the input made by a node (not a graph input) and not a graph output.")
+                f"bytes, the input made by a node (not a graph input) and not a graph output nor a gradient the "
+                f"optimizer updates in the step.")
 
 
 def _check(p: Problem) -> None:
@@ -397,3 +415,10 @@ def _check(p: Problem) -> None:
         raise ProblemError(f"problem {p.name!r}: random_nodes must be node ids 0..{n - 1}.")
     if any(not 0 <= v < nv or p.value_producer[v] < 0 for v in p.outputs):
         raise ProblemError(f"problem {p.name!r}: graph outputs must be values produced by nodes.")
+    grads = [g for u in p.updates for g in u.grads]
+    if len(set(grads)) != len(grads) or any(not 0 <= v < nv for u in p.updates for v in (*u.grads, *u.params)) or any(
+            not u.grads or p.value_producer[list(u.grads)].min() < 0 or set(u.grads) & set(p.outputs)
+            or p.value_producer[list(u.params)].max(initial=-1) >= 0 or u.workspace < 0 for u in p.updates) or \
+            p.optimizer_state_bytes < 0:
+        raise ProblemError(f"problem {p.name!r}: each parameter update names a distinct gradient made by a node (not "
+                           f"a graph output) and a graph input parameter, with non-negative workspace and state bytes.")

@@ -16,6 +16,12 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   step on, so during the step only one of the two counts. The input value is then gone (as if freed): the
   schedule is invalid (InvalidSchedule) if a later step reads it or frees it before it is computed again;
   the problem refuses an overwritten input that is a graph input or a graph output;
+- with the optimizer inside the step (`Problem.updates`, `tasks.solve.core.optimizer`), each updated
+  gradient's last copy lives through its update step u (`runtime.schedule.update_steps`: the last step that
+  computes it or reads it or its parameter); the updates run after u's node, when its scratch and the copies
+  ending with u are gone: live then = the copies live into step u + 1 + the gradients updated after u + the
+  largest update workspace among them (they run one after another), and step u counts the larger of that and
+  its node's live bytes; a gradient never computed is an InvalidSchedule;
 - with addresses (copy (step, value) -> byte offset), `arena_bytes` is the extent they span and
   `arena_peak_bytes` = arena_bytes + max over compute steps of (unplaced live copies + workspace): the
   arena is one allocation for the whole step, copies without an address are allocated as usual.
@@ -30,7 +36,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from runtime.plan import PlanError, normalize_step
-from runtime.schedule import Absence, walk
+from runtime.schedule import Absence, Walk, update_steps, walk
 from runtime.variants import DEFAULT
 from tasks.solve.core.problem import Problem
 
@@ -46,8 +52,9 @@ class AddressConflict(InvalidSchedule):
 
 @dataclass(frozen=True)
 class Simulation:
-    """`timeline[i]`: live bytes during step i (a compute step includes the node's workspace; a free
-    step shows what stays live after it). `peak_step` is the first compute step reaching the peak.
+    """`timeline[i]`: live bytes during step i (a compute step includes the node's workspace, or the optimizer
+    updates after it where those hold more; a free step shows what stays live after it). `peak_step` is the
+    first compute step reaching the peak.
     Copy c of value `copy_value[c]` is live during steps `copy_start[c]..copy_end[c]` (`copy_start` is
     the step computing it, so (copy_start[c], copy_value[c]) is the copy's key in plan addresses).
     `arena_bytes` / `arena_peak_bytes` are set when the schedule was simulated with addresses;
@@ -123,8 +130,13 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     values = np.asarray(w.copy_value, dtype=np.int64)
     starts = np.asarray(w.copy_start, dtype=np.int64)
     ends = np.asarray(w.copy_end, dtype=np.int64)
+    updating = _in_step_updates(problem, w, ends) if problem.updates else None
     nbytes = problem.value_bytes[values]
     timeline = _live_bytes(starts, ends, nbytes, len(steps)) + workspace
+    if updating is not None:                   # the updates after step u: what lives on, their gradients, scratch
+        scratch, grads = updating
+        during = _live_bytes(starts, ends - 1, nbytes, len(steps)) + grads + scratch
+        timeline = np.where(grads > 0, np.maximum(timeline, during), timeline)
     compute_live = np.where(is_compute, timeline, -1)
     peak_step = int(np.argmax(compute_live)) if is_compute.any() else -1
     sim = Simulation(
@@ -148,6 +160,24 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     arena = int((offsets[placed] + nbytes[placed]).max(initial=0))
     unplaced = np.where(is_compute, sim.live_timeline(~placed) + workspace, 0)
     return replace(sim, arena_bytes=arena, arena_peak_bytes=arena + int(unplaced.max(initial=0)))
+
+
+def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Extend each updated gradient's last copy through its update step (in `ends`). Per step, the largest
+    update workspace and the bytes of the gradients updated after it."""
+    scratch, grads = np.zeros(len(w.io), dtype=np.int64), np.zeros(len(w.io), dtype=np.int64)
+    last_copy = {v: k for k, v in enumerate(w.copy_value)}
+    for u, step in zip(problem.updates, update_steps(w.io, [(u.grads, u.params) for u in problem.updates])):
+        if step is None:
+            missing = next(g for g in u.grads if g not in last_copy)
+            raise InvalidSchedule(f"the schedule never computes value {missing}, a gradient of parameter value "
+                                  f"{u.params[0]}; with the optimizer inside the step every parameter it updates "
+                                  f"needs its gradient computed.")
+        for g in u.grads:
+            ends[last_copy[g]] = max(ends[last_copy[g]], step)
+        scratch[step] = max(scratch[step], u.workspace)
+        grads[step] += int(problem.value_bytes[list(u.grads)].sum())
+    return scratch, grads
 
 
 def check_addresses(problem: Problem, sim: Simulation,

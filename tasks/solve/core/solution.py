@@ -10,7 +10,7 @@ from typing import Annotated, Any, Callable, Mapping
 import numpy as np
 from pydantic import Field, TypeAdapter, ValidationError
 
-from runtime.plan import Plan, memplan_version
+from runtime.plan import Plan, memplan_version, normalize_step
 from tasks.solve.core.milp import Progress, relative_gap
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import Simulation, simulate
@@ -135,9 +135,11 @@ class Solution:
                      "time_ms": sim.compute_cost if problem.cost_unit == "ms" else None}
         if self.addresses is not None:
             predicted["arena_bytes"] = sim.arena_bytes
+        if problem.updates:
+            predicted["optimizer_state_bytes"] = problem.optimizer_state_bytes
         return Plan(
             fingerprint=problem.fingerprint or f"benchmark:{problem.name}",
-            schedule=list(self.schedule),
+            schedule=_keeping_updated_gradients(problem, self.schedule, self.addresses),
             addresses=self.addresses,
             predicted=predicted,
             provenance={"solver": self.solver, "schedule_from": self.source or self.solver,
@@ -147,6 +149,19 @@ class Solution:
                         "memplan_version": memplan_version(),
                         **({"form": self.form} if self.form != "executor" else {})},
         )
+
+
+def _keeping_updated_gradients(problem: Problem, schedule: list, addresses: Mapping | None) -> list:
+    """The schedule without frees of the gradients the optimizer updates inside the step: the runtime's graph
+    keeps them as outputs (its program frees each at its update), and a free changes no simulated lifetime."""
+    grads = {g for u in problem.updates for g in u.grads}
+    if not grads:
+        return list(schedule)
+    if addresses:
+        raise ValueError("a plan with the optimizer inside the step cannot carry arena addresses yet (the runtime's "
+                         "graph keeps the gradients as outputs, which no address may place); plan it with "
+                         "addresses = 'none'.")
+    return [step for step in schedule if normalize_step(step).get("free") not in grads]
 
 
 def checked_solution(problem: Problem, solver: str, budget: int, schedule: list | None,

@@ -1,0 +1,150 @@
+"""The optimizer inside the step (optimizer-in-backward): each parameter is updated as soon as the planned
+backward has its final gradient, and that gradient is freed right after, so no gradient lives to the end of
+the step.
+
+`InStepOptimizer` wraps the user's `torch.optim` optimizer as PyTorch's "optimizer in backward" recipe does:
+one optimizer of the same class per parameter, built from the parameter's group. Before each update the
+per-parameter optimizer takes its group's current hyperparameters (so an LR scheduler stepping the user's
+optimizer works) and shares the user's state dict for that parameter (so `optimizer.state_dict()` holds
+the same momentum buffers, steps and moments as after eager `optimizer.step()` calls, and
+`optimizer.load_state_dict` takes effect). Updates of different parameters are independent for the
+classes in `PER_PARAMETER`; others (LBFGS, which needs a closure over the whole model; SparseAdam) are
+refused. `update_points` says after which schedule step each parameter is updated (torch-free
+`runtime.schedule.update_steps`, the rule the simulator charges).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping, NamedTuple, Sequence
+
+import torch
+from torch import optim
+
+from runtime.grads import accumulate_grad
+from runtime.graph import OpGraph
+from runtime.plan import Plan
+from runtime.schedule import update_steps
+from runtime.variants import GraphVariants
+
+PER_PARAMETER = (optim.SGD, optim.Adam, optim.AdamW, optim.Adamax, optim.NAdam, optim.RAdam, optim.Adagrad,
+                 optim.Adadelta, optim.RMSprop, optim.ASGD, optim.Rprop, optim.Adafactor)
+"""Optimizer classes whose step updates each parameter from its own gradient and state only."""
+
+
+class InStepOptimizer:
+    """Updates parameter `params[i]` from its gradients (`update(i, *grads)`, or from `.grad`:
+    `step_accumulated(i)`) with a per-parameter copy of `optimizer` (module docstring), `clip_grad_value`
+    clamping the gradient first; parameters the optimizer does not hold are not updated (`holds`)."""
+
+    def __init__(self, optimizer: optim.Optimizer, params: Sequence[torch.Tensor],
+                 clip_grad_value: float | None = None):
+        check_optimizer(optimizer)
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.clip_grad_value = clip_grad_value
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self._groups = [group_of.get(id(p)) for p in self.params]
+        self._single = [None if group is None else
+                        type(optimizer)([{**_hyperparameters(group), "params": [p]}])
+                        for p, group in zip(self.params, self._groups)]
+
+    def holds(self, i: int) -> bool:
+        """Whether the optimizer updates `params[i]`."""
+        return self._groups[i] is not None
+
+    def update(self, i: int, *grads: torch.Tensor) -> None:
+        """Update `params[i]` with the sum of `grads` (its final gradients of this step: one per name the model
+        holds it under, summed as autograd's AccumulateGrad does), then drop the gradient."""
+        for grad in grads:
+            accumulate_grad(self.params[i], grad)
+        self.step_accumulated(i)
+
+    def step_accumulated(self, i: int, *_: object) -> None:
+        """Update `params[i]` with its `.grad`, then set it to None (also a post-accumulate-grad hook)."""
+        p, single = self.params[i], self._single[i]
+        group = single.param_groups[0]
+        group.update(_hyperparameters(self._groups[i]))
+        state = self.optimizer.state[p]              # the user's optimizer's state for p (created empty)
+        if single.state.get(p) is not state:
+            single.state[p] = state
+        if self.clip_grad_value is not None:
+            p.grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
+        single.step()
+        p.grad = None
+
+
+def step_in_backward(optimizer: optim.Optimizer, model: torch.nn.Module) -> list:
+    """The policy form's optimizer inside the step: a `register_post_accumulate_grad_hook` on each parameter
+    `optimizer` holds runs its update as soon as autograd has accumulated the parameter's gradient, and frees
+    it. Returns the hooks' handles (`handle.remove()` takes the optimizer out of the step again)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    in_step = InStepOptimizer(optimizer, params)
+    return [p.register_post_accumulate_grad_hook(functools.partial(in_step.step_accumulated, i))
+            for i, p in enumerate(params) if in_step.holds(i)]
+
+
+def _hyperparameters(group: Mapping) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def check_optimizer(optimizer: object) -> None:
+    """Refuse an optimizer whose update cannot run per parameter inside the step, in one paragraph."""
+    if not isinstance(optimizer, optim.Optimizer):
+        raise TypeError(f"optimizer= takes a torch.optim.Optimizer built over the model's parameters, not "
+                        f"{type(optimizer).__name__}. Pass e.g. torch.optim.AdamW(model.parameters()), or no "
+                        f"optimizer to keep it outside the step.")
+    if not isinstance(optimizer, PER_PARAMETER):
+        raise ValueError(f"optimizer {type(optimizer).__name__} cannot run inside the step: memplan updates each "
+                         f"parameter alone as soon as its gradient is final, which is exact only for optimizers "
+                         f"whose update of a parameter reads that parameter's gradient and state alone "
+                         f"({', '.join(c.__name__ for c in PER_PARAMETER)}, or subclasses). LBFGS needs a closure "
+                         f"over the whole model. Load without optimizer= and call optimizer.step() after the step.")
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable"):
+            raise ValueError(f"optimizer param_groups[{i}] has differentiable=True, which the optimizer inside the "
+                             f"step does not support (it runs without autograd). Build the optimizer with "
+                             f"differentiable=False, or load without optimizer= and step it yourself.")
+
+
+def update_points(graph: OpGraph, plan: Plan, variants: GraphVariants,
+                  held: Sequence[int]) -> dict[int, list[tuple[int, tuple[int, ...]]]]:
+    """Schedule step -> (k, gradient output indices) of the parameter tensors `graph.gradient_updates()[k]`,
+    k in `held`, updated right after that step from the sum of those gradients
+    (`runtime.schedule.update_steps`). Gradient output j is value `graph.outputs[1 + j]`."""
+    io = [None if "compute" not in step else
+          _Reads(*variants.io(graph, step["compute"], step.get("impl"))) for step in plan.schedule]
+    updates = graph.gradient_updates()
+    output = {v: j for j, v in enumerate(graph.outputs[1:])}
+    after: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for k, step in zip(held, update_steps(io, [updates[k] for k in held])):
+        after.setdefault(step, []).append((k, tuple(output[g] for g in updates[k][0])))
+    return after
+
+
+class _Reads(NamedTuple):
+    inputs: Sequence[int]
+    outputs: Sequence[int]
+
+
+def refuse_global_clipping(max_norm: float | None) -> None:
+    """Refuse clipping by the global gradient norm with the optimizer inside the step."""
+    if max_norm is not None:
+        raise ValueError(f"clip_grad_norm={max_norm!r} cannot apply with the optimizer inside the step: clipping by "
+                         f"the global norm scales every gradient by a factor that depends on all of them, and each "
+                         f"parameter is updated (and its gradient freed) as soon as its own gradient is final, before "
+                         f"the others exist. Clip each gradient elementwise instead (clip_grad_value=, exact per "
+                         f"parameter), or load without optimizer= and call torch.nn.utils.clip_grad_norm_ before "
+                         f"optimizer.step().")
+
+
+def refuse_accumulation(in_step: InStepOptimizer) -> None:
+    """Refuse a step that starts with a gradient in `.grad` of a parameter the optimizer updates in the step."""
+    held = [i for i, p in enumerate(in_step.params) if p.grad is not None and in_step.holds(i)]
+    if held:
+        raise ValueError(f"{len(held)} parameter(s) the optimizer updates inside the step already hold a .grad "
+                         f"(e.g. parameter {held[0]} of shape {list(in_step.params[held[0]].shape)}): gradients "
+                         f"cannot accumulate across steps when the optimizer runs inside the step, since each step "
+                         f"updates the parameters with its own gradients and frees them. Set the gradients to None "
+                         f"(optimizer.zero_grad()) before the step, or load without optimizer= to accumulate "
+                         f"gradients over several steps and call optimizer.step() yourself.")

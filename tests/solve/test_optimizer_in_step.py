@@ -1,0 +1,137 @@
+"""The optimizer inside the step in the planner: a gradient dies at its parameter's update (after the last
+step that computes it or reads the parameter), the update's temporaries are charged there, the state is a
+resident term; peaks below are worked out by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tasks.config import ConfigError, parse_config
+from tasks.solve.core.optimizer import in_step
+from tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
+from tasks.solve.core.simulator import InvalidSchedule, simulate
+from tasks.solve.core.solution import checked_solution
+
+W, X, A, LOSS, GW, GX, OUT = range(7)
+
+
+def problem() -> Problem:
+    """W (param, 100 B) and x (batch) in; n0: a = f(W, x) (40 B); n1: loss(a) (4 B); n2: dW = g(loss, x) (100 B);
+    n3: dx = h(loss, W) (30 B, reads W after dW exists); n4: out = k(dx) (20 B). Outputs: loss, dW, out."""
+    return Problem(
+        name="toy", cost=np.ones(5), workspace=np.zeros(5, dtype=np.int64),
+        phase=("forward", "loss", "backward", "backward", "backward"),
+        node_inputs=((W, X), (A,), (LOSS, X), (LOSS, W), (GX,)),
+        node_outputs=((A,), (LOSS,), (GW,), (GX,), (OUT,)),
+        value_bytes=np.array([100, 8, 40, 4, 100, 30, 20], dtype=np.int64),
+        value_producer=np.array([-1, -1, 0, 1, 2, 3, 4], dtype=np.int64),
+        outputs=(LOSS, GW, OUT), order=np.arange(5))
+
+
+def schedule(*nodes):
+    return [("compute", n) for n in nodes]
+
+
+def test_gradient_lives_to_the_end_without_the_optimizer_in_the_step():
+    sim = simulate(problem(), schedule(0, 1, 2, 3, 4))
+    assert sim.timeline.tolist() == [40, 44, 104, 134, 154]          # dW (100) held from step 2 to the end
+    assert sim.peak_bytes == 154
+
+
+def test_gradient_dies_after_the_last_read_of_its_parameter():
+    """SGD: no state, no temporaries. dW is updated after n3, the last reader of W, so it is live through step 3."""
+    p = in_step(problem(), [((GW,), (W,))], "sgd")
+    assert p.outputs == (LOSS, OUT) and p.updates == (ParamUpdate((GW,), (W,), 0),) and p.optimizer_state_bytes == 0
+    sim = simulate(p, schedule(0, 1, 2, 3, 4))
+    assert sim.timeline.tolist() == [40, 44, 104, 134, 54]
+    assert sim.peak_bytes == 134
+
+
+def test_update_workspace_and_state_of_adamw():
+    """AdamW: state 2 x 100 B (resident, not in the peak), 2 x 100 B of temporaries at the update step."""
+    p = in_step(problem(), [((GW,), (W,))], "adamw")
+    assert p.optimizer_state_bytes == 200
+    sim = simulate(p, schedule(0, 1, 2, 3, 4))
+    assert sim.timeline.tolist() == [40, 44, 104, 334, 54]
+    assert sim.constant_bytes == 108 and sim.peak_bytes == 334
+
+
+def test_updates_run_after_the_node_without_its_scratch_and_dead_inputs():
+    """n3 with 50 B of workspace: during n3 134 + 50 B are live. The update after it runs without that scratch
+    and with what lives on (loss 4, dx 30) plus dW (100) plus its temporaries: SGD 134 (n3's 184 stays the
+    step's), AdamW 134 + 200 = 334 (not 384: the node's scratch is gone by then)."""
+    base = problem()
+    with_scratch = Problem(**{**base.__dict__, "workspace": np.array([0, 0, 0, 50, 0], dtype=np.int64)})
+    for optimizer, step3 in (("sgd", 184), ("adamw", 334)):
+        sim = simulate(in_step(with_scratch, [((GW,), (W,))], optimizer), schedule(0, 1, 2, 3, 4))
+        assert sim.timeline.tolist() == [40, 44, 104, step3, 54]
+
+
+def test_the_update_follows_the_gradient_when_the_parameter_is_read_first():
+    """Order n3 before n2: W's last read is step 2, dW is computed at step 3 and updated right after it."""
+    sim = simulate(in_step(problem(), [((GW,), (W,))], "sgd-momentum"), schedule(0, 1, 3, 2, 4))
+    assert sim.timeline.tolist() == [40, 44, 34, 134, 54]
+    assert sim.peak_bytes == 134
+
+
+def test_a_freed_gradient_still_lives_through_its_update_and_the_plan_keeps_it():
+    """A free of dW before W's last read releases nothing (the update still reads dW), and the plan drops the
+    free: the runtime's graph keeps the gradient an output that its program frees at the update."""
+    p = in_step(problem(), [((GW,), (W,))], "adamw")
+    steps = [*schedule(0, 1, 2), ("free", GW), *schedule(3, 4)]
+    solution = checked_solution(p, "test", 1000, steps)
+    assert solution.simulation.peak_bytes == 334
+    plan = solution.to_plan(p)
+    assert {"free": GW} not in plan.schedule and len(plan.schedule) == 5
+    assert plan.predicted["optimizer_state_bytes"] == 200 and plan.predicted["peak_bytes"] == 334
+
+
+def test_the_gradients_of_a_tied_tensor_live_until_its_one_update():
+    """A tensor held under two names has two gradients, summed for one update after the last step touching any of
+    them (n4 reads dx): both live to step 4, and the state counts the tensor once."""
+    p = in_step(problem(), [((GW, GX), (W,))], "sgd-momentum")
+    assert p.optimizer_state_bytes == 100 and p.outputs == (LOSS, OUT)
+    sim = simulate(p, schedule(0, 1, 2, 3, 4))
+    assert sim.timeline.tolist() == [40, 44, 104, 134, 154]
+
+
+def test_a_gradient_never_computed_is_an_invalid_schedule():
+    with pytest.raises(InvalidSchedule, match=f"never computes value {GW}, a gradient of parameter value {W}"):
+        simulate(in_step(problem(), [((GW,), (W,))], "sgd"), schedule(0, 1, 3, 4))
+
+
+def test_updates_must_name_a_computed_gradient_and_a_parameter():
+    base = problem()
+    with pytest.raises(ProblemError, match="each parameter update names"):
+        in_step(base, [((GW,), (A,))], "sgd")                               # a is not a graph input
+    with pytest.raises(ProblemError, match="each parameter update names"):
+        Problem(**{**base.__dict__, "updates": (ParamUpdate((GW,), (W,)),)})   # dW is still a graph output
+
+
+PLAN = {"solver": "checkmate", "budgets": ["70%"]}
+
+
+def config(**plan):
+    data = {"models": [{"name": "mlp", "factory": "torch.nn:Linear", "loss": "cross_entropy",
+                        "batch_sizes": [4], "inputs": [{"shape": [8]}, {"shape": [], "dtype": "int64", "high": 4}]}],
+            "plans": [{**PLAN, **plan}]}
+    return parse_config(data, solvers=["checkmate"])
+
+
+def test_plan_settings_reach_the_solve_stage():
+    settings = config(optimizer="adamw", optimizer_in_step=True).plans[0].solve_settings()
+    assert settings.optimizer == "adamw"
+    assert config().plans[0].solve_settings().optimizer == "none"
+
+
+@pytest.mark.parametrize("plan, message", [
+    ({"optimizer_in_step": True}, "sets optimizer_in_step = true without an optimizer"),
+    ({"optimizer": "adamw"}, "names optimizer = 'adamw' but not optimizer_in_step = true"),
+    ({"optimizer": "adamw", "optimizer_in_step": True, "addresses": "greedy"}, "arena addresses do not combine"),
+    ({"optimizer": "lion", "optimizer_in_step": True}, "'sgd', 'sgd-momentum', 'adam' or 'adamw'"),
+])
+def test_bad_optimizer_settings_are_refused(plan, message):
+    with pytest.raises(ConfigError) as info:
+        config(**plan)
+    assert message in str(info.value)
