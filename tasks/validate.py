@@ -18,6 +18,9 @@ What counts:
   time - 1, so that a host that slows a whole round slows both sides of its ratio. After `steps` rounds,
   timing goes on, up to `max_steps` rounds, until the 95% interval of that median (`median_interval`)
   lies within +-`overhead_precision`; the interval (none below 6 rounds) and the rounds are recorded;
+- a device memory limit (`limit`, pipeline.toml's `device_memory`): the reference is the first step that
+  fits it, eager or per-block checkpointing (tasks/fitting_reference.py), and the plan's measured peak plus
+  the resident bytes (parameters, buffers, batch, optimizer state) must not exceed the limit;
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   eager the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -40,6 +43,8 @@ from runtime.exact import exact_fp32
 from runtime.graph import OpGraph
 from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
+from tasks.fitting_reference import reference_step
+from tasks.memory_limit import MemoryLimit
 from tasks.models import build_batch, build_loss, build_model
 from tasks.records import Validated
 
@@ -95,23 +100,19 @@ def step_state(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor |
 
 def validate_plan(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
-    graph: OpGraph | None = None,
+    graph: OpGraph | None = None, limit: MemoryLimit | None = None,
 ) -> Validated:
     """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc).
     `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
-    `runtime.load` capturing the model again; without it the plan's step captures the model itself."""
+    `runtime.load` capturing the model again; without it the plan's step captures the model itself. Under a
+    device memory `limit` the reference is the first step that fits it (tasks/fitting_reference.py)."""
     import runtime
 
     base = build_model(spec, seed).to(device)
     loss_fn = build_loss(spec)
     batch = build_batch(spec, batch_size, seed, device)
-    eager_model, plan_model = copy.deepcopy(base), copy.deepcopy(base)
-
-    def eager_step() -> torch.Tensor:
-        loss = loss_fn(eager_model, *batch)
-        loss.backward()
-        return loss
-
+    reference = reference_step(base, loss_fn, batch, device, limit, seed)
+    eager_model, eager_step, plan_model = reference.model, reference.step, copy.deepcopy(base)
     planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph)
 
     def plan_step() -> torch.Tensor:
@@ -150,6 +151,9 @@ def validate_plan(
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
     elif reason := peak_problem(peak, int(budget), settings.peak_rtol):
         problems.append(reason)
+    if limit is not None and peak + (resident := limit.module_resident_bytes(base, batch)) > limit.limit_bytes:
+        problems.append(f"measured peak {peak:,} B plus {resident:,} B resident exceeds the device memory limit "
+                        f"{limit.limit_bytes:,} B")
     return Validated(
         plan_id=plan_id(plan),
         passed=not problems,
@@ -169,6 +173,8 @@ def validate_plan(
         eager_loss=float(eager["loss"]),
         max_abs_error=worst,
         tensors_compared=compared,
+        reference=reference.kind,
+        limit_bytes=None if limit is None else limit.limit_bytes,
         **arena,
     )
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from tasks.config.errors import ConfigError, MemplanError
 from tasks.config.values import (
-    Budget, DEVICE, DTYPES, IMPORT_PATH, MAX_BUDGET_BYTES, MAX_OVERHEAD, NAMED_LOSSES,
-    TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_max_overhead, parse_option_text,
+    Budget, DEVICE, DTYPES, IMPORT_PATH, MAX_BUDGET_BYTES, MAX_OVERHEAD, NAMED_LOSSES, OPTIMIZER_STATES,
+    TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_device_memory, parse_max_overhead,
+    parse_option_text,
 )
 from tasks.config.sections import (
     Addresses, InputSpec, ModelConfig, PlanConfig, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
@@ -28,8 +29,8 @@ from tasks.config.matrix import Case, expand_matrix
 __all__ = [
     'Addresses', 'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',
     'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MemplanError', 'ModelConfig',
-    'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
+    'NAMED_LOSSES', 'OPTIMIZER_STATES', 'PipelineConfig', 'PlanConfig', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
     'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VARIANT_RULES', 'VariantChoice', 'expand_matrix', 'load_config',
-    'parse_budget', 'parse_budget_text', 'parse_config', 'parse_max_overhead', 'parse_option_text',
+    'parse_budget', 'parse_budget_text', 'parse_config', 'parse_device_memory', 'parse_max_overhead', 'parse_option_text',
     'registered_solvers',
 ]

@@ -1,0 +1,142 @@
+"""The device memory limit (`device_memory`): its config errors, the CPU meter refusing a step past it, and a
+step that eager PyTorch cannot fit being planned, validated against a reference that fits (per-block
+checkpointing) and published by the `plan` flow."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.meter import DeviceMemoryExceeded, PeakMeter
+from tasks.config import ConfigError, parse_config
+from tasks.memory_limit import MemoryLimit, memory_limit
+
+BLOCKS = Path(__file__).with_name("fit_blocks.py")
+BATCH, WIDTH = 256, 32
+
+PIPELINE = '''
+device = "cpu"
+device_memory = {limit}
+
+[[models]]
+name = "blocks"
+factory = "fit_blocks:blocks"
+loss = "mse"
+batch_sizes = [{batch}]
+inputs = [{{ shape = [{width}] }}, {{ shape = [{width}] }}]
+
+[profile]
+warmup = 0
+repeats = 1
+
+[[plans]]
+solver = "dtr"
+max_overhead = 1.0
+
+[validate]
+steps = 1
+max_steps = 1
+warmup = 0
+'''
+
+
+def mse(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def blocks_and_batch():
+    from tests.pipeline.fit_blocks import blocks
+
+    torch.manual_seed(0)
+    return blocks(WIDTH), (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
+
+
+def eager_total_bytes(model, batch, limit: MemoryLimit) -> int:
+    """The eager step's measured peak plus the resident bytes under `limit`'s optimizer."""
+    model = copy.deepcopy(model)
+    with PeakMeter("cpu") as meter:
+        mse(model, *batch).backward()
+    return meter.peak_bytes + limit.module_resident_bytes(model, batch)
+
+
+def config_with(**keys):
+    data = {"models": [{"name": "m", "factory": "torch.nn:Linear", "kwargs": {"in_features": 4, "out_features": 3},
+                        "loss": "mse", "inputs": [{"shape": [4]}, {"shape": [3]}]}],
+            "plans": [{"solver": "checkpoint-all", "budgets": [1.0]}]}
+    return parse_config(data | keys)
+
+
+def test_device_memory_takes_sizes_and_device():
+    assert config_with(device_memory="16 GiB").device_memory == 16 * 2**30
+    assert config_with(device_memory=1000).device_memory == 1000
+    assert config_with(device_memory="device").device_memory == "device"
+    assert config_with().device_memory is None
+
+
+@pytest.mark.parametrize("value", [-5, 0, "60%", 0.5, "lots", True, "1e30 GiB"])
+def test_bad_device_memory_names_the_key_and_the_fix(value):
+    with pytest.raises(ConfigError, match=r"key device_memory = .*'16 GiB'.*\"device\""):
+        config_with(device_memory=value)
+
+
+def test_unknown_optimizer_lists_the_known_ones():
+    with pytest.raises(ConfigError, match=r"key optimizer = 'lion'.*'sgd', 'sgd-momentum' or 'adamw'"):
+        config_with(optimizer="lion")
+
+
+def test_device_memory_from_the_gpu_is_refused_on_cpu():
+    with pytest.raises(Exception, match=r"device_memory = \"device\".*cpu.*\"16 GiB\""):
+        memory_limit(config_with(device_memory="device"), "cpu")
+
+
+def test_optimizer_state_counts_per_parameter():
+    model, batch = blocks_and_batch()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    inputs = sum(t.numel() * 4 for t in batch)
+    for optimizer, states in [("sgd", 0), ("sgd-momentum", 1), ("adamw", 2)]:
+        limit = MemoryLimit(limit_bytes=1, optimizer=optimizer)
+        assert limit.module_resident_bytes(model, batch) == (1 + states) * params + inputs
+
+
+def test_the_meter_refuses_a_step_past_the_limit_and_allows_one_within():
+    model, batch = blocks_and_batch()
+    limit = MemoryLimit(limit_bytes=10**12, optimizer="adamw")
+    total = eager_total_bytes(model, batch, limit)
+    resident = limit.module_resident_bytes(model, batch)
+    refused, allowed = copy.deepcopy(model), copy.deepcopy(model)
+    with pytest.raises(torch.OutOfMemoryError, match=r"exceed the device memory limit"):
+        with PeakMeter("cpu", limit_bytes=total - 1, resident_bytes=resident):
+            mse(refused, *batch).backward()
+    with PeakMeter("cpu", limit_bytes=total, resident_bytes=resident) as meter:
+        mse(allowed, *batch).backward()
+    assert meter.peak_bytes + resident == total
+    with pytest.raises(DeviceMemoryExceeded, match="before the step"):
+        PeakMeter("cpu", limit_bytes=resident - 1, resident_bytes=resident)
+
+
+def test_a_step_eager_cannot_fit_is_planned_validated_against_checkpointing_and_published(tmp_path, harness):
+    from flows.plan import run_plan
+    from runtime.plan import Plan
+    from tasks.fitting_reference import PER_BLOCK_CHECKPOINT
+
+    model, batch = blocks_and_batch()
+    unlimited = MemoryLimit(limit_bytes=10**12)
+    limit = eager_total_bytes(model, batch, unlimited) * 2 // 3            # eager needs 1.5x the limit
+    eager = copy.deepcopy(model)
+    with pytest.raises(DeviceMemoryExceeded):                               # eager itself is refused
+        with PeakMeter("cpu", limit_bytes=limit, resident_bytes=unlimited.module_resident_bytes(model, batch)):
+            mse(eager, *batch).backward()
+
+    shutil.copy(BLOCKS, tmp_path / "fit_blocks.py")
+    config = tmp_path / "pipeline.toml"
+    config.write_text(PIPELINE.format(limit=limit, batch=BATCH, width=WIDTH))
+    outcome, = run_plan(config)
+    assert outcome["status"] == "published", outcome["message"]
+    assert outcome["reference"] == PER_BLOCK_CHECKPOINT
+    plan = Plan.load(next((tmp_path / "plans").glob("blocks-b256-*.json")))
+    assert plan.predicted["peak_bytes"] + plan.predicted["constant_bytes"] <= limit
