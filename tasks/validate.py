@@ -43,7 +43,7 @@ from runtime.exact import exact_fp32
 from runtime.graph import OpGraph
 from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
-from tasks.fitting_reference import reference_step
+from tasks.fitting_reference import LOSS_REDUCTIONS, reference_step
 from tasks.memory_limit import MemoryLimit
 from tasks.models import build_batch, build_loss, build_model
 from tasks.records import Validated
@@ -111,7 +111,7 @@ def validate_plan(
     base = build_model(spec, seed).to(device)
     loss_fn = build_loss(spec)
     batch = build_batch(spec, batch_size, seed, device)
-    reference = reference_step(base, loss_fn, batch, device, limit, seed)
+    reference = reference_step(base, loss_fn, batch, device, limit, seed, LOSS_REDUCTIONS.get(spec.loss))
     eager_model, eager_step, plan_model = reference.model, reference.step, copy.deepcopy(base)
     planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph)
 
@@ -138,9 +138,10 @@ def validate_plan(
     ratios = [p / e for p, e in zip(times[1], times[0])]
     interval = median_interval(ratios)
 
-    problems, worst, compared = compare_tensors(eager, planned, settings.rtol, settings.atol)
+    rtol, atol = max(settings.rtol, reference.rtol), max(settings.atol, reference.atol)
+    problems, worst, compared = compare_tensors(eager, planned, rtol, atol)
     if plan.addresses:
-        mismatches, arena_worst, _ = compare_tensors(eager, in_arena, settings.rtol, settings.atol)
+        mismatches, arena_worst, _ = compare_tensors(eager, in_arena, rtol, atol)
         problems += [f"arena mode: {m}" for m in mismatches]
         worst = max(worst, arena_worst)
         report, = arena_step.arena_report.values()

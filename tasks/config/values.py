@@ -128,6 +128,11 @@ def parse_device_memory(value: Any) -> int | str | None:
     return budget.bytes
 
 
+def parse_device_memory_text(text: str) -> int | str | None:
+    """`device_memory` written on the command line, read as the TOML value it would be (`17179869184`, `16GiB`)."""
+    return parse_device_memory(_toml_value(text))
+
+
 MAX_OVERHEAD = 10.0
 """The largest `max_overhead` accepted: a schedule 11 times slower than no recomputation is a typo."""
 
