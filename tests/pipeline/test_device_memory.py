@@ -140,3 +140,64 @@ def test_a_step_eager_cannot_fit_is_planned_validated_against_checkpointing_and_
     assert outcome["reference"] == PER_BLOCK_CHECKPOINT
     plan = Plan.load(next((tmp_path / "plans").glob("blocks-b256-*.json")))
     assert plan.predicted["peak_bytes"] + plan.predicted["constant_bytes"] <= limit
+
+
+def test_per_block_checkpointing_gives_eager_gradients_and_batchnorm_buffers_bit_for_bit():
+    from torch import nn
+
+    from tasks.fitting_reference import checkpoint_blocks, training_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()) for _ in range(3)])
+    batch = (torch.randn(16, 8), torch.randn(16, 8))
+    eager, checkpointed = copy.deepcopy(model), copy.deepcopy(model)
+    checkpoint_blocks(checkpointed)
+    assert torch.equal(training_step(eager, mse, batch)(), training_step(checkpointed, mse, batch, keep_buffers=True)())
+    for (name, a), b in zip(eager.named_parameters(), checkpointed.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(eager.named_buffers(), checkpointed.buffers()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_micro_batches_give_the_full_batch_gradient_within_their_tolerance(reduction):
+    from tasks.fitting_reference import MICRO_BATCH_ATOL, MICRO_BATCH_RTOL, training_step
+
+    def loss_fn(model, x, y):
+        return F.mse_loss(model(x), y, reduction=reduction)
+
+    model, batch = blocks_and_batch()
+    whole, parts = copy.deepcopy(model), copy.deepcopy(model)
+    assert torch.allclose(training_step(whole, loss_fn, batch)(), training_step(parts, loss_fn, batch, 3, reduction)(),
+                          rtol=MICRO_BATCH_RTOL, atol=MICRO_BATCH_ATOL)
+    for (name, a), b in zip(whole.named_parameters(), parts.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=MICRO_BATCH_RTOL, atol=MICRO_BATCH_ATOL), name
+
+
+def test_the_reference_is_the_first_step_that_fits():
+    from torch import nn
+
+    from tasks.fitting_reference import EAGER, NoFittingReference, PER_BLOCK_CHECKPOINT, checkpoint_blocks, \
+        reference_step, training_step
+
+    model, batch = blocks_and_batch()
+    unlimited = MemoryLimit(limit_bytes=10**12)
+    eager_total = eager_total_bytes(model, batch, unlimited)
+
+    def kind(limit: int, reduction: str | None = "mean", of=model) -> str:
+        return reference_step(of, mse, batch, "cpu", MemoryLimit(limit_bytes=limit), 0, reduction).kind
+
+    assert kind(eager_total) == EAGER
+    assert kind(eager_total - 1) == PER_BLOCK_CHECKPOINT
+    checkpointed = copy.deepcopy(model)
+    checkpoint_blocks(checkpointed)
+    step = training_step(checkpointed, mse, batch, keep_buffers=True)
+    with PeakMeter("cpu") as meter:
+        step()
+    tight = unlimited.module_resident_bytes(model, batch) + meter.peak_bytes - 1   # per-block checkpointing misses
+    assert kind(tight).endswith("micro-batches (per-block checkpoint)")
+    with pytest.raises(NoFittingReference, match="no reference step fits .* eager: .* per-block checkpoint: "):
+        kind(tight, reduction=None)                           # a loss of unknown reduction: no micro-batches
+    with_norm = nn.Sequential(*[nn.Sequential(*block, nn.BatchNorm1d(WIDTH)) for block in model])
+    with pytest.raises(NoFittingReference):                   # BatchNorm: no micro-batches either
+        kind(tight, of=with_norm)

@@ -119,7 +119,7 @@ def test_memplan_fits_a_larger_batch_than_eager_and_its_plan_runs_under_the_limi
     import torch.nn.functional as F
 
     import runtime
-    from flows.fit import run_fit
+    from flows.fit import markdown_fit, run_fit
     from runtime.meter import PeakMeter
     from tests.pipeline.fit_blocks import blocks
 
@@ -144,6 +144,9 @@ def test_memplan_fits_a_larger_batch_than_eager_and_its_plan_runs_under_the_limi
     point = search.point(search.memplan_batch)
     assert point.total(point.memplan_peak_bytes) <= limit
     assert Path(answer.plot).is_file() and Path(answer.plot).read_bytes().startswith(b"\x89PNG")
+    markdown = markdown_fit(answer)
+    assert f"eager {search.eager_batch}, per-block checkpoint {search.checkpoint_batch}" in markdown
+    assert f"| {search.memplan_batch} |" in markdown and "validated against" in markdown
 
     model = blocks(WIDTH, DEPTH)
     batch = (torch.randn(search.memplan_batch, WIDTH), torch.randn(search.memplan_batch, WIDTH))
