@@ -1,20 +1,22 @@
-"""The largest batch size that fits a device memory limit: eager PyTorch's, per-block checkpointing's and
-memplan's within a predicted overhead (`memplan fit`, flows/fit.py).
+"""The largest batch size (or, for a sequence model at a given batch, the largest sequence length) that fits a
+device memory limit: eager PyTorch's, per-block checkpointing's and memplan's within a predicted overhead
+(`memplan fit`, flows/fit.py). A sequence length is the first per-sample dimension of every integer input
+that has one (token ids: `inputs = [{ shape = [128], dtype = "int64", ... }]`).
 
-Each batch size tried is traced, profiled and solved with the pipeline's own stage functions
+Each size tried is traced, profiled and solved with the pipeline's own stage functions
 (`tasks.trace.trace`, `tasks.profile.profile_graph`, `tasks.solve_stage.least_memory_within`), and judged
 by the shared simulator's predicted peaks: eager is the no-recomputation schedule (`default_schedule`),
 per-block checkpointing is `module-checkpoint` with `every = 1` (`torch.utils.checkpoint` around each
 repeated block), memplan is the least-memory schedule of `solver` within `max_overhead`. A batch fits when
 its predicted peak plus the resident bytes (`MemoryLimit.graph_resident_bytes`: parameters, buffers,
-batch, optimizer state) is at most the limit. The search doubles the batch from 1 until it does not fit
-(or reaches `max_batch`), then bisects; the three searches share the batches they evaluate. Only the
+batch, optimizer state) is at most the limit. The search doubles the size from 1 until it does not fit
+(or reaches `max_size`), then bisects; the three searches share the sizes they evaluate. Only the
 answer is validated (flows/fit.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -22,18 +24,21 @@ from tasks.config import MemplanError, ModelConfig, PipelineConfig
 from tasks.memory_limit import MemoryLimit
 
 PER_BLOCK = "module-checkpoint"
+Dimension = Literal["batch", "sequence"]
 
 
 class FitError(MemplanError):
     """`memplan fit` cannot answer: bad settings, or not even batch 1 fits."""
 
 
-class BatchPoint(BaseModel):
-    """The predicted memory of one batch size: resident bytes and each schedule's step peak (None: that
-    schedule does not exist, e.g. no repeated blocks, or nothing within the overhead)."""
+class SizePoint(BaseModel):
+    """The predicted memory of one size searched (`size`: the batch size, or the sequence length at
+    `batch_size`): resident bytes and each schedule's step peak (None: that schedule does not exist, e.g. no
+    repeated blocks, or nothing within the overhead)."""
 
     model_config = ConfigDict(frozen=True)
 
+    size: int
     batch_size: int
     resident_bytes: int
     eager_peak_bytes: int
@@ -48,31 +53,50 @@ class BatchPoint(BaseModel):
 
 
 class FitSearch(BaseModel):
-    """The searches' answers (0: not even batch 1 fits) and every batch size evaluated, in batch order."""
+    """The searches' answers, the largest size each schedule fits (0: not even size 1), and every size
+    evaluated, in order. `dimension`: batch sizes, or sequence lengths at batch `batch_size`."""
 
     model: str
+    dimension: Dimension = "batch"
+    batch_size: int | None = None
     limit_bytes: int
     optimizer: str
     solver: str
     max_overhead: float
-    max_batch: int
-    eager_batch: int
-    checkpoint_batch: int
-    memplan_batch: int
-    points: list[BatchPoint]
+    max_size: int
+    eager_largest: int
+    checkpoint_largest: int
+    memplan_largest: int
+    points: list[SizePoint]
 
-    def point(self, batch_size: int) -> BatchPoint:
-        return next(p for p in self.points if p.batch_size == batch_size)
+    def point(self, size: int) -> SizePoint:
+        return next(p for p in self.points if p.size == size)
 
 
-def largest_fitting(fits: Callable[[int], bool], max_batch: int) -> int:
-    """The largest batch size in 1..`max_batch` that `fits` (0 when 1 does not), assuming that fitting is
+def sequence_inputs(spec: ModelConfig) -> list[int]:
+    """The inputs whose first per-sample dimension is a sequence length: integer inputs with a shape."""
+    return [i for i, item in enumerate(spec.inputs) if item.high is not None and item.shape]
+
+
+def at_size(spec: ModelConfig, dimension: Dimension, size: int, batch_size: int | None) -> tuple[ModelConfig, int]:
+    """The model entry and batch size of one size searched: (`spec`, `size`) for batch sizes; for sequence
+    lengths, `spec` with its sequence inputs `size` long, at `batch_size`."""
+    if dimension == "batch":
+        return spec, size
+    long = sequence_inputs(spec)
+    inputs = [item.model_copy(update={"shape": [size, *item.shape[1:]]}) if i in long else item
+              for i, item in enumerate(spec.inputs)]
+    return spec.model_copy(update={"inputs": inputs}), int(batch_size)
+
+
+def largest_fitting(fits: Callable[[int], bool], max_size: int) -> int:
+    """The largest size in 1..`max_size` that `fits` (0 when 1 does not), assuming that fitting is
     monotone: doubling from 1, then bisection between the last fit and the first miss."""
     if not fits(1):
         return 0
     low = 1
-    while low < max_batch:
-        high = min(2 * low, max_batch)
+    while low < max_size:
+        high = min(2 * low, max_size)
         if not fits(high):
             break
         low = high
@@ -84,9 +108,10 @@ def largest_fitting(fits: Callable[[int], bool], max_batch: int) -> int:
     return low
 
 
-def evaluate_batch(spec: ModelConfig, batch_size: int, config: PipelineConfig, device: str, limit: MemoryLimit,
-                   solver: str, max_overhead: float) -> BatchPoint:
-    """Trace, profile and solve `spec` at `batch_size`; memplan's plan lands under `<cache_dir>/fit/`."""
+def evaluate_size(spec: ModelConfig, batch_size: int, size: int, config: PipelineConfig, device: str,
+                  limit: MemoryLimit, solver: str, max_overhead: float) -> SizePoint:
+    """Trace, profile and solve `spec` at `batch_size` (`size`: the size searched); memplan's plan lands under
+    `<cache_dir>/fit/`."""
     from tasks.problems import load_problem
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve import solve
@@ -109,7 +134,8 @@ def evaluate_batch(spec: ModelConfig, batch_size: int, config: PipelineConfig, d
         plan.provenance["max_overhead"] = max_overhead
         plan_path = Path(config.cache_dir) / "fit" / f"{spec.name}-b{batch_size}-{solver}-{graph.fingerprint[:12]}.json"
         plan.save(plan_path)
-    return BatchPoint(
+    return SizePoint(
+        size=size,
         batch_size=batch_size,
         resident_bytes=limit.graph_resident_bytes(graph),
         eager_peak_bytes=eager.peak_bytes,
@@ -121,35 +147,40 @@ def evaluate_batch(spec: ModelConfig, batch_size: int, config: PipelineConfig, d
 
 
 def search_fit(spec: ModelConfig, config: PipelineConfig, device: str, limit: MemoryLimit, solver: str,
-               max_overhead: float, max_batch: int,
-               evaluate: Callable[[int], BatchPoint] | None = None) -> FitSearch:
-    """The largest batch of eager, per-block checkpointing and memplan under `limit` (module docstring);
-    raises `FitError` when memplan fits not even batch 1."""
-    points: dict[int, BatchPoint] = {}
+               max_overhead: float, max_size: int, dimension: Dimension = "batch", batch_size: int | None = None,
+               evaluate: Callable[[int], SizePoint] | None = None) -> FitSearch:
+    """The largest size (batch, or sequence length at `batch_size`) of eager, per-block checkpointing and
+    memplan under `limit` (module docstring); raises `FitError` when memplan fits not even size 1."""
+    points: dict[int, SizePoint] = {}
 
-    def point(batch_size: int) -> BatchPoint:
-        if batch_size not in points:
-            points[batch_size] = (evaluate or (lambda b: evaluate_batch(spec, b, config, device, limit, solver,
-                                                                        max_overhead)))(batch_size)
-        return points[batch_size]
+    def evaluate_at(size: int) -> SizePoint:
+        entry, batch = at_size(spec, dimension, size, batch_size)
+        return evaluate_size(entry, batch, size, config, device, limit, solver, max_overhead)
 
-    def fits(peak_of: Callable[[BatchPoint], int | None]) -> Callable[[int], bool]:
-        def check(batch_size: int) -> bool:
-            total = point(batch_size).total(peak_of(point(batch_size)))
+    def point(size: int) -> SizePoint:
+        if size not in points:
+            points[size] = (evaluate or evaluate_at)(size)
+        return points[size]
+
+    def fits(peak_of: Callable[[SizePoint], int | None]) -> Callable[[int], bool]:
+        def check(size: int) -> bool:
+            total = point(size).total(peak_of(point(size)))
             return total is not None and total <= limit.limit_bytes
         return check
 
-    memplan = largest_fitting(fits(lambda p: p.memplan_peak_bytes), max_batch)
+    memplan = largest_fitting(fits(lambda p: p.memplan_peak_bytes), max_size)
     if memplan == 0:
         one = point(1)
         least = one.memplan_peak_bytes if one.memplan_peak_bytes is not None else one.eager_peak_bytes
+        where = "batch 1" if dimension == "batch" else f"sequence length 1 at batch {batch_size}"
         raise FitError(
-            f"model {spec.name!r} does not fit device_memory = {limit.limit_bytes:,} B even at batch 1: its "
+            f"model {spec.name!r} does not fit device_memory = {limit.limit_bytes:,} B even at {where}: its "
             f"parameters, buffers, batch and {limit.optimizer} state take {one.resident_bytes:,} B and the step at "
             f"least {least:,} B more ({solver} within +{max_overhead:.0%} predicted overhead); raise device_memory "
             f"or --max-overhead, or pick a smaller model.")
     eager = largest_fitting(fits(lambda p: p.eager_peak_bytes), memplan)
-    checkpoint = largest_fitting(fits(lambda p: p.checkpoint_peak_bytes), max_batch)
-    return FitSearch(model=spec.name, limit_bytes=limit.limit_bytes, optimizer=limit.optimizer, solver=solver,
-                     max_overhead=max_overhead, max_batch=max_batch, eager_batch=eager, checkpoint_batch=checkpoint,
-                     memplan_batch=memplan, points=[points[b] for b in sorted(points)])
+    checkpoint = largest_fitting(fits(lambda p: p.checkpoint_peak_bytes), max_size)
+    return FitSearch(model=spec.name, dimension=dimension, batch_size=batch_size if dimension == "sequence" else None,
+                     limit_bytes=limit.limit_bytes, optimizer=limit.optimizer, solver=solver, max_overhead=max_overhead,
+                     max_size=max_size, eager_largest=eager, checkpoint_largest=checkpoint, memplan_largest=memplan,
+                     points=[points[size] for size in sorted(points)])
