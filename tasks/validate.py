@@ -19,7 +19,8 @@ What counts:
   timing goes on, up to `max_steps` rounds, until the 95% interval of that median (`median_interval`)
   lies within +-`overhead_precision`; the interval (none below 6 rounds) and the rounds are recorded;
 - a device memory limit (`limit`, pipeline.toml's `device_memory`): the reference is the first step that
-  fits it, eager or per-block checkpointing (tasks/fitting_reference.py), and the plan's measured peak plus
+  fits it, eager, per-block checkpointing or micro-batches (tasks/fitting_reference.py, which also says
+  the tolerance micro-batches need: the larger of theirs and `rtol`/`atol`), and the plan's measured peak plus
   the resident bytes (parameters, buffers, batch, optimizer state) must not exceed the limit;
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   eager the same way; its measured peak, step time and the bytes it could not place (ops without an

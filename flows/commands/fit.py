@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
                                                              "device_memory: '16 GiB', bytes, or 'device'.")] = None,
         sequence: Annotated[bool, typer.Option("--sequence", help="Search the sequence length (the first per-sample "
                                                "dimension of the integer inputs) at --batch instead.")] = False,
-        batch: Annotated[Optional[int], typer.Option(help="The batch size of a --sequence search [default: the "
+        batch: Annotated[Optional[int], typer.Option(help="The batch size of a --sequence search \\[default: the "
                                                      "model's first batch size].", show_default=False)] = None,
         max_size: Annotated[int, typer.Option(help="The largest batch size (or sequence length) tried.")] = 4096,
         debug: Annotated[bool, typer.Option(help="Show Prefect's logs and tracebacks.")] = False,
