@@ -201,3 +201,25 @@ def test_the_reference_is_the_first_step_that_fits():
     with_norm = nn.Sequential(*[nn.Sequential(*block, nn.BatchNorm1d(WIDTH)) for block in model])
     with pytest.raises(NoFittingReference):                   # BatchNorm: no micro-batches either
         kind(tight, of=with_norm)
+
+
+def test_a_plan_past_the_limit_fails_validation_against_a_reference_that_fits():
+    from runtime.plan import default_plan
+    from tasks.config import ModelConfig, ValidateConfig
+    from tasks.fitting_reference import PER_BLOCK_CHECKPOINT
+    from tasks.trace import capture_model
+    from tasks.validate import validate_plan
+
+    spec = ModelConfig(name="blocks", factory="tests.pipeline.fit_blocks:blocks", kwargs={"width": WIDTH}, loss="mse",
+                       inputs=[{"shape": [WIDTH]}, {"shape": [WIDTH]}])
+    graph = capture_model(spec, BATCH, "cpu", 0)
+    plan = default_plan(graph)                                  # no recomputation: eager's memory
+    plan.provenance["budget_bytes"] = 10**12
+    model, batch = blocks_and_batch()
+    limit = MemoryLimit(limit_bytes=eager_total_bytes(model, batch, MemoryLimit(limit_bytes=1)) * 2 // 3)
+    settings = ValidateConfig(steps=1, max_steps=1, warmup=0)
+    validation = validate_plan(plan, spec, BATCH, "cpu", 0, settings, graph=graph, limit=limit)
+    assert validation.reference == PER_BLOCK_CHECKPOINT and validation.limit_bytes == limit.limit_bytes
+    assert not validation.passed
+    assert [r for r in validation.reasons if "exceeds the device memory limit" in r], validation.reasons
+    assert not [r for r in validation.reasons if "differs" in r], validation.reasons   # same gradients as the reference
