@@ -1,8 +1,9 @@
-"""The `fit` flow: the largest batch size (or sequence length) of a model that fits the device memory limit, for eager PyTorch,
-per-block checkpointing and memplan within a predicted overhead (tasks/fit_search.py), memplan's answer
-validated (tasks/validate.py, against a reference that fits: tasks/fitting_reference.py), a plot of peak
-memory against batch size under `<cache_dir>/reports/`, and both left as Prefect artifacts. `run_fit` is the
-entry point of the CLI and the tests; fleets deploy `fit_flow` per device class."""
+"""The `fit` flow: the largest batch size (or sequence length) of a model that fits the device memory limit,
+for eager PyTorch, per-block checkpointing and memplan within a predicted overhead (tasks/fit_search.py),
+memplan's answer validated (tasks/validate.py, against a reference that fits: tasks/fitting_reference.py), a
+plot of peak memory against the size under `<cache_dir>/reports/`, and both left as Prefect artifacts.
+`run_fit` is the entry point of the CLI and the tests; a fleet can deploy `fit_flow` per device class (its
+parameters are plain values; `memplan deploy` does not create it yet)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class FitAnswer(BaseModel):
 
     @property
     def verdict(self) -> str:
-        """"validated against <reference>", or why not."""
+        """'validated against <reference>', or why not."""
         if self.validated:
             return f"validated against {self.validation.reference}"
         return "NOT validated: " + (self.why_not or "; ".join(self.validation.reasons))
@@ -173,7 +174,8 @@ def markdown_fit(answer: FitAnswer) -> str:
              f"{search.checkpoint_largest}, memplan ({search.solver}, predicted overhead at most "
              f"{search.max_overhead:.0%}) {search.memplan_largest}, "
              f"{answer.verdict}.", "",
-             f"| {size_name(search)} | eager MiB | per-block checkpoint MiB | memplan MiB | memplan overhead | fits |", "|---|---|---|---|---|---|"]
+             f"| {size_name(search)} | eager MiB | per-block checkpoint MiB | memplan MiB | memplan overhead | fits |",
+             "|---|---|---|---|---|---|"]
     for row in fit_rows(search):
         overhead = "-" if row["overhead"] is None else f"{row['overhead']:+.1%}"
         lines.append(f"| {row['size']} | {mib(row['eager'])} | {mib(row['checkpoint'])} | {mib(row['memplan'])} | "
