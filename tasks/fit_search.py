@@ -108,10 +108,10 @@ def largest_fitting(fits: Callable[[int], bool], max_size: int) -> int:
     return low
 
 
-def evaluate_size(spec: ModelConfig, batch_size: int, size: int, config: PipelineConfig, device: str,
+def evaluate_size(spec: ModelConfig, batch_size: int, size: int, label: str, config: PipelineConfig, device: str,
                   limit: MemoryLimit, solver: str, max_overhead: float) -> SizePoint:
     """Trace, profile and solve `spec` at `batch_size` (`size`: the size searched); memplan's plan lands under
-    `<cache_dir>/fit/`."""
+    `<cache_dir>/fit/`, named after the model, `label` (`b64`, or `b2-s512` for a sequence length) and solver."""
     from tasks.problems import load_problem
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve import solve
@@ -132,7 +132,7 @@ def evaluate_size(spec: ModelConfig, batch_size: int, size: int, config: Pipelin
     if memplan.feasible:
         plan = plan_of(loaded, memplan, run.device)
         plan.provenance["max_overhead"] = max_overhead
-        plan_path = Path(config.cache_dir) / "fit" / f"{spec.name}-b{batch_size}-{solver}-{graph.fingerprint[:12]}.json"
+        plan_path = Path(config.cache_dir) / "fit" / f"{spec.name}-{label}-{solver}-{graph.fingerprint[:12]}.json"
         plan.save(plan_path)
     return SizePoint(
         size=size,
@@ -155,7 +155,8 @@ def search_fit(spec: ModelConfig, config: PipelineConfig, device: str, limit: Me
 
     def evaluate_at(size: int) -> SizePoint:
         entry, batch = at_size(spec, dimension, size, batch_size)
-        return evaluate_size(entry, batch, size, config, device, limit, solver, max_overhead)
+        label = f"b{size}" if dimension == "batch" else f"b{batch}-s{size}"
+        return evaluate_size(entry, batch, size, label, config, device, limit, solver, max_overhead)
 
     def point(size: int) -> SizePoint:
         if size not in points:

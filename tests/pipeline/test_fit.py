@@ -209,4 +209,5 @@ def test_the_sequence_search_varies_the_token_inputs_length_at_the_batch(tmp_pat
     assert eager_fits - 2 <= search.eager_largest < search.memplan_largest
     point = search.point(search.memplan_largest)
     assert point.batch_size == batch and point.total(point.memplan_peak_bytes) <= limit
+    assert Path(point.plan_path).name.startswith(f"tokens-b{batch}-s{search.memplan_largest}-dtr-")
     assert Plan.load(point.plan_path).provenance["batch"][0]["shape"] == [batch, search.memplan_largest]
