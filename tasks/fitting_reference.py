@@ -12,8 +12,7 @@ eager could not validate anything. `reference_step` tries, in order, each run un
    Recomputation re-runs the same kernels on the same inputs, so the loss and gradients are eager's bit for
    bit on deterministic kernels: the validation tolerance (`[validate] rtol`, `atol`) stays as it is. Its
    recomputed forward would update BatchNorm running statistics a second time; the buffers are put back to
-   their values after the forward, which are eager's.
-
+   their values after the forward, which are eager's;
 3. micro-batches: the batch split into 2, 4, 8, ... equal parts (the last smaller when they do not divide
    it), each part's step run in turn (per-block checkpointed when the model has blocks), its loss weighted
    by its share of the batch for a mean loss (`reduction = "mean"`: cross_entropy, mse, causal_lm, all means
