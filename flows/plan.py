@@ -15,6 +15,7 @@ from flows.preflight import check_locations
 from flows.report import Outcome, create_artifacts
 from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
 from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
+from tasks.memory_limit import memory_limit
 from tasks.models import allow_imports_from, check_model, resolve_device
 from tasks.records import Solved, Traced
 from tasks.store import check_store
@@ -43,6 +44,8 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     check_store(config.store)                  # before tracing: a missing bucket fails in a second
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
+    if config.device_memory == "device":           # read the GPU's free memory once, before anything runs
+        config = config.model_copy(update={"device_memory": memory_limit(config, device).limit_bytes})
     cases = expand_matrix(config)
     rerun = {"refresh_cache": True} if refresh else {}
 
@@ -61,7 +64,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             profile=[profiled[c.model.name, c.batch_size] for c in cases],
             solver=[c.plan.solver for c in cases],
             budget=[c.budget for c in cases],
-            settings=[c.plan.solve_settings() for c in cases],
+            settings=[c.plan.solve_settings(config.optimizer) for c in cases],
             device=unmapped(device),
             store=unmapped(config.store),
             cache_dir=unmapped(config.cache_dir),
@@ -136,7 +139,8 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
 
 def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str) -> dict[str, Any]:
     return dict(plan_path=solved.plan_path, plan_id=solved.plan_id, model=case.model, batch_size=case.batch_size,
-                device=device, seed=config.seed, settings=config.validation, alias=case.alias)
+                device=device, seed=config.seed, settings=config.validation, alias=case.alias,
+                limit=memory_limit(config, device))
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
 
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
-    resolve_device(config.device)
+    memory_limit(config, resolve_device(config.device))      # device_memory = "device" on a CPU fails here
     check_store(config.store)
     for model in config.models:
         check_model(model)

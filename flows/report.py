@@ -20,7 +20,8 @@ class Outcome:
     """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget on this
     device; `least_feasible_bytes` is the least budget the run knows is feasible) or rejected (failed
     validation); `message` says why for the last two. `arena_peak_bytes`: the measured peak in arena mode,
-    for plans with addresses."""
+    for plans with addresses. `reference`: the step validation compared the plan with (eager, or per-block
+    checkpoint where eager does not fit `device_memory`: tasks/fitting_reference.py)."""
 
     alias: str
     model: str
@@ -39,6 +40,7 @@ class Outcome:
     arena_peak_bytes: int | None = None
     plan_id: str | None = None
     least_feasible_bytes: int | None = None
+    reference: str | None = None
     message: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -59,7 +61,7 @@ class Outcome:
             return cls(**common, status="infeasible", least_feasible_bytes=known)
         measured = dict(measured_peak_bytes=validated.measured_peak_bytes, eager_peak_bytes=validated.eager_peak_bytes,
                         overhead=validated.overhead, overhead_interval=validated.overhead_interval,
-                        arena_peak_bytes=validated.arena_peak_bytes,
+                        arena_peak_bytes=validated.arena_peak_bytes, reference=validated.reference,
                         predicted_overhead=solved.objective / solved.checkpoint_all_cost - 1)
         if published is None:
             return cls(**common, **measured, status="rejected")

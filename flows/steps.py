@@ -24,6 +24,7 @@ from flows import captures
 from flows.codehash import code_hash
 from flows.progress import stage_finished, stage_started
 from tasks.config import Budget, MemplanError, ModelConfig, PlanSettings, ProfileConfig, ValidateConfig
+from tasks.memory_limit import MemoryLimit
 from tasks.records import Profiled, Published, Solved, Traced, Validated
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
@@ -128,21 +129,22 @@ def solve_step(traced: Traced, profile: Profiled, solver: str, budget: Budget, s
 def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
     _existing(p["plan_path"], "solve")
     return content_key("validate", p["plan_id"], p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
-                       p["settings"], torch.__version__,
+                       p["settings"], p.get("limit"), torch.__version__,
                        code_hash("validate"))
 
 
 @task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)
 def validate_step(plan_path: str, plan_id: str, model: ModelConfig, batch_size: int, device: str, seed: int,
-                  settings: ValidateConfig, alias: str) -> Validated:
+                  settings: ValidateConfig, alias: str, limit: MemoryLimit | None = None) -> Validated:
     """Run the plan (solved as content address `plan_id`) against eager PyTorch on `device`
     (tasks/validate.py), on the graph this run's trace captured when this process holds it (the plan runs
-    without capturing the model again)."""
+    without capturing the model again); under a device memory `limit`, against a reference that fits it."""
     from runtime.plan import Plan
     from tasks.validate import validate_plan
 
     plan = Plan.load(plan_path)
-    validation = validate_plan(plan, model, batch_size, device, seed, settings, graph=captures.get(plan.fingerprint))
+    validation = validate_plan(plan, model, batch_size, device, seed, settings, graph=captures.get(plan.fingerprint),
+                               limit=limit)
     if validation.plan_id != plan_id:
         raise RuntimeError(f"{plan_path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "
                            f"solved {plan_id[:12]}); run again with --refresh.")

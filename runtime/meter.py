@@ -11,6 +11,11 @@ allocate theirs (the dispatch meter saw 25 of 103 MiB of an inductor-compiled GP
 own small buffers (a wrapped scalar, a reduction's scratch), at the profiler's cost. On GPT-2's eager
 step and its `aot_eager_decomp_partition`-compiled step the two agreed to the byte. As with the dispatch
 meter, tensors allocated before the block never count: their frees are left out (`_block_deltas`).
+
+A device memory limit (`limit_bytes`, with `resident_bytes` for the tensors alive before the block:
+parameters, buffers, batch, optimizer state) makes the block fail as the device would: the CPU dispatch meter
+raises `DeviceMemoryExceeded` (a `torch.OutOfMemoryError`) at the op whose result takes the bytes past the
+limit, so a step that does not fit can be refused on a CPU; the other meters raise it when the block ends.
 """
 
 from __future__ import annotations
@@ -26,6 +31,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+class DeviceMemoryExceeded(torch.OutOfMemoryError):
+    """A metered block allocated more than the device memory limit allows."""
+
+
+def _exceeded(live: int, resident: int, limit: int, what: str = "") -> DeviceMemoryExceeded:
+    return DeviceMemoryExceeded(
+        f"out of device memory{what}: the step's {live:,} B allocated plus {resident:,} B resident (parameters, "
+        f"buffers, batch, optimizer state) exceed the device memory limit {limit:,} B by {live + resident - limit:,} B; "
+        f"run a plan that needs less memory, a smaller batch, or raise device_memory.")
+
+
 class _StorageTracker(TorchDispatchMode):
     """Counts the bytes of storages created by ATen ops while the mode is active, and their peak. While
     active it also logs each allocation and release as (allocation number, +bytes / -bytes)."""
@@ -36,8 +52,10 @@ class _StorageTracker(TorchDispatchMode):
         code's ATen calls at run time are still counted."""
         return True
 
-    def __init__(self) -> None:
+    def __init__(self, limit_bytes: int | None = None, resident_bytes: int = 0) -> None:
         super().__init__()
+        self.limit_bytes = limit_bytes
+        self.resident_bytes = resident_bytes
         self.live = 0
         self.peak = 0
         self.active = True
@@ -66,6 +84,9 @@ class _StorageTracker(TorchDispatchMode):
                         self.events.append((number, nbytes))
                         weakref.finalize(storage, self._release, storage._cdata, number, nbytes)
             self.peak = max(self.peak, self.live)
+            if self.limit_bytes is not None and self.live + self.resident_bytes > self.limit_bytes:
+                self.active = False       # the error unwinds the step; its releases are not this block's
+                raise _exceeded(self.live, self.resident_bytes, self.limit_bytes, f" at {func}")
         return out
 
 
@@ -74,11 +95,18 @@ class PeakMeter:
     inside the block (tensors alive before it, such as parameters, are not counted). `m.end_bytes` is
     what the block left allocated. On CPU, `m.peak_without(tensors)` is the peak with the storages of
     `tensors` left out (tensors made in the block and still alive, e.g. the parameter gradients: the
-    rest is activation memory). `allocator=True` reads the CPU allocator instead (module docstring)."""
+    rest is activation memory). `allocator=True` reads the CPU allocator instead (module docstring).
+    `limit_bytes`: the device memory limit, which the block's peak plus `resident_bytes` may not exceed
+    (module docstring)."""
 
-    def __init__(self, device: str | torch.device = "cpu", *, allocator: bool = False):
+    def __init__(self, device: str | torch.device = "cpu", *, allocator: bool = False,
+                 limit_bytes: int | None = None, resident_bytes: int = 0):
+        if limit_bytes is not None and limit_bytes < resident_bytes:
+            raise _exceeded(0, resident_bytes, limit_bytes, " before the step")
         self.device = torch.device(device)
         self.allocator = allocator
+        self.limit_bytes = limit_bytes
+        self.resident_bytes = resident_bytes
         self.peak_bytes = 0
         self.end_bytes = 0
         self._tracker: _StorageTracker | None = None
@@ -101,7 +129,7 @@ class PeakMeter:
                                                    profile_memory=True)
             self._profile.__enter__()
         elif self.device.type == "cpu":
-            self._tracker = _StorageTracker()
+            self._tracker = _StorageTracker(self.limit_bytes, self.resident_bytes)
             self._tracker.__enter__()
         else:
             raise ValueError(f"PeakMeter supports cpu and cuda devices, not {self.device}.")
@@ -136,6 +164,8 @@ class PeakMeter:
             self._tracker.active = False
             self.peak_bytes = self._tracker.peak
             self.end_bytes = self._tracker.live
+        if exc[0] is None and self.limit_bytes is not None and self.peak_bytes + self.resident_bytes > self.limit_bytes:
+            raise _exceeded(self.peak_bytes, self.resident_bytes, self.limit_bytes, f" on {self.device}")
 
 
 def _block_deltas(deltas: Iterable[int]) -> Iterator[int]:

@@ -95,6 +95,8 @@ class Validated(Record):
     arena_bytes_not_placed: int | None = None
     overhead_interval: list[float] | None = None
     timed_steps: int | None = None
+    reference: str = "eager"               # the step compared with: eager, or per-block checkpoint under a limit
+    limit_bytes: int | None = None         # the device memory limit the plan was checked against
 
     def explain(self, name: str, shown: int = 3) -> str:
         """One paragraph saying why plan `name` failed (the first `shown` reasons)."""

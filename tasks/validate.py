@@ -24,6 +24,10 @@ What counts:
   eager runs `loss.backward(); opt.step()` with its own copy of that optimizer, the plan runs
   `runtime.load(..., optimizer=opt)`, and the parameters after the step are compared instead of the
   gradients (freed inside the step); the measured peak is a later step's, with the optimizer state resident;
+- a device memory limit (`limit`, pipeline.toml's `device_memory`): the reference is the first step that
+  fits it, eager, per-block checkpointing or micro-batches (tasks/fitting_reference.py, which also says
+  the tolerance micro-batches need: the larger of theirs and `rtol`/`atol`), and the plan's measured peak plus
+  the resident bytes (parameters, buffers, batch, optimizer state) must not exceed the limit;
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   eager the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -46,6 +50,8 @@ from runtime.exact import exact_fp32
 from runtime.graph import OpGraph
 from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
+from tasks.fitting_reference import LOSS_REDUCTIONS, reference_step
+from tasks.memory_limit import MemoryLimit
 from tasks.models import build_batch, build_loss, build_model
 from tasks.records import Validated
 from tasks.solve.core.optimizer import OPTIMIZERS
@@ -128,22 +134,23 @@ def step_state(model: nn.Module, loss: torch.Tensor, params: bool = False) -> di
 
 def validate_plan(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
-    graph: OpGraph | None = None,
+    graph: OpGraph | None = None, limit: MemoryLimit | None = None,
 ) -> Validated:
     """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc).
     `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
-    `runtime.load` capturing the model again; without it the plan's step captures the model itself."""
+    `runtime.load` capturing the model again; without it the plan's step captures the model itself. Under a
+    device memory `limit` the reference is the first step that fits it (tasks/fitting_reference.py)."""
     import runtime
 
     base = build_model(spec, seed).to(device)
     loss_fn = build_loss(spec)
     batch = build_batch(spec, batch_size, seed, device)
-    eager_model, plan_model = copy.deepcopy(base), copy.deepcopy(base)
+    reference = reference_step(base, loss_fn, batch, device, limit, seed, LOSS_REDUCTIONS.get(spec.loss))
+    eager_model, plan_model = reference.model, copy.deepcopy(base)
     eager_opt, plan_opt = (in_step_optimizer(plan, m) for m in (eager_model, plan_model))
 
     def eager_step() -> torch.Tensor:
-        loss = loss_fn(eager_model, *batch)
-        loss.backward()
+        loss = reference.step()
         if eager_opt is not None:
             eager_opt.step()
             eager_opt.zero_grad(set_to_none=True)
@@ -176,6 +183,7 @@ def validate_plan(
     interval = median_interval(ratios)
 
     rtol, atol = step_tolerance(spec, settings)
+    rtol, atol = max(rtol, reference.rtol), max(atol, reference.atol)
     problems, worst, compared = compare_tensors(eager, planned, rtol, atol)
     if plan.addresses:
         mismatches, arena_worst, _ = compare_tensors(eager, in_arena, rtol, atol)
@@ -189,6 +197,9 @@ def validate_plan(
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
     elif reason := peak_problem(peak, int(budget), settings.peak_rtol):
         problems.append(reason)
+    if limit is not None and peak + (resident := limit.module_resident_bytes(base, batch)) > limit.limit_bytes:
+        problems.append(f"measured peak {peak:,} B plus {resident:,} B resident exceeds the device memory limit "
+                        f"{limit.limit_bytes:,} B")
     return Validated(
         plan_id=plan_id(plan),
         passed=not problems,
@@ -208,6 +219,8 @@ def validate_plan(
         eager_loss=float(eager["loss"]),
         max_abs_error=worst,
         tensors_compared=compared,
+        reference=reference.kind,
+        limit_bytes=None if limit is None else limit.limit_bytes,
         **arena,
     )
 

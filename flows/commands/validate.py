@@ -38,6 +38,7 @@ def run_validation(plan_path: Path, config_path: Path, model: str | None, batch:
     from flows.lookup import model_for_plan
     from runtime.plan import Plan
     from tasks.config import load_config
+    from tasks.memory_limit import memory_limit
     from tasks.models import resolve_device
     from tasks.validate import validate_plan
 
@@ -46,7 +47,8 @@ def run_validation(plan_path: Path, config_path: Path, model: str | None, batch:
     device = resolve_device(config.device)
     spec, batch_size = model_for_plan(config, plan, model, batch)
     with Status(f"validating {plan_path.name} ({spec.name}, batch {batch_size}) on {device}"):
-        return validate_plan(plan, spec, batch_size, device, config.seed, config.validation), spec, batch_size
+        return validate_plan(plan, spec, batch_size, device, config.seed, config.validation,
+                             limit=memory_limit(config, device)), spec, batch_size
 
 
 def validation_table(validation):
@@ -57,7 +59,7 @@ def validation_table(validation):
 
     mib = 2**20
     table = Table("check", "plan", "reference", title=f"validation on {validation.device} ({validation.device_name})")
-    table.add_row("loss", f"{validation.loss:.6g}", f"{validation.eager_loss:.6g} (eager)")
+    table.add_row("loss", f"{validation.loss:.6g}", f"{validation.eager_loss:.6g} ({validation.reference})")
     table.add_row("tensors compared", str(validation.tensors_compared), f"max |diff| {validation.max_abs_error:.3g}")
     table.add_row("peak MiB", f"{validation.measured_peak_bytes / mib:.2f}",
                   f"budget {validation.budget_bytes / mib:.2f}, predicted {validation.predicted_peak_bytes / mib:.2f}, "

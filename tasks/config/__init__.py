@@ -14,7 +14,9 @@ from __future__ import annotations
 from tasks.config.errors import ConfigError, MemplanError
 from tasks.config.values import (
     Budget, DEVICE, DTYPES, IMPORT_PATH, MAX_BUDGET_BYTES, MAX_OVERHEAD, NAMED_LOSSES,
-    TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_max_overhead, parse_option_text,
+    TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_device_memory, parse_device_memory_text,
+    parse_max_overhead,
+    parse_option_text,
 )
 from tasks.config.sections import (
     Addresses, InputSpec, ModelConfig, PlanConfig, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
@@ -30,6 +32,6 @@ __all__ = [
     'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MemplanError', 'ModelConfig',
     'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
     'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VARIANT_RULES', 'VariantChoice', 'expand_matrix', 'load_config',
-    'parse_budget', 'parse_budget_text', 'parse_config', 'parse_max_overhead', 'parse_option_text',
+    'parse_budget', 'parse_budget_text', 'parse_config', 'parse_device_memory', 'parse_device_memory_text', 'parse_max_overhead', 'parse_option_text',
     'registered_solvers',
 ]

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from tasks.config.errors import ConfigError
 from tasks.config.fleet import DeployConfig
 from tasks.config.sections import ModelConfig, PlanConfig, ProfileConfig, PublishConfig, Section, ValidateConfig
-from tasks.config.values import DEVICE
+from tasks.config.values import DEVICE, parse_device_memory
+from tasks.solve.core.optimizer import OPTIMIZERS
 
 class RunConfig(Section):
     """How the `plan` flow runs its solve and validate cells."""
@@ -40,6 +41,16 @@ class PipelineConfig(Section):
     """The whole `pipeline.toml`."""
 
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    device_memory: Annotated[int | Literal["device"] | None, BeforeValidator(parse_device_memory)] = Field(
+        None, description="The device's memory a training step may use: bytes or a size ('16 GiB'), or 'device' "
+        "(what the GPU has free, torch.cuda.mem_get_info; an error on CPU). A plan must fit it with the "
+        "parameters, buffers, batch, gradients and optimizer state; on CPU the meter enforces it (docs/fit.md). "
+        "None: no limit.")
+    optimizer: Literal[tuple(OPTIMIZERS)] = Field(  # type: ignore[valid-type]
+        "sgd", description="The optimizer the training job runs: "
+        + "; ".join(f"'{k}': {m.help}" for k, m in OPTIMIZERS.items()) + ". Its state (per parameter: "
+        + ", ".join(f"{k} {m.state}" for k, m in OPTIMIZERS.items()) + " tensors of the parameter's size) counts "
+        "against device_memory, and plans with optimizer_in_step = true run it inside the step.")
     seed: int = Field(0, description="Seed of the random weights and batches.")
     store: str = Field("profiles_db", description="Profile store: a folder (relative paths: from the file's folder) "
                        "or an object-store URL such as 's3://bucket/prefix' (docs/fleet.md).")

@@ -229,13 +229,10 @@ class PlanConfig(Section):
         "'bit-identical' (ReLU masks, compact max-pool, in-place ReLU, where the profile found them "
         "bit-identical to the captured op on its device); 'none' (the captured ops only). The others ('output', "
         "'math', 'sigmoid') are within the validation tolerance.")
-    optimizer: OptimizerChoice = Field(
-        "none", description="The optimizer the training job runs (with optimizer_in_step = true): "
-        + "; ".join(f"'{k}': {m.help}" for k, m in OPTIMIZERS.items()) + ". Its state is reported as "
-        "predicted.optimizer_state_bytes.")
     optimizer_in_step: bool = Field(
-        False, description="Plan for the optimizer inside the step (runtime.load(..., optimizer=opt)): each "
-        "parameter gradient dies where its parameter is updated, not at the end of the step. Needs `optimizer`.")
+        False, description="Plan for the pipeline's `optimizer` inside the step (runtime.load(..., optimizer=opt)): "
+        "each parameter gradient dies where its parameter is updated, not at the end of the step; the "
+        "optimizer's state is reported as predicted.optimizer_state_bytes.")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")
@@ -257,14 +254,6 @@ class PlanConfig(Section):
 
     @model_validator(mode="after")
     def _optimizer_in_step(self) -> PlanConfig:
-        if self.optimizer_in_step and self.optimizer == "none":
-            raise ValueError(f"plan of solver {self.solver!r} sets optimizer_in_step = true without an optimizer; "
-                             f"name the one the training job runs: optimizer = one of "
-                             f"{', '.join(repr(k) for k in OPTIMIZERS)}")
-        if self.optimizer != "none" and not self.optimizer_in_step:
-            raise ValueError(f"plan of solver {self.solver!r} names optimizer = {self.optimizer!r} but not "
-                             f"optimizer_in_step = true; the optimizer only changes a plan that runs it inside the "
-                             f"step: add optimizer_in_step = true, or drop optimizer")
         if self.optimizer_in_step and self.addresses != "none":
             raise ValueError(f"plan of solver {self.solver!r} sets optimizer_in_step = true with addresses = "
                              f"{self.addresses!r}; arena addresses do not combine with the optimizer inside the "
@@ -299,10 +288,12 @@ class PlanConfig(Section):
             parse_options(SOLVERS[solver], options, where="")
         return options
 
-    def solve_settings(self) -> PlanSettings:
-        """What the solve stage needs, in one typed object."""
+    def solve_settings(self, optimizer: str = "none") -> PlanSettings:
+        """What the solve stage needs, in one typed object; `optimizer` is the pipeline's, planned inside the
+        step when this plan sets `optimizer_in_step`."""
         return PlanSettings(backend=self.backend, time_limit=self.time_limit_s, gap=self.gap, params=dict(self.options),
-                            addresses=self.addresses, variants=self.variants, optimizer=self.optimizer)
+                            addresses=self.addresses, variants=self.variants,
+                            optimizer=optimizer if self.optimizer_in_step else "none")
 
 
 class ValidateConfig(Section):

@@ -105,6 +105,28 @@ def _toml_value(text: str) -> Any:
         return text
 
 
+def parse_device_memory(value: Any) -> int | str | None:
+    """`device_memory`: bytes (an int, or a size with a unit such as `"16 GiB"`), `"device"` (what the GPU has
+    free, read at run time) or none."""
+    if value is None or value == "device":
+        return value
+    try:
+        budget = parse_budget(value)
+    except ValueError:
+        budget = None
+    if budget is None or budget.bytes is None:
+        raise ValueError(
+            f"device_memory {value!r} is not a size; write the device's memory as bytes (17179869184) or a size with "
+            f"a unit ('16 GiB', '80 GB'; units {', '.join(_UNITS)}), or \"device\" to read what the GPU has free "
+            f"(torch.cuda.mem_get_info), or leave the key out for no limit")
+    return budget.bytes
+
+
+def parse_device_memory_text(text: str) -> int | str | None:
+    """`device_memory` written on the command line, read as the TOML value it would be (`17179869184`, `16GiB`)."""
+    return parse_device_memory(_toml_value(text))
+
+
 MAX_OVERHEAD = 10.0
 """The largest `max_overhead` accepted: a schedule 11 times slower than no recomputation is a typo."""
 

@@ -112,26 +112,29 @@ def test_updates_must_name_a_computed_gradient_and_a_parameter():
 PLAN = {"solver": "checkmate", "budgets": ["70%"]}
 
 
-def config(**plan):
+def config(optimizer: str | None = None, **plan):
     data = {"models": [{"name": "mlp", "factory": "torch.nn:Linear", "loss": "cross_entropy",
                         "batch_sizes": [4], "inputs": [{"shape": [8]}, {"shape": [], "dtype": "int64", "high": 4}]}],
             "plans": [{**PLAN, **plan}]}
+    if optimizer is not None:
+        data["optimizer"] = optimizer
     return parse_config(data, solvers=["checkmate"])
 
 
 def test_plan_settings_reach_the_solve_stage():
-    settings = config(optimizer="adamw", optimizer_in_step=True).plans[0].solve_settings()
-    assert settings.optimizer == "adamw"
-    assert config().plans[0].solve_settings().optimizer == "none"
+    adamw = config(optimizer="adamw", optimizer_in_step=True)
+    assert adamw.plans[0].solve_settings(adamw.optimizer).optimizer == "adamw"
+    outside = config(optimizer="adamw")
+    assert outside.plans[0].solve_settings(outside.optimizer).optimizer == "none"   # the plan keeps it outside
+    default = config(optimizer_in_step=True)
+    assert default.plans[0].solve_settings(default.optimizer).optimizer == "sgd"    # the pipeline's default
 
 
-@pytest.mark.parametrize("plan, message", [
-    ({"optimizer_in_step": True}, "sets optimizer_in_step = true without an optimizer"),
-    ({"optimizer": "adamw"}, "names optimizer = 'adamw' but not optimizer_in_step = true"),
-    ({"optimizer": "adamw", "optimizer_in_step": True, "addresses": "greedy"}, "arena addresses do not combine"),
+@pytest.mark.parametrize("settings, message", [
+    ({"optimizer_in_step": True, "addresses": "greedy"}, "arena addresses do not combine"),
     ({"optimizer": "lion", "optimizer_in_step": True}, "'sgd', 'sgd-momentum', 'adam' or 'adamw'"),
 ])
-def test_bad_optimizer_settings_are_refused(plan, message):
+def test_bad_optimizer_settings_are_refused(settings, message):
     with pytest.raises(ConfigError) as info:
-        config(**plan)
+        config(**settings)
     assert message in str(info.value)

@@ -1,0 +1,161 @@
+"""The reference a plan is validated against when eager PyTorch does not fit the device memory limit.
+
+Validation compares a plan's step with a reference step from the same weights and batch. Under a
+`device_memory` limit (tasks/memory_limit.py) the reference must fit it too, or a device that cannot run
+eager could not validate anything. `reference_step` tries, in order, each run under the limit
+(`runtime.meter.PeakMeter(limit_bytes=...)`, which raises `DeviceMemoryExceeded` past it):
+
+1. eager: `loss_fn(model, *batch).backward()`;
+2. per-block checkpointing: the same step with `torch.utils.checkpoint` (non-reentrant, the RNG state
+   preserved) around every repeated block that capture records (`runtime.modules.marked_modules`: the
+   children of `nn.ModuleList` / `nn.Sequential` containers, a transformer's layers, ResNet's blocks).
+   Recomputation re-runs the same kernels on the same inputs, so the loss and gradients are eager's bit for
+   bit on deterministic kernels: the validation tolerance (`[validate] rtol`, `atol`) stays as it is. Its
+   recomputed forward would update BatchNorm running statistics a second time; the buffers are put back to
+   their values after the forward, which are eager's;
+3. micro-batches: the batch split into 2, 4, 8, ... equal parts (the last smaller when they do not divide
+   it), each part's step run in turn (per-block checkpointed when the model has blocks), its loss weighted
+   by its share of the batch for a mean loss (`reduction = "mean"`: cross_entropy, mse, causal_lm, all means
+   over samples or tokens) or left as it is for a sum, the gradients accumulating in `p.grad`. That is the
+   full batch's gradient up to floating-point rounding (sums taken in another order), so this reference
+   compares with `rtol = max(rtol, MICRO_BATCH_RTOL)` and `atol = max(atol, MICRO_BATCH_ATOL)`. It is not
+   offered for a model with BatchNorm (batch statistics of parts are not the batch's), with dropout (the
+   parts draw other masks) or for a loss given by import path (its reduction is unknown).
+
+The first that fits is the reference; when none fits, `NoFittingReference` says by how much each missed.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from runtime.meter import PeakMeter
+from runtime.modules import marked_modules
+from tasks.config import MemplanError
+from tasks.memory_limit import MemoryLimit
+
+EAGER = "eager"
+PER_BLOCK_CHECKPOINT = "per-block checkpoint"
+MICRO_BATCH_RTOL = 1e-3
+MICRO_BATCH_ATOL = 1e-4
+LOSS_REDUCTIONS = {"cross_entropy": "mean", "mse": "mean", "causal_lm": "mean", "sum": "sum"}
+"""How each named loss reduces over the batch (micro-batch references weight their parts by it)."""
+
+
+class NoFittingReference(MemplanError):
+    """No reference step fits the device memory limit."""
+
+
+@dataclass(frozen=True)
+class ReferenceStep:
+    """The training step of the reference named `kind`, on its own copy of the model, and the least
+    tolerance its comparison needs (0: the validation's own)."""
+
+    kind: str
+    model: nn.Module
+    step: Callable[[], torch.Tensor]
+    rtol: float = 0.0
+    atol: float = 0.0
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """Wrap every repeated block of `model` in `torch.utils.checkpoint` (non-reentrant), in place; raises
+    `NoFittingReference` for a model without repeated blocks."""
+    blocks = marked_modules(model)
+    if not blocks:
+        raise NoFittingReference(f"{type(model).__name__} has no repeated blocks (children of nn.ModuleList or "
+                                 f"nn.Sequential) to checkpoint")
+    for block in blocks.values():
+        block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward: Callable) -> Callable:
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def training_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple, parts: int = 1,
+                  reduction: str = "mean", keep_buffers: bool = False) -> Callable[[], torch.Tensor]:
+    """One training step of `model` on `batch` in `parts` parts run in turn (module docstring, 3.), returning
+    the loss; `keep_buffers` puts the buffers back to their values after each part's forward (a checkpointed
+    model's recomputation would update BatchNorm statistics again)."""
+    rows = batch[0].shape[0]
+    bounds = [round(i * rows / parts) for i in range(parts + 1)]
+    pieces = [(tuple(t[a:b] for t in batch), (b - a) / rows if reduction == "mean" else 1.0)
+              for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    def step() -> torch.Tensor:
+        total = None
+        for piece, weight in pieces:
+            loss = loss_fn(model, *piece)
+            after_forward = [b.detach().clone() for b in model.buffers()] if keep_buffers else []
+            (loss if len(pieces) == 1 else loss * weight).backward()
+            with torch.no_grad():
+                for buffer, value in zip(model.buffers(), after_forward):
+                    buffer.copy_(value)
+            part = loss.detach() if len(pieces) == 1 else loss.detach() * weight
+            total = part if total is None else total + part
+        return total
+
+    return step
+
+
+def _candidates(model: nn.Module, rows: int, reduction: str | None) -> Iterator[tuple[str, Callable, float, float]]:
+    """(kind, prepare, rtol, atol) of each reference in the module docstring's order; `prepare(model, loss_fn,
+    batch)` wraps a copy of the model as needed and returns its step."""
+    def prepare(parts: int, checkpointed: bool) -> Callable:
+        def make(copied: nn.Module, loss_fn: Callable, batch: tuple) -> Callable[[], torch.Tensor]:
+            if checkpointed:
+                checkpoint_blocks(copied)
+            return training_step(copied, loss_fn, batch, parts, reduction or "mean", keep_buffers=checkpointed)
+        return make
+
+    blocks = bool(marked_modules(model))
+    yield EAGER, prepare(1, False), 0.0, 0.0
+    yield PER_BLOCK_CHECKPOINT, prepare(1, True), 0.0, 0.0
+    batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) or isinstance(m, nn.Dropout) and m.p > 0
+                           for m in model.modules())
+    if reduction is None or batch_statistics:
+        return
+    parts = 2
+    while parts <= rows:
+        yield (f"{parts} micro-batches" + (" (per-block checkpoint)" if blocks else ""), prepare(parts, blocks),
+               MICRO_BATCH_RTOL, MICRO_BATCH_ATOL)
+        parts *= 2
+
+
+def reference_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple, device: str,
+                   limit: MemoryLimit | None, seed: int, reduction: str | None = None) -> ReferenceStep:
+    """The first reference of the module docstring's list whose step fits `limit` on `device` (eager when
+    there is no limit), on a copy of `model`. `reduction`: the loss's ("mean" or "sum"; None: unknown, no
+    micro-batches). Raises `NoFittingReference` when none fits."""
+    if limit is None:
+        copied = copy.deepcopy(model)
+        return ReferenceStep(EAGER, copied, training_step(copied, loss_fn, batch))
+    resident = limit.module_resident_bytes(model, batch)
+    misses = []
+    for kind, make, rtol, atol in _candidates(model, batch[0].shape[0], reduction):
+        try:
+            trial = copy.deepcopy(model)     # the trial step leaves gradients and buffer updates behind
+            trial_step = make(trial, loss_fn, batch)
+            torch.manual_seed(seed)
+            with PeakMeter(device, limit_bytes=limit.limit_bytes, resident_bytes=resident):
+                trial_step()
+        except (NoFittingReference, torch.OutOfMemoryError) as exc:   # DeviceMemoryExceeded, or a GPU's own
+            misses.append(f"{kind}: {str(exc).partition(';')[0]}")
+            continue
+        finally:
+            trial = trial_step = None
+        copied = copy.deepcopy(model)
+        return ReferenceStep(kind, copied, make(copied, loss_fn, batch), rtol, atol)
+    raise NoFittingReference(
+        f"no reference step fits the device memory limit of {limit.limit_bytes:,} B on {device}, so no plan can be "
+        f"validated there: " + "; ".join(misses) + ". Raise device_memory or lower the batch size.")

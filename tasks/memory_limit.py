@@ -1,0 +1,62 @@
+"""The device memory limit of `pipeline.toml` (`device_memory`, `optimizer`) as bytes: what a training step
+may allocate once the resident tensors (parameters, buffers, batch, optimizer state) are counted.
+
+A step fits when `resident + step peak <= limit_bytes`, the step peak counting everything the step allocates
+(activations, gradients, temporaries): `runtime.meter.PeakMeter(limit_bytes=..., resident_bytes=...)` raises
+`runtime.meter.DeviceMemoryExceeded` past it.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from runtime.graph import OpGraph
+from tasks.config import MemplanError, PipelineConfig
+from tasks.solve.core.optimizer import OPTIMIZERS
+
+
+class MemoryLimit(BaseModel):
+    """A device memory limit in bytes and the optimizer whose state shares it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    limit_bytes: int
+    optimizer: str = "sgd"
+
+    @property
+    def states_per_parameter(self) -> int:
+        """Tensors of optimizer state kept per parameter (`tasks.solve.core.optimizer.OPTIMIZERS`)."""
+        return OPTIMIZERS[self.optimizer].state
+
+    def resident_bytes(self, constant_bytes: int, parameter_bytes: int) -> int:
+        """Bytes held through the step: the graph inputs (parameters, buffers, batch) and optimizer state."""
+        return constant_bytes + self.states_per_parameter * parameter_bytes
+
+    def graph_resident_bytes(self, graph: OpGraph) -> int:
+        """`resident_bytes` of a captured step."""
+        return self.resident_bytes(graph.constant_bytes, sum(v.bytes for v in graph.values if v.kind == "param"))
+
+    def module_resident_bytes(self, model, batch) -> int:
+        """`resident_bytes` of a model (its parameters and buffers) and a batch of tensors."""
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        inputs = sum(t.numel() * t.element_size() for t in batch)
+        return self.resident_bytes(params + buffers + inputs, params)
+
+
+def memory_limit(config: PipelineConfig, device: str) -> MemoryLimit | None:
+    """The limit `config` sets on `device` (a resolved device: `cpu`, `cuda:N`), None without `device_memory`;
+    `device_memory = "device"` reads the GPU's free memory now."""
+    setting = config.device_memory
+    if setting is None:
+        return None
+    if setting == "device":
+        if not device.startswith("cuda"):
+            raise MemplanError(
+                f"device_memory = \"device\" in pipeline.toml reads the GPU's free memory (torch.cuda.mem_get_info), "
+                f"but this run is on {device}; give the memory as a size instead, e.g. device_memory = \"16 GiB\", "
+                f"or run on a GPU.")
+        import torch
+
+        setting, _ = torch.cuda.mem_get_info(device)
+    return MemoryLimit(limit_bytes=int(setting), optimizer=config.optimizer)
