@@ -76,6 +76,11 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     if rewrites is not None and verify:
         raise ValueError("capture takes a rewrite selection or verify=True, not both: a recorded selection "
                          "was verified where it was made.")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise CaptureError("capture got a DistributedDataParallel wrapper, whose forward (bucket bookkeeping, "
+                           "record_function calls) is not part of the training step's graph. Capture its .module "
+                           "(runtime.capture(ddp.module, ...)); runtime.load takes the DDP object itself, captures its "
+                           ".module and all-reduces the gradients as DDP does.")
     batch = tuple(batch)
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):

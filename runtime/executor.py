@@ -14,7 +14,8 @@ of its own, runtime/dropout.py: recomputing the output from the kept mask draws 
 A compute step naming a non-default `impl` emits the variant's code (`runtime.variant_rules`); variant
 values (e.g. masks) have their own environment keyed by value id, newest copy first like graph values.
 With `arena=True`, copies with addresses live in one arena per step (`runtime.arena`); with
-`cuda_graph=True` the program is replayed as one CUDA graph (`runtime.cuda_graph`).
+`cuda_graph=True` the program is replayed as one CUDA graph (`runtime.cuda_graph`). A model wrapped in
+`DistributedDataParallel` has its gradients all-reduced in buckets by the program (`runtime.ddp_sync`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from runtime.arena import ArenaFallbackWarning, ArenaReport, emit_out_call, keep_alive, new_arena, plan_arena
 from runtime.capture import batch_signature, capture
 from runtime.cuda_graph import GraphedStep
+from runtime.ddp_sync import GradientSync
 from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
 from runtime.optim_step import InStepOptimizer, check_optimizer, refuse_accumulation, refuse_global_clipping, update_points
@@ -77,13 +80,16 @@ def replayed_random_nodes(plan: Plan, program: Program) -> set[int]:
 def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = None, *,
                  arena: bool = False, update: Callable[[int, torch.Tensor], None] | None = None,
                  updates: Mapping[int, Sequence[tuple[int, Sequence[int]]]] | None = None,
+                 sync: GradientSync | None = None, reductions: Mapping[int, Sequence[Sequence[int]]] | None = None,
                  ) -> tuple[fx.GraphModule, ArenaReport | None]:
     """The plan's schedule as one FX GraphModule `f(*params, *buffers, *batch) -> outputs` (the joint
     graph's output order: buffer updates, loss, gradients), and with `arena` the arena report
     (runtime.arena). `variants` are the graph's (`plan.validate(graph)`, which runs when they are None).
     With `updates` (schedule step -> (k, gradient output indices js), `runtime.optim_step.update_points`), the
     program calls `update(k, *gradients js)` right after that step and outputs None for those gradients (the
-    optimizer inside the step)."""
+    optimizer inside the step). With `reductions` (schedule step -> the gradient output indices of each bucket,
+    `GradientSync.reduce_points`), the program calls `sync.launch(*bucket's gradients)` right after that step
+    and `sync.finish(its result, *bucket's gradients)` at its end (DDP's all-reduce, runtime.ddp_sync)."""
     variants = plan.validate(graph) if variants is None else variants
     program: Program = graph.program
     g = fx.Graph()
@@ -95,6 +101,8 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
     replayed = replayed_random_nodes(plan, program)
     saved: dict[int, fx.Node] = {}
     updates = updates or {}
+    reductions = reductions or {}
+    launched: list[tuple[fx.Node, Sequence[int]]] = []
     grads = program.outputs[len(program.mutated_buffers) + 1:]
     for i, step in enumerate(plan.schedule):
         if "compute" not in step:
@@ -123,6 +131,10 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
             g.call_function(_set_rng_state, (previous, program.random_devices[n]))
         for k, js in updates.get(i, ()):
             g.call_function(update, (k, *(env[grads[j]] for j in js)))
+        for js in reductions.get(i, ()):
+            launched.append((g.call_function(sync.launch, tuple(env[grads[j]] for j in js)), js))
+    for work, js in launched:
+        g.call_function(sync.finish, (work, *(env[grads[j]] for j in js)))
     if arena_node is not None:
         g.call_function(keep_alive, (arena_node,))
     updated = {grads[j] for group in updates.values() for _, js in group for j in js}
@@ -153,6 +165,20 @@ def _refuse_random_replays(plan: Plan, program: Program) -> None:
                          f"cuda_graph=True.")
 
 
+def _refuse_under_ddp(optimizer: torch.optim.Optimizer | None, cuda_graph: bool) -> None:
+    """Refuse what the executor does not run under DistributedDataParallel, in one paragraph."""
+    if optimizer is not None:
+        raise ValueError("runtime.load got a DistributedDataParallel model and optimizer=: the optimizer inside the "
+                         "step would update each parameter as soon as its own gradient is final, before its bucket's "
+                         "all-reduce completes, so each rank would step with its unreduced gradient. Load the DDP "
+                         "model without optimizer= and call optimizer.step() after the step (the gradients in .grad "
+                         "are then averaged over the ranks).")
+    if cuda_graph:
+        raise ValueError("runtime.load got a DistributedDataParallel model and cuda_graph=True: the step's "
+                         "asynchronous all-reduces cannot be captured in a CUDA graph by memplan yet. Load the DDP "
+                         "model without cuda_graph=True.")
+
+
 class TrainStep:
     """`step(*batch)`: one training step under a plan. Returns the loss, accumulates gradients into
     `p.grad` and updates buffers in place. The first call for a batch shape captures the model with the
@@ -160,7 +186,9 @@ class TrainStep:
     count) and checks the plan against the captured graph; later calls reuse the compiled program. With `arena`, value
     copies live at the plan's addresses in one arena per step (runtime.arena); `arena_report[signature]`
     says what each compiled batch signature placed. With `cuda_graph`, each batch signature's program is
-    captured once and replayed as a CUDA graph (runtime.cuda_graph says what that asks of the caller)."""
+    captured once and replayed as a CUDA graph (runtime.cuda_graph says what that asks of the caller). A
+    `DistributedDataParallel` model is captured through its `.module`, and the step all-reduces the gradients as
+    DDP would (runtime.ddp_sync)."""
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
                  graph: OpGraph | None = None, arena: bool = False, cuda_graph: bool = False,
@@ -181,6 +209,11 @@ class TrainStep:
             raise ValueError("arena=True needs a plan with addresses (value copy -> arena offset), and this plan has "
                              "none. Plan with addresses (solve option addresses = 'greedy', or "
                              "tasks.solve.core.addresses.greedy_addresses), or load it without arena=True.")
+        self.gradient_sync = None
+        if isinstance(model, DistributedDataParallel):
+            _refuse_under_ddp(optimizer, cuda_graph)
+            self.gradient_sync = GradientSync(model)
+            model = model.module
         devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
         if cuda_graph and devices != {"cuda"}:
             raise ValueError(f"cuda_graph=True replays the step as a CUDA graph, and this model's parameters and "
@@ -227,8 +260,11 @@ class TrainStep:
             tensors = [grad_params[graph.outputs.index(grads[0]) - 1] for grads, _ in graph.gradient_updates()]
             in_step = InStepOptimizer(self.optimizer, tensors, self.clip_grad_value)
             updates = update_points(graph, self.plan, variants, [k for k in range(len(tensors)) if in_step.holds(k)])
+        reductions = None if self.gradient_sync is None else \
+            self.gradient_sync.reduce_points(graph, self.plan, variants, program.grad_params)
         fn, report = compile_plan(graph, self.plan, variants, arena=self.arena,
-                                  update=None if in_step is None else in_step.update, updates=updates)
+                                  update=None if in_step is None else in_step.update, updates=updates,
+                                  sync=self.gradient_sync, reductions=reductions)
         if report is not None:
             self.arena_report[key] = report
             if report.fallback:
@@ -251,6 +287,8 @@ class TrainStep:
         c = self.compile(*batch)
         if c.in_step is not None:
             refuse_accumulation(c.in_step)
+        if self.gradient_sync is not None:
+            self.gradient_sync.broadcast_buffers()
         with torch.no_grad():
             if c.graphed is not None:
                 return c.graphed(batch)
@@ -275,6 +313,9 @@ def load(plan_or_path: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.M
     graph (runtime.cuda_graph). `optimizer=opt` (a torch.optim optimizer over the model's parameters) runs it
     inside the step: each parameter it holds is updated right after its final gradient and that gradient is
     freed, so the step leaves no `.grad` for them (runtime.optim_step; docs/training.md); `clip_grad_value`
-    clamps each gradient elementwise first, and `clip_grad_norm` is refused there with the reason."""
+    clamps each gradient elementwise first, and `clip_grad_norm` is refused there with the reason. A
+    `DistributedDataParallel`-wrapped model is captured through its `.module` and its gradients are all-reduced
+    in DDP's buckets as the planned backward finishes them (runtime.ddp_sync; not with optimizer= or
+    cuda_graph=True)."""
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
     return TrainStep(plan, model, loss_fn, graph, arena, cuda_graph, optimizer, clip_grad_value, clip_grad_norm)

@@ -139,3 +139,40 @@ def update_steps(io: Sequence[StepIO | None],
         computed.update(spec.outputs)
     return [max(last[v] for v in (*grads, *params) if v in last) if computed.issuperset(grads) else None
             for grads, params in updates]
+
+
+@dataclass(frozen=True)
+class GradientBucket:
+    """Gradients all-reduced together: indices `members` into the gradients of `gradient_buckets`, in the order
+    they become final, filling a flat buffer of `nbytes`; launched right after schedule step `step` (its last
+    member's final step) and waited for at the end of the step."""
+
+    step: int
+    members: tuple[int, ...]
+    nbytes: int
+
+
+def gradient_buckets(io: Sequence[StepIO | None], grads: Sequence[int], nbytes: Sequence[int],
+                     cap_bytes: int) -> list[GradientBucket]:
+    """DistributedDataParallel's buckets for a schedule: gradient values `grads` (of `nbytes` each) in the order
+    they become final (the last compute step allocating each; ties in the order of `grads`), grouped greedily
+    into buckets of at most `cap_bytes` (a gradient larger than the cap is a bucket alone). A gradient the
+    schedule never computes is left out. `io[i]` is step i's `StepIO` (None for a free), as `Walk.io` holds them."""
+    if cap_bytes <= 0:
+        raise ValueError(f"the bucket cap must be a positive number of bytes, not {cap_bytes}.")
+    final: dict[int, int] = {}
+    for i, spec in enumerate(io):
+        for v in spec.outputs if spec is not None else ():
+            final[v] = i
+    order = sorted((final[g], k) for k, g in enumerate(grads) if g in final)
+    buckets: list[GradientBucket] = []
+    members: list[int] = []
+    size = 0
+    for position, (step, k) in enumerate(order):
+        members.append(k)
+        size += int(nbytes[k])
+        following = order[position + 1][1] if position + 1 < len(order) else None
+        if following is None or size + int(nbytes[following]) > cap_bytes:
+            buckets.append(GradientBucket(step, tuple(members), size))
+            members, size = [], 0
+    return buckets

@@ -55,6 +55,16 @@ class ParamUpdate:
     workspace: int = 0
 
 
+@dataclass(frozen=True)
+class GradientSync:
+    """DistributedDataParallel all-reduces gradient values `grads` (graph outputs, in output order) in buckets of
+    at most `cap_bytes`, each a flat buffer live from its launch to the end of the step
+    (`tasks.solve.core.ddp`; the simulator charges the buffers)."""
+
+    grads: tuple[int, ...]
+    cap_bytes: int
+
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     """Nodes `0..n-1` and values `0..V-1`, ids as in the source graph.
@@ -75,6 +85,7 @@ class Problem:
     computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
     `updates`: with the optimizer inside the step, one `ParamUpdate` per parameter it updates (empty: the
     optimizer runs after the step); `optimizer_state_bytes` its resident state, reported like `constant_bytes`.
+    `gradient_sync`: under DistributedDataParallel, the gradients all-reduced in buckets (None: not DDP).
     """
 
     name: str
@@ -96,6 +107,7 @@ class Problem:
     node_modules: tuple[str | None, ...] = ()
     updates: tuple[ParamUpdate, ...] = ()
     optimizer_state_bytes: int = 0
+    gradient_sync: GradientSync | None = None
 
     def __post_init__(self) -> None:
         _check(self)
@@ -422,3 +434,8 @@ def _check(p: Problem) -> None:
             p.optimizer_state_bytes < 0:
         raise ProblemError(f"problem {p.name!r}: each parameter update names a distinct gradient made by a node (not "
                            f"a graph output) and a graph input parameter, with non-negative workspace and state bytes.")
+    sync = p.gradient_sync
+    if sync is not None and (sync.cap_bytes <= 0 or len(set(sync.grads)) != len(sync.grads) or p.updates
+                             or not set(sync.grads) <= set(p.outputs)):
+        raise ProblemError(f"problem {p.name!r}: gradient_sync needs a positive bucket cap and distinct gradients that "
+                           f"are graph outputs, and does not combine with the optimizer inside the step.")

@@ -22,6 +22,11 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   ending with u are gone: live then = the copies live into step u + 1 + the gradients updated after u + the
   largest update workspace among them (they run one after another), and step u counts the larger of that and
   its node's live bytes; a gradient never computed is an InvalidSchedule;
+- under DistributedDataParallel (`Problem.gradient_sync`, `tasks.solve.core.ddp`), each bucket's flat buffer
+  (`runtime.schedule.gradient_buckets`) is allocated after its launch step's node, when its scratch and the
+  copies ending with that step are gone, and lives to the end of the step: step u launching buckets counts
+  the larger of its node's live bytes (+ the buffers launched before) and the copies live into step u + 1 + the
+  buffers launched up to u; later steps count every buffer launched before them;
 - with addresses (copy (step, value) -> byte offset), `arena_bytes` is the extent they span and
   `arena_peak_bytes` = arena_bytes + max over compute steps of (unplaced live copies + workspace): the
   arena is one allocation for the whole step, copies without an address are allocated as usual.
@@ -36,7 +41,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from runtime.plan import PlanError, normalize_step
-from runtime.schedule import Absence, Walk, update_steps, walk
+from runtime.schedule import Absence, Walk, gradient_buckets, update_steps, walk
 from runtime.variants import DEFAULT
 from tasks.solve.core.problem import Problem
 
@@ -137,6 +142,13 @@ def simulate(problem: Problem, schedule: Iterable[Any],
         scratch, grads = updating
         during = _live_bytes(starts, ends - 1, nbytes, len(steps)) + grads + scratch
         timeline = np.where(grads > 0, np.maximum(timeline, during), timeline)
+    buffers = np.zeros(len(steps), dtype=np.int64)
+    if problem.gradient_sync is not None:
+        launched = _bucket_launches(problem, w)
+        buffers = np.cumsum(launched)
+        after = _live_bytes(starts, ends - 1, nbytes, len(steps)) + buffers
+        timeline = timeline + buffers - launched
+        timeline = np.where(launched > 0, np.maximum(timeline, after), timeline)
     compute_live = np.where(is_compute, timeline, -1)
     peak_step = int(np.argmax(compute_live)) if is_compute.any() else -1
     sim = Simulation(
@@ -158,7 +170,7 @@ def simulate(problem: Problem, schedule: Iterable[Any],
         return sim
     placed, offsets = check_addresses(problem, sim, addresses)
     arena = int((offsets[placed] + nbytes[placed]).max(initial=0))
-    unplaced = np.where(is_compute, sim.live_timeline(~placed) + workspace, 0)
+    unplaced = np.where(is_compute, sim.live_timeline(~placed) + workspace + buffers, 0)
     return replace(sim, arena_bytes=arena, arena_peak_bytes=arena + int(unplaced.max(initial=0)))
 
 
@@ -178,6 +190,16 @@ def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> tuple[np.nd
         scratch[step] = max(scratch[step], u.workspace)
         grads[step] += int(problem.value_bytes[list(u.grads)].sum())
     return scratch, grads
+
+
+def _bucket_launches(problem: Problem, w: Walk) -> np.ndarray:
+    """Per step, the bytes of the DDP bucket buffers launched right after it."""
+    sync = problem.gradient_sync
+    launched = np.zeros(len(w.io), dtype=np.int64)
+    sizes = problem.value_bytes[list(sync.grads)]
+    for bucket in gradient_buckets(w.io, sync.grads, sizes, sync.cap_bytes):
+        launched[bucket.step] += bucket.nbytes
+    return launched
 
 
 def check_addresses(problem: Problem, sim: Simulation,
