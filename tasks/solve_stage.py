@@ -19,6 +19,7 @@ from tasks.problems import LoadedProblem, load_problem
 from tasks.records import Solved
 from tasks.solve import SOLVERS, solve
 from tasks.solve.core.addresses import greedy_addresses
+from tasks.solve.core.ddp import under_ddp
 from tasks.solve.core.optimizer import in_step
 from tasks.solve.olla import olla_addresses
 from tasks.solve.core.problem import Problem
@@ -98,6 +99,8 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
     loaded = load_problem(graph_path, device=device, store=store, variants=settings.variants)
     if settings.optimizer != "none":
         loaded = replace(loaded, problem=in_step(loaded.problem, loaded.graph.gradient_updates(), settings.optimizer))
+    if settings.ddp_bucket_mb is not None:
+        loaded = replace(loaded, problem=under_ddp(loaded.problem, loaded.graph.gradient_updates(), settings.ddp_bucket_mb))
     solution, eager = solve_loaded(loaded, solver, budget, settings.solve_options(), settings.addresses)
     problem = loaded.problem
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
@@ -108,6 +111,8 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
             plan.provenance["max_overhead"] = budget.max_overhead
         if settings.optimizer != "none":
             plan.provenance["optimizer_in_step"] = settings.optimizer
+        if settings.ddp_bucket_mb is not None:
+            plan.provenance["ddp_bucket_mb"] = settings.ddp_bucket_mb
         plan.save(plan_path)
     elif eager.peak_bytes > solution.budget_bytes:
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes)

@@ -181,7 +181,8 @@ Addresses = Literal["none", "greedy", "olla"]
 class PlanSettings(BaseModel):
     """A plan's solve settings, parsed once from its `[[plans]]` table and handed to the solve stage whole:
     the shared MILP settings, the solver's own `params` (checked against its options at load time),
-    `addresses`, `variants` and the `optimizer` run inside the step ("none": after it)."""
+    `addresses`, `variants`, the `optimizer` run inside the step ("none": after it) and DDP's bucket cap
+    `ddp_bucket_mb` (None: not under DistributedDataParallel)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -192,6 +193,7 @@ class PlanSettings(BaseModel):
     addresses: Addresses = "none"
     variants: VariantChoice = "all"
     optimizer: OptimizerChoice = "none"
+    ddp_bucket_mb: float | None = None
 
     def solve_options(self) -> SolveOptions:
         """The `SolveOptions` the solver gets."""
@@ -233,6 +235,10 @@ class PlanConfig(Section):
         False, description="Plan for the pipeline's `optimizer` inside the step (runtime.load(..., optimizer=opt)): "
         "each parameter gradient dies where its parameter is updated, not at the end of the step; the "
         "optimizer's state is reported as predicted.optimizer_state_bytes.")
+    ddp_bucket_mb: float | None = Field(
+        None, gt=0, description="Plan for runtime.load(plan, DistributedDataParallel(model, bucket_cap_mb=...), ...): "
+        "the gradients are all-reduced in buckets of this many MiB (DDP's bucket_cap_mb; its default is 25), each "
+        "a flat buffer from its launch to the end of the step, which the predicted peak counts. Omitted: not DDP.")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")
@@ -258,6 +264,11 @@ class PlanConfig(Section):
             raise ValueError(f"plan of solver {self.solver!r} sets optimizer_in_step = true with addresses = "
                              f"{self.addresses!r}; arena addresses do not combine with the optimizer inside the "
                              f"step yet: use addresses = \"none\" in this [[plans]] table")
+        if self.optimizer_in_step and self.ddp_bucket_mb is not None:
+            raise ValueError(f"plan of solver {self.solver!r} sets both optimizer_in_step = true and ddp_bucket_mb; "
+                             f"under DistributedDataParallel the executor refuses the optimizer inside the step (an "
+                             f"update would run before its gradient's all-reduce completes): drop one of them from "
+                             f"this [[plans]] table")
         return self
 
     @property
@@ -293,7 +304,8 @@ class PlanConfig(Section):
         step when this plan sets `optimizer_in_step`."""
         return PlanSettings(backend=self.backend, time_limit=self.time_limit_s, gap=self.gap, params=dict(self.options),
                             addresses=self.addresses, variants=self.variants,
-                            optimizer=optimizer if self.optimizer_in_step else "none")
+                            optimizer=optimizer if self.optimizer_in_step else "none",
+                            ddp_bucket_mb=self.ddp_bucket_mb)
 
 
 class ValidateConfig(Section):

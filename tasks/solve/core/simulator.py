@@ -146,7 +146,9 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     if problem.gradient_sync is not None:
         launched = _bucket_launches(problem, w)
         buffers = np.cumsum(launched)
-        after = _live_bytes(starts, ends - 1, nbytes, len(steps)) + buffers
+        outlive = np.zeros(len(values), dtype=np.int64)   # final output copies outlive the last step
+        outlive[[w.final[v] for v in problem.outputs]] = 1
+        after = _live_bytes(starts, ends - 1 + outlive, nbytes, len(steps)) + buffers
         timeline = timeline + buffers - launched
         timeline = np.where(launched > 0, np.maximum(timeline, after), timeline)
     compute_live = np.where(is_compute, timeline, -1)
