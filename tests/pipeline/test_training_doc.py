@@ -63,7 +63,8 @@ def plain_and_compiled(folder) -> str:
 
 
 def test_every_block_is_a_named_example_with_a_test():
-    assert set(examples()) == {"plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer", "optimizer-in-step"}
+    assert set(examples()) == {"plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer", "optimizer-in-step",
+                                 "executor-ddp"}
 
 
 def test_plain_loop_and_torch_compile(plain_and_compiled, folder):
@@ -95,3 +96,8 @@ def test_optimizer_in_step(tmp_path):
     assert peak and float(peak[1]) < float(peak[2]) and float(peak[3]) > 40, out[0]
     values = losses("\n".join(out[1:]), 3)
     assert values[-1] < values[0]
+
+
+def test_executor_under_ddp(tmp_path):
+    out = run(examples()["executor-ddp"], tmp_path)
+    assert re.fullmatch(r"predicted peak \d+\.\d MiB with the DDP buckets\nmean loss over 2 ranks: \d+\.\d{4}\n", out), out
