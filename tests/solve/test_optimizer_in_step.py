@@ -96,6 +96,13 @@ def test_the_gradients_of_a_tied_tensor_live_until_its_one_update():
     assert sim.timeline.tolist() == [40, 44, 104, 134, 154]
 
 
+def test_updates_after_the_last_step_count_the_outputs_that_outlive_it():
+    """AdamW on the tied tensor: its update runs after n4, the last step. Then the loss (4) and out (20) live on
+    past the step, beside both gradients (130) and the temporaries (2 x 100): 354, above n4's own 154."""
+    sim = simulate(in_step(problem(), [((GW, GX), (W,))], "adamw"), schedule(0, 1, 2, 3, 4))
+    assert sim.timeline.tolist() == [40, 44, 104, 134, 354]
+
+
 def test_a_gradient_never_computed_is_an_invalid_schedule():
     with pytest.raises(InvalidSchedule, match=f"never computes value {GW}, a gradient of parameter value {W}"):
         simulate(in_step(problem(), [((GW,), (W,))], "sgd"), schedule(0, 1, 3, 4))

@@ -138,16 +138,16 @@ def simulate(problem: Problem, schedule: Iterable[Any],
     updating = _in_step_updates(problem, w, ends) if problem.updates else None
     nbytes = problem.value_bytes[values]
     timeline = _live_bytes(starts, ends, nbytes, len(steps)) + workspace
+    outlive = np.zeros(len(values), dtype=np.int64)       # final output copies outlive the last step
+    outlive[[w.final[v] for v in problem.outputs]] = 1
     if updating is not None:                   # the updates after step u: what lives on, their gradients, scratch
         scratch, grads = updating
-        during = _live_bytes(starts, ends - 1, nbytes, len(steps)) + grads + scratch
+        during = _live_bytes(starts, ends - 1 + outlive, nbytes, len(steps)) + grads + scratch
         timeline = np.where(grads > 0, np.maximum(timeline, during), timeline)
     buffers = np.zeros(len(steps), dtype=np.int64)
     if problem.gradient_sync is not None:
         launched = _bucket_launches(problem, w)
         buffers = np.cumsum(launched)
-        outlive = np.zeros(len(values), dtype=np.int64)   # final output copies outlive the last step
-        outlive[[w.final[v] for v in problem.outputs]] = 1
         after = _live_bytes(starts, ends - 1 + outlive, nbytes, len(steps)) + buffers
         timeline = timeline + buffers - launched
         timeline = np.where(launched > 0, np.maximum(timeline, after), timeline)
