@@ -1,5 +1,5 @@
-"""The `plan` flow: pipeline.toml -> trace -> profile -> solve (mapped over the matrix) -> validate ->
-publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tests use."""
+"""The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
+batch size) -> solve (mapped over the matrix) -> validate -> publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tests use."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from prefect import flow, unmapped
 
 from flows.preflight import check_locations
 from flows.report import Outcome, create_artifacts
-from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
-from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
+from flows.steps import (forget_captured, profile_step, publish_step, reference_step, solve_step, trace_step,
+                         validate_step)
+from tasks.config import Case, MemplanError, ModelConfig, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
-from tasks.records import Solved, Traced
+from tasks.records import Referenced, Solved, Traced
 from tasks.store import check_store
 
 
@@ -56,11 +57,12 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             )
             for m, b in config.model_batches()
         }
+        references = {(m.name, b): _reference(m, b, device, config, rerun) for m, b in config.model_batches()}
         cells = dict(
             traced=[traced[c.model.name, c.batch_size] for c in cases],
             profile=[profiled[c.model.name, c.batch_size] for c in cases],
             solver=[c.plan.solver for c in cases],
-            budget=[c.budget for c in cases],
+            budget=[c.budget.of_eager(references[c.model.name, c.batch_size].peak_bytes) for c in cases],
             settings=[c.plan.solve_settings() for c in cases],
             device=unmapped(device),
             store=unmapped(config.store),
@@ -76,9 +78,10 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             floors = least_known_budgets(cases, solutions)
             validating = {} if runner is None else {
-                case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
+                case.alias: runner.submit(validate_step.with_options(**rerun),
+                                          _validate_parameters(case, s, config, device, references))
                 for case, s in zip(cases, solutions) if s.feasible}
-            outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias),
+            outcomes = [_validate_and_publish(case, s, config, device, references, rerun, validating.get(case.alias),
                                               floors.get((case.model.name, case.batch_size)))
                         for case, s in zip(cases, solutions)]
     finally:
@@ -134,9 +137,24 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
     return solve_step.with_options(refresh_cache=True)(**cell)
 
 
-def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str) -> dict[str, Any]:
+def _reference(model: ModelConfig, batch_size: int, device: str, config: PipelineConfig,
+               rerun: dict[str, Any]) -> Referenced:
+    """The reference step of one model and batch size (cached), measured again when its tensors file is gone."""
+    reference = reference_step.with_options(**rerun)(model, batch_size, device, config.seed, config.cache_dir)
+    if not Path(reference.path).exists():                 # a cleaned cache folder: never point at nothing
+        reference = reference_step.with_options(refresh_cache=True)(model, batch_size, device, config.seed,
+                                                                    config.cache_dir)
+    return reference
+
+
+References = dict[tuple[str, int], Referenced]
+
+
+def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str,
+                         references: References) -> dict[str, Any]:
     return dict(plan_path=solved.plan_path, plan_id=solved.plan_id, model=case.model, batch_size=case.batch_size,
-                device=device, seed=config.seed, settings=config.validation, alias=case.alias)
+                device=device, seed=config.seed, settings=config.validation,
+                reference=references[case.model.name, case.batch_size], alias=case.alias)
 
 
 @dataclass(frozen=True)
@@ -164,17 +182,19 @@ def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tupl
     return floors
 
 
-def _validate_and_publish(case: Case, solved: Solved, config: PipelineConfig, device: str,
+def _validate_and_publish(case: Case, solved: Solved, config: PipelineConfig, device: str, references: References,
                           rerun: dict[str, Any], validating: Any = None, floor: KnownFloor | None = None) -> Outcome:
     """Validate (or wait for the validation already submitted as `validating`) and publish one cell;
     `floor` is the least budget the run knows feasible for the cell's model and batch size."""
+    eager_peak = references[case.model.name, case.batch_size].peak_bytes
     if not solved.feasible:
         return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
-                          least_feasible_bytes=None if floor is None else floor.bytes)
+                          least_feasible_bytes=None if floor is None else floor.bytes, eager_peak_bytes=eager_peak)
     if validating is not None:
         validation = validating.result()
     else:
-        validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device))
+        validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device,
+                                                                                  references))
     if not validation.passed:
         return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
     published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,

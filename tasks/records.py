@@ -1,7 +1,7 @@
 """The typed records that travel between the pipeline's stages (torch-free pydantic models).
 
-Each stage returns one record: trace a `Traced`, profile a `Profiled`, solve a `Solved`, validate a
-`Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py, never pickles) and
+Each stage returns one record: trace a `Traced`, profile a `Profiled`, reference a `Referenced`, solve a
+`Solved`, validate a `Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py, never pickles) and
 gives them back typed; the run's outcome table (flows/report.py) is built from them.
 """
 
@@ -45,6 +45,25 @@ class Profiled(Record):
     fingerprint: str
     rows: int
     path: str
+
+
+class Referenced(Record):
+    """The reference step of one model x batch x device x seed (eager PyTorch unless `kind` says otherwise):
+    its loss, gradients and buffers after one step, in the safetensors file `path` (`absent`: the gradients
+    that do not exist), its measured peak and its median step time."""
+
+    kind: str
+    path: str
+    model: str
+    batch_size: int
+    device: str
+    device_name: str
+    seed: int
+    loss: float
+    peak_bytes: int
+    step_ms: float
+    tensors: int
+    absent: list[str]
 
 
 class Solved(Record):

@@ -1,34 +1,38 @@
-"""Validate a plan by running it: same loss, gradients and buffer updates as eager PyTorch, peak within
-the budget, step time and overhead measured.
+"""Validate a plan by running it: same loss, gradients and buffer updates as the reference step, peak within
+the budget, step time and overhead against eager PyTorch measured.
 
 What counts:
 - correctness: the loss, every parameter gradient and every buffer after one step of the plan equal
-  those of one eager step from the same weights and batch: |plan - eager| <= atol + rtol * |eager|
-  elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other. On CUDA
-  both steps run with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`: cuDNN and TF32
+  those of the reference step from the same weights and batch (`tasks.reference`, measured once per model x
+  batch size x device x seed and shared by the plans of that cell): |plan - reference| <= atol + rtol *
+  |reference| elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other. On
+  CUDA both steps run with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`: cuDNN and TF32
   off), since eager cuDNN kernels round differently from the graph's ATen kernels by more than the
   tolerance; the timed and metered steps keep the process's settings;
 - memory: `runtime.meter.PeakMeter(allocator=True)` measures the peak of bytes allocated during the step
   (activations, gradients, outputs, temporaries, kernels' own scratch, which the profile's workspace
   counts too; not the parameters, buffers and batch that exist before it, the same split as the plan's
   `peak_bytes` vs `constant_bytes`). It must not exceed `budget_bytes * (1 + peak_rtol)`;
-- time: the plan and eager PyTorch take turns, one step each per round (eager first in even rounds, the
-  plan first in odd ones), after `warmup` untimed rounds.
-  Step times are medians over the timed rounds; overhead is the median over rounds of plan time / eager
-  time - 1, so that a host that slows a whole round slows both sides of its ratio. After `steps` rounds,
-  timing goes on, up to `max_steps` rounds, until the 95% interval of that median (`median_interval`)
-  lies within +-`overhead_precision`; the interval (none below 6 rounds) and the rounds are recorded;
+- time: eager PyTorch and the plans take turns, one step each per round (in reverse order every other
+  round), after `warmup` untimed rounds. Step times are medians over the timed rounds; a plan's overhead is
+  the median over rounds of its time / eager's time in the same round - 1, so that a host that slows a
+  whole round slows both sides of its ratio. After `steps` rounds, timing goes on, up to `max_steps`
+  rounds, until the 95% interval of that median (`median_interval`) lies within +-`overhead_precision`
+  for every plan; the interval (none below 6 rounds) and the rounds are recorded. `validate_plans` times
+  several plans of one cell in the same rounds (one eager step per round for all of them);
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
-  eager the same way; its measured peak, step time and the bytes it could not place (ops without an
+  the reference the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 import warnings
+from dataclasses import dataclass
 from math import comb
 from typing import Any, Callable, Mapping, Sequence
 
@@ -36,12 +40,12 @@ import torch
 from torch import nn
 
 from runtime.arena import ArenaFallbackWarning
-from runtime.exact import exact_fp32
 from runtime.graph import OpGraph
 from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
-from tasks.records import Validated
+from tasks.records import Referenced, Validated
+from tasks.reference import State, eager_step, first_steps, reference_state
 
 
 class ValidationFailed(MemplanError):
@@ -85,108 +89,132 @@ def peak_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float) -> st
     return None
 
 
-def step_state(model: nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """Loss, parameter gradients and buffers after a step, keyed `loss`, `grad:<name>`, `buffer:<name>`."""
-    state: dict[str, torch.Tensor | None] = {"loss": loss.detach().clone()}
-    state |= {f"grad:{n}": None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
-    state |= {f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()}
-    return state
-
-
 def validate_plan(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
-    graph: OpGraph | None = None,
+    reference: Referenced, graph: OpGraph | None = None,
 ) -> Validated:
-    """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc).
-    `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
+    """Run `plan` from `seed`'s weights and batch on `device` and check it against `reference`, the
+    reference step of `spec` at `batch_size` (tasks/reference.py), timing it against eager PyTorch (see module
+    doc). `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
     `runtime.load` capturing the model again; without it the plan's step captures the model itself."""
+    return validate_plans([plan], spec, batch_size, device, seed, settings, reference, graph)[0]
+
+
+def validate_plans(
+    plans: Sequence[Plan], spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
+    reference: Referenced, graph: OpGraph | None = None,
+) -> list[Validated]:
+    """`validate_plan` for several plans of one model and batch size at once: each is checked against
+    `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
+    per round, each plan's overhead the median of its per-round ratios to that round's eager step."""
     import runtime
 
+    check_reference(reference, spec, batch_size, device, seed)
+    expected = reference_state(reference, device)
     base = build_model(spec, seed).to(device)
     loss_fn = build_loss(spec)
     batch = build_batch(spec, batch_size, seed, device)
-    eager_model, plan_model = copy.deepcopy(base), copy.deepcopy(base)
-
-    def eager_step() -> torch.Tensor:
-        loss = loss_fn(eager_model, *batch)
-        loss.backward()
-        return loss
-
-    planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph)
-
-    def plan_step() -> torch.Tensor:
-        return planned_step(*batch)
-
-    runs = [(eager_model, eager_step), (plan_model, plan_step)]
-    arena = {}
-    if plan.addresses:
-        arena_model = copy.deepcopy(base)
-        arena_step = runtime.load(plan, arena_model, loss_fn, graph=graph, arena=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
-            arena_step.compile(*batch)
-        runs.append((arena_model, lambda: arena_step(*batch)))
-
-    eager, eager_peak = _first_steps(eager_model, eager_step, device, seed)
-    planned, peak = _first_steps(plan_model, plan_step, device, seed)
-    if plan.addresses:                          # before any timed step moves its buffers
-        in_arena, arena_peak = _first_steps(arena_model, runs[2][1], device, seed)
+    eager_model = copy.deepcopy(base)
+    runs = [(eager_model, eager_step(eager_model, loss_fn, batch))]
+    runs[0][1]()                                # untimed, as the plans' first steps below warm them up
+    eager_model.zero_grad(set_to_none=True)
+    measured = []
+    for plan in plans:
+        plan_model = copy.deepcopy(base)
+        planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph)
+        state, peak = first_steps(plan_model, functools.partial(planned_step, *batch), device, seed)
+        runs.append((plan_model, functools.partial(planned_step, *batch)))
+        arena = None
+        if plan.addresses:                      # before any timed step moves its buffers
+            arena_model = copy.deepcopy(base)
+            arena_step = runtime.load(plan, arena_model, loss_fn, graph=graph, arena=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
+                arena_step.compile(*batch)
+            in_arena, arena_peak = first_steps(arena_model, functools.partial(arena_step, *batch), device, seed)
+            runs.append((arena_model, functools.partial(arena_step, *batch)))
+            report, = arena_step.arena_report.values()
+            arena = _ArenaRun(len(runs) - 1, in_arena, arena_peak, report.bytes_not_placed)
+        measured.append(_PlanRun(plan, len(runs) - 1 - (arena is not None), state, peak, arena))
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
-    eager_ms, step_ms = (statistics.median(t) for t in times[:2])
-    ratios = [p / e for p, e in zip(times[1], times[0])]
-    interval = median_interval(ratios)
+    return [_verdict(run, expected, times, reference, settings) for run in measured]
 
-    problems, worst, compared = compare_tensors(eager, planned, settings.rtol, settings.atol)
-    if plan.addresses:
-        mismatches, arena_worst, _ = compare_tensors(eager, in_arena, settings.rtol, settings.atol)
+
+def check_reference(reference: Referenced, spec: ModelConfig, batch_size: int, device: str, seed: int) -> None:
+    """Refuse a reference of another model, batch size, device or seed than the plan's validation."""
+    want = (spec.name, batch_size, device, seed)
+    have = (reference.model, reference.batch_size, reference.device, reference.seed)
+    if want != have:
+        raise MemplanError(
+            f"the reference at {reference.path} is of model {have[0]} at batch {have[1]} on {have[2]} with seed "
+            f"{have[3]}, not of {want[0]} at batch {want[1]} on {want[2]} with seed {want[3]}; measure the "
+            "reference of the plan's own model, batch size, device and seed (tasks.reference.measure_reference).")
+
+
+@dataclass(frozen=True)
+class _ArenaRun:
+    """A plan's run in arena mode: its index among the timed runs, its state after one step, its peak and
+    the bytes it could not place."""
+
+    index: int
+    state: State
+    peak_bytes: int
+    bytes_not_placed: int
+
+
+@dataclass(frozen=True)
+class _PlanRun:
+    """A plan's run: its index among the timed runs, its state after one step, its peak, and its arena run."""
+
+    plan: Plan
+    index: int
+    state: State
+    peak_bytes: int
+    arena: _ArenaRun | None
+
+
+def _verdict(run: _PlanRun, expected: State, times: list[list[float]], reference: Referenced,
+             settings: ValidateConfig) -> Validated:
+    """The `Validated` record of one plan's run: its state against the reference's, its peak against its budget,
+    its step times against the eager steps of the same rounds."""
+    plan = run.plan
+    ratios = [p / e for p, e in zip(times[run.index], times[0])]
+    interval = median_interval(ratios)
+    problems, worst, compared = compare_tensors(expected, run.state, settings.rtol, settings.atol)
+    arena = {}
+    if run.arena is not None:
+        mismatches, arena_worst, _ = compare_tensors(expected, run.arena.state, settings.rtol, settings.atol)
         problems += [f"arena mode: {m}" for m in mismatches]
         worst = max(worst, arena_worst)
-        report, = arena_step.arena_report.values()
-        arena = dict(arena_peak_bytes=int(arena_peak), arena_step_ms=statistics.median(times[2]),
-                     arena_bytes_not_placed=report.bytes_not_placed)
+        arena = dict(arena_peak_bytes=int(run.arena.peak_bytes), arena_step_ms=statistics.median(times[run.arena.index]),
+                     arena_bytes_not_placed=run.arena.bytes_not_placed)
     budget = plan.provenance.get("budget_bytes")
     if budget is None:
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
-    elif reason := peak_problem(peak, int(budget), settings.peak_rtol):
+    elif reason := peak_problem(run.peak_bytes, int(budget), settings.peak_rtol):
         problems.append(reason)
     return Validated(
         plan_id=plan_id(plan),
         passed=not problems,
         reasons=problems,
-        device=device,
-        device_name=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        device=reference.device,
+        device_name=reference.device_name,
         budget_bytes=int(budget or 0),
         predicted_peak_bytes=int(plan.predicted.get("peak_bytes") or 0),
-        measured_peak_bytes=int(peak),
-        eager_peak_bytes=int(eager_peak),
-        measured_step_ms=step_ms,
-        eager_step_ms=eager_ms,
+        measured_peak_bytes=int(run.peak_bytes),
+        eager_peak_bytes=reference.peak_bytes,
+        measured_step_ms=statistics.median(times[run.index]),
+        eager_step_ms=statistics.median(times[0]),
         overhead=statistics.median(ratios) - 1,
         overhead_interval=None if interval is None else [interval[0] - 1, interval[1] - 1],
         timed_steps=len(ratios),
-        loss=float(planned["loss"]),
-        eager_loss=float(eager["loss"]),
+        loss=float(run.state["loss"]),
+        eager_loss=reference.loss,
         max_abs_error=worst,
         tensors_compared=compared,
         **arena,
     )
-
-
-def _first_steps(
-    model: nn.Module, step: Callable[[], torch.Tensor], device: str, seed: int
-) -> tuple[dict[str, torch.Tensor | None], int]:
-    """The state after one step from the fresh `model`, and the measured peak of a second step."""
-    from runtime.meter import PeakMeter
-
-    torch.manual_seed(seed)
-    with exact_fp32(device):
-        state = step_state(model, step())
-    model.zero_grad(set_to_none=True)
-    with PeakMeter(device, allocator=True) as meter:
-        step()
-    model.zero_grad(set_to_none=True)
-    return state, meter.peak_bytes
 
 
 def median_interval(samples: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:

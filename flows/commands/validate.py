@@ -31,22 +31,29 @@ def register(app: typer.Typer) -> None:
 
 
 def run_validation(plan_path: Path, config_path: Path, model: str | None, batch: int | None):
-    """Load the plan and the pipeline file, find the plan's model and validate on the configured device;
-    returns the `Validated` record, the model entry and the batch size."""
+    """Load the plan and the pipeline file, find the plan's model, measure eager PyTorch's step as the
+    reference (its tensors in a temporary folder) and validate on the configured device; returns the
+    `Validated` record, the model entry and the batch size."""
+    import tempfile
+
     from rich.status import Status
 
     from flows.lookup import model_for_plan
     from runtime.plan import Plan
     from tasks.config import load_config
     from tasks.models import resolve_device
+    from tasks.reference import measure_reference
     from tasks.validate import validate_plan
 
     plan = Plan.load(plan_path)
     config = load_config(config_path)
     device = resolve_device(config.device)
     spec, batch_size = model_for_plan(config, plan, model, batch)
-    with Status(f"validating {plan_path.name} ({spec.name}, batch {batch_size}) on {device}"):
-        return validate_plan(plan, spec, batch_size, device, config.seed, config.validation), spec, batch_size
+    with Status(f"validating {plan_path.name} ({spec.name}, batch {batch_size}) on {device}"), \
+            tempfile.TemporaryDirectory(prefix="memplan-reference-") as folder:
+        reference = measure_reference(spec, batch_size, device, config.seed, Path(folder) / "reference.safetensors")
+        return (validate_plan(plan, spec, batch_size, device, config.seed, config.validation, reference), spec,
+                batch_size)
 
 
 def validation_table(validation):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.validate import compare_tensors, peak_problem, step_state
+from tasks.reference import step_state
+from tasks.validate import compare_tensors, peak_problem
 
 
 def test_equal_tensors_pass_and_are_counted():
@@ -75,6 +76,7 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     from tasks.solve.core.problem import Problem
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve.core.simulator import default_schedule, simulate
+    from tasks.reference import measure_reference
     from tasks.store_query import load_costs
     from tasks.validate import validate_plan
 
@@ -87,7 +89,8 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     nodes = in_place_nodes(graph, "cpu")
     addresses = greedy_addresses(problem, simulate(problem, schedule), np.array([n in nodes for _, n in schedule]))
     plan = Plan(graph.fingerprint, schedule, addresses, provenance={"budget_bytes": 10**9})
-    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2, warmup=1))
+    reference = measure_reference(spec, 2, "cpu", 0, tmp_path / "reference.safetensors")
+    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2, warmup=1), reference)
     assert validation.passed, validation.reasons
     assert validation.arena_bytes_not_placed == 0 and validation.arena_step_ms > 0
     assert validation.arena_peak_bytes == simulate(problem, schedule, addresses).arena_peak_bytes
@@ -201,6 +204,7 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     from tasks.solve.core.problem import Problem
     from tasks.solve.core.simulator import default_schedule, simulate
     from tasks.solve.core.solution import SolveOptions
+    from tasks.reference import measure_reference
     from tasks.store_query import load_costs
     from tasks.validate import validate_plan
 
@@ -218,6 +222,7 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     recomputed = {n for n in plan.compute_steps() if plan.compute_steps().count(n) > 1}
     assert recomputed & draws and recomputed & products
     settings = ValidateConfig(steps=2, max_steps=2, warmup=1)
-    validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, settings)
+    reference = measure_reference(spec, 2, "cpu", 0, tmp_path / "reference.safetensors")
+    validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, settings, reference)
     assert validation.passed, validation.reasons
     assert validation.max_abs_error == 0.0 and validation.tensors_compared > 10
