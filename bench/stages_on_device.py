@@ -59,7 +59,8 @@ def main() -> None:
             print(f"{m.name} b{b}: {record.nodes} nodes, trace {traced_s:.1f} s, profile "
                   f"{time.perf_counter() - start - traced_s:.1f} s", flush=True)
             traced[m.name, b], graphs[record.fingerprint], runs[m.name, b] = record, graph, run
-            references[m.name, b] = measure_reference(m, b, device, config.seed, work / "references" / f"{m.name}-b{b}.safetensors")
+            references[m.name, b] = measure_reference(m, b, device, config.seed,
+                                                      work / "references" / f"{m.name}-b{b}.safetensors")
 
     cells = []
     for case in expand_matrix(config):

@@ -81,7 +81,8 @@ def main() -> None:
 
     start = time.perf_counter()
     traced, graph = trace(spec, batch, device, seed, work / "cache")
-    run = profile_graph(graph, device, ProfileSettings(1, 3, seed), model=spec.name, root=work / "store", progress=False)
+    run = profile_graph(graph, device, ProfileSettings(1, 3, seed), model=spec.name, root=work / "store",
+                        progress=False)
     plans, names = [], []
     for solver, budget in CELLS[: args.plans]:
         solved = solve_case(traced.path, solver, budget, PlanSettings(), run.device, str(work / "store"),

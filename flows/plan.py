@@ -1,5 +1,6 @@
 """The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
-batch size) -> solve (mapped over the matrix) -> validate -> publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tests use."""
+batch size) -> solve (mapped over the matrix) -> validate -> publish, plus the run's artifacts. `run_plan`
+is the entry point the CLI and tests use."""
 
 from __future__ import annotations
 
@@ -137,6 +138,10 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
     return solve_step.with_options(refresh_cache=True)(**cell)
 
 
+References = dict[tuple[str, int], Referenced]
+"""The reference of each (model name, batch size) of a run."""
+
+
 def _reference(model: ModelConfig, batch_size: int, device: str, config: PipelineConfig,
                rerun: dict[str, Any]) -> Referenced:
     """The reference step of one model and batch size (cached), measured again when its tensors file is gone."""
@@ -145,9 +150,6 @@ def _reference(model: ModelConfig, batch_size: int, device: str, config: Pipelin
         reference = reference_step.with_options(refresh_cache=True)(model, batch_size, device, config.seed,
                                                                     config.cache_dir)
     return reference
-
-
-References = dict[tuple[str, int], Referenced]
 
 
 def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str,

@@ -5,8 +5,8 @@ The trace runs every time; each later task is cached by a content hash of what d
 flows/codehash.py), so re-running an unchanged pipeline re-uses
 profiles, references, solutions and validations, and a changed model never gets a stale one. Results are
 persisted by Prefect as JSON records (`result_serializer="json"`, never pickles) that point at the JSON graph
-and plan files, the safetensors reference files and the Parquet profile runs the stages write (absolute paths: valid from any working
-folder); `flows.plan.run_plan` puts Prefect's result storage under `cache_dir/prefect`.
+and plan files, the safetensors reference files and the Parquet profile runs the stages write (absolute
+paths: valid from any working folder); `flows.plan.run_plan` puts Prefect's result storage under `cache_dir/prefect`.
 """
 
 from __future__ import annotations

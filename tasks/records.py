@@ -1,8 +1,8 @@
 """The typed records that travel between the pipeline's stages (torch-free pydantic models).
 
 Each stage returns one record: trace a `Traced`, profile a `Profiled`, reference a `Referenced`, solve a
-`Solved`, validate a `Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py, never pickles) and
-gives them back typed; the run's outcome table (flows/report.py) is built from them.
+`Solved`, validate a `Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py,
+never pickles) and gives them back typed; the run's outcome table (flows/report.py) is built from them.
 """
 
 from __future__ import annotations

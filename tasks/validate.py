@@ -187,7 +187,8 @@ def _verdict(run: _PlanRun, expected: State, times: list[list[float]], reference
         mismatches, arena_worst, _ = compare_tensors(expected, run.arena.state, settings.rtol, settings.atol)
         problems += [f"arena mode: {m}" for m in mismatches]
         worst = max(worst, arena_worst)
-        arena = dict(arena_peak_bytes=int(run.arena.peak_bytes), arena_step_ms=statistics.median(times[run.arena.index]),
+        arena = dict(arena_peak_bytes=int(run.arena.peak_bytes),
+                     arena_step_ms=statistics.median(times[run.arena.index]),
                      arena_bytes_not_placed=run.arena.bytes_not_placed)
     budget = plan.provenance.get("budget_bytes")
     if budget is None:

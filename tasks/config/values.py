@@ -1,5 +1,6 @@
 """Values of `pipeline.toml` and the CLI: byte budgets (bytes, sizes with units, fractions of the
-checkpoint-all peak or of eager PyTorch's measured peak), `--option KEY=VALUE` assignments, overhead limits, and the names they are checked against."""
+checkpoint-all peak or of eager PyTorch's measured peak), `--option KEY=VALUE` assignments, overhead
+limits, and the names they are checked against."""
 
 from __future__ import annotations
 
@@ -151,8 +152,8 @@ def _eager_fraction(value: str, percent: str) -> float:
         raise ValueError(f"budget {value!r} is not understood: {percent!r} is not a number; write a percentage of "
                          "eager PyTorch's measured peak such as '50% eager'") from None
     if not 0 < fraction <= MAX_EAGER_FRACTION:
-        raise ValueError(f"budget {value!r} asks for {percent}% of eager PyTorch's measured peak; a fraction of eager's "
-                         f"peak must lie above 0% and at most {MAX_EAGER_FRACTION:.0%} (e.g. '50% eager')")
+        raise ValueError(f"budget {value!r} asks for {percent}% of eager PyTorch's measured peak; a fraction of "
+                         f"eager's peak must lie above 0% and at most {MAX_EAGER_FRACTION:.0%} (e.g. '50% eager')")
     return fraction
 
 

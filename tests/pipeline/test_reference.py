@@ -15,7 +15,8 @@ from tasks.config import Budget, ConfigError, MemplanError, ModelConfig, Validat
 
 def _net():
     """Linear layers and a BatchNorm (buffers a step updates)."""
-    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.BatchNorm1d(12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.BatchNorm1d(12), torch.nn.Tanh(),
+                               torch.nn.Linear(12, 4))
 
 
 @pytest.fixture(scope="module")
