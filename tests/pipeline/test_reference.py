@@ -160,22 +160,61 @@ def test_bad_fractions_of_eager_are_refused_naming_the_key(config_data, text, sa
 
 # -- the pipeline: one reference per cell, cached --------------------------------------------------------
 
-def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_path, harness, monkeypatch):
-    import tasks.reference
-    from flows.plan import run_plan
-    from tests.pipeline.test_flows import write_project
+PIPELINE = """
+device = "cpu"
 
-    calls = []
-    real = tasks.reference.measure_reference
-    monkeypatch.setattr(tasks.reference, "measure_reference", lambda *a, **k: calls.append(a[:2]) or real(*a, **k))
-    path = write_project(tmp_path, checkmate_budgets='["100% eager"]')
-    outcomes = run_plan(path)
-    assert calls == [(calls[0][0], 256)] and calls[0][0].name == "mlp"          # two plans, one reference
+[[models]]
+name = "mlp"
+factory = "tinynet:mlp"
+kwargs = { width = 32, depth = 6 }
+batch_sizes = [256]
+inputs = [{ shape = [8] }, { shape = [], dtype = "int64", high = 4 }]
+
+[profile]
+warmup = 1
+repeats = 2
+
+[[plans]]
+solver = "chen-sqrt-n"
+budgets = ["100% eager"]
+
+[[plans]]
+solver = "ap-greedy"
+max_overhead = 0.25
+
+[validate]
+steps = 1
+max_steps = 1
+warmup = 0
+"""
+
+
+def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_path, harness, monkeypatch):
+    """Two plans of one cell: one reference (a second run takes it from the cache); the eager budget is
+    eager's measured peak in bytes; each plan is validated once (an overhead search validates only the plan
+    it returns: the solve stage cannot even import the validation)."""
+    import tasks.reference
+    import tasks.validate
+    from flows.codehash import ROOT, import_closure
+    from flows.plan import run_plan
+    from flows.report import Outcome, markdown_table
+    from tests.pipeline.test_flows import TINYNET
+
+    references, validations = [], []
+    measure, validate = tasks.reference.measure_reference, tasks.validate.validate_plan
+    monkeypatch.setattr(tasks.reference, "measure_reference",
+                        lambda *a, **k: references.append(a[:2]) or measure(*a, **k))
+    monkeypatch.setattr(tasks.validate, "validate_plan", lambda *a, **k: validations.append(a[0]) or validate(*a, **k))
+    (tmp_path / "tinynet.py").write_text(TINYNET)
+    (tmp_path / "pipeline.toml").write_text(PIPELINE)
+    outcomes = run_plan(tmp_path / "pipeline.toml")
+    assert [(spec.name, batch) for spec, batch in references] == [("mlp", 256)]
+    assert [o["alias"] for o in outcomes] == ["mlp-b256-chen-sqrt-n-100pct-eager", "mlp-b256-ap-greedy-ovh25pct"]
+    assert all(o["status"] == "published" for o in outcomes), outcomes
+    assert sorted(p.provenance.get("max_overhead", 0) for p in validations) == [0, 0.25]
     eager_peak = outcomes[0]["eager_peak_bytes"]
-    assert [o["alias"] for o in outcomes] == ["mlp-b256-checkmate-100pct-eager", "mlp-b256-chen-sqrt-n-95pct"]
     assert outcomes[0]["budget_bytes"] == eager_peak and outcomes[1]["eager_peak_bytes"] == eager_peak
     assert len(list((tmp_path / ".cache" / "memplan" / "references").glob("*.safetensors"))) == 1
-    from flows.report import Outcome, markdown_table
-
     assert f"| {eager_peak / 2**20:.1f} (100% of eager) |" in markdown_table([Outcome(**o) for o in outcomes])
-    assert run_plan(path) == outcomes and len(calls) == 1                      # the second run: cached
+    assert ROOT / "tasks" / "validate.py" not in import_closure(("tasks.solve_stage",))
+    assert run_plan(tmp_path / "pipeline.toml") == outcomes and len(references) == 1 and len(validations) == 2
