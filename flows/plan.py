@@ -18,7 +18,7 @@ from flows.steps import (forget_captured, profile_step, publish_step, reference_
                          validate_step)
 from tasks.config import Case, MemplanError, ModelConfig, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
-from tasks.records import Referenced, Solved, Traced
+from tasks.records import Referenced, Solved, Traced, Validated
 from tasks.store import check_store
 
 
@@ -78,12 +78,9 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [future.result() for future in solved]   # no solver competes with the timed steps
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             floors = least_known_budgets(cases, solutions)
-            validating = {} if runner is None else {
-                case.alias: runner.submit(validate_step.with_options(**rerun),
-                                          _validate_parameters(case, s, config, device, references))
-                for case, s in zip(cases, solutions) if s.feasible}
-            outcomes = [_validate_and_publish(case, s, config, device, references, rerun, validating.get(case.alias),
-                                              floors.get((case.model.name, case.batch_size)))
+            validations = _validate_cells(cases, solutions, config, device, references, rerun, runner)
+            outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_cell(case)),
+                                      references[_cell(case)].peak_bytes)
                         for case, s in zip(cases, solutions)]
     finally:
         forget_captured(traced)
@@ -152,11 +149,32 @@ def _reference(model: ModelConfig, batch_size: int, device: str, config: Pipelin
     return reference
 
 
-def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str,
-                         references: References) -> dict[str, Any]:
-    return dict(plan_path=solved.plan_path, plan_id=solved.plan_id, model=case.model, batch_size=case.batch_size,
-                device=device, seed=config.seed, settings=config.validation,
-                reference=references[case.model.name, case.batch_size], alias=case.alias)
+def _cell(case: Case) -> tuple[str, int]:
+    return case.model.name, case.batch_size
+
+
+def _validate_cells(cases: list[Case], solutions: list[Solved], config: PipelineConfig, device: str,
+                    references: References, rerun: dict[str, Any], runner: Any) -> dict[str, Validated]:
+    """The validation of every feasible plan, by alias: one `validate_step` per model and batch size, its plans
+    timed in shared rounds (on the task runner's workers, one cell each, when `runner` is given; else one
+    cell after another in this process)."""
+    groups: dict[tuple[str, int], list[tuple[Case, Solved]]] = {}
+    for case, solved in zip(cases, solutions):
+        if solved.feasible:
+            groups.setdefault(_cell(case), []).append((case, solved))
+    parameters = {
+        cell: dict(plan_paths=[s.plan_path for _, s in group], plan_ids=[s.plan_id for _, s in group],
+                   model=group[0][0].model, batch_size=group[0][0].batch_size, device=device, seed=config.seed,
+                   settings=config.validation, reference=references[cell])
+        for cell, group in groups.items()}
+    validate = validate_step.with_options(**rerun)
+    if runner is None:
+        results = {cell: validate(**p) for cell, p in parameters.items()}
+    else:
+        futures = {cell: runner.submit(validate, p) for cell, p in parameters.items()}
+        results = {cell: future.result() for cell, future in futures.items()}
+    return {case.alias: validation for cell, group in groups.items()
+            for (case, _), validation in zip(group, results[cell])}
 
 
 @dataclass(frozen=True)
@@ -184,19 +202,13 @@ def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tupl
     return floors
 
 
-def _validate_and_publish(case: Case, solved: Solved, config: PipelineConfig, device: str, references: References,
-                          rerun: dict[str, Any], validating: Any = None, floor: KnownFloor | None = None) -> Outcome:
-    """Validate (or wait for the validation already submitted as `validating`) and publish one cell;
-    `floor` is the least budget the run knows feasible for the cell's model and batch size."""
-    eager_peak = references[case.model.name, case.batch_size].peak_bytes
-    if not solved.feasible:
+def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation: Validated | None,
+                  floor: KnownFloor | None, eager_peak: int) -> Outcome:
+    """Publish one cell's plan when its `validation` passed; `floor` is the least budget the run knows feasible
+    for the cell's model and batch size, `eager_peak` eager PyTorch's measured peak there."""
+    if validation is None:                                  # no schedule: nothing was validated
         return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
                           least_feasible_bytes=None if floor is None else floor.bytes, eager_peak_bytes=eager_peak)
-    if validating is not None:
-        validation = validating.result()
-    else:
-        validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device,
-                                                                                  references))
     if not validation.passed:
         return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
     published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,

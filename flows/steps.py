@@ -154,28 +154,32 @@ def solve_step(traced: Traced, profile: Profiled, solver: str, budget: Budget, s
 
 
 def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
-    _existing(p["plan_path"], "solve")
+    for path in p["plan_paths"]:
+        _existing(path, "solve")
     _existing(p["reference"].path, "reference")
-    return content_key("validate", p["plan_id"], p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
+    return content_key("validate", p["plan_ids"], p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
                        p["settings"], p["reference"], _torch_version(), code_hash("validate"))
 
 
-@task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)
-def validate_step(plan_path: str, plan_id: str, model: ModelConfig, batch_size: int, device: str, seed: int,
-                  settings: ValidateConfig, reference: Referenced, alias: str) -> Validated:
-    """Run the plan (solved as content address `plan_id`) on `device`, check it against the cell's
-    `reference` and time it against eager PyTorch (tasks/validate.py), on the graph this run's trace captured
-    when this process holds it (the plan runs without capturing the model again)."""
+@task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {model.name} b{batch_size}",
+      **PERSISTED, **HOOKS)
+def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig, batch_size: int, device: str,
+                  seed: int, settings: ValidateConfig, reference: Referenced) -> list[Validated]:
+    """Run the plans of one model and batch size (solved as content addresses `plan_ids`) on `device`, check
+    each against the cell's `reference` and time them against eager PyTorch in shared rounds
+    (tasks/validate.py `validate_plans`), on the graph this run's trace captured when this process holds it
+    (the plans run without capturing the model again)."""
     from runtime.plan import Plan
-    from tasks.validate import validate_plan
+    from tasks.validate import validate_plans
 
-    plan = Plan.load(plan_path)
-    validation = validate_plan(plan, model, batch_size, device, seed, settings, reference,
-                               graph=captures.get(plan.fingerprint))
-    if validation.plan_id != plan_id:
-        raise RuntimeError(f"{plan_path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "
-                           f"solved {plan_id[:12]}); run again with --refresh.")
-    return validation
+    plans = [Plan.load(path) for path in plan_paths]
+    validations = validate_plans(plans, model, batch_size, device, seed, settings, reference,
+                                 graph=captures.get(plans[0].fingerprint))
+    for path, solved, validation in zip(plan_paths, plan_ids, validations):
+        if validation.plan_id != solved:
+            raise RuntimeError(f"{path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "
+                               f"solved {solved[:12]}); run again with --refresh.")
+    return validations
 
 
 def forget_captured(traced: Mapping[Any, Traced]) -> None:
