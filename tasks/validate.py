@@ -45,7 +45,7 @@ from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
 from tasks.records import Referenced, Validated
-from tasks.reference import State, eager_step, first_steps, reference_state
+from tasks.reference import State, Step, eager_step, first_steps, reference_state
 
 
 class ValidationFailed(MemplanError):
@@ -106,9 +106,8 @@ def validate_plans(
 ) -> list[Validated]:
     """`validate_plan` for several plans of one model and batch size at once: each is checked against
     `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
-    per round, each plan's overhead the median of its per-round ratios to that round's eager step."""
-    import runtime
-
+    per round, each plan's overhead the median of its per-round ratios to that round's eager step. Each plan
+    (and its arena run) keeps a copy of the model until timing ends."""
     check_reference(reference, spec, batch_size, device, seed)
     expected = reference_state(reference, device)
     base = build_model(spec, seed).to(device)
@@ -116,29 +115,37 @@ def validate_plans(
     batch = build_batch(spec, batch_size, seed, device)
     eager_model = copy.deepcopy(base)
     runs = [(eager_model, eager_step(eager_model, loss_fn, batch))]
-    runs[0][1]()                                # untimed, as the plans' first steps below warm them up
+    runs[0][1]()                                # untimed, as the plans' first steps warm them up
     eager_model.zero_grad(set_to_none=True)
-    measured = []
-    for plan in plans:
-        plan_model = copy.deepcopy(base)
-        planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph)
-        state, peak = first_steps(plan_model, functools.partial(planned_step, *batch), device, seed)
-        runs.append((plan_model, functools.partial(planned_step, *batch)))
-        arena = None
-        if plan.addresses:                      # before any timed step moves its buffers
-            arena_model = copy.deepcopy(base)
-            arena_step = runtime.load(plan, arena_model, loss_fn, graph=graph, arena=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
-                arena_step.compile(*batch)
-            in_arena, arena_peak = first_steps(arena_model, functools.partial(arena_step, *batch), device, seed)
-            runs.append((arena_model, functools.partial(arena_step, *batch)))
-            report, = arena_step.arena_report.values()
-            arena = _ArenaRun(len(runs) - 1, in_arena, arena_peak, report.bytes_not_placed)
-        measured.append(_PlanRun(plan, len(runs) - 1 - (arena is not None), state, peak, arena))
+    measured = [_first_run(plan, base, loss_fn, batch, device, seed, graph, runs) for plan in plans]
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
     return [_verdict(run, expected, times, reference, settings) for run in measured]
+
+
+def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
+               device: str, seed: int, graph: OpGraph | None, runs: list[tuple[nn.Module, Step]]) -> _PlanRun:
+    """Load `plan` on a copy of `base`, take its state after one step and its peak (and, for a plan with
+    addresses, those of its arena run, before any timed step moves its buffers); appends its timed runs to
+    `runs`."""
+    import runtime
+
+    plan_model = copy.deepcopy(base)
+    planned = functools.partial(runtime.load(plan, plan_model, loss_fn, graph=graph), *batch)
+    state, peak = first_steps(plan_model, planned, device, seed)
+    runs.append((plan_model, planned))
+    index, arena = len(runs) - 1, None
+    if plan.addresses:
+        arena_model = copy.deepcopy(base)
+        arena_step = runtime.load(plan, arena_model, loss_fn, graph=graph, arena=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
+            arena_step.compile(*batch)
+        in_arena, arena_peak = first_steps(arena_model, functools.partial(arena_step, *batch), device, seed)
+        runs.append((arena_model, functools.partial(arena_step, *batch)))
+        report, = arena_step.arena_report.values()
+        arena = _ArenaRun(len(runs) - 1, in_arena, arena_peak, report.bytes_not_placed)
+    return _PlanRun(plan, index, state, peak, arena)
 
 
 def check_reference(reference: Referenced, spec: ModelConfig, batch_size: int, device: str, seed: int) -> None:
