@@ -15,13 +15,15 @@ settings of pipeline.toml (`--steps`, `--max-steps`) by:
   (no eager correctness or peak steps; timed rounds still paired with eager);
 - shared: one reference, then `validate_plans` of all plans at once (each round one eager step and one
   step of every plan).
-Prints seconds per mode and their ratio to before, and one row per plan: verdict and measured overhead by
+Prints seconds per mode and their ratio to before, the median over plans of the larger half of each
+overhead's 95% interval (how precise the timing was), and one row per plan: verdict and measured overhead by
 each mode (the verdicts must agree; overheads are noisy on a busy host).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -109,10 +111,14 @@ def main() -> None:
         console.print(f"{mode}: {seconds[mode]:.0f} s", highlight=False)
 
     first = args.modes[0]
-    totals = Table("mode", "validation s", f"ratio to {first}", "timed rounds (sum)", "passed")
+    totals = Table("mode", "validation s", f"ratio to {first}", "timed rounds (sum)", "median ± of overheads",
+                   "passed")
     for mode in args.modes:
+        halves = [max(v.overhead - v.overhead_interval[0], v.overhead_interval[1] - v.overhead)
+                  for v in results[mode] if v.overhead_interval is not None]
         totals.add_row(mode, f"{seconds[mode]:.0f}", f"{seconds[mode] / seconds[first]:.2f}",
                        str(sum(v.timed_steps or 0 for v in results[mode])),
+                       f"{statistics.median(halves):.1%}" if halves else "",
                        f"{sum(v.passed for v in results[mode])} of {len(plans)}")
     console.print(totals)
     rows = Table("plan", *(f"{m} verdict / overhead" for m in args.modes), "same verdicts")
