@@ -107,7 +107,8 @@ def validate_plans(
     """`validate_plan` for several plans of one model and batch size at once: each is checked against
     `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
     per round, each plan's overhead the median of its per-round ratios to that round's eager step. Each plan
-    (and its arena run) keeps a copy of the model until timing ends."""
+    (and its arena run) keeps a copy of the model until timing ends. Without `graph`, plans of one graph and
+    rewrite selection share one capture of the model."""
     check_reference(reference, spec, batch_size, device, seed)
     expected = reference_state(reference, device)
     base = build_model(spec, seed).to(device)
@@ -117,6 +118,10 @@ def validate_plans(
     runs = [(eager_model, eager_step(eager_model, loss_fn, batch))]
     runs[0][1]()                                # untimed, as the plans' first steps warm them up
     eager_model.zero_grad(set_to_none=True)
+    if graph is None and len({plan.fingerprint for plan in plans}) == 1 and len({str(p.rewrites) for p in plans}) == 1:
+        from runtime.capture import capture
+
+        graph = capture(copy.deepcopy(base), loss_fn, batch, rewrites=plans[0].rewrites)   # once, not once per plan
     measured = [_first_run(plan, base, loss_fn, batch, device, seed, graph, runs) for plan in plans]
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
