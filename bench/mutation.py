@@ -52,7 +52,9 @@ TARGETS = {
                     "tests/runtime/test_plan_contract.py")),
     "validate": Target("tasks/validate.py",
                        ("tests/pipeline/test_validate.py", "tests/pipeline/test_validate_gate.py"),
-                       ("*compare_tensors*", "*peak_problem*", "*explain*", "*step_state*")),
+                       ("*compare_tensors*", "*peak_problem*", "*explain*", "*check_reference*", "*_verdict*")),
+    "reference": Target("tasks/reference.py", ("tests/pipeline/test_reference.py",),
+                        ("*step_state*", "*write_state*", "*reference_state*")),
     "checkmate_model": Target("tasks/solve/core/remat_milp.py",
                               ("tests/solve/test_checkmate_model.py",
                                *(f"tests/solve/test_checkmate.py::test_ilp_finds_the_exhaustive_optimum_on_linear_graphs[{n}]"

@@ -3,8 +3,9 @@ torch but not Prefect (a lent device machine), to validate plans on its device.
 
     python bench/stages_on_device.py [pipeline.toml] [--extra more.toml] [--json out.json]
 
-Per model and batch size: trace, profile (into a temporary store); per matrix cell: solve
-(`tasks.solve_stage.solve_case`), validate against eager PyTorch (`tasks.validate.validate_plan`) and
+Per model and batch size: trace, profile (into a temporary store), eager PyTorch's reference step
+(`tasks.reference.measure_reference`); per matrix cell: solve (`tasks.solve_stage.solve_case`), validate
+against the reference and eager PyTorch's step time (`tasks.validate.validate_plan`) and
 publish into a temporary `plans/` when validation passes. `--extra` appends a TOML file's text to the
 config (more models and plans). Prints one line per cell: budget, predicted and measured peak, eager's
 peak, step times, the largest gradient error, and why a plan was rejected.
@@ -26,6 +27,7 @@ from tasks.config import expand_matrix, parse_config
 from tasks.models import resolve_device
 from tasks.profile import ProfileSettings, profile_graph
 from tasks.publish import publish
+from tasks.reference import measure_reference
 from tasks.solve_stage import solve_case
 from tasks.trace import trace
 from tasks.validate import validate_plan
@@ -46,7 +48,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     print(f"device {device} ({name}), torch {torch.__version__}, work files in {work}", flush=True)
 
-    traced, graphs, runs = {}, {}, {}
+    traced, graphs, runs, references = {}, {}, {}, {}
     for m in config.models:
         for b in m.batch_sizes:
             start = time.perf_counter()
@@ -57,12 +59,16 @@ def main() -> None:
             print(f"{m.name} b{b}: {record.nodes} nodes, trace {traced_s:.1f} s, profile "
                   f"{time.perf_counter() - start - traced_s:.1f} s", flush=True)
             traced[m.name, b], graphs[record.fingerprint], runs[m.name, b] = record, graph, run
+            references[m.name, b] = measure_reference(m, b, device, config.seed,
+                                                      work / "references" / f"{m.name}-b{b}.safetensors")
 
     cells = []
     for case in expand_matrix(config):
         record, run = traced[case.model.name, case.batch_size], runs[case.model.name, case.batch_size]
         start = time.perf_counter()
-        solved = solve_case(record.path, case.plan.solver, case.budget, case.plan.solve_settings(), run.device,
+        reference = references[case.model.name, case.batch_size]
+        solved = solve_case(record.path, case.plan.solver, case.budget.of_eager(reference.peak_bytes),
+                            case.plan.solve_settings(), run.device,
                             work / "store", work / "solutions" / f"{case.alias}.json")
         cell = {"alias": case.alias, "solve_s": time.perf_counter() - start}
         if not solved.feasible:
@@ -70,7 +76,7 @@ def main() -> None:
             print(f"{case.alias}: infeasible ({solved.message})", flush=True)
             continue
         plan = Plan.load(solved.plan_path)
-        v = validate_plan(plan, case.model, case.batch_size, device, config.seed, config.validation,
+        v = validate_plan(plan, case.model, case.batch_size, device, config.seed, config.validation, reference,
                           graph=graphs.get(plan.fingerprint))
         if v.passed:
             publish(plan, v, work / "plans", alias=case.alias, model=case.model.name, batch_size=case.batch_size,

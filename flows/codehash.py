@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runtime", "tasks", "flows")
 
-STAGE_MODULES = {"profile": ("tasks.profile", "tasks.trace"), "solve": ("tasks.solve_stage",),
-                 "validate": ("tasks.validate",)}
+STAGE_MODULES = {"profile": ("tasks.profile", "tasks.trace"), "reference": ("tasks.reference",),
+                 "solve": ("tasks.solve_stage",), "validate": ("tasks.validate",)}
 """The modules each cached stage runs (flows/steps.py keys each stage by their closure)."""
 
 _PARSING = threading.Lock()

@@ -94,7 +94,7 @@ def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_o
              config: PipelineConfig | None = None) -> dict[str, Any]:
     """Search, validate memplan's answer and leave the table and plot as artifacts; returns `FitAnswer` as JSON."""
     from tasks.models import allow_imports_from, resolve_device
-    from tasks.validate import validate_plan
+    from tasks.validate import validate_alone
     from runtime.plan import Plan
 
     config = config or load_config(config_path)
@@ -108,8 +108,8 @@ def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_o
     validation, why_not = None, ""
     try:
         entry, batch = at_size(spec, dimension, answer.size, batch_size)
-        validation = validate_plan(Plan.load(answer.plan_path), entry, batch, device, config.seed,
-                                   config.validation, limit=limit)
+        validation = validate_alone(Plan.load(answer.plan_path), entry, batch, device, config.seed,
+                                    config.validation, limit=limit)
     except NoFittingReference as exc:
         why_not = str(exc)
     plot = fit_plot(search, Path(config.cache_dir) / "reports" / f"{name}-fit-{dimension}.png")

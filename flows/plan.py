@@ -1,5 +1,6 @@
-"""The `plan` flow: pipeline.toml -> trace -> profile -> solve (mapped over the matrix) -> validate ->
-publish, plus the run's artifacts. `run_plan` is the entry point the CLI and tests use."""
+"""The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
+batch size) -> solve (mapped over the matrix) -> validate -> publish, plus the run's artifacts. `run_plan`
+is the entry point the CLI and tests use."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from prefect import flow, unmapped
 
 from flows.preflight import check_locations
 from flows.report import Outcome, create_artifacts
-from flows.steps import forget_captured, profile_step, publish_step, solve_step, trace_step, validate_step
-from tasks.config import Case, MemplanError, PipelineConfig, RunConfig, expand_matrix, load_config
+from flows.steps import (forget_captured, profile_step, publish_step, reference_step, solve_step, trace_step,
+                         validate_step)
+from tasks.config import Case, MemplanError, ModelConfig, PipelineConfig, RunConfig, expand_matrix, load_config
 from tasks.memory_limit import memory_limit
 from tasks.models import allow_imports_from, check_model, resolve_device
-from tasks.records import Solved, Traced
+from tasks.records import EAGER, Referenced, Solved, Traced, Validated
 from tasks.store import check_store
 
 
@@ -59,11 +61,13 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             )
             for m, b in config.model_batches()
         }
+        references = {(m.name, b): _reference(m, b, device, config, cases, rerun) for m, b in config.model_batches()}
+        check_eager_budgets(cases, references)
         cells = dict(
             traced=[traced[c.model.name, c.batch_size] for c in cases],
             profile=[profiled[c.model.name, c.batch_size] for c in cases],
             solver=[c.plan.solver for c in cases],
-            budget=[c.budget for c in cases],
+            budget=[c.budget.of_eager(references[c.model.name, c.batch_size].peak_bytes) for c in cases],
             settings=[c.plan.solve_settings(config.optimizer) for c in cases],
             device=unmapped(device),
             store=unmapped(config.store),
@@ -78,11 +82,9 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [future.result() for future in solved]   # no solver competes with the timed steps
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             floors = least_known_budgets(cases, solutions)
-            validating = {} if runner is None else {
-                case.alias: runner.submit(validate_step.with_options(**rerun), _validate_parameters(case, s, config, device))
-                for case, s in zip(cases, solutions) if s.feasible}
-            outcomes = [_validate_and_publish(case, s, config, device, rerun, validating.get(case.alias),
-                                              floors.get((case.model.name, case.batch_size)))
+            validations = _validate_cells(cases, solutions, config, device, references, rerun, runner)
+            outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_cell(case)),
+                                      references[_cell(case)].peak_bytes)
                         for case, s in zip(cases, solutions)]
     finally:
         forget_captured(traced)
@@ -137,10 +139,62 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
     return solve_step.with_options(refresh_cache=True)(**cell)
 
 
-def _validate_parameters(case: Case, solved: Solved, config: PipelineConfig, device: str) -> dict[str, Any]:
-    return dict(plan_path=solved.plan_path, plan_id=solved.plan_id, model=case.model, batch_size=case.batch_size,
-                device=device, seed=config.seed, settings=config.validation, alias=case.alias,
-                limit=memory_limit(config, device))
+References = dict[tuple[str, int], Referenced]
+"""The reference of each (model name, batch size) of a run."""
+
+
+def _reference(model: ModelConfig, batch_size: int, device: str, config: PipelineConfig, cases: list[Case],
+               rerun: dict[str, Any]) -> Referenced:
+    """The reference step of one model and batch size (cached; under the device memory limit, with the
+    pipeline's optimizer when a plan of the cell runs it inside the step), measured again when its tensors
+    file is gone."""
+    in_step = any(c.plan.optimizer_in_step for c in cases if (c.model.name, c.batch_size) == (model.name, batch_size))
+    parameters = dict(model=model, batch_size=batch_size, device=device, seed=config.seed, cache_dir=config.cache_dir,
+                      limit=memory_limit(config, device), optimizer=config.optimizer if in_step else None)
+    reference = reference_step.with_options(**rerun)(**parameters)
+    if not Path(reference.path).exists():                 # a cleaned cache folder: never point at nothing
+        reference = reference_step.with_options(refresh_cache=True)(**parameters)
+    return reference
+
+
+def check_eager_budgets(cases: list[Case], references: References) -> None:
+    """Refuse budgets that are fractions of eager's peak in a cell whose reference is not eager (eager does not
+    fit the device memory limit there, so its peak was never measured)."""
+    for case in cases:
+        reference = references[_cell(case)]
+        if case.budget.eager_fraction is not None and reference.kind != EAGER:
+            raise MemplanError(
+                f"budget {case.budget.label!r} of {case.model.name} at batch {case.batch_size} is a fraction of eager "
+                f"PyTorch's peak, but eager does not fit device_memory there (the reference is {reference.kind}); "
+                f"give that budget in bytes, as a fraction of the checkpoint-all peak, or as max_overhead.")
+
+
+def _cell(case: Case) -> tuple[str, int]:
+    return case.model.name, case.batch_size
+
+
+def _validate_cells(cases: list[Case], solutions: list[Solved], config: PipelineConfig, device: str,
+                    references: References, rerun: dict[str, Any], runner: Any) -> dict[str, Validated]:
+    """The validation of every feasible plan, by alias: one `validate_step` per model and batch size, its plans
+    timed in shared rounds (on the task runner's workers, one cell each, when `runner` is given; else one
+    cell after another in this process)."""
+    groups: dict[tuple[str, int], list[tuple[Case, Solved]]] = {}
+    for case, solved in zip(cases, solutions):
+        if solved.feasible:
+            groups.setdefault(_cell(case), []).append((case, solved))
+    parameters = {
+        cell: dict(plan_paths=[s.plan_path for _, s in group], plan_ids=[s.plan_id for _, s in group],
+                   model=group[0][0].model, batch_size=group[0][0].batch_size, device=device, seed=config.seed,
+                   settings=config.validation, reference=references[cell], limit=memory_limit(config, device))
+        for cell, group in groups.items()}
+    validate = validate_step.with_options(**rerun)
+    if runner is None:
+        results = {cell: validate(**p) for cell, p in parameters.items()}
+    else:
+        futures = {cell: runner.submit(validate, p) for cell, p in parameters.items()}
+        results = {cell: future.result() for cell, future in futures.items()}
+    return {case.alias: validation for cell, group in groups.items()
+            for (case, _), validation in zip(group, results[cell])}
 
 
 @dataclass(frozen=True)
@@ -168,17 +222,13 @@ def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tupl
     return floors
 
 
-def _validate_and_publish(case: Case, solved: Solved, config: PipelineConfig, device: str,
-                          rerun: dict[str, Any], validating: Any = None, floor: KnownFloor | None = None) -> Outcome:
-    """Validate (or wait for the validation already submitted as `validating`) and publish one cell;
-    `floor` is the least budget the run knows feasible for the cell's model and batch size."""
-    if not solved.feasible:
+def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation: Validated | None,
+                  floor: KnownFloor | None, eager_peak: int) -> Outcome:
+    """Publish one cell's plan when its `validation` passed; `floor` is the least budget the run knows feasible
+    for the cell's model and batch size, `eager_peak` eager PyTorch's measured peak there."""
+    if validation is None:                                  # no schedule: nothing was validated
         return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
-                          least_feasible_bytes=None if floor is None else floor.bytes)
-    if validating is not None:
-        validation = validating.result()
-    else:
-        validation = validate_step.with_options(**rerun)(**_validate_parameters(case, solved, config, device))
+                          least_feasible_bytes=None if floor is None else floor.bytes, eager_peak_bytes=eager_peak)
     if not validation.passed:
         return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
     published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,

@@ -48,17 +48,18 @@ class Outcome:
 
     @classmethod
     def of(cls, case: Case, solved: Solved, validated: Validated | None = None, published: Published | None = None,
-           message: str = "", least_feasible_bytes: int | None = None) -> Outcome:
+           message: str = "", least_feasible_bytes: int | None = None, eager_peak_bytes: int | None = None) -> Outcome:
         """The outcome of a cell from its stage records: infeasible without a schedule (`least_feasible_bytes`:
-        the least budget the run knows fits, else the solve's own probe), rejected when validation failed,
-        published with the `Published` record."""
+        the least budget the run knows fits, else the solve's own probe; `eager_peak_bytes`: eager PyTorch's
+        measured peak, from the cell's reference), rejected when validation failed, published with the
+        `Published` record."""
         common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
                       budget=case.budget.label, budget_bytes=solved.budget_bytes,
                       checkpoint_all_peak_bytes=solved.checkpoint_all_peak_bytes,
                       predicted_peak_bytes=solved.predicted_peak_bytes, message=message)
         if validated is None:
             known = least_feasible_bytes or solved.smallest_feasible_budget or solved.checkpoint_all_peak_bytes
-            return cls(**common, status="infeasible", least_feasible_bytes=known)
+            return cls(**common, status="infeasible", least_feasible_bytes=known, eager_peak_bytes=eager_peak_bytes)
         measured = dict(measured_peak_bytes=validated.measured_peak_bytes, eager_peak_bytes=validated.eager_peak_bytes,
                         overhead=validated.overhead, overhead_interval=validated.overhead_interval,
                         arena_peak_bytes=validated.arena_peak_bytes, reference=validated.reference,
@@ -74,6 +75,14 @@ def _mib(nbytes: int | None) -> str:
 
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{x:+.0%}"
+
+
+def budget_text(outcome: Outcome) -> str:
+    """A cell's budget in MiB with its fraction of eager PyTorch's measured peak, e.g. '36.4 (50% of eager)'."""
+    text = _mib(outcome.budget_bytes)
+    if outcome.budget_bytes is not None and outcome.eager_peak_bytes:
+        text += f" ({outcome.budget_bytes / outcome.eager_peak_bytes:.0%} of eager)"
+    return text
 
 
 NOISE_LIMIT = 0.25
@@ -102,7 +111,8 @@ def status_text(outcome: Outcome) -> str:
 
 
 def markdown_table(outcomes: list[Outcome]) -> str:
-    """The plans of a run as a markdown table: budget, predicted and measured peak, overhead, status."""
+    """The plans of a run as a markdown table: budget (in MiB and as a fraction of eager's measured peak),
+    predicted and measured peak, overhead, status."""
     lines = [
         "| plan | solver | budget | budget MiB | predicted peak MiB | measured peak MiB | eager peak MiB "
         "| predicted overhead | measured overhead | status |",
@@ -111,7 +121,7 @@ def markdown_table(outcomes: list[Outcome]) -> str:
     for o in outcomes:
         status = o.status if o.status == "published" else f"{status_text(o)}: {o.message}"
         lines.append(
-            f"| {o.alias} | {o.solver} | {o.budget} | {_mib(o.budget_bytes)} | {_mib(o.predicted_peak_bytes)} "
+            f"| {o.alias} | {o.solver} | {o.budget} | {budget_text(o)} | {_mib(o.predicted_peak_bytes)} "
             f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "
             f"| {overhead_text(o.overhead, o.overhead_interval)} | {status.replace('|', '/')} |"
         )

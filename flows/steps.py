@@ -3,10 +3,10 @@
 The trace runs every time; each later task is cached by a content hash of what determines its result
 (`cache_key_fn`: the graph's fingerprint, settings, and the sources of the code the stage imports,
 flows/codehash.py), so re-running an unchanged pipeline re-uses
-profiles, solutions and validations, and a changed model never gets a stale one. Results are persisted
-by Prefect as JSON records (`result_serializer="json"`, never pickles) that point at the JSON graph and
-plan files and the Parquet profile runs the stages write (absolute paths: valid from any working
-folder); `flows.plan.run_plan` puts Prefect's result storage under `cache_dir/prefect`.
+profiles, references, solutions and validations, and a changed model never gets a stale one. Results are
+persisted by Prefect as JSON records (`result_serializer="json"`, never pickles) that point at the JSON graph
+and plan files, the safetensors reference files and the Parquet profile runs the stages write (absolute
+paths: valid from any working folder); `flows.plan.run_plan` puts Prefect's result storage under `cache_dir/prefect`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from flows.codehash import code_hash
 from flows.progress import stage_finished, stage_started
 from tasks.config import Budget, MemplanError, ModelConfig, PlanSettings, ProfileConfig, ValidateConfig
 from tasks.memory_limit import MemoryLimit
-from tasks.records import Profiled, Published, Solved, Traced, Validated
+from tasks.records import Profiled, Published, Referenced, Solved, Traced, Validated
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
 HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
@@ -101,6 +101,37 @@ def profile_step(model: ModelConfig, traced: Traced, device: str, seed: int, set
                     path=str(run.path))
 
 
+# -- reference ---------------------------------------------------------------------------------------
+
+
+def _reference_key(context: Any, p: Mapping[str, Any]) -> str:
+    return content_key("reference", p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
+                       p.get("limit"), p.get("optimizer"), _torch_version(), code_hash("reference"))
+
+
+@task(name="reference", cache_key_fn=_reference_key, task_run_name="reference {model.name} b{batch_size}",
+      **PERSISTED, **HOOKS)
+def reference_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str,
+                   limit: MemoryLimit | None = None, optimizer: str | None = None) -> Referenced:
+    """Eager PyTorch's step of the model at `batch_size` on `device` (tasks/reference.py), or under a device
+    memory `limit` the first reference step that fits it, once per model x batch size x device x seed: the
+    loss, gradients and buffers every plan of the cell must reproduce (with `optimizer`, the parameters after
+    its update too; in `cache_dir/references/`, safetensors), the step's peak (which budgets such as
+    "50% eager" are fractions of) and its step time."""
+    from tasks.reference import measure_reference
+
+    key = _reference_key(None, dict(model=model, batch_size=batch_size, device=device, seed=seed, limit=limit,
+                                    optimizer=optimizer))
+    path = Path(cache_dir) / "references" / f"{model.name}-b{batch_size}-{key[10:26]}.safetensors"
+    return measure_reference(model, batch_size, device, seed, path, limit=limit, optimizer=optimizer)
+
+
+def _torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
+
+
 # -- solve -------------------------------------------------------------------------------------------
 
 
@@ -127,28 +158,34 @@ def solve_step(traced: Traced, profile: Profiled, solver: str, budget: Budget, s
 
 
 def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
-    _existing(p["plan_path"], "solve")
-    return content_key("validate", p["plan_id"], p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
-                       p["settings"], p.get("limit"), torch.__version__,
-                       code_hash("validate"))
+    for path in p["plan_paths"]:
+        _existing(path, "solve")
+    _existing(p["reference"].path, "reference")
+    return content_key("validate", p["plan_ids"], p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
+                       p["settings"], p["reference"], p.get("limit"), _torch_version(), code_hash("validate"))
 
 
-@task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {alias}", **PERSISTED, **HOOKS)
-def validate_step(plan_path: str, plan_id: str, model: ModelConfig, batch_size: int, device: str, seed: int,
-                  settings: ValidateConfig, alias: str, limit: MemoryLimit | None = None) -> Validated:
-    """Run the plan (solved as content address `plan_id`) against eager PyTorch on `device`
-    (tasks/validate.py), on the graph this run's trace captured when this process holds it (the plan runs
-    without capturing the model again); under a device memory `limit`, against a reference that fits it."""
+@task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {model.name} b{batch_size}",
+      **PERSISTED, **HOOKS)
+def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig, batch_size: int, device: str,
+                  seed: int, settings: ValidateConfig, reference: Referenced,
+                  limit: MemoryLimit | None = None) -> list[Validated]:
+    """Run the plans of one model and batch size (solved as content addresses `plan_ids`) on `device`, check
+    each against the cell's `reference` and time them against eager PyTorch in shared rounds
+    (tasks/validate.py `validate_plans`), on the graph this run's trace captured when this process holds it
+    (the plans run without capturing the model again); under a device memory `limit` each plan's peak and the
+    resident bytes must fit it."""
     from runtime.plan import Plan
-    from tasks.validate import validate_plan
+    from tasks.validate import validate_plans
 
-    plan = Plan.load(plan_path)
-    validation = validate_plan(plan, model, batch_size, device, seed, settings, graph=captures.get(plan.fingerprint),
-                               limit=limit)
-    if validation.plan_id != plan_id:
-        raise RuntimeError(f"{plan_path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "
-                           f"solved {plan_id[:12]}); run again with --refresh.")
-    return validation
+    plans = [Plan.load(path) for path in plan_paths]
+    validations = validate_plans(plans, model, batch_size, device, seed, settings, reference,
+                                 graph=captures.get(plans[0].fingerprint), limit=limit)
+    for path, solved, validation in zip(plan_paths, plan_ids, validations):
+        if validation.plan_id != solved:
+            raise RuntimeError(f"{path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "
+                               f"solved {solved[:12]}); run again with --refresh.")
+    return validations
 
 
 def forget_captured(traced: Mapping[Any, Traced]) -> None:

@@ -39,8 +39,8 @@ from runtime.meter import PeakMeter
 from runtime.modules import marked_modules
 from tasks.config import MemplanError
 from tasks.memory_limit import MemoryLimit
+from tasks.records import EAGER
 
-EAGER = "eager"
 PER_BLOCK_CHECKPOINT = "per-block checkpoint"
 MICRO_BATCH_RTOL = 1e-3
 MICRO_BATCH_ATOL = 1e-4
@@ -130,6 +130,18 @@ def _candidates(model: nn.Module, rows: int, reduction: str | None) -> Iterator[
         yield (f"{parts} micro-batches" + (" (per-block checkpoint)" if blocks else ""), prepare(parts, blocks),
                MICRO_BATCH_RTOL, MICRO_BATCH_ATOL)
         parts *= 2
+
+
+def rebuilt_step(kind: str, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple,
+                 reduction: str | None = None) -> ReferenceStep:
+    """The reference step named `kind` (as `reference_step` chose it, e.g. for the cell's reference) on a copy
+    of `model`, without trying the others."""
+    for name, make, rtol, atol in _candidates(model, batch[0].shape[0], reduction):
+        if name == kind:
+            copied = copy.deepcopy(model)
+            return ReferenceStep(kind, copied, make(copied, loss_fn, batch), rtol, atol)
+    raise MemplanError(f"reference kind {kind!r} is not one this model and loss offer; measure the reference again "
+                       f"(`memplan run --refresh`).")
 
 
 def reference_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple, device: str,

@@ -1,8 +1,8 @@
 """The typed records that travel between the pipeline's stages (torch-free pydantic models).
 
-Each stage returns one record: trace a `Traced`, profile a `Profiled`, solve a `Solved`, validate a
-`Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py, never pickles) and
-gives them back typed; the run's outcome table (flows/report.py) is built from them.
+Each stage returns one record: trace a `Traced`, profile a `Profiled`, reference a `Referenced`, solve a
+`Solved`, validate a `Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py,
+never pickles) and gives them back typed; the run's outcome table (flows/report.py) is built from them.
 """
 
 from __future__ import annotations
@@ -45,6 +45,35 @@ class Profiled(Record):
     fingerprint: str
     rows: int
     path: str
+
+
+EAGER = "eager"
+"""The reference kind of eager PyTorch's own step (tasks/fitting_reference.py lists the others)."""
+
+
+class Referenced(Record):
+    """The reference step of one model x batch x device x seed (eager PyTorch unless `kind` says otherwise:
+    under a device memory limit, the first reference that fits it, tasks/fitting_reference.py): its loss,
+    gradients and buffers after one step, and with `optimizer` the parameters after that optimizer's update
+    (for plans with the optimizer inside the step), in the safetensors file `path` (`absent`: the gradients
+    that do not exist), its measured peak and its median step time. `rtol` / `atol`: the least tolerance a
+    comparison with it needs (micro-batches round differently)."""
+
+    kind: str
+    optimizer: str | None = None
+    rtol: float = 0.0
+    atol: float = 0.0
+    path: str
+    model: str
+    batch_size: int
+    device: str
+    device_name: str
+    seed: int
+    loss: float
+    peak_bytes: int
+    step_ms: float
+    tensors: int
+    absent: list[str]
 
 
 class Solved(Record):

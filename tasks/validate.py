@@ -1,44 +1,48 @@
-"""Validate a plan by running it: same loss, gradients and buffer updates as eager PyTorch, peak within
-the budget, step time and overhead measured.
+"""Validate a plan by running it: same loss, gradients and buffer updates as the reference step, peak within
+the budget, step time and overhead against eager PyTorch measured.
 
 What counts:
 - correctness: the loss, every parameter gradient and every buffer after one step of the plan equal
-  those of one eager step from the same weights and batch: |plan - eager| <= atol + rtol * |eager|
-  elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other. Both run in
-  the model's precision (`dtype`, `autocast`); a step computing in bfloat16 or float16 is compared with
-  at least torch.testing's tolerances for that dtype (`step_tolerance`). On CUDA
-  both steps run with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`: cuDNN and TF32
+  those of the reference step from the same weights and batch (`tasks.reference`, measured once per model x
+  batch size x device x seed and shared by the plans of that cell): |plan - reference| <= atol + rtol *
+  |reference| elementwise (`torch.allclose`), and a gradient that exists in one run exists in the other. On
+  CUDA both steps run with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`: cuDNN and TF32
   off), since eager cuDNN kernels round differently from the graph's ATen kernels by more than the
   tolerance; the timed and metered steps keep the process's settings;
 - memory: `runtime.meter.PeakMeter(allocator=True)` measures the peak of bytes allocated during the step
   (activations, gradients, outputs, temporaries, kernels' own scratch, which the profile's workspace
   counts too; not the parameters, buffers and batch that exist before it, the same split as the plan's
   `peak_bytes` vs `constant_bytes`). It must not exceed `budget_bytes * (1 + peak_rtol)`;
-- time: the plan and eager PyTorch take turns, one step each per round (eager first in even rounds, the
-  plan first in odd ones), after `warmup` untimed rounds.
-  Step times are medians over the timed rounds; overhead is the median over rounds of plan time / eager
-  time - 1, so that a host that slows a whole round slows both sides of its ratio. After `steps` rounds,
-  timing goes on, up to `max_steps` rounds, until the 95% interval of that median (`median_interval`)
-  lies within +-`overhead_precision`; the interval (none below 6 rounds) and the rounds are recorded;
+- time: eager PyTorch and the plans take turns, one step each per round (in reverse order every other
+  round), after `warmup` untimed rounds. Step times are medians over the timed rounds; a plan's overhead is
+  the median over rounds of its time / eager's time in the same round - 1, so that a host that slows a
+  whole round slows both sides of its ratio. After `steps` rounds, timing goes on, up to `max_steps`
+  rounds, until the 95% interval of that median (`median_interval`) lies within +-`overhead_precision`
+  for every plan; the interval (none below 6 rounds) and the rounds are recorded. `validate_plans` times
+  several plans of one cell in the same rounds (one eager step per round for all of them);
 - the optimizer inside the step, for a plan with `provenance.optimizer_in_step` (`tasks.solve.core.optimizer`):
-  eager runs `loss.backward(); opt.step()` with its own copy of that optimizer, the plan runs
-  `runtime.load(..., optimizer=opt)`, and the parameters after the step are compared instead of the
-  gradients (freed inside the step); the measured peak is a later step's, with the optimizer state resident;
+  the reference also holds the parameters after that optimizer's update (`tasks.reference`), the plan runs
+  `runtime.load(..., optimizer=opt)`, and its parameters after the step are compared instead of the gradients
+  (freed inside the step); its step is timed against the reference step followed by `opt.step()`;
 - a device memory limit (`limit`, pipeline.toml's `device_memory`): the reference is the first step that
-  fits it, eager, per-block checkpointing or micro-batches (tasks/fitting_reference.py, which also says
-  the tolerance micro-batches need: the larger of theirs and `rtol`/`atol`), and the plan's measured peak plus
-  the resident bytes (parameters, buffers, batch, optimizer state) must not exceed the limit;
+  fits it, eager, per-block checkpointing or micro-batches (tasks/fitting_reference.py, which also says the
+  tolerance micro-batches need), timing runs that step, and the plan's measured peak plus the resident bytes
+  (parameters, buffers, batch, optimizer state) must not exceed the limit;
+- low precision: a model computing in bfloat16 or float16 (`dtype`, `autocast`) is compared with at least
+  `torch.testing`'s tolerances for that dtype (`step_tolerance`);
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
-  eager the same way; its measured peak, step time and the bytes it could not place (ops without an
+  the reference the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 import warnings
+from dataclasses import dataclass
 from math import comb
 from typing import Any, Callable, Mapping, Sequence
 
@@ -46,15 +50,14 @@ import torch
 from torch import nn
 
 from runtime.arena import ArenaFallbackWarning
-from runtime.exact import exact_fp32
 from runtime.graph import OpGraph
 from runtime.plan import Plan, plan_id
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
-from tasks.fitting_reference import LOSS_REDUCTIONS, reference_step
+from tasks.fitting_reference import LOSS_REDUCTIONS, rebuilt_step
 from tasks.memory_limit import MemoryLimit
 from tasks.models import build_batch, build_loss, build_model
-from tasks.records import Validated
-from tasks.solve.core.optimizer import OPTIMIZERS
+from tasks.records import Referenced, Validated
+from tasks.reference import State, Step, first_steps, optimizer_named, reference_state
 
 
 class ValidationFailed(MemplanError):
@@ -109,137 +112,203 @@ def peak_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float) -> st
     return None
 
 
-def in_step_optimizer(plan: Plan, model: nn.Module) -> torch.optim.Optimizer | None:
-    """The optimizer a plan with `provenance.optimizer_in_step` was planned for, over `model`'s parameters."""
-    name = plan.provenance.get("optimizer_in_step")
-    if name is None:
-        return None
-    if name not in OPTIMIZERS:
-        raise ValidationFailed(f"the plan's provenance.optimizer_in_step is {name!r}, which this memplan does not "
-                               f"know (one of {', '.join(OPTIMIZERS)}); solve the plan again with this memplan.")
-    spec = OPTIMIZERS[name]
-    return getattr(torch.optim, spec.torch_class)(model.parameters(), lr=0.01, **dict(spec.torch_kwargs))
-
-
-def step_state(model: nn.Module, loss: torch.Tensor, params: bool = False) -> dict[str, torch.Tensor | None]:
-    """Loss, parameter gradients and buffers after a step, keyed `loss`, `grad:<name>`, `buffer:<name>`, and with
-    `params` the parameters, `param:<name>` (the optimizer inside the step updates them and leaves no gradient)."""
-    state: dict[str, torch.Tensor | None] = {"loss": loss.detach().clone()}
-    if params:
-        state |= {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
-    state |= {f"grad:{n}": None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
-    state |= {f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()}
-    return state
-
-
 def validate_plan(
+    plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
+    reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
+) -> Validated:
+    """Run `plan` from `seed`'s weights and batch on `device` and check it against `reference`, the
+    reference step of `spec` at `batch_size` (tasks/reference.py), timing it against that step (see module
+    doc). `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
+    `runtime.load` capturing the model again; without it the plan's step captures the model itself. Under a
+    device memory `limit` the plan's peak and the resident bytes must fit it."""
+    return validate_plans([plan], spec, batch_size, device, seed, settings, reference, graph, limit)[0]
+
+
+def validate_alone(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     graph: OpGraph | None = None, limit: MemoryLimit | None = None,
 ) -> Validated:
-    """Run `plan` and eager PyTorch from the same seeded weights and batch on `device` (see module doc).
-    `graph`, the graph of `spec`'s step captured at `batch_size` on `device` (the trace stage's), spares
-    `runtime.load` capturing the model again; without it the plan's step captures the model itself. Under a
-    device memory `limit` the reference is the first step that fits it (tasks/fitting_reference.py)."""
-    import runtime
+    """`validate_plan` outside a pipeline run: the reference step measured for this plan alone (with the
+    optimizer it runs inside the step, under `limit`) in a temporary folder, then the plan checked against it."""
+    import tempfile
+    from pathlib import Path
 
+    from tasks.reference import measure_reference
+
+    with tempfile.TemporaryDirectory(prefix="memplan-reference-") as folder:
+        reference = measure_reference(spec, batch_size, device, seed, Path(folder) / "reference.safetensors",
+                                      limit=limit, optimizer=plan.provenance.get("optimizer_in_step"))
+        return validate_plan(plan, spec, batch_size, device, seed, settings, reference, graph, limit)
+
+
+def validate_plans(
+    plans: Sequence[Plan], spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
+    reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
+) -> list[Validated]:
+    """`validate_plan` for several plans of one model and batch size at once: each is checked against
+    `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
+    per round, each plan's overhead the median of its per-round ratios to that round's eager step. Each plan
+    (and its arena run) keeps a copy of the model until timing ends. Without `graph`, plans of one graph and
+    rewrite selection share one capture of the model."""
+    check_reference(reference, spec, batch_size, device, seed)
+    in_step = {plan.provenance.get("optimizer_in_step") for plan in plans} - {None}
+    if in_step - {reference.optimizer}:
+        raise MemplanError(f"plans with the optimizer {sorted(in_step)} inside the step need a reference with that "
+                           f"optimizer's update, and the reference at {reference.path} has "
+                           f"{reference.optimizer or 'none'}; measure it with optimizer= (tasks.reference).")
+    expected = reference_state(reference, device)
     base = build_model(spec, seed).to(device)
     loss_fn = build_loss(spec)
     batch = build_batch(spec, batch_size, seed, device)
-    reference = reference_step(base, loss_fn, batch, device, limit, seed, LOSS_REDUCTIONS.get(spec.loss))
-    eager_model, plan_model = reference.model, copy.deepcopy(base)
-    eager_opt, plan_opt = (in_step_optimizer(plan, m) for m in (eager_model, plan_model))
+    runs = [_baseline(reference, base, loss_fn, batch, spec, None)]
+    if reference.optimizer in in_step:           # the plans that update inside the step pair with this one
+        runs.append(_baseline(reference, base, loss_fn, batch, spec, reference.optimizer))
+    tolerance = step_tolerance(spec, settings)
+    tolerance = max(tolerance[0], reference.rtol), max(tolerance[1], reference.atol)
+    if graph is None and len({plan.fingerprint for plan in plans}) == 1 and len({str(p.rewrites) for p in plans}) == 1:
+        from runtime.capture import capture
 
-    def eager_step() -> torch.Tensor:
-        loss = reference.step()
-        if eager_opt is not None:
-            eager_opt.step()
-            eager_opt.zero_grad(set_to_none=True)
+        graph = capture(copy.deepcopy(base), loss_fn, batch, rewrites=plans[0].rewrites)   # once, not once per plan
+    measured = [_first_run(plan, base, loss_fn, batch, device, seed, graph, runs) for plan in plans]
+    times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
+                              settings.overhead_precision)
+    resident = None if limit is None else limit.module_resident_bytes(base, batch)
+    return [_verdict(run, expected, times, reference, settings, tolerance, limit, resident) for run in measured]
+
+
+def _baseline(reference: Referenced, base: nn.Module, loss_fn: Callable[..., torch.Tensor],
+              batch: tuple[torch.Tensor, ...], spec: ModelConfig, optimizer: str | None) -> tuple[nn.Module, Step]:
+    """The reference's step (its `kind`) on a copy of `base`, followed by `optimizer`'s update when given, warmed
+    up by one untimed step: what the plans' steps are timed against."""
+    chosen = rebuilt_step(reference.kind, base, loss_fn, batch, LOSS_REDUCTIONS.get(spec.loss))
+    update = None if optimizer is None else optimizer_named(optimizer, chosen.model)
+
+    def step() -> torch.Tensor:
+        loss = chosen.step()
+        if update is not None:
+            update.step()
+            update.zero_grad(set_to_none=True)
         return loss
 
-    planned_step = runtime.load(plan, plan_model, loss_fn, graph=graph, optimizer=plan_opt)
+    step()                                      # untimed, as the plans' first steps warm them up
+    chosen.model.zero_grad(set_to_none=True)
+    return chosen.model, step
 
-    def plan_step() -> torch.Tensor:
-        return planned_step(*batch)
 
-    runs = [(eager_model, eager_step), (plan_model, plan_step)]
-    arena = {}
+def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
+               device: str, seed: int, graph: OpGraph | None, runs: list[tuple[nn.Module, Step]]) -> _PlanRun:
+    """Load `plan` on a copy of `base` (with the optimizer it was planned to run inside the step), take its state
+    after one step and its peak (and, for a plan with addresses, those of its arena run, before any timed step
+    moves its buffers); appends its timed runs to `runs`."""
+    import runtime
+
+    plan_model = copy.deepcopy(base)
+    optimizer = plan.provenance.get("optimizer_in_step")
+    update = None if optimizer is None else optimizer_named(optimizer, plan_model)
+    planned = functools.partial(runtime.load(plan, plan_model, loss_fn, graph=graph, optimizer=update), *batch)
+    state, peak = first_steps(plan_model, planned, device, seed, params=update is not None)
+    runs.append((plan_model, planned))
+    index, arena = len(runs) - 1, None
     if plan.addresses:
         arena_model = copy.deepcopy(base)
         arena_step = runtime.load(plan, arena_model, loss_fn, graph=graph, arena=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
             arena_step.compile(*batch)
-        runs.append((arena_model, lambda: arena_step(*batch)))
+        in_arena, arena_peak = first_steps(arena_model, functools.partial(arena_step, *batch), device, seed)
+        runs.append((arena_model, functools.partial(arena_step, *batch)))
+        report, = arena_step.arena_report.values()
+        arena = _ArenaRun(len(runs) - 1, in_arena, arena_peak, report.bytes_not_placed)
+    return _PlanRun(plan, index, 1 if update is not None else 0, state, peak, arena)
 
-    in_step = plan_opt is not None
-    eager, eager_peak = _first_steps(eager_model, eager_step, device, seed, in_step)
-    planned, peak = _first_steps(plan_model, plan_step, device, seed, in_step)
-    if plan.addresses:                          # before any timed step moves its buffers
-        in_arena, arena_peak = _first_steps(arena_model, runs[2][1], device, seed)
-    times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
-                              settings.overhead_precision)
-    eager_ms, step_ms = (statistics.median(t) for t in times[:2])
-    ratios = [p / e for p, e in zip(times[1], times[0])]
+
+def check_reference(reference: Referenced, spec: ModelConfig, batch_size: int, device: str, seed: int) -> None:
+    """Refuse a reference of another model, batch size, device or seed than the plan's validation."""
+    want = (spec.name, batch_size, device, seed)
+    have = (reference.model, reference.batch_size, reference.device, reference.seed)
+    if want != have:
+        raise MemplanError(
+            f"the reference at {reference.path} is of model {have[0]} at batch {have[1]} on {have[2]} with seed "
+            f"{have[3]}, not of {want[0]} at batch {want[1]} on {want[2]} with seed {want[3]}; measure the "
+            "reference of the plan's own model, batch size, device and seed (tasks.reference.measure_reference).")
+
+
+@dataclass(frozen=True)
+class _ArenaRun:
+    """A plan's run in arena mode: its index among the timed runs, its state after one step, its peak and
+    the bytes it could not place."""
+
+    index: int
+    state: State
+    peak_bytes: int
+    bytes_not_placed: int
+
+
+@dataclass(frozen=True)
+class _PlanRun:
+    """A plan's run: its index among the timed runs and that of the run it is timed against, its state after one
+    step, its peak, and its arena run."""
+
+    plan: Plan
+    index: int
+    baseline: int
+    state: State
+    peak_bytes: int
+    arena: _ArenaRun | None
+
+
+def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], reference: Referenced,
+             settings: ValidateConfig, tolerance: tuple[float, float], limit: MemoryLimit | None,
+             resident: int | None) -> Validated:
+    """The `Validated` record of one plan's run: its state against the reference's (parameters instead of
+    gradients for a plan updating inside the step), its peak against its budget and the device memory limit,
+    its step times against its baseline's in the same rounds."""
+    plan = run.plan
+    compared_kinds = ("loss", "param", "buffer") if run.baseline else ("loss", "grad", "buffer")
+    expected = {k: v for k, v in cell_state.items() if k.split(":")[0] in compared_kinds}
+    ratios = [p / e for p, e in zip(times[run.index], times[run.baseline])]
     interval = median_interval(ratios)
-
-    rtol, atol = step_tolerance(spec, settings)
-    rtol, atol = max(rtol, reference.rtol), max(atol, reference.atol)
-    problems, worst, compared = compare_tensors(eager, planned, rtol, atol)
-    if plan.addresses:
-        mismatches, arena_worst, _ = compare_tensors(eager, in_arena, rtol, atol)
+    rtol, atol = tolerance
+    problems, worst, compared = compare_tensors(expected, run.state, rtol, atol)
+    arena = {}
+    if run.arena is not None:
+        mismatches, arena_worst, _ = compare_tensors(expected, run.arena.state, rtol, atol)
         problems += [f"arena mode: {m}" for m in mismatches]
         worst = max(worst, arena_worst)
-        report, = arena_step.arena_report.values()
-        arena = dict(arena_peak_bytes=int(arena_peak), arena_step_ms=statistics.median(times[2]),
-                     arena_bytes_not_placed=report.bytes_not_placed)
+        arena = dict(arena_peak_bytes=int(run.arena.peak_bytes),
+                     arena_step_ms=statistics.median(times[run.arena.index]),
+                     arena_bytes_not_placed=run.arena.bytes_not_placed)
     budget = plan.provenance.get("budget_bytes")
     if budget is None:
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
-    elif reason := peak_problem(peak, int(budget), settings.peak_rtol):
+    elif reason := peak_problem(run.peak_bytes, int(budget), settings.peak_rtol):
         problems.append(reason)
-    if limit is not None and peak + (resident := limit.module_resident_bytes(base, batch)) > limit.limit_bytes:
-        problems.append(f"measured peak {peak:,} B plus {resident:,} B resident exceeds the device memory limit "
-                        f"{limit.limit_bytes:,} B")
+    if limit is not None and run.peak_bytes + resident > limit.limit_bytes:
+        problems.append(f"measured peak {run.peak_bytes:,} B plus {resident:,} B resident exceeds the device memory "
+                        f"limit {limit.limit_bytes:,} B")
     return Validated(
         plan_id=plan_id(plan),
         passed=not problems,
         reasons=problems,
-        device=device,
-        device_name=torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        device=reference.device,
+        device_name=reference.device_name,
         budget_bytes=int(budget or 0),
         predicted_peak_bytes=int(plan.predicted.get("peak_bytes") or 0),
-        measured_peak_bytes=int(peak),
-        eager_peak_bytes=int(eager_peak),
-        measured_step_ms=step_ms,
-        eager_step_ms=eager_ms,
+        measured_peak_bytes=int(run.peak_bytes),
+        eager_peak_bytes=reference.peak_bytes,
+        measured_step_ms=statistics.median(times[run.index]),
+        eager_step_ms=statistics.median(times[run.baseline]),
         overhead=statistics.median(ratios) - 1,
         overhead_interval=None if interval is None else [interval[0] - 1, interval[1] - 1],
         timed_steps=len(ratios),
-        loss=float(planned["loss"]),
-        eager_loss=float(eager["loss"]),
+        loss=float(run.state["loss"]),
+        eager_loss=reference.loss,
         max_abs_error=worst,
         tensors_compared=compared,
         reference=reference.kind,
         limit_bytes=None if limit is None else limit.limit_bytes,
         **arena,
     )
-
-
-def _first_steps(
-    model: nn.Module, step: Callable[[], torch.Tensor], device: str, seed: int, params: bool = False
-) -> tuple[dict[str, torch.Tensor | None], int]:
-    """The state after one step from the fresh `model` (`step_state`, with `params`), and the measured peak of a
-    second step."""
-    from runtime.meter import PeakMeter
-
-    torch.manual_seed(seed)
-    with exact_fp32(device):
-        state = step_state(model, step(), params)
-    model.zero_grad(set_to_none=True)
-    with PeakMeter(device, allocator=True) as meter:
-        step()
-    model.zero_grad(set_to_none=True)
-    return state, meter.peak_bytes
 
 
 def median_interval(samples: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:

@@ -83,6 +83,10 @@ def register(app: typer.Typer) -> None:
                 raise typer.BadParameter(f"{variants!r}; choose {', '.join(VARIANT_RULES)}.", param_hint="--variants")
             try:
                 budget_spec = parse_budget_text(budget)
+                if budget_spec.eager_fraction is not None:
+                    raise ValueError(f"{budget!r} is a fraction of eager PyTorch's measured peak, which `memplan run` "
+                                     "measures (its reference stage); give memplan solve bytes ('512 MiB') or a "
+                                     "fraction of the checkpoint-all peak ('60%').")
             except ValueError as exc:
                 raise typer.BadParameter(str(exc), param_hint="--budget") from None
             try:

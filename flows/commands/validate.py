@@ -31,8 +31,9 @@ def register(app: typer.Typer) -> None:
 
 
 def run_validation(plan_path: Path, config_path: Path, model: str | None, batch: int | None):
-    """Load the plan and the pipeline file, find the plan's model and validate on the configured device;
-    returns the `Validated` record, the model entry and the batch size."""
+    """Load the plan and the pipeline file, find the plan's model, measure eager PyTorch's step as the
+    reference (its tensors in a temporary folder) and validate on the configured device; returns the
+    `Validated` record, the model entry and the batch size."""
     from rich.status import Status
 
     from flows.lookup import model_for_plan
@@ -40,15 +41,15 @@ def run_validation(plan_path: Path, config_path: Path, model: str | None, batch:
     from tasks.config import load_config
     from tasks.memory_limit import memory_limit
     from tasks.models import resolve_device
-    from tasks.validate import validate_plan
+    from tasks.validate import validate_alone
 
     plan = Plan.load(plan_path)
     config = load_config(config_path)
     device = resolve_device(config.device)
     spec, batch_size = model_for_plan(config, plan, model, batch)
     with Status(f"validating {plan_path.name} ({spec.name}, batch {batch_size}) on {device}"):
-        return validate_plan(plan, spec, batch_size, device, config.seed, config.validation,
-                             limit=memory_limit(config, device)), spec, batch_size
+        return (validate_alone(plan, spec, batch_size, device, config.seed, config.validation,
+                               limit=memory_limit(config, device)), spec, batch_size)
 
 
 def validation_table(validation):

@@ -1,5 +1,6 @@
 """Values of `pipeline.toml` and the CLI: byte budgets (bytes, sizes with units, fractions of the
-checkpoint-all peak), `--option KEY=VALUE` assignments, overhead limits, and the names they are checked against."""
+checkpoint-all peak or of eager PyTorch's measured peak), `--option KEY=VALUE` assignments, overhead
+limits, and the names they are checked against."""
 
 from __future__ import annotations
 
@@ -23,30 +24,49 @@ DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?(?:[eE]\d{1,4})?)\s*([A-Za-z]+)\s*$")     # exponents of 4 digits at most: sizes are exact
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
+_OF_EAGER = re.compile(r"^\s*(\S*?)\s*%\s*eager\s*$", re.IGNORECASE)
+MAX_EAGER_FRACTION = 10.0
+"""The largest fraction of eager's peak a budget may be ("1000% eager"): more is a typo."""
 
 
 @dataclass(frozen=True)
 class Budget:
-    """A memory budget: absolute bytes, a fraction of the checkpoint-all peak (no recomputation), or
-    `max_overhead`: the least memory whose schedule's predicted cost is at most (1 + max_overhead) times
-    the checkpoint-all schedule's (found by a search over budgets, `tasks.solve_stage.least_memory_within`)."""
+    """A memory budget: absolute bytes, a fraction of the checkpoint-all peak (no recomputation), a fraction
+    of eager PyTorch's measured peak for the model and batch size (`eager_fraction`, resolved to bytes by
+    `of_eager` once the reference stage has measured that peak), or `max_overhead`: the least memory whose
+    schedule's predicted cost is at most (1 + max_overhead) times the checkpoint-all schedule's (found by a
+    search over budgets, `tasks.solve_stage.least_memory_within`)."""
 
     bytes: int | None = None
     fraction: float | None = None
     max_overhead: float | None = None
+    eager_fraction: float | None = None
 
     @property
     def label(self) -> str:
-        """Readable form used in plan aliases: `60pct`, `1610612736B` or `ovh10pct`."""
+        """Readable form used in plan aliases: `60pct`, `1610612736B`, `50pct-eager` or `ovh10pct`."""
         if self.max_overhead is not None:
             return f"ovh{self.max_overhead * 100:g}pct"
         if self.fraction is not None:
             return f"{self.fraction * 100:g}pct"
+        if self.eager_fraction is not None:
+            return f"{self.eager_fraction * 100:g}pct-eager"
         return f"{self.bytes}B"
+
+    def of_eager(self, eager_peak_bytes: int) -> Budget:
+        """This budget with a fraction of eager's peak resolved to bytes, given eager's measured peak; any
+        other budget as it is."""
+        if self.eager_fraction is None:
+            return self
+        return Budget(bytes=max(1, int(self.eager_fraction * eager_peak_bytes)))
 
     def resolve(self, checkpoint_all_peak_bytes: int) -> int:
         """Budget in bytes given the peak of the eager schedule that keeps every activation (an overhead
         limit starts its search there)."""
+        if self.eager_fraction is not None:
+            raise ValueError(f"budget {self.label} is a fraction of eager PyTorch's measured peak, which only the "
+                             "pipeline measures (memplan run, its reference stage); give bytes or a fraction of the "
+                             "checkpoint-all peak here instead")
         if self.max_overhead is not None:
             return int(checkpoint_all_peak_bytes)
         if self.fraction is not None:
@@ -59,7 +79,8 @@ MAX_BUDGET_BYTES = 2**63 - 1
 
 
 def parse_budget(value: Any) -> Budget:
-    """Parse `2000000000` (bytes), `0.6` or `"60%"` (fraction of checkpoint-all), `"1.5 GiB"`."""
+    """Parse `2000000000` (bytes), `0.6` or `"60%"` (fraction of checkpoint-all), `"50% eager"` (fraction of
+    eager PyTorch's measured peak, in (0, 10]), `"1.5 GiB"`."""
     if isinstance(value, bool):
         raise ValueError(_budget_help(value))
     if isinstance(value, int):
@@ -71,6 +92,8 @@ def parse_budget(value: Any) -> Budget:
             raise ValueError(_budget_help(value))
         return Budget(fraction=value)
     if isinstance(value, str):
+        if m := _OF_EAGER.match(value):
+            return Budget(eager_fraction=_eager_fraction(value, m.group(1)))
         if m := _PERCENT.match(value):
             fraction = float(m.group(1)) / 100
             if 0.0 < fraction <= 1.0:
@@ -143,10 +166,24 @@ def parse_max_overhead(value: Any) -> list[float]:
     return [float(v) for v in values]
 
 
+def _eager_fraction(value: str, percent: str) -> float:
+    """The fraction of eager's peak that `value` ("50% eager", its number `percent`) asks for, in (0, 10]."""
+    try:
+        fraction = float(Decimal(percent) / 100)
+    except ArithmeticError:
+        raise ValueError(f"budget {value!r} is not understood: {percent!r} is not a number; write a percentage of "
+                         "eager PyTorch's measured peak such as '50% eager'") from None
+    if not 0 < fraction <= MAX_EAGER_FRACTION:
+        raise ValueError(f"budget {value!r} asks for {percent}% of eager PyTorch's measured peak; a fraction of "
+                         f"eager's peak must lie above 0% and at most {MAX_EAGER_FRACTION:.0%} (e.g. '50% eager')")
+    return fraction
+
+
 def _budget_help(value: Any) -> str:
     return (
         f"budget {value!r} is not understood; write an integer number of bytes (2000000000), a size "
         f"with a unit ('1.5 GiB', '512 MiB'; units {', '.join(_UNITS)}), or a fraction of the "
-        "checkpoint-all peak as a float in (0, 1] (0.6) or a percentage ('60%'); byte budgets lie in "
+        "checkpoint-all peak as a float in (0, 1] (0.6) or a percentage ('60%'), or a percentage of eager "
+        "PyTorch's measured peak ('50% eager'); byte budgets lie in "
         f"1..{MAX_BUDGET_BYTES}"
     )

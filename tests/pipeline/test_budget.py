@@ -62,7 +62,8 @@ def test_the_error_names_the_value_every_form_and_the_byte_range():
     assert str(err.value) == (
         "budget 'lots' is not understood; write an integer number of bytes (2000000000), a size with a unit "
         "('1.5 GiB', '512 MiB'; units b, kb, mb, gb, kib, mib, gib), or a fraction of the checkpoint-all peak "
-        "as a float in (0, 1] (0.6) or a percentage ('60%'); byte budgets lie in 1..9223372036854775807")
+        "as a float in (0, 1] (0.6) or a percentage ('60%'), or a percentage of eager PyTorch's measured peak "
+        "('50% eager'); byte budgets lie in 1..9223372036854775807")
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -208,7 +208,7 @@ def test_a_plan_past_the_limit_fails_validation_against_a_reference_that_fits():
     from tasks.config import ModelConfig, ValidateConfig
     from tasks.fitting_reference import PER_BLOCK_CHECKPOINT
     from tasks.trace import capture_model
-    from tasks.validate import validate_plan
+    from tasks.validate import validate_alone
 
     spec = ModelConfig(name="blocks", factory="tests.pipeline.fit_blocks:blocks", kwargs={"width": WIDTH}, loss="mse",
                        inputs=[{"shape": [WIDTH]}, {"shape": [WIDTH]}])
@@ -218,7 +218,7 @@ def test_a_plan_past_the_limit_fails_validation_against_a_reference_that_fits():
     model, batch = blocks_and_batch()
     limit = MemoryLimit(limit_bytes=eager_total_bytes(model, batch, MemoryLimit(limit_bytes=1)) * 2 // 3)
     settings = ValidateConfig(steps=1, max_steps=1, warmup=0)
-    validation = validate_plan(plan, spec, BATCH, "cpu", 0, settings, graph=graph, limit=limit)
+    validation = validate_alone(plan, spec, BATCH, "cpu", 0, settings, graph=graph, limit=limit)
     assert validation.reference == PER_BLOCK_CHECKPOINT and validation.limit_bytes == limit.limit_bytes
     assert not validation.passed
     assert [r for r in validation.reasons if "exceeds the device memory limit" in r], validation.reasons

@@ -51,7 +51,7 @@ def float_dtypes(graph) -> set[torch.dtype]:
                                             ({"dtype": "bfloat16"}, torch.bfloat16),
                                             ({"dtype": "float16"}, torch.float16)])
 def test_low_precision_plan_validates_at_its_predicted_peak(precision, low):
-    from tasks.validate import validate_plan
+    from tasks.validate import validate_alone
 
     model = spec(**precision)
     graph = capture_model(model, 4, "cpu", seed=0)
@@ -62,7 +62,7 @@ def test_low_precision_plan_validates_at_its_predicted_peak(precision, low):
     assert solution.feasible, solution.message
     plan = solution.to_plan(problem)
     plan.provenance.update(graph_provenance(graph), budget_bytes=int(0.7 * full))
-    validated = validate_plan(plan, model, 4, "cpu", 0, FAST, graph=graph)
+    validated = validate_alone(plan, model, 4, "cpu", 0, FAST, graph=graph)
     assert validated.passed, validated.reasons
     assert validated.max_abs_error == 0                          # same kernels in the same precision
     assert validated.measured_peak_bytes == validated.predicted_peak_bytes < validated.eager_peak_bytes

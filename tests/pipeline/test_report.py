@@ -16,8 +16,18 @@ REJECTED = Outcome("m-b8-chen-90pct", "m", 8, "chen", "90pct", "rejected", budge
 def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
     lines = markdown_table([PUBLISHED, REJECTED]).splitlines()
     assert len(lines) == 4
-    assert lines[2] == "| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 | 80.0 | 81.0 | 100.0 | +10% | not measurable here (under 6 rounds) | published |"
+    assert lines[2] == ("| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 (90% of eager) | 80.0 | 81.0 | 100.0 | +10% "
+                        "| not measurable here (under 6 rounds) | published |")
     assert lines[3].endswith("| rejected: plan m-b8-chen-90pct failed validation on cpu: loss differs / badly. |")
+
+
+def test_a_budget_shows_its_fraction_of_eager_only_where_eager_was_measured():
+    from dataclasses import replace
+
+    from flows.report import budget_text
+
+    assert budget_text(replace(PUBLISHED, budget_bytes=38 * 2**20, eager_peak_bytes=76 * 2**20)) == "38.0 (50% of eager)"
+    assert budget_text(REJECTED) == "90.0"
 
 
 def test_an_overhead_with_its_interval_shows_the_larger_half_of_it():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.validate import compare_tensors, peak_problem, step_state
+from tasks.reference import step_state
+from tasks.validate import compare_tensors, peak_problem
 
 
 def test_equal_tensors_pass_and_are_counted():
@@ -75,6 +76,7 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     from tasks.solve.core.problem import Problem
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve.core.simulator import default_schedule, simulate
+    from tasks.reference import measure_reference
     from tasks.store_query import load_costs
     from tasks.validate import validate_plan
 
@@ -87,7 +89,8 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     nodes = in_place_nodes(graph, "cpu")
     addresses = greedy_addresses(problem, simulate(problem, schedule), np.array([n in nodes for _, n in schedule]))
     plan = Plan(graph.fingerprint, schedule, addresses, provenance={"budget_bytes": 10**9})
-    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2, warmup=1))
+    reference = measure_reference(spec, 2, "cpu", 0, tmp_path / "reference.safetensors")
+    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2, warmup=1), reference)
     assert validation.passed, validation.reasons
     assert validation.arena_bytes_not_placed == 0 and validation.arena_step_ms > 0
     assert validation.arena_peak_bytes == simulate(problem, schedule, addresses).arena_peak_bytes
@@ -201,6 +204,7 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     from tasks.solve.core.problem import Problem
     from tasks.solve.core.simulator import default_schedule, simulate
     from tasks.solve.core.solution import SolveOptions
+    from tasks.reference import measure_reference
     from tasks.store_query import load_costs
     from tasks.validate import validate_plan
 
@@ -218,15 +222,17 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     recomputed = {n for n in plan.compute_steps() if plan.compute_steps().count(n) > 1}
     assert recomputed & draws and recomputed & products
     settings = ValidateConfig(steps=2, max_steps=2, warmup=1)
-    validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, settings)
+    reference = measure_reference(spec, 2, "cpu", 0, tmp_path / "reference.safetensors")
+    validation = validate_plan(Plan.load(plan.to_json()), spec, 2, "cpu", 0, settings, reference)
     assert validation.passed, validation.reasons
     assert validation.max_abs_error == 0.0 and validation.tensors_compared > 10
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw"])
 def test_a_plan_with_the_optimizer_inside_the_step_is_solved_and_validated_on_parameters(optimizer, tmp_path):
-    """The solve stage with the plan setting `optimizer` plans the gradients' early deaths (a lower predicted peak
-    than the same cell without it) and records the optimizer; validation then runs eager loss.backward();
+    """The solve stage with the plan setting `optimizer` plans the gradients' early deaths (with SGD, a lower predicted
+    peak than the same cell without it; AdamW's update scratch can outweigh them on so small a model) and records
+    the optimizer; validation then runs eager loss.backward();
     opt.step() beside runtime.load(..., optimizer=opt), compares the parameters after the step (the gradients
     are freed in the step) and finds the measured peak within the budget: the prediction, within 0.1%. GPT-2 ties its token embedding and
     output weights: the graph has a gradient per name, summed for one update after the last of them."""
@@ -236,7 +242,7 @@ def test_a_plan_with_the_optimizer_inside_the_step_is_solved_and_validated_on_pa
     from tasks.models import build_batch, build_loss, build_model
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve_stage import solve_case
-    from tasks.validate import validate_plan
+    from tasks.validate import validate_alone
 
     spec = ModelConfig(name="gpt2-tiny", transformers="gpt2", loss="causal_lm",
                        kwargs={"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 16,
@@ -250,13 +256,14 @@ def test_a_plan_with_the_optimizer_inside_the_step_is_solved_and_validated_on_pa
     cells = {name: solve_case(tmp_path / "graph.json", "ap-greedy", Budget(max_overhead=0.25),
                               PlanSettings(optimizer=name), "cpu", str(tmp_path), str(tmp_path / f"{name}.json"))
              for name in ("none", optimizer)}
-    assert cells[optimizer].predicted_peak_bytes < cells["none"].predicted_peak_bytes
+    if optimizer == "sgd-momentum":            # no update scratch: the gradients' early deaths only save memory
+        assert cells[optimizer].predicted_peak_bytes < cells["none"].predicted_peak_bytes
     plan = Plan.load(tmp_path / f"{optimizer}.json")
     assert plan.provenance["optimizer_in_step"] == optimizer and "optimizer_in_step" not in \
         Plan.load(tmp_path / "none.json").provenance
     assert plan.predicted["optimizer_state_bytes"] == (1 if optimizer == "sgd-momentum" else 2) * sum(
         p.numel() * 4 for p in model.parameters())
-    validation = validate_plan(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2), graph=graph)
+    validation = validate_alone(plan, spec, 2, "cpu", 0, ValidateConfig(steps=2, max_steps=2), graph=graph)
     assert validation.passed, validation.reasons
     parameters = len(list(model.parameters()))
     assert validation.tensors_compared >= 1 + parameters                       # the loss and every parameter

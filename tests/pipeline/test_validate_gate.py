@@ -102,17 +102,26 @@ def mlp_plan(mlp_spec):
     return default_plan(graph)
 
 
-def _validate(plan, spec, budget, **settings):
+@pytest.fixture(scope="module")
+def mlp_reference(mlp_spec, tmp_path_factory):
+    from tasks.reference import measure_reference
+
+    return measure_reference(mlp_spec, 32, "cpu", 0, tmp_path_factory.mktemp("reference") / "mlp.safetensors")
+
+
+def _validate(plan, spec, budget, reference, **settings):
     from dataclasses import replace
 
     from tasks.config import ValidateConfig
     from tasks.validate import validate_plan
 
     plan = replace(plan, provenance=dict(plan.provenance, budget_bytes=budget) if budget else {})
-    return validate_plan(plan, spec, 32, "cpu", 0, ValidateConfig(steps=1, max_steps=1, warmup=0, **settings))
+    return validate_plan(plan, spec, 32, "cpu", 0, ValidateConfig(steps=1, max_steps=1, warmup=0, **settings),
+                         reference)
 
 
-def test_a_plan_over_its_budget_fails_with_the_tolerances_in_their_places(mlp_spec, mlp_plan, monkeypatch):
+def test_a_plan_over_its_budget_fails_with_the_tolerances_in_their_places(mlp_spec, mlp_plan, mlp_reference,
+                                                                          monkeypatch):
     """Budget 1 B: the plan reproduces eager exactly, so the peak is the one reason it fails; the
     comparison receives rtol and atol from the settings in their own places."""
     import tasks.validate
@@ -125,14 +134,14 @@ def test_a_plan_over_its_budget_fails_with_the_tolerances_in_their_places(mlp_sp
         return real(expected, actual, rtol, atol)
 
     monkeypatch.setattr(tasks.validate, "compare_tensors", spy)
-    over = _validate(mlp_plan, mlp_spec, 1, rtol=0.25, atol=0.5)
+    over = _validate(mlp_plan, mlp_spec, 1, mlp_reference, rtol=0.25, atol=0.5)
     assert seen == [(0.25, 0.5)]
     assert over.tensors_compared == 5 and over.max_abs_error == 0.0           # loss and 4 gradients
     assert not over.passed and over.measured_peak_bytes > 1 and over.budget_bytes == 1
     assert over.reasons == [peak_problem(over.measured_peak_bytes, 1, 0.05)]
 
 
-def test_a_plan_without_a_budget_is_not_passed(mlp_spec, mlp_plan):
-    result = _validate(mlp_plan, mlp_spec, None)
+def test_a_plan_without_a_budget_is_not_passed(mlp_spec, mlp_plan, mlp_reference):
+    result = _validate(mlp_plan, mlp_spec, None, mlp_reference)
     assert not result.passed
     assert result.reasons == ["the plan has no provenance.budget_bytes to check the measured peak against"]

@@ -15,7 +15,8 @@ DEPENDENCIES = {
     "profile": ["tasks/profile.py", "tasks/store.py", "tasks/config/schema.py", "runtime/capture.py", "runtime/arena.py"],
     "solve": ["tasks/solve_stage.py", "tasks/solve/core/simulator.py", "tasks/solve/olla/location.py",
               "tasks/problems.py", "tasks/store.py", "tasks/config/schema.py", "runtime/plan.py", "runtime/variants.py"],
-    "validate": ["tasks/validate.py", "tasks/models.py", "tasks/config/schema.py", "runtime/executor.py",
+    "reference": ["tasks/reference.py", "tasks/models.py", "tasks/records.py", "runtime/exact.py", "runtime/meter.py"],
+    "validate": ["tasks/validate.py", "tasks/reference.py", "tasks/models.py", "tasks/config/schema.py", "runtime/executor.py",
                  "runtime/arena.py", "runtime/capture.py", "runtime/cuda_graph.py"],
 }
 
