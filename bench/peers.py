@@ -10,7 +10,9 @@ Per workload (random weights, on `--device`: cpu, or cuda with its times CUDA-sy
 (for transformers models also with the key/value cache off); the PyTorch checkpointing a user writes by
 hand (transformers' per-block `torch.utils.checkpoint`, `checkpoint_sequential` over torchvision's
 top-level children; for transformers models also torchtitan-style selective checkpointing per layer,
-saving matmul and attention outputs, `selective_policy_step`); `torch.compile` with `torch._functorch.config.activation_memory_budget` at each of
+saving matmul and attention outputs, `selective_policy_step`, and the same decisions as a memplan schedule
+run by `runtime.load`, `torchtitan_schedule`, a row outside the verdict whose peak also joins each solver's
+fractions); `torch.compile` with `torch._functorch.config.activation_memory_budget` at each of
 `--compile-budgets`, by each `--compile-backend` (default: `aot_eager_decomp_partition` on CPU; inductor,
 what a GPU user compiles with, on CUDA; `inductor-cudagraphs` is inductor with CUDA graphs, as
 `mode="reduce-overhead"` compiles); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
@@ -58,6 +60,7 @@ import runtime
 from runtime.executor import replayed_random_nodes
 from runtime.meter import PeakMeter
 from runtime.modules import marked_modules
+from runtime.policy_form import Regions
 from runtime.variants import graph_variants
 from tasks.config import VariantChoice, parse_option_text
 from tasks.problems import VARIANT_RULES
@@ -65,7 +68,7 @@ from tasks.profile import ProfileSettings, measure_graph
 from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 from tasks.store_query import CostTable, VariantCost
 
 SOLVERS = ("hierarchical", "module-checkpoint", "ap-greedy", "acg", "linearized-greedy")
@@ -158,6 +161,35 @@ def selective_policy_step(model, loss_fn, batch) -> dict:
     for layer in marked_modules(sac).values():
         layer.forward = functools.partial(_layer_sac, layer.forward)
     return {"selective checkpoint (torchtitan)": (sac, lambda: loss_fn(sac, *batch).backward())}
+
+
+TORCHTITAN_LABEL = "torchtitan decisions, memplan schedule"
+
+
+def torchtitan_schedule(problem: Problem, graph) -> list[dict[str, int]] | None:
+    """`selective_policy_step`'s decisions as a schedule of `graph` (`problem` is its problem; None when it
+    records no repeated modules): every forward node once, and before the first backward node of each layer
+    (a region of runtime/policy_form.py) its forward again from its first node through the last one its
+    backward reads, skipping the nodes whose op is in `SAC_SAVE`, whose outputs the forward's copies supply. Unlike
+    `runtime.policy_form.policy_schedule`, a saved node need not be read by the backward: torchtitan also
+    saves the query, key and output projections, read only by the recomputed ops after them."""
+    regions = Regions.of_problem(problem)
+    if not regions.members:
+        return None
+    saved_ops = {(str(op),) for op in SAC_SAVE}
+    before: dict[int, list[int]] = {}
+    for name, nodes in regions.members.items():
+        rerun = regions.recomputed(name, {n for n in nodes if graph.nodes[n].targets[:1] in saved_ops})
+        before.setdefault(regions.trigger(name), []).extend(rerun)
+    return [{"compute": n} for node in regions.order for n in (*before.get(node, ()), node)]
+
+
+def torchtitan_solution(problem: Problem, graph) -> Solution | None:
+    """`torchtitan_schedule` as a checked solution (its simulated peak as the budget), or None."""
+    schedule = torchtitan_schedule(problem, graph)
+    if schedule is None:
+        return None
+    return checked_solution(problem, TORCHTITAN_LABEL, simulate(problem, schedule).peak_bytes, schedule)
 
 
 def peak_and_grads(model, step, device: str = "cpu"):
@@ -294,12 +326,20 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
                         runs[label][1]()
                         runs[label][0].zero_grad(set_to_none=True)
                 points[label]["recording_peak"] = recording.peak_bytes
+    titan = torchtitan_solution(problem, graph) if "selective checkpoint (torchtitan)" in runs else None
+    titan_fraction = [] if titan is None else [titan.predicted_peak_bytes / full]
+    if titan is not None:
+        planned = copy.deepcopy(model)
+        titan_step = runtime.load(titan.to_plan(problem), planned, loss_fn, graph=graph)
+        runs[TORCHTITAN_LABEL] = (planned, lambda: titan_step(*batch))
+        points[TORCHTITAN_LABEL] = {"kind": "schedule", "source": "bench.peers.torchtitan_schedule",
+                                    "predicted_bytes": titan.predicted_peak_bytes, "predicted_ms": titan.objective}
     for solver in solvers:
         solver_name, options = solver_options(solver)
         start = time.perf_counter()
         least = None if fractions else smallest_fraction(problem, solver_name, options, full)
         search_s = time.perf_counter() - start
-        tried = fractions or ([] if least is None else [*FRACTIONS, least])
+        tried = [*(fractions or ([] if least is None else [*FRACTIONS, least])), *titan_fraction]
         for fraction in sorted(set(tried), reverse=True):
             start = time.perf_counter()
             sol = solve(problem, solver_name, int(fraction * full), options)
@@ -307,7 +347,7 @@ def bench(name: str, rounds: int, solvers: list[str], compile_budgets: list[floa
                 continue
             planned = copy.deepcopy(model)
             step, suffix = planned_step(sol.to_plan(problem), planned, loss_fn, graph, cuda_graph)
-            label = f"{solver} @ {fraction:.2f}{suffix}"
+            label = f"{solver} @ {fraction:.{3 if fraction in titan_fraction else 2}f}{suffix}"
             runs[label] = (planned, lambda step=step: step(*batch))
             points[label] = {"kind": "memplan", "solve_s": time.perf_counter() - start, "search_s": search_s,
                              "source": sol.source or solver, "predicted_bytes": sol.predicted_peak_bytes,
