@@ -4,17 +4,32 @@ before that layer's backward, trains like eager at its simulated peak, and the e
 (`checkmate`) finds a schedule at least as cheap within that peak (issue 34's question: does the search
 miss torchtitan's point?)."""
 
+import importlib.util
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import runtime
-from bench.peers import torchtitan_schedule, torchtitan_solution
 from runtime.policy_form import Regions
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
 from tasks.solve.core.solution import SolveOptions
+
+
+def _bench_peers():
+    """bench/peers.py, where the torchtitan-style peer lives (bench/ is scripts, not a package)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "peers.py"
+    spec = importlib.util.spec_from_file_location("bench_peers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_PEERS = _bench_peers()
+torchtitan_schedule, torchtitan_solution = _PEERS.torchtitan_schedule, _PEERS.torchtitan_solution
 
 MATMUL = ("aten.addmm.default", "aten.mm.default")
 
