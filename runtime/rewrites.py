@@ -395,7 +395,10 @@ def _whole_loss(log_probs: fx.Node, nll: fx.Node,
     else."""
     aten = torch.ops.aten
     seed, _, target, weight, reduction, ignore_index, total_weight = nll.args
-    if not (isinstance(seed, fx.Node) and seed.target is aten.ones_like.default and len(seed.users) == 1
+    # the seed may reach the backward through an alias: autograd's engine aliases a gradient it cannot steal,
+    # which depends on the tensor's reference count at that moment, so the same step traces either way
+    seed = _alias_base(seed) if isinstance(seed, fx.Node) else seed
+    if not (isinstance(seed, fx.Node) and seed.target is aten.ones_like.default and _only_users(seed, {nll})
             and len(seed.args) == 1 and seed.args[0].target is operator.getitem and seed.args[0].args[1] == 0):
         return None
     forward = seed.args[0].args[0]

@@ -164,3 +164,35 @@ def test_a_loss_backward_of_another_shape_is_left_as_captured(helpers):
     assert not any(n.targets[0].startswith("memplan.") for n in g.nodes)
     assert any(n.targets[0] == "aten._log_softmax_backward_data.default" for n in g.nodes)
     _check_trains_like_eager(helpers, model, label_smoothed, batch, g)
+
+
+def test_the_whole_loss_fuses_when_the_backward_seed_comes_through_an_alias():
+    """Autograd's engine aliases a gradient it cannot steal, which depends on the tensor's reference count at that
+    moment: the same step may trace with `nll_loss_backward(alias(ones_like(loss)))`. Both traces must fuse into
+    one `memplan::linear_cross_entropy` and leave the same ops (the graph's fingerprint must not depend on it)."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    from runtime.capture import _LossStep
+    from runtime.rewrites import Rewriter, fuse_cross_entropy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = (torch.randn(32, 8), torch.randint(0, 4, (32,)))
+
+    def fused_ops(alias_the_seed: bool) -> list[str]:
+        gm, _ = aot_export_module(_LossStep(model, lambda m, x, y: F.cross_entropy(m(x), y)), batch,
+                                  trace_joint=True, output_loss_index=0)
+        if alias_the_seed:
+            seed = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.ones_like.default)
+            with gm.graph.inserting_after(seed):
+                alias = gm.graph.call_function(torch.ops.aten.alias.default, (seed,))
+            alias.meta = dict(seed.meta)
+            seed.replace_all_uses_with(alias, delete_user_cb=lambda user: user is not alias)
+        rw = Rewriter(gm.graph, None)
+        fuse_cross_entropy(gm.graph, rw, on_cpu=True)
+        assert rw.applied == [0]
+        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+    plain, aliased = fused_ops(False), fused_ops(True)
+    assert "memplan.linear_cross_entropy.default" in plain
+    assert aliased == plain
