@@ -13,6 +13,9 @@ from __future__ import annotations
 import copy
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -224,3 +227,17 @@ def helpers():
                            simulated_peak=simulated_peak, train_eager=train_eager, train_plan=train_plan,
                            train_like_eager_bitwise=train_like_eager_bitwise,
                            assert_same_step=assert_same_step, assert_peak_matches=assert_peak_matches, device=DEVICE)
+
+
+@pytest.fixture
+def run_ranks():
+    """Run a distributed worker script of this folder (`gloo_ranks.spawn`) in a process of its own, unbuffered as
+    many CI runners are (each rank's line must still come out whole), and return its output."""
+    def run(script: str) -> str:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1"}
+        done = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        return done.stdout
+    return run

@@ -6,18 +6,16 @@ is the plan's prediction. Prints `rank R max_abs_diff D recomputations N buckets
 per rank (one write per line); exits non-zero on a difference."""
 
 import copy
-import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import runtime
+from gloo_ranks import join, report, spawn
 from runtime.meter import PeakMeter
 from tasks.solve import solve
 from tasks.solve.core.ddp import under_ddp
@@ -49,8 +47,7 @@ def wrap(model):
 
 
 def worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), *(Block(32) for _ in range(3)), nn.Linear(32, 8))
     torch.manual_seed(1 + rank)                              # each rank its own batches
@@ -81,19 +78,13 @@ def worker(rank: int, world: int, port: int) -> None:
             unreduced = max((p.grad - b.grad).abs().max().item() for p, b in zip(local.parameters(), ours.parameters()))
     buckets = sum(map(len, step.gradient_sync.reduce_points(graph, plan, plan.validate(graph),
                                                              graph.program.grad_params).values()))
-    sys.stdout.write(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)} "
-                     f"buckets {buckets} unreduced_diff {unreduced:.3g} measured {meter.peak_bytes} predicted {plan.predicted['peak_bytes']}\n")
-    sys.stdout.flush()
+    report(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)} "
+           f"buckets {buckets} unreduced_diff {unreduced:.3g} measured {meter.peak_bytes} "
+           f"predicted {plan.predicted['peak_bytes']}")
     dist.destroy_process_group()
     if diff > 1e-5:
         sys.exit(1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, free_port()), nprocs=2)
+    spawn(worker)

@@ -3,18 +3,16 @@ DistributedDataParallel gets, on each rank, the gradients of the same model unde
 checkpointing. Prints `rank R max_abs_diff D recomputations N` per rank; exits non-zero on a difference."""
 
 import copy
-import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import runtime
+from gloo_ranks import join, report, spawn
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
 from runtime.policy_form import Regions, policy_schedule
@@ -53,8 +51,7 @@ def grads(model, batch):
 
 
 def worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), *(Block(32) for _ in range(3)), nn.Linear(32, 8))
     torch.manual_seed(1 + rank)                              # each rank its own batch
@@ -63,20 +60,11 @@ def worker(rank: int, world: int, port: int) -> None:
     reference = grads(DDP(copy.deepcopy(model)), batch)
     checkpointed = grads(DDP(runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)), batch)
     diff = max((reference[k] - checkpointed[k]).abs().max().item() for k in reference)
-    # One write per line: under PYTHONUNBUFFERED, print's text and its newline are two writes, which
-    # the other rank's line can land between.
-    sys.stdout.write(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)}\n")
-    sys.stdout.flush()
+    report(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)}")
     dist.destroy_process_group()
     if diff > 1e-6:
         sys.exit(1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, free_port()), nprocs=2)
+    spawn(worker)

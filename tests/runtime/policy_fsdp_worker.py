@@ -7,17 +7,15 @@ without the plan, and the simulator's peaks of the plan and of no recomputation;
 difference."""
 
 import copy
-import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from torch.distributed.fsdp import fully_shard
 
 import runtime
+from gloo_ranks import join, report, spawn
 from runtime.meter import PeakMeter
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
@@ -74,8 +72,7 @@ def train(model, batch, rank):
 
 
 def worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     model = gpt2()
     torch.manual_seed(1 + rank)                                  # each rank its own batch
     batch = (torch.randint(0, 128, (8, 32)),)
@@ -85,22 +82,13 @@ def worker(rank: int, world: int, port: int) -> None:
     applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
     checkpointed, peak = train(sharded(applied), batch, rank)
     diff = max((reference[k] - checkpointed[k]).abs().max().item() for k in reference)
-    # One write per line: under PYTHONUNBUFFERED, print's text and its newline are two writes, which
-    # the other rank's line can land between.
-    sys.stdout.write(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)} "
-                     f"peak {peak} predicted {plan.predicted['peak_bytes']} reference_peak {reference_peak} "
-                     f"reference_predicted {reference_predicted}\n")
-    sys.stdout.flush()
+    report(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)} "
+           f"peak {peak} predicted {plan.predicted['peak_bytes']} reference_peak {reference_peak} "
+           f"reference_predicted {reference_predicted}")
     dist.destroy_process_group()
     if diff > 1e-6:
         sys.exit(1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, free_port()), nprocs=2)
+    spawn(worker)

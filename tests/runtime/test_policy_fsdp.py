@@ -3,26 +3,16 @@ root, trains on 2 gloo CPU ranks to the parameter shards of FSDP2 without checkp
 parameters and gradient buffers come on top of the plan's peak, and the same bytes on top of the unplanned
 peak: the bytes the plan saves are the bytes the simulator predicts it saves."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_policy_model_under_fsdp2_trains_to_the_parameters_of_fsdp2_without_checkpointing():
-    # Unbuffered, as many CI runners set it: each line must still come out whole.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("policy_fsdp_worker.py"))], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+def test_policy_model_under_fsdp2_trains_to_the_parameters_of_fsdp2_without_checkpointing(run_ranks):
+    out = run_ranks("policy_fsdp_worker.py")
     ranks = {r: tuple(map(float, rest)) for r, *rest in re.findall(
         r"rank (\d) max_abs_diff (\S+) recomputations (\d+) peak (\d+) predicted (\d+) reference_peak (\d+) "
         r"reference_predicted (\d+)",
-        run.stdout)}
-    assert set(ranks) == {"0", "1"}, run.stdout
+        out)}
+    assert set(ranks) == {"0", "1"}, out
     for diff, recomputed, peak, predicted, reference_peak, reference_predicted in ranks.values():
         assert diff <= 1e-6 and recomputed > 0, ranks
         assert predicted < peak < reference_peak, ranks
