@@ -36,17 +36,6 @@ State = dict[str, torch.Tensor | None]
 Step = Callable[[], torch.Tensor]
 
 
-def eager_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...]) -> Step:
-    """Eager PyTorch's training step: `loss_fn(model, *batch).backward()`."""
-
-    def step() -> torch.Tensor:
-        loss = loss_fn(model, *batch)
-        loss.backward()
-        return loss
-
-    return step
-
-
 def optimizer_named(name: str, model: nn.Module) -> torch.optim.Optimizer:
     """The torch optimizer `name` (`tasks.solve.core.optimizer.OPTIMIZERS`) over `model`'s parameters, with the
     settings validation uses (lr 0.01 and the model's own arguments, e.g. momentum 0.9)."""
