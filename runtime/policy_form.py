@@ -8,19 +8,30 @@ the set of its nodes whose outputs autograd keeps (MUST_SAVE); every other op of
 recomputed (PREFER_RECOMPUTE). What autograd does with that, as a schedule:
 
 - forward: every forward and loss node once, in the default order;
-- a backward node belongs to the regions whose values it reads (a region's own values first, its
-  outputs, read by later forward nodes, only when it reads nothing else of a region);
+- a backward node belongs to the regions whose own values it reads (not their outputs, which later
+  forward nodes read: the next region's checkpoint holds those as its input, and the backward of a
+  node reading one is that region's);
 - before the first backward node of a checkpointed region, the region's forward reruns from its first
-  node through the last node whose output its backward reads (checkpoint's early stop), skipping the
-  saved nodes: one recomputation per region, right before its backward;
-- saved nodes are those whose outputs the region's backward reads (`savable`); random nodes (dropout's
-  draw) and their direct readers (the in-place scaling of eager's mask) are never saved in a checkpointed
-  region (`unsaved`), so a recomputation redraws every mask from the generator state checkpoint
-  restores, in the same order, and writes it into a tensor of its own.
+  node through the last node whose output its backward reads (checkpoint's early stop: the `rerun`
+  range), skipping the saved nodes, whose outputs the forward's cache supplies: one recomputation per
+  region, right before its backward;
+- a decision may save any node of the rerun range that allocates (`savable`), e.g. a projection that only
+  recomputed ops read, as torchtitan's op lists do; random nodes (dropout's draw), their direct readers
+  (the in-place scaling of eager's mask) and the buffers only they read (the mask eager's `bernoulli_`
+  fills) are never saved (`unsaved`), so a recomputation redraws every mask from the generator state
+  checkpoint restores, in the same order, and writes it into a tensor of its own;
+- a saved node must be read by the region's backward or by a node it recomputes (`idle_saves`): the
+  checkpoint cache holds a saved output until the recomputation reaches its op, which a schedule, whose
+  values die at their last read, cannot express for a value nobody reads then. `settled` drops such
+  saves (their nodes are then recomputed, as autograd would run them).
 
-A region that saves everything `savable` is not checkpointed. `decisions(regions, schedule)` reads the
-decision back from a plan's schedule and refuses (PolicyFormError) one that is not `policy_schedule` of
-it.
+The simulator frees a value after the last op that reads it; autograd holds a saved tensor until the
+whole backward node of its forward op has run, and where that node is several ops of the graph (sin's
+backward: cos, then mul) a value lives one op longer than predicted, so the measured peak can exceed the
+prediction by such a tensor. One-op backwards (GELU's, a matmul's, layer norm's) are exact.
+
+`decisions(regions, schedule)` reads the decision back from a plan's schedule and refuses
+(PolicyFormError) one that is not `policy_schedule` of it.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ class Regions:
     backward: frozenset[int]
     region_of: tuple[str | None, ...]        # per node, the recorded module (forward nodes only)
     random: frozenset[int]
+    allocating: frozenset[int]               # nodes whose outputs take bytes (views take none)
 
     @classmethod
     def of_problem(cls, problem: Any) -> "Regions":
@@ -53,7 +65,8 @@ class Regions:
         n = len(problem.node_inputs)
         return cls(tuple(int(v) for v in problem.order), tuple(problem.node_inputs), tuple(problem.node_outputs),
                    frozenset(i for i, p in enumerate(problem.phase) if p == "backward"),
-                   tuple(problem.node_modules) or (None,) * n, frozenset(problem.random_nodes))
+                   tuple(problem.node_modules) or (None,) * n, frozenset(problem.random_nodes),
+                   frozenset(i for i, b in enumerate(problem.node_bytes) if b > 0))
 
     @classmethod
     def of_graph(cls, graph: Any) -> "Regions":
@@ -62,7 +75,8 @@ class Regions:
         random = getattr(graph.program, "random_devices", {}) or {}
         return cls(tuple(range(n)), tuple(x.inputs for x in graph.nodes), tuple(x.outputs for x in graph.nodes),
                    frozenset(x.id for x in graph.nodes if x.phase == "backward"),
-                   tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(int(k) for k in random))
+                   tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(int(k) for k in random),
+                   frozenset(x.id for x in graph.nodes if sum(graph.values[v].bytes for v in x.outputs) > 0))
 
     @cached_property
     def members(self) -> dict[str, list[int]]:
@@ -89,27 +103,46 @@ class Regions:
     def owners(self) -> dict[int, set[str]]:
         """Backward node -> the regions it belongs to (module docstring)."""
         made, outs = self._producer_region, self.region_outputs
-        owners: dict[int, set[str]] = {}
-        for node in self.backward:
-            own = {made[v] for v in self.inputs[node] if v in made and v not in outs}
-            owners[node] = own or {made[v] for v in self.inputs[node] if v in made}
-        return owners
+        return {node: {made[v] for v in self.inputs[node] if v in made and v not in outs} for node in self.backward}
+
+    @cached_property
+    def backward_reads(self) -> dict[str, set[int]]:
+        """Per region, the values its own backward reads."""
+        read: dict[str, set[int]] = {name: set() for name in self.members}
+        for node, regions in self.owners.items():
+            for name in regions:
+                read[name].update(self.inputs[node])
+        return read
+
+    @cached_property
+    def rerun(self) -> dict[str, list[int]]:
+        """Per region, its nodes from the first through the last whose output its backward reads, in order:
+        what a recomputation runs, saved nodes aside (empty: its backward reads nothing of it)."""
+        out = {}
+        for name, nodes in self.members.items():
+            read = [i for i, n in enumerate(nodes) if self.backward_reads[name] & set(self.outputs[n])]
+            out[name] = nodes[:read[-1] + 1] if read else []
+        return out
 
     @cached_property
     def savable(self) -> dict[str, list[int]]:
-        """Per region, its nodes whose outputs its own backward reads, in order: the nodes a decision may save."""
-        read: dict[str, set[int]] = {}
-        for node, regions in self.owners.items():
-            for name in regions:
-                read.setdefault(name, set()).update(self.inputs[node])
-        return {name: [n for n in nodes if read.get(name, set()) & set(self.outputs[n])]
-                for name, nodes in self.members.items()}
+        """Per region, the nodes a decision may save: those of its `rerun` range that allocate, outside
+        `unsaved`."""
+        return {name: [n for n in nodes if n in self.allocating and n not in self.unsaved]
+                for name, nodes in self.rerun.items()}
 
     @cached_property
     def unsaved(self) -> frozenset[int]:
-        """Nodes no checkpointed region saves: random nodes and the nodes reading their outputs."""
+        """Nodes no checkpointed region saves: random nodes, the nodes reading their outputs, and the nodes
+        only random nodes read (the buffer eager's `bernoulli_` fills in place)."""
         drawn = {v for n in self.random for v in self.outputs[n]}
-        return self.random | {n for n in range(len(self.inputs)) if drawn & set(self.inputs[n])}
+        readers: dict[int, set[int]] = {}
+        for n, values in enumerate(self.inputs):
+            for v in values:
+                readers.setdefault(v, set()).add(n)
+        buffers = {n for n in range(len(self.inputs)) if n not in self.random and self.outputs[n]
+                   and all(readers.get(v) and readers[v] <= self.random for v in self.outputs[n])}
+        return self.random | buffers | {n for n in range(len(self.inputs)) if drawn & set(self.inputs[n])}
 
     def trigger(self, name: str) -> int | None:
         """The first backward node of region `name` (where its recomputation runs), or None."""
@@ -117,27 +150,44 @@ class Regions:
 
     def recomputed(self, name: str, saved: Sequence[int] | frozenset[int]) -> list[int]:
         """The nodes region `name` reruns before its backward when it saves `saved`."""
-        savable = self.savable[name]
-        if not savable:
-            return []
-        nodes = self.members[name]
-        last = nodes.index(savable[-1])
-        return [n for n in nodes[:last + 1] if n not in saved]
+        return [n for n in self.rerun[name] if n not in saved]
+
+    def settled(self, name: str, saved: Sequence[int] | frozenset[int]) -> frozenset[int]:
+        """`saved` without its idle saves, repeatedly (an idle save dropped is recomputed and reads its
+        inputs): the nodes of `saved` the region's backward or one of its recomputed nodes reads."""
+        keep, read = set(saved), set(self.backward_reads[name])
+        for node in reversed(self.rerun[name]):
+            if node in keep and not read & set(self.outputs[node]):
+                keep.discard(node)
+            if node not in keep:
+                read.update(self.inputs[node])
+        return frozenset(keep)
+
+    def idle_saves(self, name: str, saved: Sequence[int] | frozenset[int]) -> set[int]:
+        """Saved nodes of region `name` that neither its backward nor a node it recomputes reads."""
+        read = set(self.backward_reads[name]).union(*(self.inputs[n] for n in self.recomputed(name, saved)))
+        return {n for n in saved if not read & set(self.outputs[n])}
 
 
 def policy_schedule(regions: Regions, saved: Mapping[str, Sequence[int] | frozenset[int]]) -> list[dict[str, int]]:
     """The schedule autograd runs when each region `name` in `saved` is checkpointed saving `saved[name]`
-    (a subset of `regions.savable[name]` outside `regions.unsaved`); regions not in `saved` are not
-    checkpointed."""
+    (a subset of `regions.savable[name]` without idle saves); regions not in `saved` are not checkpointed."""
     for name, keep in saved.items():
         if name not in regions.members:
             raise PolicyFormError(f"region {name!r} is not a recorded module of this graph "
                                   f"({', '.join(regions.members) or 'none recorded'}).")
-        bad = set(keep) - set(regions.savable[name]) | (set(keep) & regions.unsaved)
+        bad = set(keep) - set(regions.savable[name])
         if bad:
-            raise PolicyFormError(f"region {name!r} cannot save nodes {sorted(bad)[:5]}: only nodes whose outputs its "
-                                  f"backward reads may be saved, and never a random node or a direct reader of one "
-                                  f"(a recomputation redraws them all).")
+            raise PolicyFormError(f"region {name!r} cannot save nodes {sorted(bad)[:5]}: a region saves only nodes "
+                                  f"that allocate, up to the last one its backward reads (checkpoint stops "
+                                  f"recomputing there), and never a random node, a reader of one or the buffer it "
+                                  f"fills (a recomputation redraws them all).")
+        idle = regions.idle_saves(name, keep)
+        if idle:
+            raise PolicyFormError(f"region {name!r} saves nodes {sorted(idle)[:5]} that neither its backward nor a "
+                                  f"node it recomputes reads: checkpoint's cache would hold them until the "
+                                  f"recomputation reaches them, longer than the schedule says. Save "
+                                  f"`Regions.settled(name, saved)` instead.")
     before: dict[int, list[int]] = {}
     for name, keep in saved.items():
         trigger, rerun = regions.trigger(name), regions.recomputed(name, frozenset(keep))
@@ -167,15 +217,21 @@ def decisions(regions: Regions, schedule: Sequence[Mapping[str, Any]]) -> dict[s
                               f"(solver 'selective-policy'), or run the plan with runtime.load.")
     saved = {name: frozenset(n for n in regions.savable[name] if n not in again)
              for name, nodes in regions.members.items() if again & set(nodes)}
+    rule = ("it recomputes each region once, right before the region's backward, from the region's start through "
+            "the last value its backward reads, and keeps a value from the forward only if that backward or the "
+            "recomputation reads it")
+    fix = "Solve with solver 'selective-policy', or run the plan with runtime.load."
+    for name, keep in saved.items():
+        idle = regions.idle_saves(name, keep)
+        if idle:
+            raise PolicyFormError(f"the plan's schedule is not one selective checkpointing can run: region {name!r} "
+                                  f"would keep nodes {sorted(idle)[:5]} from the forward that neither its backward "
+                                  f"nor its recomputation reads ({rule}). {fix}")
     expected = [int(s["compute"]) for s in policy_schedule(regions, saved)]
     if computes != expected:
         i = next((i for i, (a, b) in enumerate(zip(computes, expected)) if a != b), min(len(computes), len(expected)))
         got = computes[i] if i < len(computes) else "the end"
         want = expected[i] if i < len(expected) else "the end"
         raise PolicyFormError(f"the plan's schedule is not one selective checkpointing can run: its compute step {i} "
-                              f"is node {got} where the policy form runs node {want} (it recomputes each region "
-                              f"once, right before the region's backward, from the region's start through the "
-                              f"last value its backward reads, and keeps a value from the forward only if that "
-                              f"backward reads it). Solve with solver 'selective-policy', or run the plan with "
-                              f"runtime.load.")
+                              f"is node {got} where the policy form runs node {want} ({rule}). {fix}")
     return saved

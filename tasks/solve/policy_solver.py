@@ -3,11 +3,12 @@ runs (PyTorch SAC, `torch.utils.checkpoint` with a MUST_SAVE / PREFER_RECOMPUTE 
 runtime/policy_form.py says which schedules those are), so its plan trains in the user's own loop
 through `runtime.apply` and the simulator's peak is what autograd then does.
 
-Decision per region (a repeated module recorded at capture): which of the nodes its backward reads it
-keeps. Candidates to recompute are those nodes ranked by predicted time per byte (the knapsack
-order of PyTorch's `_activation_checkpointing` and of torchtitan's op lists, where matmuls are dearest
-per byte); every prefix of that ranking, and checkpointing the first k regions whole (what
-`module-checkpoint` does), is simulated, and the cheapest within the budget is returned.
+Decision per region (a repeated module recorded at capture): which of its nodes it keeps, any that
+allocates up to the last its backward reads (`Regions.savable`; e.g. the projections torchtitan keeps).
+Candidates to recompute are those nodes ranked by predicted time per byte (the knapsack order of
+PyTorch's `_activation_checkpointing` and of torchtitan's op lists, where matmuls are dearest per byte);
+every prefix of that ranking, and checkpointing the first k regions whole (what `module-checkpoint`
+does), is simulated, and the cheapest within the budget is returned.
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 
 def decision_ladder(problem: Problem, regions: Regions) -> list[dict[str, frozenset[int]]]:
-    """Candidate decisions (region -> saved nodes), from saving everything towards saving nothing."""
-    savable = {name: [n for n in nodes if n not in regions.unsaved] for name, nodes in regions.savable.items()}
+    """Candidate decisions (region -> saved nodes), from saving everything towards saving nothing: the
+    savable nodes dropped one at a time, cheapest recomputation per byte first (elementwise ops before
+    matmuls), each decision `Regions.settled`; then the first k regions checkpointed whole."""
+    savable = regions.savable
     order = sorted(((float(problem.cost[n]) / max(int(problem.node_bytes[n]), 1), i, name, n)
                     for i, (name, nodes) in enumerate(savable.items()) for n in nodes))
-    ladder, dropped = [], {name: set() for name in savable}
+    ladder, seen, dropped = [], set(), {name: set() for name in savable}
     for *_, name, n in order:
         dropped[name].add(n)
-        ladder.append({r: frozenset(set(nodes) - dropped[r]) for r, nodes in savable.items() if dropped[r]})
+        decision = {r: regions.settled(r, set(nodes) - dropped[r]) for r, nodes in savable.items() if dropped[r]}
+        key = tuple(sorted((r, tuple(sorted(keep))) for r, keep in decision.items()))
+        if key not in seen:
+            seen.add(key)
+            ladder.append(decision)
     names = list(savable)
     ladder += [{r: frozenset() for r in names[:k]} for k in range(1, len(names) + 1)]
     return ladder

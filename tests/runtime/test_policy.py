@@ -148,8 +148,8 @@ def test_plans_the_policy_form_cannot_express_are_refused(helpers):
     model, loss_fn, batch, graph, problem, plan = setup("mlp")
     regions = Regions.of_graph(graph)
     first = regions.members[next(iter(regions.members))]
-    executor_plan = copy.deepcopy(plan)            # recomputes a region's node right before its first read
-    executor_plan.schedule = helpers.recompute_schedule(graph, {first[1]})
+    executor_plan = copy.deepcopy(plan)            # recomputes a block's up projection right before gelu's backward,
+    executor_plan.schedule = helpers.recompute_schedule(graph, {first[0]})   # after the block's backward began
     with pytest.raises(PolicyFormError, match="not one selective checkpointing can run"):
         runtime.apply(executor_plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
     outside = copy.deepcopy(plan)                  # recomputes the input projection, outside every block

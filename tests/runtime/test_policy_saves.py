@@ -1,0 +1,137 @@
+"""What a policy-form decision may save (runtime/policy_form.py): any allocating node of a region up to the
+last its backward reads, e.g. a projection only recomputed ops read (torchtitan's op lists keep those); a
+save nothing reads before the recomputation reaches it is refused (`idle_saves`) or dropped (`settled`);
+dropout's mask buffer is never saved. Such a plan runs under `runtime.apply` like eager at its predicted
+peak, without rerunning the saved matmuls."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import runtime
+from runtime.meter import PeakMeter
+from runtime.plan import graph_provenance
+from runtime.policy import capture_eager
+from runtime.policy_form import FORM, PolicyFormError, Regions, decisions, policy_schedule
+from tasks.solve import solve
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import simulate
+from tasks.solve.core.solution import checked_solution
+
+A, B, C, D, LOSS, GRAD = range(6)
+
+
+def chain() -> Regions:
+    """Region r = a -> b -> c -> d; the loss reads d; the backward reads b and c (and the loss)."""
+    return Regions(order=(A, B, C, D, LOSS, GRAD), inputs=((), (A,), (B,), (C,), (D,), (B, C, LOSS)),
+                   outputs=((A,), (B,), (C,), (D,), (LOSS,), (GRAD,)), backward=frozenset({GRAD}),
+                   region_of=("r",) * 4 + (None, None), random=frozenset(), allocating=frozenset(range(6)))
+
+
+def test_a_save_only_the_recomputation_reads_is_allowed_and_an_idle_one_refused():
+    regions = chain()
+    assert regions.rerun["r"] == regions.savable["r"] == [A, B, C]     # d: after the last value read
+    computes = [s["compute"] for s in policy_schedule(regions, {"r": {A}})]   # a: read by recomputed b only
+    assert computes == [A, B, C, D, LOSS, B, C, GRAD]
+    assert regions.idle_saves("r", {A, B}) == {A}           # b saved too: nothing reads a before its rerun
+    with pytest.raises(PolicyFormError, match=r"saves nodes \[0\] that neither its backward"):
+        policy_schedule(regions, {"r": {A, B}})
+    assert regions.settled("r", {A, B}) == {B}
+    with pytest.raises(PolicyFormError, match="cannot save nodes"):
+        policy_schedule(regions, {"r": {D}})
+
+
+def test_decisions_read_back_a_save_of_an_unread_value_and_refuse_an_idle_one():
+    regions = chain()
+    assert decisions(regions, policy_schedule(regions, {"r": {A}})) == {"r": frozenset({A})}
+    only_c = [{"compute": n} for n in (A, B, C, D, LOSS, C, GRAD)]    # keeps a and b: nothing reads a again
+    with pytest.raises(PolicyFormError, match="would keep nodes \\[0\\]"):
+        decisions(regions, only_c)
+
+
+def test_dropouts_mask_buffer_is_never_saved():
+    x, buffer, draw, mask, out, grad = range(6)            # eager dropout: empty_like, bernoulli_, mul
+    regions = Regions(order=tuple(range(6)), inputs=((), (x,), (buffer,), (draw,), (x, mask), (mask, out)),
+                      outputs=tuple((n,) for n in range(6)), backward=frozenset({grad}),
+                      region_of=("r",) * 5 + (None,), random=frozenset({draw}), allocating=frozenset(range(6)))
+    assert regions.unsaved == {buffer, draw, mask}
+    assert regions.savable["r"] == [x, out]
+
+
+class Block(nn.Module):
+    """A projection whose output only recomputed ops read (the backward of `* 0.5` reads nothing of it),
+    as a query projection before rotary embeddings. GELU: its backward is one op, as autograd runs it
+    (runtime/policy_form.py on ops whose backward is several)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.out(F.gelu(self.inp(x) * 0.5))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.addmm.default
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model, loss_fn, batch):
+    model.zero_grad(set_to_none=True)
+    with PeakMeter("cpu") as meter, _CountMatmuls() as count:
+        loss_fn(model, *batch).backward()
+    return meter.peak_bytes, count.calls, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_saved_projections_are_not_rerun_and_the_peak_is_predicted():
+    torch.manual_seed(0)
+    model, loss_fn = Net(), lambda m, x, y: F.cross_entropy(m(x), y)
+    batch = (torch.randn(256, 32), torch.randint(0, 8, (256,)))
+    graph = capture_eager(model, loss_fn, batch)
+    problem = Problem.from_graph(graph, {n.id: (10.0 if n.targets[0] == "aten.addmm.default" else 1.0, 0)
+                                         for n in graph.nodes})
+    regions = Regions.of_graph(graph)
+    matmuls = {name: {n for n in nodes if graph.nodes[n].targets[0] == "aten.addmm.default"}
+               for name, nodes in regions.savable.items()}
+    unread = {n for name, keep in matmuls.items() for n in keep
+              if not regions.backward_reads[name] & set(graph.nodes[n].outputs)}
+    assert len(unread) == 3                                           # each block's `inp`
+    saved = {name: regions.settled(name, keep) for name, keep in matmuls.items()}
+    assert saved == {name: frozenset(keep) for name, keep in matmuls.items()}
+    schedule = policy_schedule(regions, saved)
+    solution = checked_solution(problem, "hand", simulate(problem, schedule).peak_bytes, schedule, form=FORM)
+    plan = solution.to_plan(problem)
+    plan.provenance.update(graph_provenance(graph))
+    eager_peak, eager_matmuls, eager_grads = _step(copy.deepcopy(model), loss_fn, batch)
+    applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    peak, matmul_calls, grads = _step(applied, loss_fn, batch)
+    assert matmul_calls == eager_matmuls                              # no projection reran
+    for k in eager_grads:
+        torch.testing.assert_close(grads[k], eager_grads[k], rtol=0, atol=1e-6)
+    assert abs(peak / solution.predicted_peak_bytes - 1) <= 0.05, (peak, solution.predicted_peak_bytes)
+    assert peak < eager_peak
+    best = solve(problem, "selective-policy", solution.predicted_peak_bytes)   # the ladder passes this decision
+    assert best.feasible and best.objective <= solution.objective + 1e-9
