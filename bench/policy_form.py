@@ -6,8 +6,8 @@ One model for every row: the GPT-2 of bench/peers.py with transformers' default 
 256 wide, seq 256, batch 4), with eager attention and the key/value cache off (`runtime.policy.capture_eager`
 traces it with the all-ones attention mask; a checkpointed layer must not update a cache twice). Rows:
 eager; eager under torch.compile (`aot_eager_decomp_partition`, bench/peers.py's CPU compile); transformers'
-per-block `torch.utils.checkpoint`; torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`);
-memplan `selective-policy` plans, solved on this run's profile of the eager capture at each fraction of the
+per-block `torch.utils.checkpoint` and torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`),
+each in eager and compiled; memplan `selective-policy` plans, solved on this run's profile of the eager capture at each fraction of the
 no-recomputation peak and at the least it reaches, run by `runtime.apply` in eager and compiled. Peaks are
 `PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both as ratios
 to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak; "grad err" the
@@ -67,7 +67,10 @@ def main() -> None:
     runs = {"eager": (model, lambda: loss_fn(model, *batch).backward()),
             "eager, compiled": compiled(copy.deepcopy(model), loss_fn, batch),
             "checkpoint per block": (hand, lambda: loss_fn(hand, *batch).backward()),
-            **selective_policy_step(model, loss_fn, batch)}
+            "checkpoint per block, compiled": compiled(copy.deepcopy(hand), loss_fn, batch)}
+    for label, (sac, step) in selective_policy_step(model, loss_fn, batch).items():
+        runs[label] = (sac, step)
+        runs[label + ", compiled"] = compiled(sac, loss_fn, batch)
     predicted = {}
     least = smallest_fraction(problem, "selective-policy", SolveOptions(), full)
     for fraction in sorted({*args.fractions, *([least] if least else [])}, reverse=True):
