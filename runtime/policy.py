@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from runtime.autograd_nodes import label_backward
 from runtime.capture import capture
 from runtime.graph import OpGraph
 from runtime.modules import META_KEY, marked_modules
@@ -149,11 +150,13 @@ def _eager_dropout() -> Iterator[None]:
 def capture_eager(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> OpGraph:
     """The graph the policy form plans on: the step captured without memplan's rewrites (they change
     which tensors are kept, and eager autograd runs none of them) and, for a CPU step, with dropout as
-    eager runs it there. `apply` captures the same way for a plan whose provenance says
-    `capture = "eager"`."""
+    eager runs it there; its backward nodes are labelled with the autograd Nodes that run them
+    (runtime/autograd_nodes.py), so the simulator holds a Node's saved tensors as autograd does. `apply`
+    captures the same way for a plan whose provenance says `capture = "eager"`."""
     cpu = all(t.device.type == "cpu" for t in (*batch, *model.parameters()))
     with _eager_dropout() if cpu else contextlib.nullcontext():
         graph = capture(model, loss_fn, tuple(batch), rewrites={})
+        label_backward(graph, model, loss_fn, tuple(batch))
     graph.meta["capture"] = "eager"
     return graph
 

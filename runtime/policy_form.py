@@ -70,10 +70,13 @@ class Regions:
 
     @classmethod
     def of_graph(cls, graph: Any) -> "Regions":
-        """From a captured `runtime.graph.OpGraph` (its nodes are in the default order)."""
+        """From a captured `runtime.graph.OpGraph` (its nodes are in the default order), reading as
+        `Problem.from_graph` does (`held_reads`)."""
         n = len(graph.nodes)
         random = getattr(graph.program, "random_devices", {}) or {}
-        return cls(tuple(range(n)), tuple(x.inputs for x in graph.nodes), tuple(x.outputs for x in graph.nodes),
+        reads = held_reads([x.phase for x in graph.nodes], [x.inputs for x in graph.nodes],
+                           [x.outputs for x in graph.nodes], graph.meta.get("autograd_nodes") or [None] * n)
+        return cls(tuple(range(n)), tuple(reads), tuple(x.outputs for x in graph.nodes),
                    frozenset(x.id for x in graph.nodes if x.phase == "backward"),
                    tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(int(k) for k in random),
                    frozenset(x.id for x in graph.nodes if sum(graph.values[v].bytes for v in x.outputs) > 0))
@@ -235,3 +238,22 @@ def decisions(regions: Regions, schedule: Sequence[Mapping[str, Any]]) -> dict[s
         raise PolicyFormError(f"the plan's schedule is not one selective checkpointing can run: its compute step {i} "
                               f"is node {got} where the policy form runs node {want} ({rule}). {fix}")
     return saved
+
+
+def held_reads(phases: Sequence[str], inputs: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+               autograd_nodes: Sequence[int | None]) -> list[tuple[int, ...]]:
+    """Per operator node, its reads plus, for the last of a run of consecutive backward nodes sharing an
+    autograd Node, the values the run's earlier nodes read that the run does not make (runtime/autograd_nodes.py)."""
+    reads = [tuple(dict.fromkeys(r)) for r in inputs]
+    n, start = len(reads), 0
+    while start < n:
+        end = start + 1
+        label = autograd_nodes[start] if phases[start] == "backward" else None
+        while label is not None and end < n and phases[end] == "backward" and autograd_nodes[end] == label:
+            end += 1
+        if end - start > 1:
+            made = {v for i in range(start, end) for v in outputs[i]}
+            earlier = [v for i in range(start, end - 1) for v in reads[i] if v not in made]
+            reads[end - 1] = tuple(dict.fromkeys([*reads[end - 1], *earlier]))
+        start = end
+    return reads

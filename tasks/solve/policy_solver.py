@@ -5,10 +5,16 @@ through `runtime.apply` and the simulator's peak is what autograd then does.
 
 Decision per region (a repeated module recorded at capture): which of its nodes it keeps, any that
 allocates up to the last its backward reads (`Regions.savable`; e.g. the projections torchtitan keeps).
-Candidates to recompute are those nodes ranked by predicted time per byte (the knapsack order of
-PyTorch's `_activation_checkpointing` and of torchtitan's op lists, where matmuls are dearest per byte);
-every prefix of that ranking, and checkpointing the first k regions whole (what `module-checkpoint`
-does), is simulated, and the cheapest within the budget is returned.
+Candidates to recompute are ranked by predicted time per byte (the knapsack order of PyTorch's
+`_activation_checkpointing` and of torchtitan's op lists, where matmuls are dearest per byte), each
+decision `Regions.settled`. Two families are simulated and the cheapest within the budget returned:
+- `decision_ladder`: the savable nodes of all regions dropped one at a time in that order, then the
+  first k regions checkpointed whole (what `module-checkpoint` does);
+- `staircases`: regions alike (a transformer's layers) share one ranking of their node positions, by
+  the mean time per byte over them (one profile's noise does not split them), giving levels 0 (not
+  checkpointed), 1, 2, ... of the same decision in every region; every region at level i and the first
+  or last k at level i + 1, or the first or last k whole: the per-layer policies torchtitan applies,
+  and mixes of them across layers.
 """
 
 from __future__ import annotations
@@ -28,31 +34,63 @@ def decision_ladder(problem: Problem, regions: Regions) -> list[dict[str, frozen
     savable = regions.savable
     order = sorted(((float(problem.cost[n]) / max(int(problem.node_bytes[n]), 1), i, name, n)
                     for i, (name, nodes) in enumerate(savable.items()) for n in nodes))
-    ladder, seen, dropped = [], set(), {name: set() for name in savable}
+    ladder, dropped = [], {name: set() for name in savable}
     for *_, name, n in order:
         dropped[name].add(n)
-        decision = {r: regions.settled(r, set(nodes) - dropped[r]) for r, nodes in savable.items() if dropped[r]}
-        key = tuple(sorted((r, tuple(sorted(keep))) for r, keep in decision.items()))
-        if key not in seen:
-            seen.add(key)
-            ladder.append(decision)
+        ladder.append({r: regions.settled(r, set(nodes) - dropped[r]) for r, nodes in savable.items() if dropped[r]})
     names = list(savable)
     ladder += [{r: frozenset() for r in names[:k]} for k in range(1, len(names) + 1)]
     return ladder
 
 
+def staircases(problem: Problem, regions: Regions) -> list[dict[str, frozenset[int]]]:
+    """Candidate decisions of alike regions (module docstring): levels of one shared ranking."""
+    groups: dict[int, list[str]] = {}
+    for name, nodes in regions.savable.items():
+        groups.setdefault(len(nodes), []).append(name)
+    levels: dict[str, list[frozenset[int] | None]] = {}
+    for names in groups.values():
+        per_byte = [[float(problem.cost[n]) / max(int(problem.node_bytes[n]), 1) for n in regions.savable[name]]
+                    for name in names]
+        ranking = sorted(range(len(per_byte[0])), key=lambda i: sum(row[i] for row in per_byte))
+        for name in names:
+            nodes = regions.savable[name]
+            levels[name] = [None, *(regions.settled(name, set(nodes) - {nodes[i] for i in ranking[:k]})
+                                    for k in range(1, len(nodes) + 1))]
+    names = list(regions.savable)
+    ends = [(names[:k], names[k:]) for k in range(len(names) + 1)] + \
+           [(names[len(names) - k:], names[:len(names) - k]) for k in range(1, len(names))]
+    out = []
+    for level in range(max(map(len, levels.values()))):
+        for more, rest in ends:
+            for deeper in ("next", "whole"):
+                decision = {}
+                for name in rest:
+                    decision[name] = levels[name][min(level, len(levels[name]) - 1)]
+                for name in more:
+                    decision[name] = frozenset() if deeper == "whole" else \
+                        levels[name][min(level + 1, len(levels[name]) - 1)]
+                out.append({name: keep for name, keep in decision.items() if keep is not None})
+    return out
+
+
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
-    """The cheapest `decision_ladder` schedule whose simulated peak fits `budget` (module docstring)."""
+    """The cheapest `decision_ladder` or `staircases` schedule whose simulated peak fits `budget` (module
+    docstring)."""
     start = time.perf_counter()
     regions = Regions.of_problem(problem)
     if not regions.members:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"{problem.name} records no module boundaries, which the policy form checkpoints "
                                 f"(capture it with runtime.capture, which records them)", form=FORM)
-    best = None
-    for saved in [{}, *decision_ladder(problem, regions)]:
+    best, seen = None, set()
+    for saved in [{}, *decision_ladder(problem, regions), *staircases(problem, regions)]:
         if options.time_limit is not None and best is not None and time.perf_counter() - start > options.time_limit:
             break
+        key = tuple(sorted((name, tuple(sorted(keep))) for name, keep in saved.items()))
+        if key in seen:
+            continue
+        seen.add(key)
         schedule = policy_schedule(regions, saved)
         sim = simulate(problem, schedule)
         if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):

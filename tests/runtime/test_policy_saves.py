@@ -2,7 +2,8 @@
 last its backward reads, e.g. a projection only recomputed ops read (torchtitan's op lists keep those); a
 save nothing reads before the recomputation reaches it is refused (`idle_saves`) or dropped (`settled`);
 dropout's mask buffer is never saved. Such a plan runs under `runtime.apply` like eager at its predicted
-peak, without rerunning the saved matmuls."""
+peak, without rerunning the saved matmuls; a backward formula of several ops holds its inputs through all
+of them (`held_reads`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import runtime
 from runtime.meter import PeakMeter
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
-from runtime.policy_form import FORM, PolicyFormError, Regions, decisions, policy_schedule
+from runtime.policy_form import FORM, PolicyFormError, Regions, decisions, held_reads, policy_schedule
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
@@ -64,17 +65,26 @@ def test_dropouts_mask_buffer_is_never_saved():
     assert regions.savable["r"] == [x, out]
 
 
+def test_an_autograd_nodes_last_op_reads_what_its_earlier_ops_read_from_outside_it():
+    phases = ("forward", "backward", "backward", "backward", "backward")
+    inputs = ((), (0,), (1, 0), (2, 0), (3,))            # 1 and 2: one Node (cos(x), grad * cos); 3, 4: others
+    outputs = ((0,), (1,), (2,), (3,), (4,))
+    assert held_reads(phases, inputs, outputs, (None, 7, 7, 8, None)) == [(), (0,), (1, 0), (2, 0), (3,)]
+    assert held_reads(phases, ((), (0,), (1,), (2,), (3,)), outputs, (None, 7, 7, 7, None)) == \
+        [(), (0,), (1,), (2, 0), (3,)]                   # 0 held to the Node's end; 1, 2 made inside it
+
+
 class Block(nn.Module):
     """A projection whose output only recomputed ops read (the backward of `* 0.5` reads nothing of it),
-    as a query projection before rotary embeddings. GELU: its backward is one op, as autograd runs it
-    (runtime/policy_form.py on ops whose backward is several)."""
+    as a query projection before rotary embeddings. Sin's backward is two ops (cos, mul) autograd runs as
+    one Node, holding sin's input through both (runtime/autograd_nodes.py)."""
 
     def __init__(self, d: int):
         super().__init__()
         self.inp, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
 
     def forward(self, x):
-        return x + self.out(F.gelu(self.inp(x) * 0.5))
+        return x + self.out(torch.sin(self.inp(x) * 0.5))
 
 
 class Net(nn.Module):
@@ -114,6 +124,9 @@ def test_saved_projections_are_not_rerun_and_the_peak_is_predicted():
     problem = Problem.from_graph(graph, {n.id: (10.0 if n.targets[0] == "aten.addmm.default" else 1.0, 0)
                                          for n in graph.nodes})
     regions = Regions.of_graph(graph)
+    labels = graph.meta["autograd_nodes"]
+    cos = [n.id for n in graph.nodes if n.targets[0] == "aten.cos.default"]
+    assert len(cos) == 3 and all(labels[c] is not None and labels[c] == labels[c + 1] for c in cos)  # cos, mul
     matmuls = {name: {n for n in nodes if graph.nodes[n].targets[0] == "aten.addmm.default"}
                for name, nodes in regions.savable.items()}
     unread = {n for name, keep in matmuls.items() for n in keep

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from runtime.policy_form import held_reads
 from runtime.variants import DEFAULT
 
 PHASES = ("forward", "loss", "backward")
@@ -237,7 +238,9 @@ class Problem:
             cost=cost,
             workspace=workspace,
             phase=tuple(node.phase for node in graph.nodes),
-            node_inputs=tuple(tuple(dict.fromkeys(node.inputs)) for node in graph.nodes),
+            node_inputs=tuple(held_reads([node.phase for node in graph.nodes], [node.inputs for node in graph.nodes],
+                                         [node.outputs for node in graph.nodes],
+                                         graph.meta.get("autograd_nodes") or [None] * n)),
             node_outputs=tuple(tuple(node.outputs) for node in graph.nodes),
             value_bytes=np.array([v.bytes for v in [*graph.values, *extra]], dtype=np.int64),
             value_producer=np.array([-1 if v.producer is None else v.producer for v in [*graph.values, *extra]],

@@ -1,0 +1,89 @@
+"""Which backward operator nodes of a captured graph one autograd Node runs (`meta["autograd_nodes"]`).
+
+The joint graph frees each value after its last reading op. Autograd runs a Node's backward formula as a
+whole: it holds the Node's saved tensors and incoming gradients until the formula's last op has run
+(sin's backward is `grad * cos(x)`: `x` lives through the `mul`, not only through the `cos`). When the
+model's own `loss.backward()` runs the step (the policy form, runtime/policy.py), the simulator must count
+those longer lifetimes: `Problem.from_graph` makes the last op of each Node read what its earlier ops read
+from outside the Node (`runtime.policy_form.held_reads`).
+
+`label_backward` learns the Nodes from one eager step of a copy of the model: a dispatch mode records each
+backward ATen call with `torch._C._current_autograd_node()`, and the calls are matched, in order, to the
+graph's backward ops (views left out on both sides; a call the graph does not have within the next few ops,
+such as AccumulateGrad's, is skipped). Random state is restored afterwards; the model is not touched.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runtime.graph import OpGraph
+
+LOOKAHEAD = 4
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "_opname", str(func)).rstrip("_")
+
+
+def _is_view(func: Any) -> bool:
+    returns = getattr(getattr(func, "_schema", None), "returns", ())
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+class _BackwardCalls(TorchDispatchMode):
+    """Records (op name, autograd Node) of each non-view call made while a Node runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+        self._nodes: list[Any] = []                  # keeps each Node's wrapper alive, so ids stay unique
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        node = torch._C._current_autograd_node()
+        if node is not None and not _is_view(func) and "AccumulateGrad" not in node.name():
+            self._nodes.append(node)
+            self.calls.append((_name(func), id(node)))
+        return func(*args, **(kwargs or {}))
+
+
+def _graph_backward_ops(graph: OpGraph) -> list[tuple[str, int]]:
+    """(op name, operator node id) of each non-view ATen call of the graph's backward, in order."""
+    program = graph.program
+    group_of = {m: gid for gid, group in enumerate(program.groups) for m in group}
+    return [(_name(m.target), group_of[m]) for m in program.gm.graph.nodes
+            if m.op == "call_function" and isinstance(m.target, torch._ops.OpOverload) and not _is_view(m.target)
+            and m in group_of and graph.nodes[group_of[m]].phase == "backward"]
+
+
+def match_nodes(graph_ops: Sequence[tuple[str, int]], calls: Sequence[tuple[str, int]]) -> dict[int, int]:
+    """Operator node id -> autograd Node of the first eager call matched to one of its ops, matching the
+    calls in order to `graph_ops` within the next `LOOKAHEAD` graph ops (unmatched calls are skipped)."""
+    at, node_of = 0, {}
+    for name, autograd_node in calls:
+        hit = next((i for i in range(at, min(at + LOOKAHEAD, len(graph_ops))) if graph_ops[i][0] == name), None)
+        if hit is None:
+            continue
+        node_of.setdefault(graph_ops[hit][1], autograd_node)
+        at = hit + 1
+    return node_of
+
+
+def label_backward(graph: OpGraph, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> None:
+    """Set `graph.meta["autograd_nodes"]`: per operator node, a number shared by the consecutive backward
+    nodes one autograd Node runs, None elsewhere (module docstring)."""
+    replica = copy.deepcopy(model)
+    devices = sorted({t.device.index or 0 for t in (*batch, *model.parameters()) if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        loss = loss_fn(replica, *batch)
+        with _BackwardCalls() as recorder:
+            loss.backward()
+    node_of = match_nodes(_graph_backward_ops(graph), recorder.calls)
+    numbers: dict[int, int] = {}
+    graph.meta["autograd_nodes"] = [numbers.setdefault(node_of[n.id], len(numbers)) if n.id in node_of else None
+                                    for n in graph.nodes]
