@@ -1,5 +1,6 @@
-"""Plans by overhead, measured: each solver's `max_overhead` plan against a budget sweep of the same solver,
-all validated side by side in shared timing rounds, as the pipeline validates.
+"""Plans by overhead, measured: each solver's max_overhead plan against a budget sweep of that solver.
+
+All of a solver's plans are validated side by side in shared timing rounds, as the pipeline validates.
 
     .venv/bin/python bench/max_overhead.py [--config pipeline.toml] [--models gpt2-tiny resnet18]
                                            [--solvers dtr ap-greedy acg] [--max-overhead 0.10] [--budgets 10]
