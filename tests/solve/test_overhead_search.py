@@ -49,6 +49,22 @@ def test_the_plan_is_the_least_peak_schedule_within_the_overhead_limit(max_overh
     assert found.predicted_peak_bytes <= found.budget_bytes
 
 
+@pytest.mark.parametrize("solver", ["dtr", "ap-greedy", "acg"])
+def test_a_heuristic_solvers_plan_is_the_least_peak_of_its_budget_sweep_within_the_limit(solver):
+    """The pipeline's default max_overhead solvers are heuristics whose cost need not fall as the budget does, which
+    a bisection could skip past: their plan at +10% must still be the least peak of that solver's schedules at
+    every budget whose predicted cost is within the limit (bench/max_overhead.py measures the same on real models)."""
+    problem = uneven_linear_graph()
+    eager = simulate(problem, default_schedule(problem))
+    limit = 1.1 * eager.compute_cost * (1 + 1e-12)
+    within = [s.predicted_peak_bytes for s in (solve(problem, solver, b)
+                                               for b in range(min_budget_lower_bound(problem), eager.peak_bytes + 1))
+              if s.feasible and s.objective <= limit]
+    found = least_memory_within(problem, solver, 0.1, eager, rel_tol=0.0)
+    assert found.feasible and found.objective <= limit
+    assert found.predicted_peak_bytes == min(within) < eager.peak_bytes
+
+
 def test_more_overhead_buys_less_memory_down_to_the_floor():
     problem = uneven_linear_graph()
     eager = simulate(problem, default_schedule(problem))
