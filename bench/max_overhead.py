@@ -18,10 +18,12 @@ Each solver's plans are validated in one `tasks.validate.validate_plans` call wi
 settings: one eager step and one step of each plan per round, overhead = median over rounds of plan /
 eager - 1, its 95% interval from the order statistics (`median_interval`): what the pipeline publishes. Then
 the same plans are timed again in the validation's rounds (`paired_step_times`) against the `none` plan
-instead of eager: the overhead the limit is about. A plan is *within* the limit when its interval's lower end
-is at most the limit (overhead <= limit + the interval's lower half-width: the timing cannot tell it from the
-limit). Prints per model a table of every plan (predicted and measured peak and overhead against both), and per
-solver and baseline whether the ovh plan is within, the least-peak sweep plan within, ovh peak / that peak
+instead of eager: the overhead the limit is about. The ovh plan is *within* the limit when its interval's lower
+end is at most the limit (overhead <= limit + the interval's lower half-width: the timing cannot tell it from
+the limit); a sweep plan is *at* that overhead when its median is at most the limit (the allowance is the
+published plan's, not the sweep's: an interval 75 points wide would otherwise admit any plan). Prints per model
+a table of every plan (predicted and measured peak and overhead against both), and per solver and baseline
+whether the ovh plan is within, the least-peak sweep plan at the limit, ovh peak / that peak
 (must be <= 1.05) and, for a failure, its cause; then one verdict line per baseline. Timing on a shared host
 is noisy: the intervals say how much.
 """
@@ -98,6 +100,10 @@ class Row:
     def within(self, limit: float, baseline: str) -> bool:
         """Passed validation and its overhead against `baseline` ("eager" or "none") is within `limit`."""
         return self.validated.passed and (self.vs_eager if baseline == "eager" else self.vs_none).within(limit)
+
+    def at(self, limit: float, baseline: str) -> bool:
+        """Passed validation and the median of its overhead against `baseline` is at most `limit`."""
+        return self.validated.passed and (self.vs_eager if baseline == "eager" else self.vs_none).median <= limit
 
 
 def overhead_plans(config: PipelineConfig, model: str, solvers: list[str] | None) -> list[PlanConfig]:
@@ -198,7 +204,7 @@ def report(console: Console, title: str, groups: dict[str, list[Row]], limit: fl
     plans = Table("solver", "plan", "budget MB", "predicted peak MB", "measured peak MB", "predicted ovh",
                   "measured ovh vs eager [95%]", "measured ovh vs no-recompute [95%]", "valid", title=title)
     verdicts = Table("solver", "baseline", f"ovh plan within +{limit:.0%}", "ovh peak MB",
-                     "least-peak sweep plan within", "its peak MB", "peak ratio", "verdict",
+                     "least-peak sweep plan at the limit", "its peak MB", "peak ratio", "verdict",
                      title=f"{title}: max_overhead = {limit:g}")
     results: dict[str, list[bool]] = {"eager": [], "none": []}
     for solver, rows in groups.items():
@@ -209,7 +215,7 @@ def report(console: Console, title: str, groups: dict[str, list[Row]], limit: fl
                           str(r.vs_none), "yes" if v.passed else "NO")
         ovh = next((r for r in rows if r.kind == "ovh"), None)
         for baseline in ("eager", "none"):
-            within = [r for r in rows if r.kind != "ovh" and r.within(limit, baseline)]
+            within = [r for r in rows if r.kind != "ovh" and r.at(limit, baseline)]
             best = min(within, key=lambda r: r.validated.measured_peak_bytes, default=None)
             if ovh is None or best is None:
                 verdicts.add_row(solver, baseline, "no plan" if ovh is None else "", "",
@@ -264,7 +270,7 @@ def main() -> None:
         against = "eager PyTorch (as validation publishes)" if baseline == "eager" else "the no-recompute plan"
         console.print(f"verdict against {against}: "
                       f"{sum(oks)} of {len(oks)} solver x model cells pass (ovh plan within +{args.max_overhead:.0%} "
-                      f"measured, its peak <= {PEAK_RATIO_LIMIT:.2f}x the least-peak sweep plan within it)",
+                      f"measured, its peak <= {PEAK_RATIO_LIMIT:.2f}x the least-peak sweep plan at it)",
                       highlight=False)
 
 

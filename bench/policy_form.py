@@ -1,10 +1,11 @@
 """The policy form (runtime.apply) beside PyTorch's own checkpointing, measured side by side in one run.
 
-    .venv/bin/python bench/policy_form.py [--rounds 5] [--threads 1] [--fractions 0.7 0.5]
+    .venv/bin/python bench/policy_form.py [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5]
 
 One model for every row: the GPT-2 of bench/peers.py with transformers' default dropout of 0.1 (6 layers,
-256 wide, seq 256, batch 4), with eager attention and the key/value cache off (`runtime.policy.capture_eager`
-traces it with the all-ones attention mask; a checkpointed layer must not update a cache twice). Rows:
+256 wide, seq 256, batch 4), or its Llama-style decoder (`--model llama`: RMSNorm, rotary, SwiGLU, no dropout),
+with eager attention and the key/value cache off (`runtime.policy.capture_eager` traces it with the all-ones
+attention mask; a checkpointed layer must not update a cache twice). Rows:
 eager; eager under torch.compile (`aot_eager_decomp_partition`, bench/peers.py's CPU compile); transformers'
 per-block `torch.utils.checkpoint` and torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`),
 each in eager and compiled; memplan `selective-policy` plans, solved on this run's profile of the eager capture at each fraction of the
@@ -42,6 +43,20 @@ def gpt2():
     return model, loss_fn, (torch.randint(0, 2048, (4, 256)),)
 
 
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=6, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=2048, max_position_embeddings=256,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config)
+    loss_fn = lambda m, x: m(input_ids=x, attention_mask=torch.ones_like(x), labels=x).loss  # noqa: E731
+    return model, loss_fn, (torch.randint(0, 2048, (4, 256)),)
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
 def compiled(model, loss_fn, batch):
     """`model` under torch.compile (bench/peers.py's CPU backend), compiled by one step, and its step."""
     fn = torch.compile(model, backend=COMPILE_BACKENDS["aot_eager_decomp_partition"])
@@ -53,14 +68,15 @@ def compiled(model, loss_fn, batch):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.7])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, loss_fn, batch = gpt2()
+    model, loss_fn, batch = MODELS[args.model]()
     graph = capture_eager(model, loss_fn, batch)
-    problem = profiled_problem(graph, "gpt2-dropout-eager-attention")
+    problem = profiled_problem(graph, f"{args.model}-policy-form")
     full = simulate(problem, default_schedule(problem)).peak_bytes
     hand = copy.deepcopy(model)
     hand.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
