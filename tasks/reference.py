@@ -7,9 +7,9 @@ optimizer's update; it measures the peak of a second step with `runtime.meter.Pe
 (bytes allocated during the step, not the parameters, buffers and batch that exist before it: the split of
 tasks/validate.py) and times `steps` more (median). The reference step is eager PyTorch, or under a device
 memory `limit` the first reference step that fits it (tasks/fitting_reference.py, recorded as `kind` with
-the tolerance it needs; the host's runs on the CPU, where its peak and time are measured). The tensors go to a safetensors file, written atomically (no pickle); the
-`Referenced` record points at it and every plan of the cell is checked against it
-(`tasks.validate.validate_plans`).
+the tolerance it needs; the host's runs on the CPU, where its peak and time are measured). The tensors go
+to a safetensors file, written atomically (no pickle); the `Referenced` record points at it and every plan
+of the cell is checked against it (`tasks.validate.validate_plans`).
 """
 
 from __future__ import annotations
