@@ -53,7 +53,8 @@ def main() -> None:
     for column in ("reference", "total B", "MiB", "vs limit", "step time / eager"):
         table.add_column(column, justify="left" if column == "reference" else "right")
     eager_ms = None
-    for kind, wrap in [(EAGER, None), (PER_BLOCK_CHECKPOINT, checkpoint_blocks), (NESTED_CHECKPOINT, checkpoint_nested)]:
+    references = [(EAGER, None), (PER_BLOCK_CHECKPOINT, checkpoint_blocks), (NESTED_CHECKPOINT, checkpoint_nested)]
+    for kind, wrap in references:
         model = copy.deepcopy(base)
         if wrap is not None:
             wrap(model)

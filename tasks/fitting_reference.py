@@ -181,6 +181,8 @@ def rebuilt_step(kind: str, model: nn.Module, loss_fn: Callable[..., torch.Tenso
 
 def _built(kind: str, make: Callable, rtol: float, atol: float, model: nn.Module, loss_fn: Callable,
            batch: tuple) -> ReferenceStep:
+    """The `ReferenceStep` of candidate `kind` on a fresh copy of `model`, with the device its step runs on when
+    `make` moved the copy off the batch's."""
     copied = copy.deepcopy(model)
     step = make(copied, loss_fn, batch)
     ran_on = next(copied.parameters(), batch[0]).device

@@ -107,7 +107,8 @@ def test_the_host_is_the_last_reference_and_can_be_refused():
     assert torch.equal(chosen.step(), training_step(eager, cross_entropy, batch)())   # eager's step, bit for bit
     for (name, a), b in zip(eager.named_parameters(), chosen.model.parameters()):
         assert torch.equal(a.grad, b.grad), name
-    assert reference_step(model, cross_entropy, batch, "cpu", MemoryLimit(limit_bytes=limit + 1), 0, "mean").kind != HOST
+    fits_one = MemoryLimit(limit_bytes=limit + 1)                              # one in-device reference fits
+    assert reference_step(model, cross_entropy, batch, "cpu", fits_one, 0, "mean").kind != HOST
     with pytest.raises(NoFittingReference, match=r"eager: .* per-block checkpoint: .* nested checkpoint: .*"
                                                  r"host_reference = true under \[validate\]"):
         reference_step(model, cross_entropy, batch, "cpu", MemoryLimit(limit_bytes=limit, host_reference=False), 0,
@@ -115,8 +116,8 @@ def test_the_host_is_the_last_reference_and_can_be_refused():
 
 
 def test_a_host_reference_for_a_gpu_runs_on_the_cpu_with_the_cross_device_tolerance(monkeypatch):
-    """Perturbs the device: the model and batch are on the CPU, but the reference is asked for `cuda:0`, whose
-    in-device references are all refused by the limit (the meter is CPU's here)."""
+    """Perturbs the device: the model and batch are on the CPU, the reference is asked for `cuda:0`, and a meter
+    stub refuses every in-device reference as a GPU's limit would."""
     import tasks.fitting_reference as fitting
 
     class Refusing:
