@@ -20,8 +20,8 @@ class Outcome:
     """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget on this
     device; `least_feasible_bytes` is the least budget the run knows is feasible) or rejected (failed
     validation); `message` says why for the last two. `arena_peak_bytes`: the measured peak in arena mode,
-    for plans with addresses. `reference`: the step validation compared the plan with (eager, or per-block
-    checkpoint where eager does not fit `device_memory`: tasks/fitting_reference.py)."""
+    for plans with addresses. `reference`: the step validation compared the plan with (eager, or where eager
+    does not fit `device_memory` the first that does, down to the host's: tasks/fitting_reference.py)."""
 
     alias: str
     model: str

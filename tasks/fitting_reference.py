@@ -13,14 +13,23 @@ eager could not validate anything. `reference_step` tries, in order, each run un
    bit on deterministic kernels: the validation tolerance (`[validate] rtol`, `atol`) stays as it is. Its
    recomputed forward would update BatchNorm running statistics a second time; the buffers are put back to
    their values after the forward, which are eager's;
-3. micro-batches: the batch split into 2, 4, 8, ... equal parts (the last smaller when they do not divide
+3. nested checkpointing: `torch.utils.checkpoint` around every submodule at every depth (each block, and
+   within it each child, down to the leaves; not the root, nor a module that computes in place, whose input
+   a recomputation would no longer see), so that a block's recomputation in the backward keeps only its
+   children's inputs; the tolerance and the buffers as for per-block checkpointing;
+4. micro-batches: the batch split into 2, 4, 8, ... equal parts (the last smaller when they do not divide
    it), each part's step run in turn (per-block checkpointed when the model has blocks), its loss weighted
    by its share of the batch for a mean loss (`reduction = "mean"`: cross_entropy, mse, causal_lm, all means
    over samples or tokens) or left as it is for a sum, the gradients accumulating in `p.grad`. That is the
    full batch's gradient up to floating-point rounding (sums taken in another order), so this reference
    compares with `rtol = max(rtol, MICRO_BATCH_RTOL)` and `atol = max(atol, MICRO_BATCH_ATOL)`. It is not
    offered for a model with BatchNorm (batch statistics of parts are not the batch's), with dropout (the
-   parts draw other masks) or for a loss given by import path (its reduction is unknown).
+   parts draw other masks) or for a loss given by import path (its reduction is unknown);
+5. the host: eager's step on the host CPU, without the device's limit ("the same step on another device"),
+   unless the limit says `host_reference = False` (`[validate] host_reference`). On a CPU device the limit
+   models a smaller accelerator and the host is the same CPU with the same kernels: eager's step bit for
+   bit, the validation's own tolerance. On a GPU the host runs other kernels, which sum in another order:
+   `HOST_RTOL` / `HOST_ATOL` as for micro-batches.
 
 The first that fits is the reference; when none fits, `NoFittingReference` says by how much each missed.
 """
@@ -42,8 +51,12 @@ from tasks.memory_limit import MemoryLimit
 from tasks.records import EAGER
 
 PER_BLOCK_CHECKPOINT = "per-block checkpoint"
+NESTED_CHECKPOINT = "nested checkpoint"
+HOST = "host (eager on cpu, no device limit)"
 MICRO_BATCH_RTOL = 1e-3
 MICRO_BATCH_ATOL = 1e-4
+HOST_RTOL, HOST_ATOL = MICRO_BATCH_RTOL, MICRO_BATCH_ATOL
+"""The least tolerance of a host reference for a plan on a GPU: the same step, summed in another order."""
 LOSS_REDUCTIONS = {"cross_entropy": "mean", "mse": "mean", "causal_lm": "mean", "sum": "sum"}
 """How each named loss reduces over the batch (micro-batch references weight their parts by it)."""
 
@@ -62,6 +75,8 @@ class ReferenceStep:
     step: Callable[[], torch.Tensor]
     rtol: float = 0.0
     atol: float = 0.0
+    device: str | None = None
+    """Where the step runs when not on the plan's device (the host reference on a GPU: "cpu")."""
 
 
 def checkpoint_blocks(model: nn.Module) -> None:
@@ -73,6 +88,17 @@ def checkpoint_blocks(model: nn.Module) -> None:
                                  f"nn.Sequential) to checkpoint")
     for block in blocks.values():
         block.forward = _checkpointed(block.forward)
+
+
+def checkpoint_nested(model: nn.Module) -> None:
+    """Wrap every submodule of `model` below the root, at every depth, in `torch.utils.checkpoint`
+    (non-reentrant), in place, except modules that compute in place (`inplace = True`); raises
+    `NoFittingReference` for a model without submodules."""
+    modules = [m for name, m in model.named_modules() if name and not getattr(m, "inplace", False)]
+    if not modules:
+        raise NoFittingReference(f"{type(model).__name__} has no submodules to checkpoint")
+    for module in modules:
+        module.forward = _checkpointed(module.forward)
 
 
 def _checkpointed(forward: Callable) -> Callable:
@@ -108,53 +134,74 @@ def training_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch:
     return step
 
 
-def _candidates(model: nn.Module, rows: int, reduction: str | None) -> Iterator[tuple[str, Callable, float, float]]:
-    """(kind, prepare, rtol, atol) of each reference in the module docstring's order; `prepare(model, loss_fn,
-    batch)` wraps a copy of the model as needed and returns its step."""
-    def prepare(parts: int, checkpointed: bool) -> Callable:
+def _candidates(model: nn.Module, rows: int, reduction: str | None, device: str, host: bool,
+                ) -> Iterator[tuple[str, Callable, float, float]]:
+    """(kind, prepare, rtol, atol) of each reference in the module docstring's order for a model on `device`
+    (`host`: offer the host's); `prepare(model, loss_fn, batch)` wraps a copy of the model as needed (the
+    host's moves it to the CPU) and returns its step."""
+    def prepare(parts: int, wrap: Callable[[nn.Module], None] | None) -> Callable:
         def make(copied: nn.Module, loss_fn: Callable, batch: tuple) -> Callable[[], torch.Tensor]:
-            if checkpointed:
-                checkpoint_blocks(copied)
-            return training_step(copied, loss_fn, batch, parts, reduction or "mean", keep_buffers=checkpointed)
+            if wrap is not None:
+                wrap(copied)
+            return training_step(copied, loss_fn, batch, parts, reduction or "mean", keep_buffers=wrap is not None)
         return make
 
+    def on_host(copied: nn.Module, loss_fn: Callable, batch: tuple) -> Callable[[], torch.Tensor]:
+        copied.to("cpu")
+        return training_step(copied, loss_fn, tuple(t.to("cpu") for t in batch))
+
     blocks = bool(marked_modules(model))
-    yield EAGER, prepare(1, False), 0.0, 0.0
-    yield PER_BLOCK_CHECKPOINT, prepare(1, True), 0.0, 0.0
+    yield EAGER, prepare(1, None), 0.0, 0.0
+    yield PER_BLOCK_CHECKPOINT, prepare(1, checkpoint_blocks), 0.0, 0.0
+    yield NESTED_CHECKPOINT, prepare(1, checkpoint_nested), 0.0, 0.0
     batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) or isinstance(m, nn.Dropout) and m.p > 0
                            for m in model.modules())
-    if reduction is None or batch_statistics:
-        return
-    parts = 2
-    while parts <= rows:
-        yield (f"{parts} micro-batches" + (" (per-block checkpoint)" if blocks else ""), prepare(parts, blocks),
-               MICRO_BATCH_RTOL, MICRO_BATCH_ATOL)
-        parts *= 2
+    if reduction is not None and not batch_statistics:
+        parts = 2
+        while parts <= rows:
+            yield (f"{parts} micro-batches" + (" (per-block checkpoint)" if blocks else ""),
+                   prepare(parts, checkpoint_blocks if blocks else None), MICRO_BATCH_RTOL, MICRO_BATCH_ATOL)
+            parts *= 2
+    if host:
+        other = torch.device(device).type != "cpu"
+        yield HOST, on_host, HOST_RTOL if other else 0.0, HOST_ATOL if other else 0.0
 
 
 def rebuilt_step(kind: str, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple,
                  reduction: str | None = None) -> ReferenceStep:
     """The reference step named `kind` (as `reference_step` chose it, e.g. for the cell's reference) on a copy
     of `model`, without trying the others."""
-    for name, make, rtol, atol in _candidates(model, batch[0].shape[0], reduction):
+    device = str(batch[0].device)
+    for name, make, rtol, atol in _candidates(model, batch[0].shape[0], reduction, device, host=True):
         if name == kind:
-            copied = copy.deepcopy(model)
-            return ReferenceStep(kind, copied, make(copied, loss_fn, batch), rtol, atol)
+            return _built(name, make, rtol, atol, model, loss_fn, batch)
     raise MemplanError(f"reference kind {kind!r} is not one this model and loss offer; measure the reference again "
                        f"(`memplan run --refresh`).")
+
+
+def _built(kind: str, make: Callable, rtol: float, atol: float, model: nn.Module, loss_fn: Callable,
+           batch: tuple) -> ReferenceStep:
+    """The `ReferenceStep` of candidate `kind` on a fresh copy of `model`, with the device its step runs on when
+    `make` moved the copy off the batch's."""
+    copied = copy.deepcopy(model)
+    step = make(copied, loss_fn, batch)
+    ran_on = next(copied.parameters(), batch[0]).device
+    return ReferenceStep(kind, copied, step, rtol, atol, None if ran_on == batch[0].device else str(ran_on))
 
 
 def reference_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple, device: str,
                    limit: MemoryLimit | None, seed: int, reduction: str | None = None) -> ReferenceStep:
     """The first reference of the module docstring's list whose step fits `limit` on `device` (eager when
-    there is no limit), on a copy of `model`. `reduction`: the loss's ("mean" or "sum"; None: unknown, no
-    micro-batches). Raises `NoFittingReference` when none fits."""
+    there is no limit), on a copy of `model`; the host's, last, runs without the limit. `reduction`: the
+    loss's ("mean" or "sum"; None: unknown, no micro-batches). Raises `NoFittingReference` when none fits."""
     if limit is None:
         copied = copy.deepcopy(model)
         return ReferenceStep(EAGER, copied, training_step(copied, loss_fn, batch))
     resident = limit.module_resident_bytes(model, batch)
     misses = []
-    for kind, make, rtol, atol in _candidates(model, batch[0].shape[0], reduction):
+    for kind, make, rtol, atol in _candidates(model, batch[0].shape[0], reduction, device, limit.host_reference):
+        if kind == HOST:
+            return _built(kind, make, rtol, atol, model, loss_fn, batch)
         try:
             trial = copy.deepcopy(model)     # the trial step leaves gradients and buffer updates behind
             trial_step = make(trial, loss_fn, batch)
@@ -166,8 +213,9 @@ def reference_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch
             continue
         finally:
             trial = trial_step = None
-        copied = copy.deepcopy(model)
-        return ReferenceStep(kind, copied, make(copied, loss_fn, batch), rtol, atol)
+        return _built(kind, make, rtol, atol, model, loss_fn, batch)
     raise NoFittingReference(
         f"no reference step fits the device memory limit of {limit.limit_bytes:,} B on {device}, so no plan can be "
-        f"validated there: " + "; ".join(misses) + ". Raise device_memory or lower the batch size.")
+        f"validated there: " + "; ".join(misses) + ". Raise device_memory, lower the batch size, or set "
+        f"host_reference = true under [validate] in pipeline.toml to validate against eager's step on the host CPU "
+        f"without the limit (docs/fit.md).")

@@ -16,12 +16,14 @@ from tasks.solve.core.optimizer import OPTIMIZERS
 
 
 class MemoryLimit(BaseModel):
-    """A device memory limit in bytes and the optimizer whose state shares it."""
+    """A device memory limit in bytes, the optimizer whose state shares it, and whether a plan may be validated
+    against eager's step on the host CPU without it when no reference fits it (tasks/fitting_reference.py)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     limit_bytes: int
     optimizer: str = "sgd"
+    host_reference: bool = True
 
     @property
     def states_per_parameter(self) -> int:
@@ -59,4 +61,5 @@ def memory_limit(config: PipelineConfig, device: str) -> MemoryLimit | None:
         import torch
 
         setting, _ = torch.cuda.mem_get_info(device)
-    return MemoryLimit(limit_bytes=int(setting), optimizer=config.optimizer)
+    return MemoryLimit(limit_bytes=int(setting), optimizer=config.optimizer,
+                       host_reference=config.validation.host_reference)

@@ -7,9 +7,9 @@ optimizer's update; it measures the peak of a second step with `runtime.meter.Pe
 (bytes allocated during the step, not the parameters, buffers and batch that exist before it: the split of
 tasks/validate.py) and times `steps` more (median). The reference step is eager PyTorch, or under a device
 memory `limit` the first reference step that fits it (tasks/fitting_reference.py, recorded as `kind` with
-the tolerance it needs). The tensors go to a safetensors file, written atomically (no pickle); the
-`Referenced` record points at it and every plan of the cell is checked against it
-(`tasks.validate.validate_plans`).
+the tolerance it needs; the host's runs on the CPU, where its peak and time are measured). The tensors go
+to a safetensors file, written atomically (no pickle); the `Referenced` record points at it and every plan
+of the cell is checked against it (`tasks.validate.validate_plans`).
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def measure_reference(spec: ModelConfig, batch_size: int, device: str, seed: int
     base = build_model(spec, seed).to(device)
     chosen = reference_step(base, build_loss(spec), build_batch(spec, batch_size, seed, device), device, limit,
                             seed, LOSS_REDUCTIONS.get(spec.loss))
-    model, step = chosen.model, chosen.step
+    model, step, ran_on = chosen.model, chosen.step, chosen.device or device
     update = None if optimizer is None else optimizer_named(optimizer, model)
-    state, peak = first_steps(model, step, device, seed, update=update)
+    state, peak = first_steps(model, step, ran_on, seed, update=update)
     times = []
     for _ in range(steps):
-        times.append(_timed(step, device))
+        times.append(_timed(step, ran_on))
         model.zero_grad(set_to_none=True)
     write_state(path, state)
     return Referenced(

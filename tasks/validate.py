@@ -25,8 +25,8 @@ What counts:
   `runtime.load(..., optimizer=opt)`, and its parameters after the step are compared instead of the gradients
   (freed inside the step); its step is timed against the reference step followed by `opt.step()`;
 - a device memory limit (`limit`, pipeline.toml's `device_memory`): the reference is the first step that
-  fits it, eager, per-block checkpointing or micro-batches (tasks/fitting_reference.py, which also says the
-  tolerance micro-batches need), timing runs that step, and the plan's measured peak plus the resident bytes
+  fits it, eager, per-block or nested checkpointing, micro-batches, else eager on the host CPU without the
+  limit (tasks/fitting_reference.py, which also says the tolerance each needs), timing runs that step, and the plan's measured peak plus the resident bytes
   (parameters, buffers, batch, optimizer state) must not exceed the limit;
 - low precision: a model computing in bfloat16 or float16 (`dtype`, `autocast`) is compared with at least
   `torch.testing`'s tolerances for that dtype (`step_tolerance`);

@@ -319,6 +319,9 @@ class ValidateConfig(Section):
     warmup: int = Field(1, ge=0, description="Untimed steps before timing.")
     rtol: float = Field(1e-4, ge=0, description="Relative tolerance on loss, gradients and buffer updates.")
     atol: float = Field(1e-5, ge=0, description="Absolute tolerance on loss, gradients and buffer updates.")
+    host_reference: bool = Field(True, description="Under `device_memory`, when no reference step fits the limit "
+                                 "(eager, checkpointed, micro-batches), validate against eager's step on the host "
+                                 "CPU without the limit (docs/fit.md); false: such a plan fails validation.")
     peak_rtol: float = Field(
         0.05,
         ge=0,
