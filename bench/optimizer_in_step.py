@@ -23,9 +23,9 @@ medians over `--rounds` interleaved rounds (the order reversed every other round
 outside (for "at target": than the outside no-recomputation step), "eager drop / grads" than eager's, as a
 fraction of the parameter-gradient bytes (target >= 0.8); "time / outside" the step time ratio to that plan
 (target <= 1.03). The last tables repeat the target comparison per optimizer and say what is alive at the
-in-step peaks (gradients, other values, and the rest of the peak: the step's scratch) beside two floors no
-schedule goes below: `min_budget_lower_bound` (the leanest compute step) and the largest update alone (its
-gradient and its temporaries).
+in-step peaks (gradients, other values, and the rest of the peak: the step's scratch) beside the floor no
+schedule goes below (`min_budget_lower_bound`: the leanest compute step, or the largest update alone) and
+that update floor (the largest parameter's gradient and its update's temporaries).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from tasks.config import ConfigError, parse_config
 from tasks.solve.core.optimizer import in_step
 from tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
 from tasks.solve.core.simulator import InvalidSchedule, simulate
-from tasks.solve.core.solution import checked_solution
+from tasks.solve.core.solution import checked_solution, min_budget_lower_bound
 
 W, X, A, LOSS, GW, GX, OUT = range(7)
 
@@ -55,6 +55,7 @@ def test_update_workspace_and_state_of_adamw():
     sim = simulate(p, schedule(0, 1, 2, 3, 4))
     assert sim.timeline.tolist() == [40, 44, 104, 334, 54]
     assert sim.constant_bytes == 108 and sim.peak_bytes == 334
+    assert min_budget_lower_bound(p) == 300                 # the update alone: dW (100) and its temporaries (200)
 
 
 def test_updates_run_after_the_node_without_its_scratch_and_dead_inputs():
