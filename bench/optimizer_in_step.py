@@ -107,7 +107,8 @@ def alive_at_peak(problem: Problem, schedule: list) -> tuple[str, int, int, int]
     is_grad = np.isin(sim.copy_value, list(grads))
     grad_bytes = int(sim.copy_bytes[live & is_grad].sum())
     other = int(sim.copy_bytes[live & ~is_grad].sum())
-    return problem.node_label(normalize_schedule(schedule)[s]["compute"]), grad_bytes, other, sim.peak_bytes - grad_bytes - other
+    node = normalize_schedule(schedule)[s]["compute"]
+    return problem.node_label(node), grad_bytes, other, sim.peak_bytes - grad_bytes - other
 
 
 def peak_of(run) -> int:
@@ -212,7 +213,8 @@ def main() -> None:
             drop = (peaks[baseline] - peaks[at]) / grad_bytes
             time_ratio, cpu_ratio = ms[at] / ms[baseline], cpu_ms[at] / cpu_ms[baseline]
             predicted = runners[at][1].predicted["peak_bytes"]
-            target.add_row(name, note, f"{peaks[baseline] / MiB:.1f}", f"{predicted / MiB:.1f}", f"{peaks[at] / MiB:.1f}", f"{drop:.2f}", "yes" if drop >= TARGET_DROP else "no",
+            target.add_row(name, note, f"{peaks[baseline] / MiB:.1f}", f"{predicted / MiB:.1f}",
+                           f"{peaks[at] / MiB:.1f}", f"{drop:.2f}", "yes" if drop >= TARGET_DROP else "no",
                            f"{time_ratio:.3f}", f"{cpu_ratio:.3f}", "yes" if time_ratio <= TARGET_TIME else "no")
         else:
             target.add_row(name, note, f"{peaks[baseline] / MiB:.1f}", *[""] * 7)
@@ -242,9 +244,10 @@ def results_table(title: str, runners: dict[str, tuple], peaks: dict, ms: dict, 
             time_ratio = f"{ms[name] / ms[outside_name]:.3f}"
             cpu_ratio = f"{cpu_ms[name] / cpu_ms[outside_name]:.3f}"
         eager_drop = f"{(peaks['eager'] - peaks[name]) / grad_bytes:.2f}" if is_inside else ""
-        table.add_row(name, "" if plan is None else f"{plan.predicted['peak_bytes'] / MiB:.1f}", f"{peaks[name] / MiB:.1f}",
-                      f"{peaks[name] / peaks['eager']:.3f}", drop, eager_drop, f"{ms[name]:.1f}",
-                      f"{ms[name] / ms['eager']:.3f}", time_ratio, f"{cpu_ms[name]:.1f}", cpu_ratio)
+        predicted = "" if plan is None else f"{plan.predicted['peak_bytes'] / MiB:.1f}"
+        table.add_row(name, predicted, f"{peaks[name] / MiB:.1f}", f"{peaks[name] / peaks['eager']:.3f}", drop,
+                      eager_drop, f"{ms[name]:.1f}", f"{ms[name] / ms['eager']:.3f}", time_ratio,
+                      f"{cpu_ms[name]:.1f}", cpu_ratio)
     return table
 
 

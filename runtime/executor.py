@@ -87,9 +87,10 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
     (runtime.arena). `variants` are the graph's (`plan.validate(graph)`, which runs when they are None).
     With `updates` (schedule step -> (k, gradient output indices js), `runtime.optim_step.update_points`), the
     program calls `update(((k, len(js)), ...), *each k's gradients js)` once right after that step and outputs
-    None for those gradients (the optimizer inside the step). With `reductions` (schedule step -> the gradient output indices of each bucket,
-    `GradientSync.reduce_points`), the program calls `sync.launch(*bucket's gradients)` right after that step
-    and `sync.finish(its result, *bucket's gradients)` at its end (DDP's all-reduce, runtime.ddp_sync)."""
+    None for those gradients (the optimizer inside the step). With `reductions` (schedule step -> the gradient
+    output indices of each bucket, `GradientSync.reduce_points`), the program calls `sync.launch(*bucket's
+    gradients)` right after that step and `sync.finish(its result, *bucket's gradients)` at its end (DDP's
+    all-reduce, runtime.ddp_sync)."""
     variants = plan.validate(graph) if variants is None else variants
     program: Program = graph.program
     g = fx.Graph()

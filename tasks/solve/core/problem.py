@@ -436,12 +436,12 @@ def _check(p: Problem) -> None:
     grads = [g for u in p.updates for g in u.grads]
     if len(set(grads)) != len(grads) or any(not 0 <= v < nv for u in p.updates for v in (*u.grads, *u.params)) or any(
             not u.grads or p.value_producer[list(u.grads)].min() < 0 or set(u.grads) & set(p.outputs)
-            or p.value_producer[list(u.params)].max(initial=-1) >= 0 or u.workspace < 0 or not 0 <= u.carried <= u.workspace
-            for u in p.updates) or \
+            or p.value_producer[list(u.params)].max(initial=-1) >= 0 or u.workspace < 0
+            or not 0 <= u.carried <= u.workspace for u in p.updates) or \
             p.optimizer_state_bytes < 0:
         raise ProblemError(f"problem {p.name!r}: each parameter update names a distinct gradient made by a node (not "
-                           f"a graph output) and a graph input parameter, with non-negative workspace and state bytes (carried bytes "
-                           f"at most the workspace).")
+                           f"a graph output) and a graph input parameter, with non-negative workspace and state bytes "
+                           f"(carried bytes at most the workspace).")
     sync = p.gradient_sync
     if sync is not None and (sync.cap_bytes <= 0 or len(set(sync.grads)) != len(sync.grads) or p.updates
                              or not set(sync.grads) <= set(p.outputs)):

@@ -22,8 +22,9 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   ending with u are gone, as one optimizer step over them (in `Problem.updates` order): live then = the
   copies live into step u + 1 + the gradients updated after u + their scratch: one parameter after another,
   the largest of each update's workspace plus what the update before it still holds (`ParamUpdate.carried`);
-  with `Problem.foreach_updates`, all their workspaces at once; step u counts the larger of that and its
-  node's live bytes; a gradient never computed is an InvalidSchedule;
+  with `Problem.foreach_updates`, all their workspaces at once (parameters of several param groups take one
+  step per group, which holds no more); step u counts the larger of that and its node's live bytes; a
+  gradient never computed is an InvalidSchedule;
 - under DistributedDataParallel (`Problem.gradient_sync`, `tasks.solve.core.ddp`), each bucket's flat buffer
   (`runtime.schedule.gradient_buckets`) is allocated after its launch step's node, when its scratch and the
   copies ending with that step are gone, and lives to the end of the step: step u launching buckets counts
