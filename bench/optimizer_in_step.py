@@ -18,7 +18,8 @@ each a full training step with the optimizer, from the same weights, measured to
   plan of least predicted cost.
 Peaks are `PeakMeter(allocator=True)` on a step after the first (the optimizer state resident, as the plans
 predict). Step times (wall clock, and process CPU time, less sensitive to other jobs on a shared host) are
-medians over `--rounds` interleaved rounds (the order reversed every other round).
+medians over `--rounds` interleaved rounds (the order reversed every other round), beside the median minor
+page faults of a step (fresh pages the allocator maps for the step's large tensors cost time too).
 "drop / grads" is how much lower the peak is than the same solver's plan at the same limit with the optimizer
 outside (for "at target": than the outside no-recomputation step), "eager drop / grads" than eager's, as a
 fraction of the parameter-gradient bytes (target >= 0.8); "time / outside" the step time ratio to that plan
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 import sys
 import time
@@ -119,20 +121,24 @@ def peak_of(run) -> int:
     return meter.peak_bytes
 
 
-def measure(runners: dict[str, tuple], rounds: int) -> tuple[dict, dict, dict]:
-    """Peak bytes, median wall ms and median CPU ms per runner, in interleaved rounds."""
+def measure(runners: dict[str, tuple], rounds: int) -> tuple[dict, dict, dict, dict]:
+    """Peak bytes, median wall ms, median CPU ms and median minor page faults per runner, in interleaved
+    rounds."""
     peaks = {name: peak_of(run) for name, (run, *_) in runners.items()}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
+    times: dict[str, list[tuple[float, float, int]]] = {name: [] for name in runners}
     names = list(runners)
     for r in range(rounds + 1):
         for name in names if r % 2 == 0 else names[::-1]:
             start, cpu = time.perf_counter(), time.process_time()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             runners[name][0]()
             if r:                               # round 0 warms up
-                times[name].append((time.perf_counter() - start, time.process_time() - cpu))
-    ms = {name: statistics.median(w for w, _ in t) * 1e3 for name, t in times.items()}
-    cpu_ms = {name: statistics.median(c for _, c in t) * 1e3 for name, t in times.items()}
-    return peaks, ms, cpu_ms
+                times[name].append((time.perf_counter() - start, time.process_time() - cpu,
+                                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+    ms = {name: statistics.median(w for w, _, _ in t) * 1e3 for name, t in times.items()}
+    cpu_ms = {name: statistics.median(c for _, c, _ in t) * 1e3 for name, t in times.items()}
+    faults = {name: statistics.median(f for _, _, f in t) for name, t in times.items()}
+    return peaks, ms, cpu_ms, faults
 
 
 def runners_for(name: str, base: torch.nn.Module, loss_fn, batch: tuple, graph, outside: Problem,
@@ -205,9 +211,9 @@ def main() -> None:
         alive.add_column(column, justify="left" if column in ("optimizer", "plan", "peak step") else "right")
     for name in args.optimizers:
         runners, inside, note = runners_for(name, base, loss_fn, batch, graph, outside, args, grad_bytes)
-        peaks, ms, cpu_ms = measure(runners, args.rounds)
+        peaks, ms, cpu_ms, faults = measure(runners, args.rounds)
         console.print(results_table(f"optimizer {name} ({OPTIMIZERS[name].torch_class}), {title}", runners, peaks,
-                                    ms, cpu_ms, grad_bytes))
+                                    ms, cpu_ms, faults, grad_bytes))
         baseline, at = "no recomputation, outside", f"{AT_TARGET}, inside"
         if at in runners:
             drop = (peaks[baseline] - peaks[at]) / grad_bytes
@@ -230,11 +236,11 @@ def main() -> None:
     console.print(alive)
 
 
-def results_table(title: str, runners: dict[str, tuple], peaks: dict, ms: dict, cpu_ms: dict,
+def results_table(title: str, runners: dict[str, tuple], peaks: dict, ms: dict, cpu_ms: dict, faults: dict,
                   grad_bytes: int) -> Table:
     table = Table(title=title)
     for column in ("runner", "predicted MiB", "measured MiB", "peak / eager", "drop / grads", "eager drop / grads",
-                   "ms", "time / eager", "time / outside", "cpu ms", "cpu / outside"):
+                   "ms", "time / eager", "time / outside", "cpu ms", "cpu / outside", "page faults"):
         table.add_column(column, justify="left" if column == "runner" else "right")
     for name, (_, plan, label, is_inside) in runners.items():
         outside_name = "no recomputation, outside" if label == AT_TARGET else f"{label}, outside"
@@ -247,7 +253,7 @@ def results_table(title: str, runners: dict[str, tuple], peaks: dict, ms: dict, 
         predicted = "" if plan is None else f"{plan.predicted['peak_bytes'] / MiB:.1f}"
         table.add_row(name, predicted, f"{peaks[name] / MiB:.1f}", f"{peaks[name] / peaks['eager']:.3f}", drop,
                       eager_drop, f"{ms[name]:.1f}", f"{ms[name] / ms['eager']:.3f}", time_ratio,
-                      f"{cpu_ms[name]:.1f}", cpu_ratio)
+                      f"{cpu_ms[name]:.1f}", cpu_ratio, f"{faults[name]:.0f}")
     return table
 
 
