@@ -19,7 +19,9 @@ each a full training step with the optimizer, from the same weights, measured to
 Peaks are `PeakMeter(allocator=True)` on a step after the first (the optimizer state resident, as the plans
 predict). Step times (wall clock, and process CPU time, less sensitive to other jobs on a shared host) are
 medians over `--rounds` interleaved rounds (the order reversed every other round), beside the median minor
-page faults of a step (fresh pages the allocator maps for the step's large tensors cost time too).
+page faults of a step (fresh pages the allocator maps for the step's large tensors cost time too, and
+differently for the two forms: glibc's adaptive mmap threshold; `MALLOC_MMAP_THRESHOLD_=1073741824
+MALLOC_TRIM_THRESHOLD_=1073741824` in the environment keeps them in the heap, for all runners alike).
 "drop / grads" is how much lower the peak is than the same solver's plan at the same limit with the optimizer
 outside (for "at target": than the outside no-recomputation step), "eager drop / grads" than eager's, as a
 fraction of the parameter-gradient bytes (target >= 0.8); "time / outside" the step time ratio to that plan
