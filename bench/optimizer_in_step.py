@@ -1,34 +1,47 @@
 """The optimizer inside the step vs after it: measured peak and step time, side by side in one run.
 
     .venv/bin/python bench/optimizer_in_step.py [--config pipeline.toml] [--model resnet18]
-                                                [--optimizer sgd-momentum] [--solvers dtr ap-greedy acg]
-                                                [--overheads 0.05 0.25] [--rounds 12] [--threads 1]
+                                                [--optimizers sgd-momentum adamw] [--solvers dtr ap-greedy acg]
+                                                [--overheads 0.05 0.25] [--target-solvers dtr hierarchical]
+                                                [--rounds 12] [--threads 1]
 
 The model, batch and solvers are the pipeline's (`pipeline.toml`: resnet18, batch 8). Node costs are profiled
-in the same run. Runners, each a full training step with the optimizer (`--optimizer`: torch.optim.SGD with
-momentum 0.9, or AdamW), from the same weights:
+once in the same run. Per optimizer (`--optimizers`: torch.optim.SGD with momentum 0.9, AdamW, ...), runners,
+each a full training step with the optimizer, from the same weights, measured together:
 - eager: `loss.backward(); opt.step(); opt.zero_grad()`;
 - per solver and overhead limit (`max_overhead`, the pipeline's plans), the plan solved with the optimizer
   outside (`runtime.load(plan, ...)` then `opt.step()`) and the plan solved with it inside
   (`tasks.solve.core.optimizer.in_step`, run by `runtime.load(plan, ..., optimizer=opt)`), at the same limit;
-- the no-recomputation plan, outside and inside.
+- the no-recomputation plan, outside and inside;
+- "at target": the in-step problem solved at budget = the outside no-recomputation step's measured peak (its
+  optimizer's temporaries included) - 0.8 x the parameter-gradient bytes by each of `--target-solvers`, the
+  plan of least predicted cost.
 Peaks are `PeakMeter(allocator=True)` on a step after the first (the optimizer state resident, as the plans
 predict). Step times (wall clock, and process CPU time, less sensitive to other jobs on a shared host) are
-medians over `--rounds` interleaved rounds (the order reversed every other round).
+medians over `--rounds` interleaved rounds (the order reversed every other round), beside the median minor
+page faults of a step (fresh pages the allocator maps for the step's large tensors cost time too, and
+differently for the two forms: glibc's adaptive mmap threshold; `MALLOC_MMAP_THRESHOLD_=1073741824
+MALLOC_TRIM_THRESHOLD_=1073741824` in the environment keeps them in the heap, for all runners alike).
 "drop / grads" is how much lower the peak is than the same solver's plan at the same limit with the optimizer
-outside, "eager drop / grads" than eager's, as a fraction of the parameter-gradient bytes (target >= 0.8);
-"time / outside" the step time ratio to that plan (target <= 1.03).
+outside (for "at target": than the outside no-recomputation step), "eager drop / grads" than eager's, as a
+fraction of the parameter-gradient bytes (target >= 0.8); "time / outside" the step time ratio to that plan
+(target <= 1.03). The last tables repeat the target comparison per optimizer and say what is alive at the
+in-step peaks (gradients, other values, and the rest of the peak: the step's scratch) beside the floor no
+schedule goes below (`min_budget_lower_bound`: the leanest compute step, or the largest update alone) and
+that update floor (the largest parameter's gradient and its update's temporaries).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -40,12 +53,16 @@ from bench.peers import profiled_costs  # noqa: E402
 from runtime.meter import PeakMeter  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 from tasks.models import build_batch, build_loss, build_model  # noqa: E402
+from tasks.solve import solve  # noqa: E402
 from tasks.solve.core.optimizer import OPTIMIZERS, in_step  # noqa: E402
 from tasks.solve.core.problem import Problem  # noqa: E402
-from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate  # noqa: E402
+from tasks.solve.core.solution import min_budget_lower_bound  # noqa: E402
 from tasks.solve_stage import least_memory_within  # noqa: E402
 
 MiB = 2**20
+TARGET_DROP, TARGET_TIME = 0.8, 1.03
+AT_TARGET = "at target"
 
 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -67,13 +84,108 @@ def plans(problem: Problem, solvers: list[str], overheads: list[float]) -> dict[
     return found
 
 
+def plan_at_target(problem: Problem, budget: int, solvers: list[str]) -> tuple[str, runtime.Plan | None]:
+    """The in-step plan of least predicted cost among `solvers`' schedules within `budget`, and a note of what
+    each solver found (its predicted cost, or its status)."""
+    found, notes = [], []
+    for solver in solvers:
+        solution = solve(problem, solver, budget)
+        notes.append(f"{solver}: {solution.objective:.1f}" if solution.feasible else f"{solver}: {solution.status}")
+        if solution.feasible:
+            found.append((solution.objective, solver, solution.to_plan(problem)))
+    within = f"budget {budget / MiB:.2f} MiB, predicted cost {'; '.join(notes)}"
+    if not found:
+        return within, None
+    _, solver, plan = min(found, key=lambda f: f[0])
+    plan.predicted["peak_bytes"] = simulate(problem, plan.schedule).peak_bytes
+    return f"{solver} ({within})", plan
+
+
+def alive_at_peak(problem: Problem, schedule: list) -> tuple[str, int, int, int]:
+    """The node of the schedule's peak step, and at that step the bytes of live parameter gradients, of the other
+    live values and of the scratch (the node's workspace, or the temporaries of the updates after it)."""
+    sim = simulate(problem, schedule)
+    grads = {g for u in problem.updates for g in u.grads}
+    s = sim.peak_step
+    live = (sim.copy_start <= s) & (sim.copy_end >= s)
+    is_grad = np.isin(sim.copy_value, list(grads))
+    grad_bytes = int(sim.copy_bytes[live & is_grad].sum())
+    other = int(sim.copy_bytes[live & ~is_grad].sum())
+    node = normalize_schedule(schedule)[s]["compute"]
+    return problem.node_label(node), grad_bytes, other, sim.peak_bytes - grad_bytes - other
+
+
+def peak_of(run) -> int:
+    """The measured peak of `run()` after a first call (which compiles the plan and makes the optimizer state)."""
+    run()
+    with PeakMeter("cpu", allocator=True) as meter:
+        run()
+    return meter.peak_bytes
+
+
+def measure(runners: dict[str, tuple], rounds: int) -> tuple[dict, dict, dict, dict]:
+    """Peak bytes, median wall ms, median CPU ms and median minor page faults per runner, in interleaved
+    rounds."""
+    peaks = {name: peak_of(run) for name, (run, *_) in runners.items()}
+    times: dict[str, list[tuple[float, float, int]]] = {name: [] for name in runners}
+    names = list(runners)
+    for r in range(rounds + 1):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start, cpu = time.perf_counter(), time.process_time()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            runners[name][0]()
+            if r:                               # round 0 warms up
+                times[name].append((time.perf_counter() - start, time.process_time() - cpu,
+                                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
+    ms = {name: statistics.median(w for w, _, _ in t) * 1e3 for name, t in times.items()}
+    cpu_ms = {name: statistics.median(c for _, c, _ in t) * 1e3 for name, t in times.items()}
+    faults = {name: statistics.median(f for _, _, f in t) for name, t in times.items()}
+    return peaks, ms, cpu_ms, faults
+
+
+def runners_for(name: str, base: torch.nn.Module, loss_fn, batch: tuple, graph, outside: Problem,
+                args: argparse.Namespace, grad_bytes: int) -> tuple[dict[str, tuple], Problem, str]:
+    """Label -> (run, plan, plan label, inside?) for optimizer `name`, the in-step problem and the
+    note on the plan at target."""
+    inside = in_step(outside, graph.gradient_updates(), name)
+    eager_model = copy.deepcopy(base)
+    eager_opt = make_optimizer(name, eager_model)
+
+    def eager_step() -> None:
+        loss_fn(eager_model, *batch).backward()
+        eager_opt.step()
+        eager_opt.zero_grad(set_to_none=True)
+
+    runners: dict[str, tuple] = {"eager": (eager_step, None, None, False)}
+    for where, problem in (("outside", outside), ("inside", inside)):
+        found = plans(problem, args.solvers, args.overheads)
+        if where == "inside":
+            baseline = runners["no recomputation, outside"][0]
+            note, target_plan = plan_at_target(inside, int(peak_of(baseline) - TARGET_DROP * grad_bytes),
+                                               args.target_solvers)
+            if target_plan is not None:
+                found[AT_TARGET] = target_plan
+        for label, plan in found.items():
+            model = copy.deepcopy(base)
+            opt = make_optimizer(name, model)
+            if where == "inside":
+                step = runtime.load(plan, model, loss_fn, graph=graph, optimizer=opt)
+                run = (lambda s: lambda: s(*batch))(step)
+            else:
+                step = runtime.load(plan, model, loss_fn, graph=graph)
+                run = (lambda s, o: lambda: (s(*batch), o.step(), o.zero_grad(set_to_none=True)))(step, opt)
+            runners[f"{label}, {where}"] = (run, plan, label, where == "inside")
+    return runners, inside, note
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="pipeline.toml")
     ap.add_argument("--model", default="resnet18")
-    ap.add_argument("--optimizer", default="sgd-momentum", choices=sorted(OPTIMIZERS))
+    ap.add_argument("--optimizers", nargs="+", default=["sgd-momentum", "adamw"], choices=sorted(OPTIMIZERS))
     ap.add_argument("--solvers", nargs="+", default=["dtr", "ap-greedy", "acg"])
     ap.add_argument("--overheads", nargs="+", type=float, default=[0.05, 0.25])
+    ap.add_argument("--target-solvers", nargs="+", default=["dtr", "hierarchical"])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -86,66 +198,65 @@ def main() -> None:
     batch = build_batch(spec, batch_size, config.seed, "cpu")
     graph = runtime.capture(base, loss_fn, batch)
     outside = Problem.from_graph(graph, profiled_costs(graph, args.model))
-    inside = in_step(outside, graph.gradient_updates(), args.optimizer)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    console = Console(width=230)
+    title = (f"{args.model} batch {batch_size} ({args.config}), CPU, {torch.get_num_threads()} thread(s), "
+             f"{args.rounds} interleaved rounds; parameter gradients {grad_bytes / MiB:.1f} MiB")
+    target = Table(title=f"The target: the in-step plan at (outside no-recomputation peak - {TARGET_DROP} x gradients) "
+                         f"vs the outside no-recomputation step, {title}")
+    for column in ("optimizer", "in-step plan at target", "outside MiB", "in-step predicted MiB", "in-step MiB",
+                   "drop / grads", f">= {TARGET_DROP}", "time / outside", "cpu / outside", f"<= {TARGET_TIME}"):
+        target.add_column(column, justify="left" if column in ("optimizer", "in-step plan at target") else "right")
+    alive = Table(title="What is alive at the in-step peaks (simulated; measured = predicted above)")
+    for column in ("optimizer", "plan", "peak MiB", "peak step", "gradients MiB", "other values MiB", "scratch MiB",
+                   "lower bound MiB", "update floor MiB"):
+        alive.add_column(column, justify="left" if column in ("optimizer", "plan", "peak step") else "right")
+    for name in args.optimizers:
+        runners, inside, note = runners_for(name, base, loss_fn, batch, graph, outside, args, grad_bytes)
+        peaks, ms, cpu_ms, faults = measure(runners, args.rounds)
+        console.print(results_table(f"optimizer {name} ({OPTIMIZERS[name].torch_class}), {title}", runners, peaks,
+                                    ms, cpu_ms, faults, grad_bytes))
+        baseline, at = "no recomputation, outside", f"{AT_TARGET}, inside"
+        if at in runners:
+            drop = (peaks[baseline] - peaks[at]) / grad_bytes
+            time_ratio, cpu_ratio = ms[at] / ms[baseline], cpu_ms[at] / cpu_ms[baseline]
+            predicted = runners[at][1].predicted["peak_bytes"]
+            target.add_row(name, note, f"{peaks[baseline] / MiB:.1f}", f"{predicted / MiB:.1f}",
+                           f"{peaks[at] / MiB:.1f}", f"{drop:.2f}", "yes" if drop >= TARGET_DROP else "no",
+                           f"{time_ratio:.3f}", f"{cpu_ratio:.3f}", "yes" if time_ratio <= TARGET_TIME else "no")
+        else:
+            target.add_row(name, note, f"{peaks[baseline] / MiB:.1f}", *[""] * 7)
+        lower = min_budget_lower_bound(inside)
+        update_floor = max(int(inside.value_bytes[list(u.grads)].sum()) + u.workspace for u in inside.updates)
+        for label in ("no recomputation", AT_TARGET):
+            if f"{label}, inside" in runners:
+                step_label, grads, other, scratch = alive_at_peak(inside, runners[f"{label}, inside"][1].schedule)
+                alive.add_row(name, label, f"{(grads + other + scratch) / MiB:.2f}", step_label, f"{grads / MiB:.2f}",
+                              f"{other / MiB:.2f}", f"{scratch / MiB:.2f}", f"{lower / MiB:.2f}",
+                              f"{update_floor / MiB:.2f}")
+    console.print(target)
+    console.print(alive)
 
-    runners: dict[str, tuple] = {}             # label -> (model, step, predicted peak, plan label, inside?)
-    eager_model = copy.deepcopy(base)
-    eager_opt = make_optimizer(args.optimizer, eager_model)
 
-    def eager_step() -> None:
-        loss_fn(eager_model, *batch).backward()
-        eager_opt.step()
-        eager_opt.zero_grad(set_to_none=True)
-
-    runners["eager"] = (eager_step, None, None, False)
-    for where, problem in (("outside", outside), ("inside", inside)):
-        for label, plan in plans(problem, args.solvers, args.overheads).items():
-            model = copy.deepcopy(base)
-            opt = make_optimizer(args.optimizer, model)
-            if where == "inside":
-                step = runtime.load(plan, model, loss_fn, graph=graph, optimizer=opt)
-                run = (lambda s: lambda: s(*batch))(step)
-            else:
-                step = runtime.load(plan, model, loss_fn, graph=graph)
-                run = (lambda s, o: lambda: (s(*batch), o.step(), o.zero_grad(set_to_none=True)))(step, opt)
-            runners[f"{label}, {where}"] = (run, plan.predicted["peak_bytes"], label, where == "inside")
-
-    peaks = {}
-    for name, (run, *_) in runners.items():
-        run()                                  # compiles the plan, makes the optimizer state
-        with PeakMeter("cpu", allocator=True) as meter:
-            run()
-        peaks[name] = meter.peak_bytes
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
-    names = list(runners)
-    for r in range(args.rounds + 1):
-        for name in names if r % 2 == 0 else names[::-1]:
-            start, cpu = time.perf_counter(), time.process_time()
-            runners[name][0]()
-            if r:                               # round 0 warms up
-                times[name].append((time.perf_counter() - start, time.process_time() - cpu))
-
-    ms = {name: statistics.median(w for w, _ in t) * 1e3 for name, t in times.items()}
-    cpu_ms = {name: statistics.median(c for _, c in t) * 1e3 for name, t in times.items()}
-    table = Table(title=f"{args.model} batch {batch_size} ({args.config}), optimizer {args.optimizer} "
-                        f"({OPTIMIZERS[args.optimizer].torch_class}), CPU, {torch.get_num_threads()} thread(s), "
-                        f"{args.rounds} interleaved rounds; parameter gradients {grad_bytes / MiB:.1f} MiB")
+def results_table(title: str, runners: dict[str, tuple], peaks: dict, ms: dict, cpu_ms: dict, faults: dict,
+                  grad_bytes: int) -> Table:
+    table = Table(title=title)
     for column in ("runner", "predicted MiB", "measured MiB", "peak / eager", "drop / grads", "eager drop / grads",
-                   "ms", "time / eager", "time / outside", "cpu ms", "cpu / outside"):
+                   "ms", "time / eager", "time / outside", "cpu ms", "cpu / outside", "page faults"):
         table.add_column(column, justify="left" if column == "runner" else "right")
-    for name, (_, predicted, label, is_inside) in runners.items():
-        outside_name = f"{label}, outside"
+    for name, (_, plan, label, is_inside) in runners.items():
+        outside_name = "no recomputation, outside" if label == AT_TARGET else f"{label}, outside"
         drop = time_ratio = cpu_ratio = ""
         if is_inside and outside_name in runners:
             drop = f"{(peaks[outside_name] - peaks[name]) / grad_bytes:.2f}"
             time_ratio = f"{ms[name] / ms[outside_name]:.3f}"
             cpu_ratio = f"{cpu_ms[name] / cpu_ms[outside_name]:.3f}"
         eager_drop = f"{(peaks['eager'] - peaks[name]) / grad_bytes:.2f}" if is_inside else ""
-        table.add_row(name, "" if predicted is None else f"{predicted / MiB:.1f}", f"{peaks[name] / MiB:.1f}",
-                      f"{peaks[name] / peaks['eager']:.3f}", drop, eager_drop, f"{ms[name]:.1f}",
-                      f"{ms[name] / ms['eager']:.3f}", time_ratio, f"{cpu_ms[name]:.1f}", cpu_ratio)
-    Console(width=230).print(table)
+        predicted = "" if plan is None else f"{plan.predicted['peak_bytes'] / MiB:.1f}"
+        table.add_row(name, predicted, f"{peaks[name] / MiB:.1f}", f"{peaks[name] / peaks['eager']:.3f}", drop,
+                      eager_drop, f"{ms[name]:.1f}", f"{ms[name] / ms['eager']:.3f}", time_ratio,
+                      f"{cpu_ms[name]:.1f}", cpu_ratio, f"{faults[name]:.0f}")
+    return table
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def replayed_random_nodes(plan: Plan, program: Program) -> set[int]:
 
 
 def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = None, *,
-                 arena: bool = False, update: Callable[[int, torch.Tensor], None] | None = None,
+                 arena: bool = False, update: Callable[..., None] | None = None,
                  updates: Mapping[int, Sequence[tuple[int, Sequence[int]]]] | None = None,
                  sync: GradientSync | None = None, reductions: Mapping[int, Sequence[Sequence[int]]] | None = None,
                  ) -> tuple[fx.GraphModule, ArenaReport | None]:
@@ -86,10 +86,11 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
     graph's output order: buffer updates, loss, gradients), and with `arena` the arena report
     (runtime.arena). `variants` are the graph's (`plan.validate(graph)`, which runs when they are None).
     With `updates` (schedule step -> (k, gradient output indices js), `runtime.optim_step.update_points`), the
-    program calls `update(k, *gradients js)` right after that step and outputs None for those gradients (the
-    optimizer inside the step). With `reductions` (schedule step -> the gradient output indices of each bucket,
-    `GradientSync.reduce_points`), the program calls `sync.launch(*bucket's gradients)` right after that step
-    and `sync.finish(its result, *bucket's gradients)` at its end (DDP's all-reduce, runtime.ddp_sync)."""
+    program calls `update(((k, len(js)), ...), *each k's gradients js)` once right after that step and outputs
+    None for those gradients (the optimizer inside the step). With `reductions` (schedule step -> the gradient
+    output indices of each bucket, `GradientSync.reduce_points`), the program calls `sync.launch(*bucket's
+    gradients)` right after that step and `sync.finish(its result, *bucket's gradients)` at its end (DDP's
+    all-reduce, runtime.ddp_sync)."""
     variants = plan.validate(graph) if variants is None else variants
     program: Program = graph.program
     g = fx.Graph()
@@ -129,8 +130,9 @@ def compile_plan(graph: OpGraph, plan: Plan, variants: GraphVariants | None = No
                     env[where] = g.call_function(_own_storage, (env[where],))
         if previous is not None:
             g.call_function(_set_rng_state, (previous, program.random_devices[n]))
-        for k, js in updates.get(i, ()):
-            g.call_function(update, (k, *(env[grads[j]] for j in js)))
+        if updates.get(i):
+            members = tuple((k, len(js)) for k, js in updates[i])
+            g.call_function(update, (members, *(env[grads[j]] for _, js in updates[i] for j in js)))
         for js in reductions.get(i, ()):
             launched.append((g.call_function(sync.launch, tuple(env[grads[j]] for j in js)), js))
     for work, js in launched:

@@ -2,15 +2,18 @@
 backward has its final gradient, and that gradient is freed right after, so no gradient lives to the end of
 the step.
 
-`InStepOptimizer` wraps the user's `torch.optim` optimizer as PyTorch's "optimizer in backward" recipe does:
-one optimizer of the same class per parameter, built from the parameter's group. Before each update the
-per-parameter optimizer takes its group's current hyperparameters (so an LR scheduler stepping the user's
-optimizer works) and shares the user's state dict for that parameter (so `optimizer.state_dict()` holds
-the same momentum buffers, steps and moments as after eager `optimizer.step()` calls, and
-`optimizer.load_state_dict` takes effect). Updates of different parameters are independent for the
-classes in `PER_PARAMETER`; others (LBFGS, which needs a closure over the whole model; SparseAdam) are
-refused. `update_points` says after which schedule step each parameter is updated (torch-free
-`runtime.schedule.update_steps`, the rule the simulator charges).
+`InStepOptimizer` wraps the user's `torch.optim` optimizer as PyTorch's "optimizer in backward" recipe does, with
+one optimizer of the same class per update point: the parameters the plan updates after the same schedule step
+(and that share a param group) are updated by ONE `step()` of an optimizer over them, built from their group
+(with its `foreach`/`fused` choice), so a step pays `Optimizer.step`'s per-call overhead once per update
+point, not once per parameter. Before each update that optimizer takes its group's current hyperparameters
+(so an LR scheduler stepping the user's optimizer works) and shares the user's state dict of each of its
+parameters (so `optimizer.state_dict()` holds the same momentum buffers, steps and moments as after eager
+`optimizer.step()` calls, and `optimizer.load_state_dict` takes effect). Updates of different parameters are
+independent for the classes in `PER_PARAMETER`; others (LBFGS, which needs a closure over the whole model;
+SparseAdam) are refused. `update_points` says after which schedule step each parameter is updated
+(torch-free `runtime.schedule.update_steps`, the rule the simulator charges). The policy form
+(`step_in_backward`) stays per parameter: autograd runs post-accumulate-grad hooks one parameter at a time.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ PER_PARAMETER = (optim.SGD, optim.Adam, optim.AdamW, optim.Adamax, optim.NAdam, 
 
 
 class InStepOptimizer:
-    """Updates parameter `params[i]` from its gradients (`update(i, *grads)`, or from `.grad`:
-    `step_accumulated(i)`) with a per-parameter copy of `optimizer` (module docstring), `clip_grad_value`
-    clamping the gradient first; parameters the optimizer does not hold are not updated (`holds`)."""
+    """Updates parameters `params[k]` from their gradients (`update(members, *grads)`, or one from its `.grad`:
+    `step_accumulated(k)`) with an optimizer of `optimizer`'s class per update point (module docstring),
+    `clip_grad_value` clamping each gradient first; parameters the optimizer does not hold are not updated
+    (`holds`)."""
 
     def __init__(self, optimizer: optim.Optimizer, params: Sequence[torch.Tensor],
                  clip_grad_value: float | None = None):
@@ -45,33 +49,49 @@ class InStepOptimizer:
         self.clip_grad_value = clip_grad_value
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._groups = [group_of.get(id(p)) for p in self.params]
-        self._single = [None if group is None else
-                        type(optimizer)([{**_hyperparameters(group), "params": [p]}])
-                        for p, group in zip(self.params, self._groups)]
+        self._together: dict[tuple[int, ...], optim.Optimizer] = {}   # parameter indices -> their optimizer
 
-    def holds(self, i: int) -> bool:
-        """Whether the optimizer updates `params[i]`."""
-        return self._groups[i] is not None
+    def holds(self, k: int) -> bool:
+        """Whether the optimizer updates `params[k]`."""
+        return self._groups[k] is not None
 
-    def update(self, i: int, *grads: torch.Tensor) -> None:
-        """Update `params[i]` with the sum of `grads` (its final gradients of this step: one per name the model
-        holds it under, summed as autograd's AccumulateGrad does), then drop the gradient."""
-        for grad in grads:
-            accumulate_grad(self.params[i], grad)
-        self.step_accumulated(i)
+    def update(self, members: Sequence[tuple[int, int]], *grads: torch.Tensor) -> None:
+        """Update `params[k]` for each (k, n) in `members` with the sum of its next n gradients in `grads` (its
+        final gradients of this step: one per name the model holds it under, summed as autograd's
+        AccumulateGrad does), one optimizer step per param group, then drop the gradients."""
+        position = 0
+        for k, n in members:
+            for grad in grads[position:position + n]:
+                accumulate_grad(self.params[k], grad)
+            position += n
+        by_group: dict[int, list[int]] = {}
+        for k, _ in members:
+            by_group.setdefault(id(self._groups[k]), []).append(k)
+        for ks in by_group.values():
+            self._step(tuple(ks))
 
-    def step_accumulated(self, i: int, *_: object) -> None:
-        """Update `params[i]` with its `.grad`, then set it to None (also a post-accumulate-grad hook)."""
-        p, single = self.params[i], self._single[i]
-        group = single.param_groups[0]
-        group.update(_hyperparameters(self._groups[i]))
-        state = self.optimizer.state[p]              # the user's optimizer's state for p (created empty)
-        if single.state.get(p) is not state:
-            single.state[p] = state
-        if self.clip_grad_value is not None:
-            p.grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
-        single.step()
-        p.grad = None
+    def step_accumulated(self, k: int, *_: object) -> None:
+        """Update `params[k]` with its `.grad`, then set it to None (also a post-accumulate-grad hook)."""
+        self._step((k,))
+
+    def _step(self, ks: tuple[int, ...]) -> None:
+        """One step of the optimizer over `params[k]`, k in `ks` (one param group), from their `.grad`."""
+        group = self._groups[ks[0]]
+        together = self._together.get(ks)
+        if together is None:
+            together = self._together[ks] = type(self.optimizer)(
+                [{**_hyperparameters(group), "params": [self.params[k] for k in ks]}])
+        together.param_groups[0].update(_hyperparameters(group))
+        for k in ks:
+            p = self.params[k]
+            state = self.optimizer.state[p]          # the user's optimizer's state for p (created empty)
+            if together.state.get(p) is not state:
+                together.state[p] = state
+            if self.clip_grad_value is not None:
+                p.grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
+        together.step()
+        for k in ks:
+            self.params[k].grad = None
 
 
 def step_in_backward(optimizer: optim.Optimizer, model: torch.nn.Module) -> list:

@@ -13,6 +13,7 @@ from typing import Callable, Literal
 
 import numpy as np
 
+from runtime.graph import backend
 from runtime.plan import Plan, graph_provenance, plan_id
 from tasks.config import Addresses, Budget, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
@@ -98,7 +99,9 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
     profile on `device`; when the solver finds a schedule, write its plan to `plan_path`."""
     loaded = load_problem(graph_path, device=device, store=store, variants=settings.variants)
     if settings.optimizer != "none":
-        loaded = replace(loaded, problem=in_step(loaded.problem, loaded.graph.gradient_updates(), settings.optimizer))
+        foreach = backend(device) == "CUDA"            # torch.optim's default kernels there
+        loaded = replace(loaded, problem=in_step(loaded.problem, loaded.graph.gradient_updates(), settings.optimizer,
+                                                 foreach))
     if settings.ddp_bucket_mb is not None:
         loaded = replace(loaded, problem=under_ddp(loaded.problem, loaded.graph.gradient_updates(), settings.ddp_bucket_mb))
     solution, eager = solve_loaded(loaded, solver, budget, settings.solve_options(), settings.addresses)

@@ -11,7 +11,7 @@ from tasks.config import ConfigError, parse_config
 from tasks.solve.core.optimizer import in_step
 from tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
 from tasks.solve.core.simulator import InvalidSchedule, simulate
-from tasks.solve.core.solution import checked_solution
+from tasks.solve.core.solution import checked_solution, min_budget_lower_bound
 
 W, X, A, LOSS, GW, GX, OUT = range(7)
 
@@ -55,6 +55,7 @@ def test_update_workspace_and_state_of_adamw():
     sim = simulate(p, schedule(0, 1, 2, 3, 4))
     assert sim.timeline.tolist() == [40, 44, 104, 334, 54]
     assert sim.constant_bytes == 108 and sim.peak_bytes == 334
+    assert min_budget_lower_bound(p) == 300                 # the update alone: dW (100) and its temporaries (200)
 
 
 def test_updates_run_after_the_node_without_its_scratch_and_dead_inputs():
@@ -145,3 +146,23 @@ def test_bad_optimizer_settings_are_refused(settings, message):
     with pytest.raises(ConfigError) as info:
         config(**settings)
     assert message in str(info.value)
+
+
+def test_updates_after_one_step_run_as_one_optimizer_step():
+    """n0: a = f(W1, W2, x) (40 B); n1: loss(a) (4 B); n2: (dW1, dW2) = g(loss, x) (100 B, 60 B): both updated
+    after step 2, by one AdamW step, with the loss (4 B) and both gradients (160 B) live. Single-tensor kernels
+    update one after another, each holding 2x its bytes while the one before keeps 1x: W1 then W2 needs
+    max(200, 100 + 120) = 220 B, W2 then W1 max(120, 60 + 200) = 260 B; foreach kernels hold 1x of both at
+    once: 160 B."""
+    w1, w2, x, a, loss, gw1, gw2 = range(7)
+    p = Problem(
+        name="pair", cost=np.ones(3), workspace=np.zeros(3, dtype=np.int64), phase=("forward", "loss", "backward"),
+        node_inputs=((w1, w2, x), (a,), (loss, x)), node_outputs=((a,), (loss,), (gw1, gw2)),
+        value_bytes=np.array([100, 60, 8, 40, 4, 100, 60], dtype=np.int64),
+        value_producer=np.array([-1, -1, -1, 0, 1, 2, 2], dtype=np.int64),
+        outputs=(loss, gw1, gw2), order=np.arange(3))
+    for updates, foreach, scratch in (([((gw1,), (w1,)), ((gw2,), (w2,))], False, 220),
+                                      ([((gw2,), (w2,)), ((gw1,), (w1,))], False, 260),
+                                      ([((gw1,), (w1,)), ((gw2,), (w2,))], True, 160)):
+        sim = simulate(in_step(p, updates, "adamw", foreach), schedule(0, 1, 2))
+        assert sim.timeline.tolist() == [40, 44, 4 + 160 + scratch], (updates, foreach)

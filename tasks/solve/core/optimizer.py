@@ -2,11 +2,13 @@
 
 With `runtime.load(..., optimizer=opt)` each parameter is updated right after the last schedule step that
 computes its gradient or reads the gradient or the parameter (`runtime.schedule.update_steps`), and the
-gradient is freed there. `in_step(problem, pairs, optimizer)` turns a problem into that one: the gradients
+gradient is freed there; the parameters updated after the same step are updated by one optimizer step
+(`runtime.optim_step`). `in_step(problem, pairs, optimizer)` turns a problem into that one: the gradients
 stop being graph outputs (so every solver sees them die early and plans with the memory freed), each
-becomes a `ParamUpdate` (the simulator keeps its last copy live through the update and charges the update's
-temporaries at that step), and the optimizer's state is a resident term (`Problem.optimizer_state_bytes`,
-reported as the plan's `predicted.optimizer_state_bytes`, never in the peak).
+becomes a `ParamUpdate` (the simulator keeps its last copy live through the update and charges the update
+step's temporaries: one parameter after another for single-tensor kernels, all at once for foreach ones),
+and the optimizer's state is a resident term (`Problem.optimizer_state_bytes`, reported as the plan's
+`predicted.optimizer_state_bytes`, never in the peak).
 """
 
 from __future__ import annotations
@@ -20,35 +22,45 @@ from tasks.solve.core.problem import ParamUpdate, Problem
 @dataclass(frozen=True)
 class OptimizerModel:
     """`torch.optim.<torch_class>(params, lr=..., **torch_kwargs)` (validation's reference) as bytes per
-    parameter byte: `state` resident across steps, `workspace` of temporaries while one parameter is updated (PyTorch's single-tensor kernels after the first step, measured with
-    runtime.meter: SGD with momentum updates in place; Adam/AdamW hold sqrt(v) and its scaled copy)."""
+    parameter byte: `state` resident across steps; `workspace` of temporaries while one parameter is updated by
+    PyTorch's single-tensor kernels after the first step (CPU's default), `carried` of which stay while the
+    next parameter of the same step is updated; `foreach_workspace` per parameter byte of the temporaries
+    its foreach kernels (CUDA's default) hold for all parameters of a step at once (all measured with
+    runtime.meter: SGD with momentum updates in place; Adam/AdamW hold sqrt(v) and its scaled copy, the
+    single-tensor loop keeps the last scaled copy, `denom`, until the next parameter's)."""
 
     state: int
     workspace: int
+    carried: int
+    foreach_workspace: int
     torch_class: str
     help: str
     torch_kwargs: tuple[tuple[str, float], ...] = ()
 
 
 OPTIMIZERS = {
-    "sgd": OptimizerModel(0, 0, "SGD", "torch.optim.SGD without momentum or weight decay"),
-    "sgd-momentum": OptimizerModel(1, 0, "SGD", "torch.optim.SGD with momentum (one buffer per parameter), "
+    "sgd": OptimizerModel(0, 0, 0, 0, "SGD", "torch.optim.SGD without momentum or weight decay"),
+    "sgd-momentum": OptimizerModel(1, 0, 0, 0, "SGD", "torch.optim.SGD with momentum (one buffer per parameter), "
                                    "no weight decay or Nesterov (each adds one parameter's bytes during its update)",
                                    (("momentum", 0.9),)),
-    "adam": OptimizerModel(2, 2, "Adam", "torch.optim.Adam (two moments per parameter)"),
-    "adamw": OptimizerModel(2, 2, "AdamW", "torch.optim.AdamW (two moments per parameter)"),
+    "adam": OptimizerModel(2, 2, 1, 1, "Adam", "torch.optim.Adam (two moments per parameter)"),
+    "adamw": OptimizerModel(2, 2, 1, 1, "AdamW", "torch.optim.AdamW (two moments per parameter)"),
 }
 """The optimizers a plan can run inside the step, by the name of the plan setting `optimizer`."""
 
 
-def in_step(problem: Problem, updates: Sequence[tuple[Sequence[int], Sequence[int]]], optimizer: str) -> Problem:
+def in_step(problem: Problem, updates: Sequence[tuple[Sequence[int], Sequence[int]]], optimizer: str,
+            foreach: bool = False) -> Problem:
     """`problem` with `optimizer` (a name in `OPTIMIZERS`) inside the step for each parameter tensor's
-    (gradient values, parameter values) in `updates` (`runtime.graph.OpGraph.gradient_updates`); see the module
-    docstring. A tied tensor's state and workspace count once."""
+    (gradient values, parameter values) in `updates` (`runtime.graph.OpGraph.gradient_updates`), its kernels
+    foreach (`foreach`) or single-tensor; see the module docstring. A tied tensor's state and workspace count
+    once."""
     model = OPTIMIZERS[optimizer]
     grads = {g for gs, _ in updates for g in gs}
     nbytes = [int(problem.value_bytes[params[0]]) for _, params in updates]
+    workspace, carried = (model.foreach_workspace, model.foreach_workspace) if foreach else \
+        (model.workspace, model.carried)
     return replace(problem, outputs=tuple(v for v in problem.outputs if v not in grads),
-                   updates=tuple(ParamUpdate(tuple(gs), tuple(ps), model.workspace * b)
+                   updates=tuple(ParamUpdate(tuple(gs), tuple(ps), workspace * b, carried * b)
                                  for (gs, ps), b in zip(updates, nbytes)),
-                   optimizer_state_bytes=model.state * sum(nbytes))
+                   optimizer_state_bytes=model.state * sum(nbytes), foreach_updates=foreach)

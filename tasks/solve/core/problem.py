@@ -48,12 +48,15 @@ class Variant:
 class ParamUpdate:
     """The optimizer inside the step updates one parameter tensor, graph input values `params` (one per name
     the model holds it under: tied weights), from the sum of gradient values `grads` (made by nodes, not graph
-    outputs: they die at the update), with `workspace` bytes of temporaries while it runs
-    (`tasks.solve.core.optimizer`; the simulator charges both)."""
+    outputs: they die at the update), with `workspace` bytes of temporaries while it runs, `carried` of which
+    it still holds while the next parameter of the same optimizer step is updated (torch.optim's single-tensor
+    loop keeps its last temporary until the next parameter's replaces it) (`tasks.solve.core.optimizer`; the
+    simulator charges them)."""
 
     grads: tuple[int, ...]
     params: tuple[int, ...]
     workspace: int = 0
+    carried: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ class Problem:
     `node_modules[i]`: the repeated module (a transformer layer, a residual block) whose forward
     computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
     `updates`: with the optimizer inside the step, one `ParamUpdate` per parameter it updates (empty: the
-    optimizer runs after the step); `optimizer_state_bytes` its resident state, reported like `constant_bytes`.
+    optimizer runs after the step); `optimizer_state_bytes` its resident state, reported like `constant_bytes`;
+    `foreach_updates`: the updates after one step run as one foreach step, all their temporaries at once (else
+    one parameter after another).
     `gradient_sync`: under DistributedDataParallel, the gradients all-reduced in buckets (None: not DDP).
     """
 
@@ -108,6 +113,7 @@ class Problem:
     node_modules: tuple[str | None, ...] = ()
     updates: tuple[ParamUpdate, ...] = ()
     optimizer_state_bytes: int = 0
+    foreach_updates: bool = False
     gradient_sync: GradientSync | None = None
 
     def __post_init__(self) -> None:
@@ -433,10 +439,12 @@ def _check(p: Problem) -> None:
     grads = [g for u in p.updates for g in u.grads]
     if len(set(grads)) != len(grads) or any(not 0 <= v < nv for u in p.updates for v in (*u.grads, *u.params)) or any(
             not u.grads or p.value_producer[list(u.grads)].min() < 0 or set(u.grads) & set(p.outputs)
-            or p.value_producer[list(u.params)].max(initial=-1) >= 0 or u.workspace < 0 for u in p.updates) or \
+            or p.value_producer[list(u.params)].max(initial=-1) >= 0 or u.workspace < 0
+            or not 0 <= u.carried <= u.workspace for u in p.updates) or \
             p.optimizer_state_bytes < 0:
         raise ProblemError(f"problem {p.name!r}: each parameter update names a distinct gradient made by a node (not "
-                           f"a graph output) and a graph input parameter, with non-negative workspace and state bytes.")
+                           f"a graph output) and a graph input parameter, with non-negative workspace and state bytes "
+                           f"(carried bytes at most the workspace).")
     sync = p.gradient_sync
     if sync is not None and (sync.cap_bytes <= 0 or len(set(sync.grads)) != len(sync.grads) or p.updates
                              or not set(sync.grads) <= set(p.outputs)):

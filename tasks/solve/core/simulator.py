@@ -19,9 +19,12 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
 - with the optimizer inside the step (`Problem.updates`, `tasks.solve.core.optimizer`), each updated
   gradient's last copy lives through its update step u (`runtime.schedule.update_steps`: the last step that
   computes it or reads it or its parameter); the updates run after u's node, when its scratch and the copies
-  ending with u are gone: live then = the copies live into step u + 1 + the gradients updated after u + the
-  largest update workspace among them (they run one after another), and step u counts the larger of that and
-  its node's live bytes; a gradient never computed is an InvalidSchedule;
+  ending with u are gone, as one optimizer step over them (in `Problem.updates` order): live then = the
+  copies live into step u + 1 + the gradients updated after u + their scratch: one parameter after another,
+  the largest of each update's workspace plus what the update before it still holds (`ParamUpdate.carried`);
+  with `Problem.foreach_updates`, all their workspaces at once (parameters of several param groups take one
+  step per group, which holds no more); step u counts the larger of that and its node's live bytes; a
+  gradient never computed is an InvalidSchedule;
 - under DistributedDataParallel (`Problem.gradient_sync`, `tasks.solve.core.ddp`), each bucket's flat buffer
   (`runtime.schedule.gradient_buckets`) is allocated after its launch step's node, when its scratch and the
   copies ending with that step are gone, and lives to the end of the step: step u launching buckets counts
@@ -177,9 +180,10 @@ def simulate(problem: Problem, schedule: Iterable[Any],
 
 
 def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Extend each updated gradient's last copy through its update step (in `ends`). Per step, the largest
-    update workspace and the bytes of the gradients updated after it."""
+    """Extend each updated gradient's last copy through its update step (in `ends`). Per step, the update
+    scratch (module docstring) and the bytes of the gradients updated after it."""
     scratch, grads = np.zeros(len(w.io), dtype=np.int64), np.zeros(len(w.io), dtype=np.int64)
+    carried = np.zeros(len(w.io), dtype=np.int64)         # what the previous update after the step still holds
     last_copy = {v: k for k, v in enumerate(w.copy_value)}
     for u, step in zip(problem.updates, update_steps(w.io, [(u.grads, u.params) for u in problem.updates])):
         if step is None:
@@ -189,7 +193,11 @@ def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> tuple[np.nd
                                   f"needs its gradient computed.")
         for g in u.grads:
             ends[last_copy[g]] = max(ends[last_copy[g]], step)
-        scratch[step] = max(scratch[step], u.workspace)
+        if problem.foreach_updates:
+            scratch[step] += u.workspace
+        else:
+            scratch[step] = max(scratch[step], carried[step] + u.workspace)
+            carried[step] = u.carried
         grads[step] += int(problem.value_bytes[list(u.grads)].sum())
     return scratch, grads
 

@@ -182,8 +182,8 @@ def checked_solution(problem: Problem, solver: str, budget: int, schedule: list 
 def min_budget_lower_bound(problem: Problem) -> int:
     """A budget below which no schedule exists: every compute step holds the node's internal inputs,
     outputs and workspace (under its leanest implementation variant; an in-place output counted once with
-    its input), and the last step holds every
-    graph output."""
+    its input), the last step holds every graph output, and with the optimizer inside the step each update
+    holds its gradients and its workspace."""
     internal = problem.value_producer >= 0
 
     def held(v) -> int:      # an in-place output shares its input's bytes
@@ -194,4 +194,5 @@ def min_budget_lower_bound(problem: Problem) -> int:
     per_node = np.array([min(held(problem.variant(node, impl)) for impl in problem.impls(node))
                          for node in range(problem.num_nodes)], dtype=np.int64)
     outputs = int(problem.value_bytes[list(set(problem.outputs))].sum())
-    return int(max(per_node.max(initial=0), outputs))
+    updates = max((int(problem.value_bytes[list(u.grads)].sum()) + u.workspace for u in problem.updates), default=0)
+    return int(max(per_node.max(initial=0), outputs, updates))

@@ -1,0 +1,151 @@
+"""What bounds the peak of the optimizer inside the step on the CPU, and what would lift that bound (issue 34).
+
+    .venv/bin/python bench/in_step_floor.py [--config pipeline.toml] [--model resnet18] [--optimizer sgd-momentum]
+                                            [--solvers dtr hierarchical] [--drop 0.8] [--threads 1]
+
+Two measurements side by side in one run, then simulations:
+1. every convolution's weight gradient (`convolution_backward`, output mask [False, True, False], the split the
+   graph runs) with oneDNN and with ATen's native kernel (`torch.backends.mkldnn.flags(enabled=False)`):
+   summed median CPU time, and the largest scratch beside the gradient (`PeakMeter(allocator=True)`);
+2. the in-step problem (`tasks.solve.core.optimizer.in_step`, profiled costs) as it is and under two what-ifs,
+   each solved by `--solvers` at budget = the outside no-recomputation peak - `--drop` x gradient bytes:
+   "input gradient first" orders each convolution's input-gradient node before its weight-gradient node
+   (the weight is then updated right after its gradient, not after the input gradient that reads it);
+   "native weight gradient" prices each weight-gradient node's workspace as the native kernel's im2col
+   buffer (N x C x kh x kw x H_out x W_out floats) at unchanged cost (measurement 1 says what that assumes).
+The simulated rows are predictions of plans no runtime can run yet (no variant runs the native kernel, no
+solver reorders the two nodes): they say what the target needs, not what memplan does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import runtime  # noqa: E402
+from bench.peers import profiled_costs  # noqa: E402
+from runtime.meter import PeakMeter  # noqa: E402
+from tasks.config import load_config  # noqa: E402
+from tasks.models import build_batch, build_loss, build_model  # noqa: E402
+from tasks.solve import solve  # noqa: E402
+from tasks.solve.core.optimizer import OPTIMIZERS, in_step  # noqa: E402
+from tasks.solve.core.problem import Problem  # noqa: E402
+from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from tasks.solve.core.solution import min_budget_lower_bound  # noqa: E402
+
+MiB = 2**20
+
+
+def weight_gradient_kernels(model: torch.nn.Module, images: torch.Tensor, repeats: int = 15) -> Table:
+    """Measurement 1 (module docstring)."""
+    shapes = []
+    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((m, i[0].shape, o.shape)))
+             for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        model(images)
+    for hook in hooks:
+        hook.remove()
+    seconds, scratch = {True: 0.0, False: 0.0}, {True: 0, False: 0}
+    for conv, in_shape, out_shape in shapes:
+        x, grad = torch.randn(in_shape), torch.randn(out_shape)
+        weight = conv.weight.detach()
+
+        def weight_gradient():
+            return torch.ops.aten.convolution_backward(grad, x, weight, None, conv.stride, conv.padding, conv.dilation,
+                                                       False, [0, 0], conv.groups, [False, True, False])
+
+        for onednn in (True, False):
+            with torch.backends.mkldnn.flags(enabled=onednn):
+                weight_gradient()
+                times = []
+                for _ in range(repeats):
+                    start = time.process_time()
+                    weight_gradient()
+                    times.append(time.process_time() - start)
+                with PeakMeter("cpu", allocator=True) as meter:
+                    weight_gradient()
+            seconds[onednn] += statistics.median(times)
+            scratch[onednn] = max(scratch[onednn], meter.peak_bytes - weight.numel() * weight.element_size())
+    table = Table(title=f"The weight gradients of all {len(shapes)} convolutions, measured side by side "
+                        f"({repeats} repeats, medians of CPU time)")
+    for column in ("kernel", "cpu ms", "largest scratch beside the gradient MiB"):
+        table.add_column(column, justify="left" if column == "kernel" else "right")
+    for onednn, label in ((True, "oneDNN (the default)"), (False, "ATen native (mkldnn disabled)")):
+        table.add_row(label, f"{seconds[onednn] * 1e3:.1f}", f"{scratch[onednn] / MiB:.2f}")
+    return table
+
+
+def what_ifs(graph, problem: Problem) -> dict[str, Problem]:
+    """The in-step problem as it is and under the what-ifs of the module docstring."""
+    nodes = graph.nodes
+    weight_grads = [j for j, n in enumerate(nodes) if "convolution_backward" in n.name]
+    input_grad_of = {j: i for j in weight_grads for i, n in enumerate(nodes)
+                     if n.name.startswith("convolution_default") and n.inputs[0] == nodes[j].inputs[0]}
+    order = [int(v) for v in problem.order]
+    for j, i in input_grad_of.items():
+        order.remove(i)
+        order.insert(order.index(j), i)
+    workspace = problem.workspace.copy()
+    for j in weight_grads:
+        x, w, grad = (graph.values[v].shape for v in nodes[j].inputs[:3])
+        im2col = x[0] * x[1] * w[2] * w[3] * grad[2] * grad[3] * 4
+        workspace[j] = min(int(workspace[j]), im2col)
+    reordered = dataclasses.replace(problem, order=np.array(order))
+    return {"as it is": problem, "input gradient first": reordered,
+            "native weight gradient": dataclasses.replace(problem, workspace=workspace),
+            "both": dataclasses.replace(reordered, workspace=workspace)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="pipeline.toml")
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--optimizer", default="sgd-momentum", choices=sorted(OPTIMIZERS))
+    ap.add_argument("--solvers", nargs="+", default=["dtr", "hierarchical"])
+    ap.add_argument("--drop", type=float, default=0.8)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    config = load_config(args.config)
+    spec = next(m for m in config.models if m.name == args.model)
+    model, loss_fn = build_model(spec, config.seed), build_loss(spec)
+    batch = build_batch(spec, spec.batch_sizes[0], config.seed, "cpu")
+    console = Console(width=200)
+    console.print(weight_gradient_kernels(model, batch[0]))
+
+    graph = runtime.capture(model, loss_fn, batch)
+    outside = Problem.from_graph(graph, profiled_costs(graph, args.model))
+    base = simulate(outside, default_schedule(outside))
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(base.peak_bytes - args.drop * grad_bytes)
+    table = Table(title=f"{args.model}, optimizer {args.optimizer} inside the step (simulated, profiled costs): "
+                        f"budget {budget / MiB:.2f} MiB = outside no-recomputation peak {base.peak_bytes / MiB:.2f} "
+                        f"- {args.drop} x gradients {grad_bytes / MiB:.1f} MiB")
+    for column in ("problem", "no-recomputation peak MiB", "lower bound MiB",
+                   *(f"{s}: cost / outside no-recomputation" for s in args.solvers)):
+        table.add_column(column, justify="left" if column == "problem" else "right")
+    inside = in_step(outside, graph.gradient_updates(), args.optimizer)
+    for label, problem in what_ifs(graph, inside).items():
+        cells = []
+        for solver in args.solvers:
+            solution = solve(problem, solver, budget)
+            cells.append(f"{solution.objective / base.compute_cost:.3f}" if solution.feasible else solution.status)
+        table.add_row(label, f"{simulate(problem, default_schedule(problem)).peak_bytes / MiB:.2f}",
+                      f"{min_budget_lower_bound(problem) / MiB:.2f}", *cells)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
