@@ -11,7 +11,8 @@ recomputed (PREFER_RECOMPUTE). What autograd does with that, as a schedule:
 - a backward node belongs to the regions whose own values it reads (not their outputs, which later
   forward nodes read: the next region's checkpoint holds those as its input, and the backward of a
   node reading one is that region's);
-- before the first backward node of a checkpointed region, the region's forward reruns from its first
+- before the first backward node of a checkpointed region (the first op of the autograd Node running it,
+  which unpacks its saved tensors as it starts), the region's forward reruns from its first
   node through the last node whose output its backward reads (checkpoint's early stop: the `rerun`
   range), skipping the saved nodes, whose outputs the forward's cache supplies: one recomputation per
   region, right before its backward;
@@ -58,6 +59,7 @@ class Regions:
     region_of: tuple[str | None, ...]        # per node, the recorded module (forward nodes only)
     random: frozenset[int]
     allocating: frozenset[int]               # nodes whose outputs take bytes (views take none)
+    autograd: tuple[int | None, ...] = ()    # per node, its autograd Node's label (runtime/autograd_nodes.py)
 
     @classmethod
     def of_problem(cls, problem: Any) -> "Regions":
@@ -66,7 +68,7 @@ class Regions:
         return cls(tuple(int(v) for v in problem.order), tuple(problem.node_inputs), tuple(problem.node_outputs),
                    frozenset(i for i, p in enumerate(problem.phase) if p == "backward"),
                    tuple(problem.node_modules) or (None,) * n, frozenset(problem.random_nodes),
-                   frozenset(i for i, b in enumerate(problem.node_bytes) if b > 0))
+                   frozenset(i for i, b in enumerate(problem.node_bytes) if b > 0), tuple(problem.autograd_nodes))
 
     @classmethod
     def of_graph(cls, graph: Any) -> "Regions":
@@ -79,7 +81,8 @@ class Regions:
         return cls(tuple(range(n)), tuple(reads), tuple(x.outputs for x in graph.nodes),
                    frozenset(x.id for x in graph.nodes if x.phase == "backward"),
                    tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(int(k) for k in random),
-                   frozenset(x.id for x in graph.nodes if sum(graph.values[v].bytes for v in x.outputs) > 0))
+                   frozenset(x.id for x in graph.nodes if sum(graph.values[v].bytes for v in x.outputs) > 0),
+                   tuple(graph.meta.get("autograd_nodes") or ()))
 
     @cached_property
     def members(self) -> dict[str, list[int]]:
@@ -148,8 +151,16 @@ class Regions:
         return self.random | buffers | {n for n in range(len(self.inputs)) if drawn & set(self.inputs[n])}
 
     def trigger(self, name: str) -> int | None:
-        """The first backward node of region `name` (where its recomputation runs), or None."""
-        return next((n for n in self.order if n in self.backward and name in self.owners[n]), None)
+        """Where region `name`'s recomputation runs: before its first backward node, or before the first op
+        of the autograd Node that runs it (a Node unpacks its saved tensors as it starts); None: no backward."""
+        order = list(self.order)
+        at = next((i for i, n in enumerate(order) if n in self.backward and name in self.owners[n]), None)
+        if at is None:
+            return None
+        label = self.autograd[order[at]] if self.autograd else None
+        while label is not None and at > 0 and order[at - 1] in self.backward and self.autograd[order[at - 1]] == label:
+            at -= 1
+        return order[at]
 
     def recomputed(self, name: str, saved: Sequence[int] | frozenset[int]) -> list[int]:
         """The nodes region `name` reruns before its backward when it saves `saved`."""

@@ -8,6 +8,7 @@ of them (`held_reads`)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -148,3 +149,13 @@ def test_saved_projections_are_not_rerun_and_the_peak_is_predicted():
     assert peak < eager_peak
     best = solve(problem, "selective-policy", solution.predicted_peak_bytes)   # the ladder passes this decision
     assert best.feasible and best.objective <= solution.objective + 1e-9
+
+
+def test_a_region_recomputes_before_the_first_op_of_the_autograd_node_that_reads_it():
+    x, y, loss, grad_in, grad_w = range(5)       # a linear's backward: grad input (reads the weight) first,
+    regions = Regions(order=tuple(range(5)), inputs=((), (x,), (y,), (loss,), (loss, x)),   # then grad weight
+                      outputs=tuple((n,) for n in range(5)), backward=frozenset({grad_in, grad_w}),
+                      region_of=("r", "r", None, None, None), random=frozenset(), allocating=frozenset(range(5)),
+                      autograd=(None, None, None, 3, 3))
+    assert regions.trigger("r") == grad_in       # one Node: it unpacks x as it starts
+    assert dataclasses.replace(regions, autograd=()).trigger("r") == grad_w

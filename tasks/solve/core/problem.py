@@ -87,6 +87,9 @@ class Problem:
     recomputations, so a solver that reorders nodes (OLLA) keeps these in their default relative order.
     `node_modules[i]`: the repeated module (a transformer layer, a residual block) whose forward
     computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
+    `autograd_nodes[i]`: a number shared by the consecutive backward nodes one autograd Node runs (the
+    policy form's eager capture, runtime/autograd_nodes.py; `node_inputs` already hold a Node's reads to its
+    last op); None elsewhere; empty: not recorded.
     `updates`: with the optimizer inside the step, one `ParamUpdate` per parameter it updates (empty: the
     optimizer runs after the step); `optimizer_state_bytes` its resident state, reported like `constant_bytes`;
     `foreach_updates`: the updates after one step run as one foreach step, all their temporaries at once (else
@@ -111,6 +114,7 @@ class Problem:
     cost_unit: str | None = None
     random_nodes: tuple[int, ...] = ()
     node_modules: tuple[str | None, ...] = ()
+    autograd_nodes: tuple[int | None, ...] = ()
     updates: tuple[ParamUpdate, ...] = ()
     optimizer_state_bytes: int = 0
     foreach_updates: bool = False
@@ -260,6 +264,7 @@ class Problem:
             cost_unit=None if costs is None else "ms",
             random_nodes=tuple(sorted(int(v) for v in random_nodes)),
             node_modules=tuple(graph.meta.get("node_modules") or ()),
+            autograd_nodes=tuple(graph.meta.get("autograd_nodes") or ()),
         )
 
     @classmethod
@@ -388,10 +393,11 @@ def _check(p: Problem) -> None:
              "node_outputs": len(p.node_outputs), "order": len(p.order)}
     bad = {k: v for k, v in sizes.items() if v != n}
     if bad or len(p.value_producer) != nv or (p.node_names and len(p.node_names) != n) or \
-            (p.node_modules and len(p.node_modules) != n):
+            (p.node_modules and len(p.node_modules) != n) or (p.autograd_nodes and len(p.autograd_nodes) != n):
         raise ProblemError(f"problem {p.name!r}: {n} node costs but sizes {bad}; {nv} value sizes but "
-                           f"{len(p.value_producer)} producers; {len(p.node_names)} node names and "
-                           f"{len(p.node_modules)} node modules (each must be 0 or {n}).")
+                           f"{len(p.value_producer)} producers; {len(p.node_names)} node names, "
+                           f"{len(p.node_modules)} node modules and {len(p.autograd_nodes)} autograd node labels "
+                           f"(each must be 0 or {n}).")
     if not np.all(np.isfinite(p.cost)) or np.any(p.cost < 0) or np.any(p.workspace < 0) or np.any(p.value_bytes < 0):
         raise ProblemError(f"problem {p.name!r}: costs, workspaces and value bytes must be finite and non-negative.")
     if any(ph not in PHASES for ph in p.phase):
