@@ -14,7 +14,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from runtime.plan import Plan, graph_provenance, plan_id
-from tasks.config import Addresses, Budget, PlanSettings
+from tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
 from tasks.records import Solved
 from tasks.solve import SOLVERS, solve
@@ -113,6 +113,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
             plan.provenance["optimizer_in_step"] = settings.optimizer
         if settings.ddp_bucket_mb is not None:
             plan.provenance["ddp_bucket_mb"] = settings.ddp_bucket_mb
+        _record_form(plan, settings.form)
         plan.save(plan_path)
     elif eager.peak_bytes > solution.budget_bytes:
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes)
@@ -137,6 +138,20 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         profile_run_id=loaded.profile_run_id,
         max_overhead=budget.max_overhead,
     )
+
+
+def _record_form(plan: Plan, form: PlanForm) -> None:
+    """Record the `[[plans]]` form in the plan's provenance: "policy" (runtime.apply runs it; made on
+    capture_eager's graph, whose `capture = "eager"` graph_provenance copied), or none for the executor form,
+    also where the solver makes policy-form schedules (made on the executor's graph, only runtime.load runs it)."""
+    if form == "policy":
+        if plan.provenance.get("capture") != "eager":
+            raise MemplanError(f"a plan in the policy form was solved on a graph not captured as eager PyTorch runs "
+                               f"it (provenance capture = {plan.provenance.get('capture')!r}); trace it with "
+                               f"runtime.policy.capture_eager (the trace stage does for form = \"policy\").")
+        plan.provenance["form"] = form
+    else:
+        plan.provenance.pop("form", None)
 
 
 def smallest_feasible_budget(problem: Problem, infeasible: int, feasible: int, rel_tol: float = 0.005) -> int:

@@ -19,8 +19,10 @@ class Case:
 
     @property
     def alias(self) -> str:
-        """Readable plan name, e.g. `resnet18-b8-checkmate-60pct`."""
-        return f"{self.model.name}-b{self.batch_size}-{self.plan.solver}-{self.budget.label}"
+        """Readable plan name, e.g. `resnet18-b8-checkmate-60pct`; a plan whose form is not its solver's default
+        (`PlanConfig.default_form`) names it: `gpt2-b8-selective-policy-executor-60pct`."""
+        form = "" if self.plan.form in (None, self.plan.default_form) else f"-{self.plan.form}"
+        return f"{self.model.name}-b{self.batch_size}-{self.plan.solver}{form}-{self.budget.label}"
 
 
 def expand_matrix(config: PipelineConfig) -> list[Case]:
