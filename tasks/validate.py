@@ -155,7 +155,8 @@ def validate_plans(
     `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
     per round, each plan's overhead the median of its per-round ratios to that round's eager step. Each plan
     (and its arena run) keeps a copy of the model until timing ends. `graph` is the executor plans' graph,
-    `eager_graph` the policy-form plans' (`runtime.policy.capture_eager`'s); without `graph`, executor plans of
+    `eager_graph` the policy-form plans' (`runtime.policy.capture_eager`'s; a `graph` whose meta says
+    `capture = "eager"` is taken as that); without `graph`, executor plans of
     one graph and rewrite selection share one capture of the model, and without `eager_graph` the policy-form
     plans share one eager capture."""
     check_reference(reference, spec, batch_size, device, seed)
@@ -173,6 +174,8 @@ def validate_plans(
         runs.append(_baseline(reference, base, loss_fn, batch, spec, reference.optimizer))
     tolerance = step_tolerance(spec, settings)
     tolerance = max(tolerance[0], reference.rtol), max(tolerance[1], reference.atol)
+    if graph is not None and graph.meta.get("capture") == "eager" and eager_graph is None:
+        graph, eager_graph = None, graph                      # capture_eager's graph: the policy plans'
     executor = [plan for plan in plans if plan.form != POLICY]
     if graph is None and len({p.fingerprint for p in executor}) == 1 and len({str(p.rewrites) for p in executor}) == 1:
         from runtime.capture import capture
