@@ -33,7 +33,8 @@ What counts:
 - the policy form, for a plan whose `provenance.form` is "policy": it runs as a training job runs it,
   `runtime.apply` on a fresh copy of the model (on `capture_eager`'s graph) and then `loss_fn(model,
   *batch).backward()`, under the same meter, against the same reference and tolerances, and in the same
-  timing rounds as the cell's other plans;
+  timing rounds as the cell's other plans; its measured peak must also be within `peak_rtol` of its
+  predicted peak (`prediction_problem`);
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   the reference the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -114,6 +115,19 @@ def peak_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float) -> st
             f"measured peak {measured_bytes:,} B exceeds the budget {budget_bytes:,} B by "
             f"{measured_bytes / budget_bytes - 1:.1%} (allowed {peak_rtol:.1%})"
         )
+    return None
+
+
+def prediction_problem(measured_bytes: int, predicted_bytes: int | None, peak_rtol: float) -> str | None:
+    """Why a policy-form plan's measured peak breaks its prediction (`measured > predicted * (1 + peak_rtol)`,
+    or no prediction), or None. The executor runs a plan's schedule itself; under the policy form autograd
+    decides what lives, and the prediction is what says it kept what the plan keeps."""
+    if predicted_bytes is None:
+        return "the plan has no predicted.peak_bytes to check its measured peak against"
+    if measured_bytes > predicted_bytes * (1 + peak_rtol):
+        return (f"measured peak {measured_bytes:,} B exceeds the predicted {predicted_bytes:,} B by "
+                f"{measured_bytes / predicted_bytes - 1:.1%} (allowed {peak_rtol:.1%}): autograd keeps more than the "
+                f"policy form predicts (runtime/policy_form.py: an op whose backward is several graph ops)")
     return None
 
 
@@ -304,6 +318,9 @@ def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], referen
     if budget is None:
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
     elif reason := peak_problem(run.peak_bytes, int(budget), settings.peak_rtol):
+        problems.append(reason)
+    if plan.form == POLICY and (reason := prediction_problem(run.peak_bytes, plan.predicted.get("peak_bytes"),
+                                                             settings.peak_rtol)):
         problems.append(reason)
     if limit is not None and run.peak_bytes + resident > limit.limit_bytes:
         problems.append(f"measured peak {run.peak_bytes:,} B plus {resident:,} B resident exceeds the device memory "
