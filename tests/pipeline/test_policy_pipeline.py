@@ -245,3 +245,13 @@ def test_a_policy_plan_is_validated_the_way_it_runs(tmp_path, monkeypatch):
     assert not validation.passed
     assert validation.reasons and all(r.startswith("buffer:") for r in validation.reasons), validation.reasons
     assert any("running_mean" in r for r in validation.reasons)
+
+
+def test_the_prediction_bounds_a_policy_plans_measured_peak():
+    from tasks.validate import prediction_problem
+
+    assert prediction_problem(1050, 1000, 0.05) is None
+    assert prediction_problem(1051, 1000, 0.05) == (
+        "measured peak 1,051 B exceeds the predicted 1,000 B by 5.1% (allowed 5.0%): autograd keeps more than the "
+        "policy form predicts (runtime/policy_form.py: an op whose backward is several graph ops)")
+    assert "no predicted.peak_bytes" in prediction_problem(10, None, 0.05)
