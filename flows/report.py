@@ -30,7 +30,6 @@ class Outcome:
     solver: str
     budget: str
     status: str
-    form: str = "executor"
     budget_bytes: int | None = None
     checkpoint_all_peak_bytes: int | None = None
     predicted_peak_bytes: int | None = None
@@ -44,6 +43,7 @@ class Outcome:
     least_feasible_bytes: int | None = None
     reference: str | None = None
     message: str = ""
+    form: str = "executor"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,7 +125,7 @@ def status_text(outcome: Outcome) -> str:
 
 def markdown_table(outcomes: list[Outcome]) -> str:
     """The plans of a run as a markdown table: form, budget (in MiB and as a fraction of eager's measured peak),
-    predicted and measured peak, overhead, status; then how to run each form's plans."""
+    predicted and measured peak, overhead, status."""
     lines = [
         "| plan | solver | form | budget | budget MiB | predicted peak MiB | measured peak MiB | eager peak MiB "
         "| predicted overhead | measured overhead | status |",
@@ -138,7 +138,7 @@ def markdown_table(outcomes: list[Outcome]) -> str:
             f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "
             f"| {overhead_text(o.overhead, o.overhead_interval)} | {status.replace('|', '/')} |"
         )
-    return "\n".join(lines) + f"\n\n{loading_hint({o.form for o in outcomes})}.\n"
+    return "\n".join(lines) + "\n"
 
 
 def memory_overhead_plot(outcomes: list[Outcome], model: str, path: str | Path) -> Path:
@@ -187,7 +187,8 @@ def create_artifacts(outcomes: list[Outcome], report_dir: str | Path) -> list[Pa
     also written under `report_dir`). Returns the PNG paths."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
-    create_markdown_artifact(markdown=markdown_table(outcomes), key="memplan-plans",
+    hint = f"\nTo train with them: {loading_hint({o.form for o in outcomes})}.\n"
+    create_markdown_artifact(markdown=markdown_table(outcomes) + hint, key="memplan-plans",
                              description="Plans of this run: budget, predicted and measured peak, overhead.")
     pngs = []
     for model in sorted({o.model for o in outcomes if o.measured_peak_bytes is not None}):
