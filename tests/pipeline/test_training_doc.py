@@ -77,7 +77,7 @@ def test_pipeline_publishes_a_policy_plan_the_example_trains_with(tmp_path, harn
     toml, = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)
     (tmp_path / "pipeline.toml").write_text(toml + FAST)
     outcome, = run_plan(tmp_path / "pipeline.toml")
-    assert (outcome["alias"], outcome["form"], outcome["status"]) == ("gpt2-b8-selective-policy-80pct", "policy",
+    assert (outcome["alias"], outcome["form"], outcome["status"]) == ("gpt2-b8-selective-policy-70pct", "policy",
                                                                       "published"), outcome
     values = losses(run(examples()["pipeline"], tmp_path), 3)
     assert values[-1] < values[0]
