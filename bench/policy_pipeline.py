@@ -6,11 +6,11 @@
 One pipeline.toml per activation, each with the GPT-2 of bench/peers.py (6 layers, 256 wide, seq 256, batch
 4, transformers' default dropout, eager attention, the key/value cache off) and, at each fraction of eager
 PyTorch's measured peak (`"70% eager"`: the same bytes for both forms, whose graphs' checkpoint-all peaks
-differ where the executor's rewrites apply), a `selective-policy` plan (policy form: solved on `capture_eager`'s graph, validated by
-`runtime.apply` and the model's own backward) and a `dtr` plan (executor form, `runtime.load`), all of one cell
-validated in the same timing rounds against eager PyTorch. Columns, as ratios: budget, predicted and measured
-peak over eager's measured peak; measured over predicted; the step-time overhead over eager (median of
-per-round ratios); the status (a rejected plan's first reason). GPT-2's default `gelu_new` is several graph
+differ where the executor's rewrites apply), a `selective-policy` plan (policy form: solved on
+`capture_eager`'s graph, validated by `runtime.apply` and the model's own backward) and a `dtr` plan
+(executor form, `runtime.load`), all of one cell validated in the same timing rounds against eager PyTorch.
+Columns, as ratios: budget, predicted and measured peak over eager's measured peak; measured over predicted;
+the step-time overhead over eager (median of per-round ratios); the status (a rejected plan's first reason). GPT-2's default `gelu_new` is several graph
 ops whose backward keeps a value longer than the policy form predicts (runtime/policy_form.py).
 """
 
@@ -85,7 +85,8 @@ def main() -> None:
 
     lines = ["| activation | solver | form | budget | budget / eager | predicted / eager | measured / eager "
              "| measured / predicted | overhead | status |", "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
-    with tempfile.TemporaryDirectory(prefix="policy-pipeline-") as tmp, prefect_test_harness(server_startup_timeout=120):
+    with tempfile.TemporaryDirectory(prefix="policy-pipeline-") as tmp, \
+            prefect_test_harness(server_startup_timeout=120):
         for activation in args.activation:
             folder = (args.keep or Path(tmp)) / activation
             lines += [row(activation, o) for o in run(folder, activation, args.fractions, args.steps)]

@@ -56,7 +56,8 @@ def register(app: typer.Typer) -> None:
                       "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "device", "class", "published",
                       title=f"plans in {plans_dir}")
         for r in rows:
-            table.add_row(r["plan_id"][:12], r["alias"], r["solver"], r.get("form") or "executor", f"{r['budget_bytes'] / mib:.1f}",
+            table.add_row(r["plan_id"][:12], r["alias"], r["solver"], r.get("form") or "executor",
+                          f"{r['budget_bytes'] / mib:.1f}",
                           f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
                           f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", r["device"], r.get("device_class") or "",
                           f"{r['published_at']:%Y-%m-%d %H:%M}")

@@ -80,6 +80,6 @@ def outcome_table(outcomes: list[dict[str, Any]]):
 
         overhead = overhead_text(o["overhead"], o.get("overhead_interval"))
         style = "green" if o["status"] == "published" else "red"
-        table.add_row(o["alias"], o["form"], size("budget_bytes"), size("predicted_peak_bytes"), size("measured_peak_bytes"),
-                      size("eager_peak_bytes"), overhead, f"[{style}]{status_text(Outcome(**o))}[/{style}]")
+        table.add_row(o["alias"], o["form"], size("budget_bytes"), size("predicted_peak_bytes"),
+                      size("measured_peak_bytes"), size("eager_peak_bytes"), overhead, f"[{style}]{status_text(Outcome(**o))}[/{style}]")
     return table
