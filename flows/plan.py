@@ -88,7 +88,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             floors = least_known_budgets(cases, solutions)
             validations = _validate_cells(cases, solutions, config, device, references, rerun, runner)
-            outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_cell(case)),
+            outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_graph(case)),
                                       references[_cell(case)].peak_bytes)
                         for case, s in zip(cases, solutions)]
     finally:
@@ -223,18 +223,20 @@ class KnownFloor:
     source: str
 
 
-def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tuple[str, int], KnownFloor]:
-    """Per (model, batch size): the least of the peaks of the run's schedules and of the smallest feasible
-    budgets its greedy probes found for infeasible cells: the floor an infeasibility message cites."""
-    floors: dict[tuple[str, int], KnownFloor] = {}
+def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tuple[str, int, PlanForm], KnownFloor]:
+    """Per (model, batch size, plan form): the least of the peaks of the run's schedules and of the smallest
+    feasible budgets its probes found for infeasible cells (greedy checkpointing; the policy form's own
+    solver): the floor an infeasibility message cites."""
+    floors: dict[tuple[str, int, PlanForm], KnownFloor] = {}
     for case, solved in zip(cases, solutions):
         if solved.feasible:
             found = KnownFloor(solved.predicted_peak_bytes, f"the peak of {case.alias}'s schedule")
         elif solved.smallest_feasible_budget is not None:
-            found = KnownFloor(solved.smallest_feasible_budget, "greedy checkpointing")
+            found = KnownFloor(solved.smallest_feasible_budget, case.plan.solver if case.plan.plan_form == "policy"
+                               else "greedy checkpointing")
         else:
             continue
-        key = (case.model.name, case.batch_size)
+        key = _graph(case)
         if key not in floors or found.bytes < floors[key].bytes:
             floors[key] = found
     return floors

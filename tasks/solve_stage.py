@@ -116,7 +116,8 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         _record_form(plan, settings.form)
         plan.save(plan_path)
     elif eager.peak_bytes > solution.budget_bytes:
-        smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes)
+        probes = (solver,) if settings.form == "policy" else PROBES     # the policy form's own floor
+        smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes, probes=probes)
     return Solved(
         solver=solver,
         status=solution.status,
@@ -154,10 +155,12 @@ def _record_form(plan: Plan, form: PlanForm) -> None:
         plan.provenance.pop("form", None)
 
 
-def smallest_feasible_budget(problem: Problem, infeasible: int, feasible: int, rel_tol: float = 0.005) -> int:
+def smallest_feasible_budget(problem: Problem, infeasible: int, feasible: int, rel_tol: float = 0.005,
+                             probes: tuple[str, ...] = PROBES) -> int:
     """The smallest budget, within `rel_tol`, between one known infeasible and one known feasible (the
-    checkpoint-all peak) at which a fast greedy baseline (`PROBES`) finds a schedule."""
-    probes = [name for name in PROBES if name in SOLVERS]
+    checkpoint-all peak) at which one of the fast solvers `probes` (greedy baselines; for a policy-form plan,
+    its own solver) finds a schedule."""
+    probes = [name for name in probes if name in SOLVERS]
 
     def least_peak(budget: int) -> int | None:
         return min((s.predicted_peak_bytes for s in (solve(problem, name, budget) for name in probes) if s.feasible),

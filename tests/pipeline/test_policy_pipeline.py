@@ -60,7 +60,7 @@ repeats = 1
 
 [[plans]]
 solver = "selective-policy"
-budgets = [0.7]
+budgets = [0.7, 0.1]
 
 [[plans]]
 solver = "checkpoint-all"
@@ -154,6 +154,7 @@ def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
     folder, outcomes = project
     assert {o["alias"]: (o["form"], o["status"]) for o in outcomes} == {
         "blocknet-b128-selective-policy-70pct": ("policy", "published"),
+        "blocknet-b128-selective-policy-10pct": ("policy", "infeasible"),
         "blocknet-b128-checkpoint-all-100pct": ("executor", "published")}
     policy = Plan.load(folder / "plans" / "blocknet-b128-selective-policy-70pct.json")
     executor = Plan.load(folder / "plans" / "blocknet-b128-checkpoint-all-100pct.json")
@@ -169,6 +170,22 @@ def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
     assert rows["blocknet-b128-checkpoint-all-100pct"]["form"] == "executor"
     row = rows["blocknet-b128-selective-policy-70pct"]
     assert row["measured_peak_bytes"] <= 1.05 * row["budget_bytes"] and row["predicted_peak_bytes"] <= row["budget_bytes"]
+
+
+def test_an_infeasible_policy_cell_cites_the_least_budget_its_own_solver_reaches(project):
+    """The floor of a policy cell is found with selective-policy on the eager graph, not with the executor
+    form's greedy probes (or executor plans' peaks) on another graph: solving there at it succeeds, below fails."""
+    from tasks.problems import load_problem
+    from tasks.solve import solve
+
+    folder, outcomes = project
+    infeasible = next(o for o in outcomes if o["alias"] == "blocknet-b128-selective-policy-10pct")
+    floor = infeasible["least_feasible_bytes"]
+    assert "least feasible budget this run knows" in infeasible["message"] and f"{floor:,} B" in infeasible["message"]
+    graph, = (folder / ".cache" / "memplan" / "graphs").glob("*-eager-*.json")
+    problem = load_problem(graph, device="cpu", store=folder / "profiles_db").problem
+    assert solve(problem, "selective-policy", floor).feasible
+    assert not solve(problem, "selective-policy", int(floor * 0.99)).feasible
 
 
 def test_the_published_policy_plan_trains_like_eager_pytorch_in_a_plain_loop(project):
