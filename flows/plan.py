@@ -19,7 +19,7 @@ from flows.report import Outcome, create_artifacts
 from flows.steps import (forget_captured, profile_step, publish_step, reference_step, solve_step, trace_step,
                          validate_step)
 from tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
-                          load_config)
+                          graph_forms, load_config)
 from tasks.memory_limit import memory_limit
 from tasks.models import allow_imports_from, check_model, resolve_device
 from tasks.records import EAGER, Referenced, Solved, Traced, Validated
@@ -181,14 +181,6 @@ def _cell(case: Case) -> tuple[str, int]:
 def _graph(case: Case) -> tuple[str, int, PlanForm]:
     """The traced graph a case is solved on: its model and batch size's, for its plan's form."""
     return case.model.name, case.batch_size, case.plan.plan_form
-
-
-def graph_forms(model: str, batch_size: int, cases: list[Case]) -> list[PlanForm]:
-    """The forms whose graphs a model at a batch size is traced for: those of its cases' plans, executor
-    first (the policy form's graph is `runtime.policy.capture_eager`'s); the executor's alone when no plan
-    applies to it."""
-    forms = {c.plan.plan_form for c in cases if _cell(c) == (model, batch_size)}
-    return [form for form in ("executor", "policy") if form in forms] or ["executor"]
 
 
 def _validate_cells(cases: list[Case], solutions: list[Solved], config: PipelineConfig, device: str,

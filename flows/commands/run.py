@@ -40,10 +40,10 @@ def register(app: typer.Typer) -> None:
 def _run(config: Path, refresh: bool, loaded) -> None:
     """Run the plan flow and print its outcome table."""
     from flows.console import console
-    from flows.plan import PipelineFailed, graph_forms, run_plan
+    from flows.plan import PipelineFailed, run_plan
     from flows.progress import stage_progress
     from flows.report import loading_hint
-    from tasks.config import expand_matrix
+    from tasks.config import expand_matrix, graph_forms
 
     cases = expand_matrix(loaded)
     graphs = sum(len(graph_forms(m.name, b, cases)) for m, b in loaded.model_batches())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.config.schema import PipelineConfig
-from tasks.config.sections import ModelConfig, PlanConfig
+from tasks.config.sections import ModelConfig, PlanConfig, PlanForm
 from tasks.config.values import Budget
 
 @dataclass(frozen=True)
@@ -36,3 +36,11 @@ def expand_matrix(config: PipelineConfig) -> list[Case]:
                 case = Case(model, batch_size, plan, budget)
                 cases.setdefault(case.alias, case)
     return list(cases.values())
+
+
+def graph_forms(model: str, batch_size: int, cases: list[Case]) -> list[PlanForm]:
+    """The forms whose graphs a model at a batch size is traced and profiled for: those of its cases' plans,
+    executor first (the policy form's graph is `runtime.policy.capture_eager`'s); the executor's alone when
+    no plan applies to it."""
+    forms = {c.plan.plan_form for c in cases if (c.model.name, c.batch_size) == (model, batch_size)}
+    return [form for form in ("executor", "policy") if form in forms] or ["executor"]

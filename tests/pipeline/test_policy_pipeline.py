@@ -90,6 +90,19 @@ def test_selective_policy_takes_the_policy_form_unless_told_otherwise():
     assert config(solver="selective-policy", form="policy").plans[0].solve_settings().form == "policy"
 
 
+def test_a_model_is_traced_for_the_forms_of_its_plans():
+    from tasks.config import graph_forms
+
+    data = {"models": [LINEAR, LINEAR | {"name": "other"}], "plans": [
+        {"solver": "selective-policy", "budgets": [0.8], "models": ["linear"]},
+        {"solver": "dtr", "budgets": [0.8], "models": ["linear"]}]}
+    cases = expand_matrix(parse_config(data))
+    assert graph_forms("linear", 8, cases) == ["executor", "policy"]
+    assert graph_forms("other", 8, cases) == ["executor"]                   # no plan: traced as before
+    data["plans"].pop()
+    assert graph_forms("linear", 8, expand_matrix(parse_config(data))) == ["policy"]
+
+
 def test_a_solver_that_cannot_make_policies_is_refused_with_the_ones_that_can():
     with pytest.raises(ConfigError, match=r"pipeline.toml .* key plans\[0\]: plan of solver 'checkmate' sets form = "
                                           r"\"policy\", but 'checkmate' makes schedules .*'selective-policy'.* or "
@@ -186,6 +199,21 @@ def test_an_infeasible_policy_cell_cites_the_least_budget_its_own_solver_reaches
     problem = load_problem(graph, device="cpu", store=folder / "profiles_db").problem
     assert solve(problem, "selective-policy", floor).feasible
     assert not solve(problem, "selective-policy", int(floor * 0.99)).feasible
+
+
+def test_the_profile_flow_profiles_the_eager_graph_too(project):
+    from flows.profile import run_profile
+
+    folder, _ = project
+    runs = run_profile(folder / "pipeline.toml", reuse=True)                # the plan flow's profiles, cached
+    assert [(r["form"], r["fingerprint"] == policy_fingerprint(folder)) for r in runs] == [("executor", False),
+                                                                                           ("policy", True)]
+
+
+def policy_fingerprint(folder: Path) -> str:
+    from runtime.plan import Plan
+
+    return Plan.load(folder / "plans" / "blocknet-b128-selective-policy-70pct.json").fingerprint
 
 
 def test_the_published_policy_plan_trains_like_eager_pytorch_in_a_plain_loop(project):
