@@ -1,5 +1,7 @@
 """The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
-batch size) -> solve (mapped over the matrix) -> validate -> publish, plus the run's artifacts. `run_plan`
+batch size) -> solve (mapped over the matrix) -> validate -> publish, plus the run's artifacts. Plans in the
+policy form are solved on the step as eager PyTorch runs it (`runtime.policy.capture_eager`), which the trace
+and profile stages capture and measure too for their models; the others on the executor's graph. `run_plan`
 is the entry point the CLI and tests use."""
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from flows.preflight import check_locations
 from flows.report import Outcome, create_artifacts
 from flows.steps import (forget_captured, profile_step, publish_step, reference_step, solve_step, trace_step,
                          validate_step)
-from tasks.config import Case, MemplanError, ModelConfig, PipelineConfig, RunConfig, expand_matrix, load_config
+from tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
+                          graph_forms, load_config)
 from tasks.memory_limit import memory_limit
 from tasks.models import allow_imports_from, check_model, resolve_device
 from tasks.records import EAGER, Referenced, Solved, Traced, Validated
@@ -51,21 +54,23 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     cases = expand_matrix(config)
     rerun = {"refresh_cache": True} if refresh else {}
 
-    traced: dict[tuple[str, int], Traced] = {}
+    traced: dict[tuple[str, int, PlanForm], Traced] = {}
     try:
         for m, b in config.model_batches():
-            traced[m.name, b] = trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir)
+            for form in graph_forms(m.name, b, cases):
+                traced[m.name, b, form] = trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir,
+                                                                           form)
+        models = {m.name: m for m in config.models}
         profiled = {
-            (m.name, b): profile_step.with_options(retries=config.profile.retries, **rerun)(
-                m, traced[m.name, b], device, config.seed, config.profile, config.store
-            )
-            for m, b in config.model_batches()
+            key: profile_step.with_options(retries=config.profile.retries, **rerun)(
+                models[key[0]], record, device, config.seed, config.profile, config.store)
+            for key, record in traced.items()
         }
         references = {(m.name, b): _reference(m, b, device, config, cases, rerun) for m, b in config.model_batches()}
         check_eager_budgets(cases, references)
         cells = dict(
-            traced=[traced[c.model.name, c.batch_size] for c in cases],
-            profile=[profiled[c.model.name, c.batch_size] for c in cases],
+            traced=[traced[_graph(c)] for c in cases],
+            profile=[profiled[_graph(c)] for c in cases],
             solver=[c.plan.solver for c in cases],
             budget=[c.budget.of_eager(references[c.model.name, c.batch_size].peak_bytes) for c in cases],
             settings=[c.plan.solve_settings(config.optimizer) for c in cases],
@@ -83,7 +88,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             floors = least_known_budgets(cases, solutions)
             validations = _validate_cells(cases, solutions, config, device, references, rerun, runner)
-            outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_cell(case)),
+            outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_graph(case)),
                                       references[_cell(case)].peak_bytes)
                         for case, s in zip(cases, solutions)]
     finally:
@@ -173,6 +178,11 @@ def _cell(case: Case) -> tuple[str, int]:
     return case.model.name, case.batch_size
 
 
+def _graph(case: Case) -> tuple[str, int, PlanForm]:
+    """The traced graph a case is solved on: its model and batch size's, for its plan's form."""
+    return case.model.name, case.batch_size, case.plan.plan_form
+
+
 def _validate_cells(cases: list[Case], solutions: list[Solved], config: PipelineConfig, device: str,
                     references: References, rerun: dict[str, Any], runner: Any) -> dict[str, Validated]:
     """The validation of every feasible plan, by alias: one `validate_step` per model and batch size, its plans
@@ -205,18 +215,20 @@ class KnownFloor:
     source: str
 
 
-def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tuple[str, int], KnownFloor]:
-    """Per (model, batch size): the least of the peaks of the run's schedules and of the smallest feasible
-    budgets its greedy probes found for infeasible cells: the floor an infeasibility message cites."""
-    floors: dict[tuple[str, int], KnownFloor] = {}
+def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tuple[str, int, PlanForm], KnownFloor]:
+    """Per (model, batch size, plan form): the least of the peaks of the run's schedules and of the smallest
+    feasible budgets its probes found for infeasible cells (greedy checkpointing; the policy form's own
+    solver): the floor an infeasibility message cites."""
+    floors: dict[tuple[str, int, PlanForm], KnownFloor] = {}
     for case, solved in zip(cases, solutions):
         if solved.feasible:
             found = KnownFloor(solved.predicted_peak_bytes, f"the peak of {case.alias}'s schedule")
         elif solved.smallest_feasible_budget is not None:
-            found = KnownFloor(solved.smallest_feasible_budget, "greedy checkpointing")
+            found = KnownFloor(solved.smallest_feasible_budget, case.plan.solver if case.plan.plan_form == "policy"
+                               else "greedy checkpointing")
         else:
             continue
-        key = (case.model.name, case.batch_size)
+        key = _graph(case)
         if key not in floors or found.bytes < floors[key].bytes:
             floors[key] = found
     return floors

@@ -1,4 +1,5 @@
-"""The `profile` flow: trace and profile every model of a pipeline.toml, nothing else. Meant for
+"""The `profile` flow: trace and profile every model of a pipeline.toml (and, for models with policy-form
+plans, the step as eager PyTorch runs it, which those plans are solved on), nothing else. Meant for
 scheduled deployments that keep the profile store fresh on each GPU class; the `plan` flow then solves
 against the newest complete profile."""
 
@@ -11,7 +12,7 @@ from prefect import flow
 
 from flows.preflight import check_locations
 from flows.steps import profile_step, trace_step
-from tasks.config import PipelineConfig, load_config
+from tasks.config import PipelineConfig, expand_matrix, graph_forms, load_config
 from tasks.models import allow_imports_from, check_model, resolve_device
 from tasks.store import check_store
 
@@ -27,11 +28,13 @@ def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False,
     allow_imports_from(Path(config_path).parent)
     device = resolve_device(config.device)
     measure = profile_step.with_options(retries=config.profile.retries, refresh_cache=not reuse)
-    runs = []
+    runs, cases = [], expand_matrix(config)
     for model, batch_size in config.model_batches():
-        traced = trace_step(model, batch_size, device, config.seed, config.cache_dir)
-        run = measure(model, traced, device, config.seed, config.profile, config.store)
-        runs.append({"model": model.name, "batch_size": batch_size, "nodes": traced.nodes, **run.to_json()})
+        for form in graph_forms(model.name, batch_size, cases):
+            traced = trace_step(model, batch_size, device, config.seed, config.cache_dir, form)
+            run = measure(model, traced, device, config.seed, config.profile, config.store)
+            runs.append({"model": model.name, "batch_size": batch_size, "form": form, "nodes": traced.nodes,
+                         **run.to_json()})
     return runs
 
 

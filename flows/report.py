@@ -21,7 +21,8 @@ class Outcome:
     device; `least_feasible_bytes` is the least budget the run knows is feasible) or rejected (failed
     validation); `message` says why for the last two. `arena_peak_bytes`: the measured peak in arena mode,
     for plans with addresses. `reference`: the step validation compared the plan with (eager, or where eager
-    does not fit `device_memory` the first that does, down to the host's: tasks/fitting_reference.py)."""
+    does not fit `device_memory` the first that does, down to the host's: tasks/fitting_reference.py). `form`:
+    how the plan runs, "executor" (`runtime.load`) or "policy" (`runtime.apply`, `LOADERS`)."""
 
     alias: str
     model: str
@@ -42,6 +43,7 @@ class Outcome:
     least_feasible_bytes: int | None = None
     reference: str | None = None
     message: str = ""
+    form: str = "executor"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,7 +56,7 @@ class Outcome:
         measured peak, from the cell's reference), rejected when validation failed, published with the
         `Published` record."""
         common = dict(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
-                      budget=case.budget.label, budget_bytes=solved.budget_bytes,
+                      form=case.plan.plan_form, budget=case.budget.label, budget_bytes=solved.budget_bytes,
                       checkpoint_all_peak_bytes=solved.checkpoint_all_peak_bytes,
                       predicted_peak_bytes=solved.predicted_peak_bytes, message=message)
         if validated is None:
@@ -67,6 +69,17 @@ class Outcome:
         if published is None:
             return cls(**common, **measured, status="rejected")
         return cls(**common, **measured, status="published", plan_id=published.plan_id)
+
+
+LOADERS = {"executor": "runtime.load(plan, model, loss_fn)", "policy": "runtime.apply(plan, model, loss_fn, batch)"}
+"""How a training job runs a plan of each form (docs/training.md)."""
+
+
+def loading_hint(forms: set[str]) -> str:
+    """One line saying how to run the plans of `forms`, e.g. after a run's table."""
+    return "; ".join(f"{form} plans, {LOADERS[form]}" + (" in your own loop, then loss.backward() (docs/training.md)"
+                                                         if form == "policy" else "")
+                     for form in LOADERS if form in forms)
 
 
 def _mib(nbytes: int | None) -> str:
@@ -111,17 +124,17 @@ def status_text(outcome: Outcome) -> str:
 
 
 def markdown_table(outcomes: list[Outcome]) -> str:
-    """The plans of a run as a markdown table: budget (in MiB and as a fraction of eager's measured peak),
+    """The plans of a run as a markdown table: form, budget (in MiB and as a fraction of eager's measured peak),
     predicted and measured peak, overhead, status."""
     lines = [
-        "| plan | solver | budget | budget MiB | predicted peak MiB | measured peak MiB | eager peak MiB "
+        "| plan | solver | form | budget | budget MiB | predicted peak MiB | measured peak MiB | eager peak MiB "
         "| predicted overhead | measured overhead | status |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for o in outcomes:
         status = o.status if o.status == "published" else f"{status_text(o)}: {o.message}"
         lines.append(
-            f"| {o.alias} | {o.solver} | {o.budget} | {budget_text(o)} | {_mib(o.predicted_peak_bytes)} "
+            f"| {o.alias} | {o.solver} | {o.form} | {o.budget} | {budget_text(o)} | {_mib(o.predicted_peak_bytes)} "
             f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "
             f"| {overhead_text(o.overhead, o.overhead_interval)} | {status.replace('|', '/')} |"
         )
@@ -174,7 +187,8 @@ def create_artifacts(outcomes: list[Outcome], report_dir: str | Path) -> list[Pa
     also written under `report_dir`). Returns the PNG paths."""
     from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
-    create_markdown_artifact(markdown=markdown_table(outcomes), key="memplan-plans",
+    hint = f"\nTo train with them: {loading_hint({o.form for o in outcomes})}.\n"
+    create_markdown_artifact(markdown=markdown_table(outcomes) + hint, key="memplan-plans",
                              description="Plans of this run: budget, predicted and measured peak, overhead.")
     pngs = []
     for model in sorted({o.model for o in outcomes if o.measured_peak_bytes is not None}):

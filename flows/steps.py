@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from flows import captures
 from flows.codehash import code_hash
 from flows.progress import stage_finished, stage_started
-from tasks.config import Budget, MemplanError, ModelConfig, PlanSettings, ProfileConfig, ValidateConfig
+from tasks.config import Budget, MemplanError, ModelConfig, PlanForm, PlanSettings, ProfileConfig, ValidateConfig
 from tasks.memory_limit import MemoryLimit
 from tasks.records import Profiled, Published, Referenced, Solved, Traced, Validated
 
@@ -61,14 +61,15 @@ def _existing(path: str, stage: str) -> Path:
 # -- trace -------------------------------------------------------------------------------------------
 
 
-@task(name="trace", cache_policy=NO_CACHE, task_run_name="trace {model.name} b{batch_size}", **HOOKS)
-def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str) -> Traced:
-    """Capture the model's training step, every run (never cached: the fingerprint it yields keys every
-    later stage); the graph JSON lands in `cache_dir/graphs/`."""
+@task(name="trace", cache_policy=NO_CACHE, task_run_name="trace {model.name} b{batch_size} {form}", **HOOKS)
+def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str,
+               form: PlanForm = "executor") -> Traced:
+    """Capture the model's training step for plans in `form` (tasks/trace.py), every run (never cached: the
+    fingerprint it yields keys every later stage); the graph JSON lands in `cache_dir/graphs/`."""
     from tasks.trace import trace
 
-    traced, graph = trace(model, batch_size, device, seed, cache_dir)
-    captures.keep(traced.fingerprint, graph)
+    traced, graph = trace(model, batch_size, device, seed, cache_dir, form)
+    captures.keep(traced.fingerprint, graph, form)
     return traced
 
 
@@ -89,7 +90,8 @@ def profile_step(model: ModelConfig, traced: Traced, device: str, seed: int, set
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.trace import capture_model
 
-    graph = captures.get(traced.fingerprint) or capture_model(model, traced.batch_size, device, seed)
+    graph = captures.get(traced.fingerprint, traced.form) or capture_model(model, traced.batch_size, device, seed,
+                                                                           traced.form)
     if graph.fingerprint != traced.fingerprint:
         raise MemplanError(
             f"re-capturing {model.name} at batch {traced.batch_size} gave graph {graph.fingerprint[:12]}, "
@@ -172,15 +174,17 @@ def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig
                   limit: MemoryLimit | None = None) -> list[Validated]:
     """Run the plans of one model and batch size (solved as content addresses `plan_ids`) on `device`, check
     each against the cell's `reference` and time them against eager PyTorch in shared rounds
-    (tasks/validate.py `validate_plans`), on the graph this run's trace captured when this process holds it
-    (the plans run without capturing the model again); under a device memory `limit` each plan's peak and the
+    (tasks/validate.py `validate_plans`), on the graphs this run's trace captured when this process holds them
+    (the plans run without capturing the model again: the executor's graph, and `capture_eager`'s for plans
+    in the policy form); under a device memory `limit` each plan's peak and the
     resident bytes must fit it."""
     from runtime.plan import Plan
     from tasks.validate import validate_plans
 
     plans = [Plan.load(path) for path in plan_paths]
+    graphs = {plan.form: captures.get(plan.fingerprint, plan.form) for plan in plans}
     validations = validate_plans(plans, model, batch_size, device, seed, settings, reference,
-                                 graph=captures.get(plans[0].fingerprint), limit=limit)
+                                 graph=graphs.get("executor"), limit=limit, eager_graph=graphs.get("policy"))
     for path, solved, validation in zip(plan_paths, plan_ids, validations):
         if validation.plan_id != solved:
             raise RuntimeError(f"{path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "
@@ -190,7 +194,7 @@ def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig
 
 def forget_captured(traced: Mapping[Any, Traced]) -> None:
     """Drop the captured graphs of the `trace_step` results `traced` (at the end of a run)."""
-    captures.forget(record.fingerprint for record in traced.values())
+    captures.forget((record.fingerprint, record.form) for record in traced.values())
 
 
 # -- publish -----------------------------------------------------------------------------------------

@@ -190,6 +190,11 @@ class Plan:
         return "the plan was made for another model, loss, input shape, dtype or training mode."
 
     @property
+    def form(self) -> str:
+        """How the plan runs: "policy" (`runtime.apply`, `provenance.form`) or "executor" (`runtime.load`)."""
+        return str(self.provenance.get("form", "executor"))
+
+    @property
     def rewrites(self) -> dict[str, list[int]] | None:
         """The rewrite selection of the graph the plan was made for (`provenance["rewrites"]["applied"]`,
         docs/graph-format.md), which `runtime.load` captures with; None for a plan that records none."""

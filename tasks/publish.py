@@ -56,6 +56,7 @@ class IndexRow:
     batch_size: Annotated[int, pa.int32()]
     fingerprint: str
     solver: str
+    form: str | None
     budget: str
     budget_bytes: int
     predicted_peak_bytes: int
@@ -151,6 +152,7 @@ def _index_row(
         batch_size=batch_size,
         fingerprint=plan.fingerprint,
         solver=provenance["solver"],
+        form=plan.form,
         budget=budget,
         budget_bytes=int(provenance["budget_bytes"]),
         predicted_peak_bytes=int(predicted["peak_bytes"]),
@@ -232,8 +234,8 @@ def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] 
     files = [str(p) for p in index_files(plans_dir)]
     if not files:
         return []
-    rows = ("(SELECT * FROM read_parquet(?, union_by_name = true) "     # rows written before device_class: NULL
-            "UNION ALL BY NAME SELECT NULL::VARCHAR AS device_class WHERE false)")
+    rows = ("(SELECT * FROM read_parquet(?, union_by_name = true) "     # rows written before device_class, form: NULL
+            "UNION ALL BY NAME SELECT NULL::VARCHAR AS device_class, NULL::VARCHAR AS form WHERE false)")
     sql = f"SELECT * FROM {rows} {'WHERE ' + where if where else ''} ORDER BY published_at DESC, alias"
     with duckdb.connect() as con:
         cursor = con.execute(sql, [files, *(params or [])])

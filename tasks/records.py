@@ -7,7 +7,7 @@ never pickles) and gives them back typed; the run's outcome table (flows/report.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -26,7 +26,8 @@ class Record(BaseModel):
 
 
 class Traced(Record):
-    """A stored operator graph and the numbers a report needs about it."""
+    """A stored operator graph and the numbers a report needs about it; `form`: the plans it is captured for
+    ("policy": as eager PyTorch runs the step, `runtime.policy.capture_eager`)."""
 
     path: str
     fingerprint: str
@@ -35,6 +36,7 @@ class Traced(Record):
     nodes: int
     values: int
     constant_bytes: int
+    form: Literal["executor", "policy"] = "executor"
 
 
 class Profiled(Record):

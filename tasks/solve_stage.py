@@ -15,7 +15,7 @@ import numpy as np
 
 from runtime.graph import backend
 from runtime.plan import Plan, graph_provenance, plan_id
-from tasks.config import Addresses, Budget, PlanSettings
+from tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
 from tasks.records import Solved
 from tasks.solve import SOLVERS, solve
@@ -116,9 +116,11 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
             plan.provenance["optimizer_in_step"] = settings.optimizer
         if settings.ddp_bucket_mb is not None:
             plan.provenance["ddp_bucket_mb"] = settings.ddp_bucket_mb
+        _record_form(plan, settings.form)
         plan.save(plan_path)
     elif eager.peak_bytes > solution.budget_bytes:
-        smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes)
+        probes = (solver,) if settings.form == "policy" else PROBES     # the policy form's own floor
+        smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes, probes=probes)
     return Solved(
         solver=solver,
         status=solution.status,
@@ -142,10 +144,26 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
     )
 
 
-def smallest_feasible_budget(problem: Problem, infeasible: int, feasible: int, rel_tol: float = 0.005) -> int:
+def _record_form(plan: Plan, form: PlanForm) -> None:
+    """Record the `[[plans]]` form in the plan's provenance: "policy" (runtime.apply runs it; made on
+    capture_eager's graph, whose `capture = "eager"` graph_provenance copied), or none for the executor form,
+    also where the solver makes policy-form schedules (made on the executor's graph, only runtime.load runs it)."""
+    if form == "policy":
+        if plan.provenance.get("capture") != "eager":
+            raise MemplanError(f"a plan in the policy form was solved on a graph not captured as eager PyTorch runs "
+                               f"it (provenance capture = {plan.provenance.get('capture')!r}); trace it with "
+                               f"runtime.policy.capture_eager (the trace stage does for form = \"policy\").")
+        plan.provenance["form"] = form
+    else:
+        plan.provenance.pop("form", None)
+
+
+def smallest_feasible_budget(problem: Problem, infeasible: int, feasible: int, rel_tol: float = 0.005,
+                             probes: tuple[str, ...] = PROBES) -> int:
     """The smallest budget, within `rel_tol`, between one known infeasible and one known feasible (the
-    checkpoint-all peak) at which a fast greedy baseline (`PROBES`) finds a schedule."""
-    probes = [name for name in PROBES if name in SOLVERS]
+    checkpoint-all peak) at which one of the fast solvers `probes` (greedy baselines; for a policy-form plan,
+    its own solver) finds a schedule."""
+    probes = [name for name in probes if name in SOLVERS]
 
     def least_peak(budget: int) -> int | None:
         return min((s.predicted_peak_bytes for s in (solve(problem, name, budget) for name in probes) if s.feasible),

@@ -4,6 +4,10 @@ Every run traces again (seconds for the models a pipeline plans; no key computed
 see an edited factory's source or what it imports) and stores the graph under its fingerprint: the
 same graph always lands in the same file, and every later stage is keyed on the fingerprint, so a
 changed model never meets a stale profile, plan or validation.
+
+A model with plans in the policy form (`PlanConfig.plan_form`) is traced a second time as eager PyTorch runs
+its step (`runtime.policy.capture_eager`: none of memplan's rewrites), the graph those plans are made on; its
+file is named `...-eager-<fingerprint16>.json` (where no rewrite applies, both graphs have one fingerprint).
 """
 
 from __future__ import annotations
@@ -14,28 +18,36 @@ from pathlib import Path
 from typing import Iterator
 
 from runtime.graph import OpGraph
-from tasks.config import MemplanError, ModelConfig
+from tasks.config import MemplanError, ModelConfig, PlanForm
 from tasks.records import Traced
 
 
-def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str) -> Path:
-    """Where the graph with `fingerprint` lives: `<cache_dir>/graphs/<model>-b<batch>-<fingerprint16>.json`."""
-    return Path(cache_dir) / "graphs" / f"{model}-b{batch_size}-{fingerprint[:16]}.json"
+def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str,
+               form: PlanForm = "executor") -> Path:
+    """Where the graph with `fingerprint` lives: `<cache_dir>/graphs/<model>-b<batch>-<fingerprint16>.json`, or
+    for the policy form's graph `<model>-b<batch>-eager-<fingerprint16>.json`."""
+    eager = "eager-" if form == "policy" else ""
+    return Path(cache_dir) / "graphs" / f"{model}-b{batch_size}-{eager}{fingerprint[:16]}.json"
 
 
-def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) -> OpGraph:
-    """Capture `spec`'s training step on `device` (the graph carries its FX program, for profiling), applying
-    only the rewrite instances that are bit-identical on this device (`runtime.capture(..., verify=True)`):
-    the selection lands in `meta["rewrites"]` and from there in every plan made for the graph."""
+def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, form: PlanForm = "executor") -> OpGraph:
+    """Capture `spec`'s training step on `device` (the graph carries its FX program, for profiling). For the
+    executor `form`, with only the rewrite instances that are bit-identical on this device
+    (`runtime.capture(..., verify=True)`): the selection lands in `meta["rewrites"]` and from there in every
+    plan made for the graph. For the policy form, as eager PyTorch runs it (`runtime.policy.capture_eager`);
+    a step that records no repeated module, which the policy form checkpoints, is refused."""
     import runtime
     from runtime.capture import CaptureError
+    from runtime.policy import capture_eager
     from tasks.models import ModelError, build_batch, build_loss, build_model, check_batch_fits
 
     check_batch_fits(spec, batch_size, device)
     model = build_model(spec, seed).to(device)
+    batch = build_batch(spec, batch_size, seed, device)
     try:
         with _quiet_fake_tensors():
-            graph = runtime.capture(model, build_loss(spec), build_batch(spec, batch_size, seed, device), verify=True)
+            graph = capture_eager(model, build_loss(spec), batch) if form == "policy" else \
+                runtime.capture(model, build_loss(spec), batch, verify=True)
     except (CaptureError, MemplanError):
         raise
     except Exception as exc:
@@ -47,7 +59,23 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int) ->
             f"for class labels, which must be below the number of classes) and `loss`; `memplan run --debug` shows "
             f"the traceback.") from exc
     graph.meta.update(model=spec.name, batch_size=batch_size, device=device)
+    if form == "policy":
+        _check_regions(graph, spec, batch_size)
     return graph
+
+
+def _check_regions(graph: OpGraph, spec: ModelConfig, batch_size: int) -> None:
+    """Refuse, before profiling, a policy-form graph without the repeated modules its plans checkpoint."""
+    from runtime.policy_form import Regions
+    from tasks.models import ModelError
+
+    if not Regions.of_graph(graph).members:
+        raise ModelError(
+            f"model {spec.name!r} at batch {batch_size} has plans in the policy form ([[plans]] form = \"policy\", "
+            f"the default of solver selective-policy), which checkpoint its repeated modules, but its step records "
+            f"none (capture records the children of an nn.ModuleList or nn.Sequential: runtime/modules.py). Build "
+            f"the model's layers as such a list, or give those plans form = \"executor\" (or another solver), or "
+            f"leave this model out of them with `models = [...]`.")
 
 
 @contextmanager
@@ -62,24 +90,26 @@ def _quiet_fake_tensors() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path) -> tuple[Traced, OpGraph]:
-    """Capture the graph and write it to its fingerprint's file unless that file already holds the same rewrite
-    record (`meta["rewrites"]`: which instances apply and where they were verified) and op facts; returns the record and
-    the captured graph (with its FX program)."""
-    graph = capture_model(spec, batch_size, device, seed)
-    path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint)
+def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path,
+          form: PlanForm = "executor") -> tuple[Traced, OpGraph]:
+    """Capture the graph of plans in `form` and write it to its fingerprint's file unless that file already
+    holds the same rewrite record (`meta["rewrites"]`: which instances apply and where they were verified) and
+    op facts; returns the record and the captured graph (with its FX program)."""
+    graph = capture_model(spec, batch_size, device, seed, form)
+    path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint, form)
     if not path.exists() or _record(OpGraph.load(path)) != _record(graph):
         graph.save(path)
-    return describe(graph, path, spec.name, batch_size), graph
+    return describe(graph, path, spec.name, batch_size, form), graph
 
 
 def _record(graph: OpGraph) -> tuple:
-    """What a rewrite of the graph file would change: the rewrite record and the op facts (`runtime.facts`)."""
-    return tuple(graph.meta.get(key) for key in ("rewrites", "random_nodes", "in_place"))
+    """What a rewrite of the graph file would change: the rewrite record, the op facts (`runtime.facts`) and
+    the capture (eager for the policy form)."""
+    return tuple(graph.meta.get(key) for key in ("rewrites", "random_nodes", "in_place", "capture"))
 
 
-def describe(graph: OpGraph, path: str | Path, model: str, batch_size: int) -> Traced:
-    """The `Traced` record of a graph stored at `path`."""
+def describe(graph: OpGraph, path: str | Path, model: str, batch_size: int, form: PlanForm = "executor") -> Traced:
+    """The `Traced` record of a graph stored at `path`, captured for plans in `form`."""
     return Traced(
         path=str(path),
         fingerprint=graph.fingerprint,
@@ -88,4 +118,5 @@ def describe(graph: OpGraph, path: str | Path, model: str, batch_size: int) -> T
         nodes=len(graph.nodes),
         values=len(graph.values),
         constant_bytes=graph.constant_bytes,
+        form=form,
     )

@@ -30,6 +30,11 @@ What counts:
   (parameters, buffers, batch, optimizer state) must not exceed the limit;
 - low precision: a model computing in bfloat16 or float16 (`dtype`, `autocast`) is compared with at least
   `torch.testing`'s tolerances for that dtype (`step_tolerance`);
+- the policy form, for a plan whose `provenance.form` is "policy": it runs as a training job runs it,
+  `runtime.apply` on a fresh copy of the model (on `capture_eager`'s graph) and then `loss_fn(model,
+  *batch).backward()`, under the same meter, against the same reference and tolerances, and in the same
+  timing rounds as the cell's other plans; its measured peak must also be within `peak_rtol` of its
+  predicted peak (`prediction_problem`);
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   the reference the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -52,8 +57,9 @@ from torch import nn
 from runtime.arena import ArenaFallbackWarning
 from runtime.graph import OpGraph
 from runtime.plan import Plan, plan_id
+from runtime.policy_form import FORM as POLICY
 from tasks.config import MemplanError, ModelConfig, ValidateConfig
-from tasks.fitting_reference import LOSS_REDUCTIONS, rebuilt_step
+from tasks.fitting_reference import LOSS_REDUCTIONS, rebuilt_step, training_step
 from tasks.memory_limit import MemoryLimit
 from tasks.models import build_batch, build_loss, build_model
 from tasks.records import Referenced, Validated
@@ -112,6 +118,19 @@ def peak_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float) -> st
     return None
 
 
+def prediction_problem(measured_bytes: int, predicted_bytes: int | None, peak_rtol: float) -> str | None:
+    """Why a policy-form plan's measured peak breaks its prediction (`measured > predicted * (1 + peak_rtol)`,
+    or no prediction), or None. The executor runs a plan's schedule itself; under the policy form autograd
+    decides what lives, and the prediction is what says it kept what the plan keeps."""
+    if predicted_bytes is None:
+        return "the plan has no predicted.peak_bytes to check its measured peak against"
+    if measured_bytes > predicted_bytes * (1 + peak_rtol):
+        return (f"measured peak {measured_bytes:,} B exceeds the predicted {predicted_bytes:,} B by "
+                f"{measured_bytes / predicted_bytes - 1:.1%} (allowed {peak_rtol:.1%}): autograd keeps more than the "
+                f"policy form predicts (runtime/policy_form.py: an op whose backward is several graph ops)")
+    return None
+
+
 def validate_plan(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
@@ -144,12 +163,16 @@ def validate_alone(
 def validate_plans(
     plans: Sequence[Plan], spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
+    eager_graph: OpGraph | None = None,
 ) -> list[Validated]:
     """`validate_plan` for several plans of one model and batch size at once: each is checked against
     `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
     per round, each plan's overhead the median of its per-round ratios to that round's eager step. Each plan
-    (and its arena run) keeps a copy of the model until timing ends. Without `graph`, plans of one graph and
-    rewrite selection share one capture of the model."""
+    (and its arena run) keeps a copy of the model until timing ends. `graph` is the executor plans' graph,
+    `eager_graph` the policy-form plans' (`runtime.policy.capture_eager`'s; a `graph` whose meta says
+    `capture = "eager"` is taken as that); without `graph`, executor plans of
+    one graph and rewrite selection share one capture of the model, and without `eager_graph` the policy-form
+    plans share one eager capture."""
     check_reference(reference, spec, batch_size, device, seed)
     in_step = {plan.provenance.get("optimizer_in_step") for plan in plans} - {None}
     if in_step - {reference.optimizer}:
@@ -165,11 +188,19 @@ def validate_plans(
         runs.append(_baseline(reference, base, loss_fn, batch, spec, reference.optimizer))
     tolerance = step_tolerance(spec, settings)
     tolerance = max(tolerance[0], reference.rtol), max(tolerance[1], reference.atol)
-    if graph is None and len({plan.fingerprint for plan in plans}) == 1 and len({str(p.rewrites) for p in plans}) == 1:
+    if graph is not None and graph.meta.get("capture") == "eager" and eager_graph is None:
+        graph, eager_graph = None, graph                      # capture_eager's graph: the policy plans'
+    executor = [plan for plan in plans if plan.form != POLICY]
+    if graph is None and len({p.fingerprint for p in executor}) == 1 and len({str(p.rewrites) for p in executor}) == 1:
         from runtime.capture import capture
 
-        graph = capture(copy.deepcopy(base), loss_fn, batch, rewrites=plans[0].rewrites)   # once, not once per plan
-    measured = [_first_run(plan, base, loss_fn, batch, device, seed, graph, runs) for plan in plans]
+        graph = capture(copy.deepcopy(base), loss_fn, batch, rewrites=executor[0].rewrites)   # once, not once per plan
+    if eager_graph is None and len(executor) < len(plans):
+        from runtime.policy import capture_eager
+
+        eager_graph = capture_eager(copy.deepcopy(base), loss_fn, batch)
+    measured = [_first_run(plan, base, loss_fn, batch, device, seed, eager_graph if plan.form == POLICY else graph,
+                           runs) for plan in plans]
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
     resident = None if limit is None else limit.module_resident_bytes(base, batch)
@@ -197,7 +228,8 @@ def _baseline(reference: Referenced, base: nn.Module, loss_fn: Callable[..., tor
 
 def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
                device: str, seed: int, graph: OpGraph | None, runs: list[tuple[nn.Module, Step]]) -> _PlanRun:
-    """Load `plan` on a copy of `base` (with the optimizer it was planned to run inside the step), take its state
+    """Load `plan` on a copy of `base` (with the optimizer it was planned to run inside the step; in the policy
+    form, `runtime.apply` on `graph`, capture_eager's, then the model's own backward), take its state
     after one step and its peak (and, for a plan with addresses, those of its arena run, before any timed step
     moves its buffers); appends its timed runs to `runs`."""
     import runtime
@@ -205,7 +237,11 @@ def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor]
     plan_model = copy.deepcopy(base)
     optimizer = plan.provenance.get("optimizer_in_step")
     update = None if optimizer is None else optimizer_named(optimizer, plan_model)
-    planned = functools.partial(runtime.load(plan, plan_model, loss_fn, graph=graph, optimizer=update), *batch)
+    if plan.form == POLICY:                     # the user's own loop: loss_fn(model, *batch).backward()
+        planned = training_step(runtime.apply(plan, plan_model, loss_fn, batch, graph=graph, optimizer=update),
+                                loss_fn, batch)
+    else:
+        planned = functools.partial(runtime.load(plan, plan_model, loss_fn, graph=graph, optimizer=update), *batch)
     state, peak = first_steps(plan_model, planned, device, seed, params=update is not None)
     runs.append((plan_model, planned))
     index, arena = len(runs) - 1, None
@@ -282,6 +318,9 @@ def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], referen
     if budget is None:
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
     elif reason := peak_problem(run.peak_bytes, int(budget), settings.peak_rtol):
+        problems.append(reason)
+    if plan.form == POLICY and (reason := prediction_problem(run.peak_bytes, plan.predicted.get("peak_bytes"),
+                                                             settings.peak_rtol)):
         problems.append(reason)
     if limit is not None and run.peak_bytes + resident > limit.limit_bytes:
         problems.append(f"measured peak {run.peak_bytes:,} B plus {resident:,} B resident exceeds the device memory "

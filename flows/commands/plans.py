@@ -40,6 +40,7 @@ def register(app: typer.Typer) -> None:
 
         from flows.commands.query import reporting_store_warnings
         from flows.console import console, exit_on_error
+        from flows.report import loading_hint
         from tasks.publish import read_index
 
         with exit_on_error():
@@ -51,15 +52,19 @@ def register(app: typer.Typer) -> None:
         rows = rows[:limit]
         mib = 2**20
         width = max((len(r["alias"]) for r in rows), default=5)
-        table = Table(Column("plan id", no_wrap=True), Column("alias", no_wrap=True, min_width=width), "solver",
+        table = Table(Column("plan id", no_wrap=True), Column("alias", no_wrap=True, min_width=width), "solver", "form",
                       "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "device", "class", "published",
                       title=f"plans in {plans_dir}")
         for r in rows:
-            table.add_row(r["plan_id"][:12], r["alias"], r["solver"], f"{r['budget_bytes'] / mib:.1f}",
+            table.add_row(r["plan_id"][:12], r["alias"], r["solver"], r.get("form") or "executor",
+                          f"{r['budget_bytes'] / mib:.1f}",
                           f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
                           f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", r["device"], r.get("device_class") or "",
                           f"{r['published_at']:%Y-%m-%d %H:%M}")
         console().print(table)
+        forms = {r.get("form") or "executor" for r in rows}
+        if forms:
+            console().print(f"To train with them: {loading_hint(forms)}.")
 
     @plans.command("show")
     def show(
@@ -67,11 +72,12 @@ def register(app: typer.Typer) -> None:
         plans_dir: DirOption = None,
         config: ConfigOption = None,
     ) -> None:
-        """A plan's provenance, predictions, schedule summary and index row."""
+        """A plan's provenance, predictions, schedule summary, index row and how a training job runs it."""
         from rich.table import Table
 
         from flows.commands.query import reporting_store_warnings
         from flows.console import console, exit_on_error
+        from flows.report import LOADERS
         from runtime.plan import Plan
         from tasks.publish import plan_id, read_index, resolve
 
@@ -85,6 +91,7 @@ def register(app: typer.Typer) -> None:
         computes = plan.compute_steps()
         table = Table("key", "value", title=f"plan {pid[:12]} ({path})", show_header=False)
         table.add_row("fingerprint", plan.fingerprint)
+        table.add_row("run it with", LOADERS.get(plan.form, LOADERS["executor"]))
         table.add_row("schedule", f"{len(plan.schedule)} steps: {len(computes)} computes of {len(set(computes))} "
                                   f"nodes ({len(computes) - len(set(computes))} recomputations)")
         for key, value in (plan.predicted | plan.provenance).items():

@@ -42,10 +42,12 @@ def _run(config: Path, refresh: bool, loaded) -> None:
     from flows.console import console
     from flows.plan import PipelineFailed, run_plan
     from flows.progress import stage_progress
-    from tasks.config import expand_matrix
+    from flows.report import loading_hint
+    from tasks.config import expand_matrix, graph_forms
 
-    graphs = len(loaded.model_batches())
-    stages = 2 * graphs + 3 * len(expand_matrix(loaded))
+    cases = expand_matrix(loaded)
+    graphs = sum(len(graph_forms(m.name, b, cases)) for m, b in loaded.model_batches())
+    stages = 2 * graphs + 3 * len(cases)
     try:
         with stage_progress(stages, "starting Prefect"):
             outcomes = run_plan(config, refresh, loaded)
@@ -57,6 +59,9 @@ def _run(config: Path, refresh: bool, loaded) -> None:
     console().print(f"published {published} of {len(outcomes)} plans into {loaded.publish.dir}/"
                     + ("" if published == len(outcomes) else "; the others' budgets are infeasible on this device "
                        "(the table gives the least feasible budget known)"))
+    forms = {o["form"] for o in outcomes if o["status"] == "published"}
+    if forms:
+        console().print(f"To train with them: {loading_hint(forms)}.")
 
 
 def outcome_table(outcomes: list[dict[str, Any]]):
@@ -67,7 +72,7 @@ def outcome_table(outcomes: list[dict[str, Any]]):
 
     mib = 2**20
     width = max((len(o["alias"]) for o in outcomes), default=4)
-    table = Table(Column("plan", no_wrap=True, min_width=width), "budget MiB", "predicted peak MiB",
+    table = Table(Column("plan", no_wrap=True, min_width=width), "form", "budget MiB", "predicted peak MiB",
                   "measured peak MiB", "eager peak MiB", "overhead", "status", title="memplan plans")
     for o in outcomes:
         def size(key: str) -> str:
@@ -75,6 +80,6 @@ def outcome_table(outcomes: list[dict[str, Any]]):
 
         overhead = overhead_text(o["overhead"], o.get("overhead_interval"))
         style = "green" if o["status"] == "published" else "red"
-        table.add_row(o["alias"], size("budget_bytes"), size("predicted_peak_bytes"), size("measured_peak_bytes"),
-                      size("eager_peak_bytes"), overhead, f"[{style}]{status_text(Outcome(**o))}[/{style}]")
+        table.add_row(o["alias"], o["form"], size("budget_bytes"), size("predicted_peak_bytes"),
+                      size("measured_peak_bytes"), size("eager_peak_bytes"), overhead, f"[{style}]{status_text(Outcome(**o))}[/{style}]")
     return table

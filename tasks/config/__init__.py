@@ -19,19 +19,20 @@ from tasks.config.values import (
     parse_option_text,
 )
 from tasks.config.sections import (
-    Addresses, InputSpec, ModelConfig, PlanConfig, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
+    Addresses, InputSpec, ModelConfig, PlanConfig, PlanForm, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
     VARIANT_RULES,
     VariantChoice,
 )
 from tasks.config.fleet import Cron, DeployConfig, DeviceClassConfig
 from tasks.config.schema import PipelineConfig, RunConfig, load_config, parse_config, registered_solvers
-from tasks.config.matrix import Case, expand_matrix
+from tasks.config.matrix import Case, expand_matrix, graph_forms
 
 __all__ = [
     'Addresses', 'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',
     'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MemplanError', 'ModelConfig',
-    'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
-    'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VARIANT_RULES', 'VariantChoice', 'expand_matrix', 'load_config',
+    'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanForm', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
+    'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VARIANT_RULES', 'VariantChoice', 'expand_matrix', 'graph_forms',
+    'load_config',
     'parse_budget', 'parse_budget_text', 'parse_config', 'parse_device_memory', 'parse_device_memory_text', 'parse_max_overhead', 'parse_option_text',
     'registered_solvers',
 ]

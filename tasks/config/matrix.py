@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.config.schema import PipelineConfig
-from tasks.config.sections import ModelConfig, PlanConfig
+from tasks.config.sections import ModelConfig, PlanConfig, PlanForm
 from tasks.config.values import Budget
 
 @dataclass(frozen=True)
@@ -19,8 +19,10 @@ class Case:
 
     @property
     def alias(self) -> str:
-        """Readable plan name, e.g. `resnet18-b8-checkmate-60pct`."""
-        return f"{self.model.name}-b{self.batch_size}-{self.plan.solver}-{self.budget.label}"
+        """Readable plan name, e.g. `resnet18-b8-checkmate-60pct`; a plan whose form is not its solver's default
+        (`PlanConfig.default_form`) names it: `gpt2-b8-selective-policy-executor-60pct`."""
+        form = "" if self.plan.form in (None, self.plan.default_form) else f"-{self.plan.form}"
+        return f"{self.model.name}-b{self.batch_size}-{self.plan.solver}{form}-{self.budget.label}"
 
 
 def expand_matrix(config: PipelineConfig) -> list[Case]:
@@ -34,3 +36,11 @@ def expand_matrix(config: PipelineConfig) -> list[Case]:
                 case = Case(model, batch_size, plan, budget)
                 cases.setdefault(case.alias, case)
     return list(cases.values())
+
+
+def graph_forms(model: str, batch_size: int, cases: list[Case]) -> list[PlanForm]:
+    """The forms whose graphs a model at a batch size is traced and profiled for: those of its cases' plans,
+    executor first (the policy form's graph is `runtime.policy.capture_eager`'s); the executor's alone when
+    no plan applies to it."""
+    forms = {c.plan.plan_form for c in cases if (c.model.name, c.batch_size) == (model, batch_size)}
+    return [form for form in ("executor", "policy") if form in forms] or ["executor"]

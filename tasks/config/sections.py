@@ -177,12 +177,16 @@ OptimizerChoice = Literal[("none", *OPTIMIZERS)]  # type: ignore[valid-type]
 Addresses = Literal["none", "greedy", "olla"]
 """A plan's `addresses` setting: how its value copies get arena offsets (`tasks.solve_stage.solve_loaded`)."""
 
+PlanForm = Literal["executor", "policy"]
+"""How a plan runs: "executor" (`runtime.load`, on the graph memplan's executor runs) or "policy" (selective
+checkpointing in the user's own loop, `runtime.apply`, on `runtime.policy.capture_eager`'s graph)."""
+
 
 class PlanSettings(BaseModel):
     """A plan's solve settings, parsed once from its `[[plans]]` table and handed to the solve stage whole:
     the shared MILP settings, the solver's own `params` (checked against its options at load time),
     `addresses`, `variants`, the `optimizer` run inside the step ("none": after it) and DDP's bucket cap
-    `ddp_bucket_mb` (None: not under DistributedDataParallel)."""
+    `ddp_bucket_mb` (None: not under DistributedDataParallel) and the plan's `form` (the graph it is made on)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -194,6 +198,7 @@ class PlanSettings(BaseModel):
     variants: VariantChoice = "all"
     optimizer: OptimizerChoice = "none"
     ddp_bucket_mb: float | None = None
+    form: PlanForm = "executor"
 
     def solve_options(self) -> SolveOptions:
         """The `SolveOptions` the solver gets."""
@@ -239,6 +244,11 @@ class PlanConfig(Section):
         None, gt=0, description="Plan for runtime.load(plan, DistributedDataParallel(model, bucket_cap_mb=...), ...): "
         "the gradients are all-reduced in buckets of this many MiB (DDP's bucket_cap_mb; its default is 25), each "
         "a flat buffer from its launch to the end of the step, which the predicted peak counts. Omitted: not DDP.")
+    form: PlanForm | None = Field(
+        None, description="How the plan runs: 'executor' (runtime.load runs the whole step) or 'policy' (selective "
+        "checkpointing in your own training loop, runtime.apply; made on the step as eager PyTorch runs it; "
+        "only solvers whose schedules that runs, e.g. 'selective-policy'). Omitted: 'policy' for such solvers, "
+        "else 'executor'.")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
     @field_validator("budgets")
@@ -270,6 +280,40 @@ class PlanConfig(Section):
                              f"update would run before its gradient's all-reduce completes): drop one of them from "
                              f"this [[plans]] table")
         return self
+
+    @model_validator(mode="after")
+    def _policy_form(self) -> PlanConfig:
+        if self.plan_form != "policy":
+            return self
+        form = "sets form = \"policy\"" if self.form else "is in the policy form (its solver's default)"
+        if not _solver_runs_policies(self.solver):
+            from tasks.solve import SOLVERS
+
+            able = ", ".join(repr(n) for n, s in SOLVERS.items() if s.policy_form) or "none registered"
+            raise ValueError(f"plan of solver {self.solver!r} {form}, but {self.solver!r} makes schedules selective "
+                             f"checkpointing cannot run (runtime/policy_form.py); use a solver that makes them ({able}) "
+                             f"or form = \"executor\" (runtime.load) in this [[plans]] table")
+        refused = [f"{key} = {json.dumps(value)}" for key, value, default in (
+            ("addresses", self.addresses, "none"), ("optimizer_in_step", self.optimizer_in_step, False),
+            ("ddp_bucket_mb", self.ddp_bucket_mb, None)) if value != default]
+        if refused:
+            raise ValueError(f"plan of solver {self.solver!r} {form} and sets {' and '.join(refused)}, which only the "
+                             f"executor form plans (runtime.apply's model runs under DDP unchanged and takes the "
+                             f"optimizer in runtime.apply): remove {'them' if len(refused) > 1 else 'it'} or set form = "
+                             f"\"executor\" in this [[plans]] table")
+        return self
+
+    @property
+    def default_form(self) -> PlanForm:
+        """The form a plan of this solver takes without `form`: "policy" for a solver whose schedules selective
+        checkpointing runs (`SolverSpec.policy_form`: a user writing `solver = "selective-policy"` expects a
+        plan `runtime.apply` runs), else "executor"."""
+        return "policy" if _solver_runs_policies(self.solver) else "executor"
+
+    @property
+    def plan_form(self) -> PlanForm:
+        """The form the plan takes: `form`, else `default_form`."""
+        return self.form or self.default_form
 
     @property
     def cell_budgets(self) -> list[Budget]:
@@ -305,7 +349,15 @@ class PlanConfig(Section):
         return PlanSettings(backend=self.backend, time_limit=self.time_limit_s, gap=self.gap, params=dict(self.options),
                             addresses=self.addresses, variants=self.variants,
                             optimizer=optimizer if self.optimizer_in_step else "none",
-                            ddp_bucket_mb=self.ddp_bucket_mb)
+                            ddp_bucket_mb=self.ddp_bucket_mb, form=self.plan_form)
+
+
+def _solver_runs_policies(solver: str) -> bool:
+    """Whether registered solver `solver` makes policy-form schedules (False for a name not registered)."""
+    from tasks.solve import SOLVERS
+
+    spec = SOLVERS.get(solver)
+    return spec is not None and spec.policy_form
 
 
 class ValidateConfig(Section):

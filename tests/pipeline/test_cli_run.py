@@ -91,10 +91,11 @@ def test_run_prints_the_table_and_publishes_the_plan(first_run):
     assert plan_id(plan) == row["plan_id"] and plan.provenance["solver"] == "checkpoint-all"
     assert plan.provenance["budget_bytes"] == row["budget_bytes"] > MIB          # a budget the table shows
     cells = table_row(result.output, alias)
-    assert cells == [alias, f"{row['budget_bytes'] / MIB:.1f}", f"{row['predicted_peak_bytes'] / MIB:.1f}",
+    assert cells == [alias, "executor", f"{row['budget_bytes'] / MIB:.1f}", f"{row['predicted_peak_bytes'] / MIB:.1f}",
                      f"{row['measured_peak_bytes'] / MIB:.1f}", f"{row['eager_peak_bytes'] / MIB:.1f}",
                      "not measurable here (under 6 rounds)", "published"]          # one timed step
     assert f"published 1 of 1 plans into {folder / 'plans'}/" in " ".join(result.output.split())
+    assert "To train with them: executor plans, runtime.load(plan, model, loss_fn)." in " ".join(result.output.split())
 
 
 def test_refresh_re_runs_the_cached_stages(first_run):

@@ -36,7 +36,8 @@ def test_defaults_fill_every_optional_section(config_data):
     assert (shared.backend, shared.gap, shared.time_limit) == ("auto", 0.01, 300.0)
     assert config.plans[0].solve_settings().model_dump() == {"backend": shared.backend, "time_limit": shared.time_limit,
                                                 "gap": shared.gap, "params": {}, "addresses": "none",
-                                                "variants": "all", "optimizer": "none", "ddp_bucket_mb": None}
+                                                "variants": "all", "optimizer": "none", "ddp_bucket_mb": None,
+                                                "form": "executor"}
 
 
 @pytest.mark.parametrize(

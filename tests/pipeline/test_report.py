@@ -16,7 +16,7 @@ REJECTED = Outcome("m-b8-chen-90pct", "m", 8, "chen", "90pct", "rejected", budge
 def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
     lines = markdown_table([PUBLISHED, REJECTED]).splitlines()
     assert len(lines) == 4
-    assert lines[2] == ("| m-b8-checkmate-90pct | checkmate | 90pct | 90.0 (90% of eager) | 80.0 | 81.0 | 100.0 | +10% "
+    assert lines[2] == ("| m-b8-checkmate-90pct | checkmate | executor | 90pct | 90.0 (90% of eager) | 80.0 | 81.0 | 100.0 | +10% "
                         "| not measurable here (under 6 rounds) | published |")
     assert lines[3].endswith("| rejected: plan m-b8-chen-90pct failed validation on cpu: loss differs / badly. |")
 

@@ -63,8 +63,24 @@ def plain_and_compiled(folder) -> str:
 
 
 def test_every_block_is_a_named_example_with_a_test():
-    assert set(examples()) == {"plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer", "optimizer-in-step",
-                                 "executor-ddp"}
+    assert set(examples()) == {"pipeline", "plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer",
+                                 "optimizer-in-step", "executor-ddp"}
+
+
+FAST = "\n[profile]\nwarmup = 0\nrepeats = 1\n\n[validate]\nsteps = 1\nmax_steps = 1\n"
+"""Appended to the doc's pipeline.toml: one profiling call and one timed step (the plan is the same)."""
+
+
+def test_pipeline_publishes_a_policy_plan_the_example_trains_with(tmp_path, harness):
+    from flows.plan import run_plan
+
+    toml, = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)
+    (tmp_path / "pipeline.toml").write_text(toml + FAST)
+    outcome, = run_plan(tmp_path / "pipeline.toml")
+    assert (outcome["alias"], outcome["form"], outcome["status"]) == ("gpt2-b8-selective-policy-70pct", "policy",
+                                                                      "published"), outcome
+    values = losses(run(examples()["pipeline"], tmp_path), 3)
+    assert values[-1] < values[0]
 
 
 def test_plain_loop_and_torch_compile(plain_and_compiled, folder):

@@ -36,8 +36,10 @@ class SolverSpec:
     """A registered solver: `run(problem, budget_bytes, options) -> Solution`, a one-line `summary`, the
     dataclass of its `options` (None: it takes none), whether it chooses implementation `variants`
     (otherwise it sees `problem.without_variants()`) and whether its answers are checked against the
-    cheap solvers' (`portfolio`, for the MILP/LP solvers); `peers`: the solvers it may call (warm starts,
-    blocks), handed to it in `SolveOptions.peers`. Calling the spec checks the options first."""
+    cheap solvers' (`portfolio`, for the MILP/LP solvers); whether its schedules are ones selective
+    checkpointing runs (`policy_form`, runtime/policy_form.py: its plans may take the policy form,
+    `runtime.apply`); `peers`: the solvers it may call (warm starts, blocks), handed to it in
+    `SolveOptions.peers`. Calling the spec checks the options first."""
 
     name: str
     run: Callable[[Problem, int, SolveOptions], Solution]
@@ -45,6 +47,7 @@ class SolverSpec:
     options: type | None = None
     variants: bool = False
     portfolio: bool = False
+    policy_form: bool = False
     peers: Mapping[str, Callable[..., Any]] = field(default_factory=dict, compare=False, hash=False)
 
     def __call__(self, problem: Problem, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
