@@ -53,6 +53,14 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     return path
 
 
+class _NonFinite(ValueError):
+    """A NaN or infinity in a JSON text (Python's json parses them; canonical JSON has none)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
 def read_json(path: str | os.PathLike, what: str, error: type[Exception]) -> Any:
     """Parse the JSON file `path`; raise `error` naming the file and the fault when it is missing,
     unreadable, truncated or malformed. `what` names the expected content ("plan", "graph")."""
@@ -65,7 +73,10 @@ def read_json(path: str | os.PathLike, what: str, error: type[Exception]) -> Any
         raise error(f"{what} file {path} is not text (byte {exc.object[exc.start]:#04x} at offset {exc.start} is "
                     f"not UTF-8): it is binary or corrupt. Give the {what} JSON that memplan wrote.") from None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_refuse_constant)
+    except _NonFinite as exc:
+        raise error(f"{what} file {path} holds {exc.args[0]}, which JSON does not allow and memplan never writes; "
+                    f"it was hand-edited or written by another tool. Regenerate it with memplan.") from None
     except RecursionError:
         raise error(f"{what} file {path} nests JSON too deeply to be a memplan {what}.") from None
     except json.JSONDecodeError as exc:
