@@ -170,9 +170,9 @@ def torchtitan_schedule(problem: Problem, graph) -> list[dict[str, int]] | None:
     """`selective_policy_step`'s decisions as a schedule of `graph` (`problem` is its problem; None when it
     records no repeated modules): every forward node once, and before the first backward node of each layer
     (a region of runtime/policy_form.py) its forward again from its first node through the last one its
-    backward reads, skipping the nodes whose op is in `SAC_SAVE`, whose outputs the forward's copies supply. Unlike
-    `runtime.policy_form.policy_schedule`, a saved node need not be read by the backward: torchtitan also
-    saves the query, key and output projections, read only by the recomputed ops after them."""
+    backward reads, skipping the nodes whose op is in `SAC_SAVE`, whose outputs the forward's copies supply (the
+    query, key and output projections among them, read only by the recomputed ops after them). Unlike
+    `runtime.policy_form.policy_schedule` it does not drop idle saves: it is what the policy asks of autograd."""
     regions = Regions.of_problem(problem)
     if not regions.members:
         return None
