@@ -148,7 +148,7 @@ def test_edited_plan_numbers_and_bad_aliases_are_refused_in_one_line(tmp_path):
 
     make_plan_file = _plan_file(tmp_path)
     plan = json.loads(make_plan_file.read_text())
-    for key, value, fragment in (("predicted", {"peak_bytes": float("nan")}, "each a finite number or null"),
+    for key, value, fragment in (("predicted", {"peak_bytes": float("nan")}, "holds NaN, which JSON does not allow"),
                                  ("provenance", {"budget_bytes": "abc"}, "is not a number of bytes")):
         edited = dict(plan, **{key: value})
         edited["checksum"] = "0" * 64 if key == "predicted" else sha256_hex({k: v for k, v in edited.items()
