@@ -8,14 +8,15 @@ those longer lifetimes: `Problem.from_graph` makes the last op of each Node read
 from outside the Node (`runtime.policy_form.held_reads`).
 
 `label_backward` learns the Nodes from one eager step of a copy of the model: a dispatch mode records each
-backward ATen call with `torch._C._current_autograd_node()`, and the calls are matched, in order, to the
-graph's backward ops (views left out on both sides; a call the graph does not have within the next few ops,
-such as AccumulateGrad's, is skipped). Random state is restored afterwards; the model is not touched.
+backward ATen call with `torch._C._current_autograd_node()`, and the calls are aligned with the graph's
+backward ops by their names (views left out on both sides; `match_nodes`). Random state is restored
+afterwards; the model is not touched.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,8 +24,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.graph import OpGraph
-
-LOOKAHEAD = 4
 
 
 def _name(func: Any) -> str:
@@ -62,15 +61,15 @@ def _graph_backward_ops(graph: OpGraph) -> list[tuple[str, int]]:
 
 
 def match_nodes(graph_ops: Sequence[tuple[str, int]], calls: Sequence[tuple[str, int]]) -> dict[int, int]:
-    """Operator node id -> autograd Node of the first eager call matched to one of its ops, matching the
-    calls in order to `graph_ops` within the next `LOOKAHEAD` graph ops (unmatched calls are skipped)."""
-    at, node_of = 0, {}
-    for name, autograd_node in calls:
-        hit = next((i for i in range(at, min(at + LOOKAHEAD, len(graph_ops))) if graph_ops[i][0] == name), None)
-        if hit is None:
-            continue
-        node_of.setdefault(graph_ops[hit][1], autograd_node)
-        at = hit + 1
+    """Operator node id -> autograd Node of the first eager call aligned with one of its ops: the longest
+    matching blocks of the two sequences of op names (`difflib.SequenceMatcher`), so a run of ops one side
+    has and the other lacks (another decomposition, AccumulateGrad's) shifts nothing after it."""
+    matcher = difflib.SequenceMatcher(None, [name for name, _ in graph_ops], [name for name, _ in calls],
+                                      autojunk=False)
+    node_of: dict[int, int] = {}
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            node_of.setdefault(graph_ops[block.a + k][1], calls[block.b + k][1])
     return node_of
 
 

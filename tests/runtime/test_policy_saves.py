@@ -159,3 +159,12 @@ def test_a_region_recomputes_before_the_first_op_of_the_autograd_node_that_reads
                       autograd=(None, None, None, 3, 3))
     assert regions.trigger("r") == grad_in       # one Node: it unpacks x as it starts
     assert dataclasses.replace(regions, autograd=()).trigger("r") == grad_w
+
+
+def test_backward_calls_align_with_the_graph_past_ops_only_one_side_has():
+    from runtime.autograd_nodes import match_nodes
+
+    graph_ops = [("mul", 0), ("pow", 1), ("mul", 1), ("div", 1), ("sum", 2), ("mul", 2), ("add", 3), ("mm", 4),
+                 ("mm", 4)]
+    calls = [("mul", 10), ("detach", 11), ("add", 13), ("mm", 14), ("mm", 14)]   # eager ran nodes 1, 2 otherwise
+    assert match_nodes(graph_ops, calls) == {0: 10, 3: 13, 4: 14}
