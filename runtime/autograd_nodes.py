@@ -24,15 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.graph import OpGraph
-
-
-def _name(func: Any) -> str:
-    return getattr(func, "_opname", str(func)).rstrip("_")
-
-
-def _is_view(func: Any) -> bool:
-    returns = getattr(getattr(func, "_schema", None), "returns", ())
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+from runtime.ops import allocating_calls, is_view, op_name
 
 
 class _BackwardCalls(TorchDispatchMode):
@@ -45,19 +37,15 @@ class _BackwardCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         node = torch._C._current_autograd_node()
-        if node is not None and not _is_view(func) and "AccumulateGrad" not in node.name():
+        if node is not None and not is_view(func) and "AccumulateGrad" not in node.name():
             self._nodes.append(node)
-            self.calls.append((_name(func), id(node)))
+            self.calls.append((op_name(func), id(node)))
         return func(*args, **(kwargs or {}))
 
 
 def _graph_backward_ops(graph: OpGraph) -> list[tuple[str, int]]:
     """(op name, operator node id) of each non-view ATen call of the graph's backward, in order."""
-    program = graph.program
-    group_of = {m: gid for gid, group in enumerate(program.groups) for m in group}
-    return [(_name(m.target), group_of[m]) for m in program.gm.graph.nodes
-            if m.op == "call_function" and isinstance(m.target, torch._ops.OpOverload) and not _is_view(m.target)
-            and m in group_of and graph.nodes[group_of[m]].phase == "backward"]
+    return [(op_name(op), node) for _, op, node in allocating_calls(graph) if graph.nodes[node].phase == "backward"]
 
 
 def match_nodes(graph_ops: Sequence[tuple[str, int]], calls: Sequence[tuple[str, int]]) -> dict[int, int]:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import torch
 
 from runtime import dropout, fused_gelu, fused_loss, modules  # noqa: F401  (register the memplan:: ops)
@@ -33,3 +35,25 @@ def random_nodes(graph: OpGraph) -> list[int]:
                 found.append(node.id)
                 break
     return found
+
+
+def op_name(func: Any) -> str:
+    """The op without overload and in-place suffix, as eager calls and traced graphs both name it (eager's
+    `bernoulli_.float` is the capture's `bernoulli.p`)."""
+    return getattr(func, "_opname", str(func)).rstrip("_")
+
+
+def is_view(func: Any) -> bool:
+    """Whether every result of `func` aliases an input without writing it (a view allocates nothing)."""
+    returns = getattr(getattr(func, "_schema", None), "returns", ())
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def allocating_calls(graph: OpGraph) -> Iterator[tuple[Any, Any, int]]:
+    """(FX node, ATen op, operator node id) of each non-view ATen call of a captured graph, in graph order."""
+    program = graph.program
+    group_of = {m: gid for gid, group in enumerate(program.groups) for m in group}
+    for m in program.gm.graph.nodes:
+        if m.op == "call_function" and isinstance(m.target, torch._ops.OpOverload) and not is_view(m.target) \
+                and m in group_of:
+            yield m, m.target, group_of[m]

@@ -37,6 +37,7 @@ from runtime.autograd_nodes import label_backward
 from runtime.capture import capture
 from runtime.graph import OpGraph
 from runtime.modules import META_KEY, marked_modules
+from runtime.ops import allocating_calls, is_view, op_name
 from runtime.optim_step import check_optimizer, step_in_backward
 from runtime.plan import Plan
 from runtime.policy_form import PolicyFormError, Regions, decisions
@@ -50,26 +51,13 @@ class PolicyMismatch(RuntimeError):
 
 
 _EXPANDS = {"native_dropout": ("empty_like", "bernoulli", "div", "mul")}
-"""A traced op (torch.compile's) standing for several ops of the eager capture, each as `_name` gives it."""
-
-
-def _name(func: Any) -> str:
-    """The op without overload and in-place suffix: eager's `bernoulli_.float` is the capture's `bernoulli.p`."""
-    return getattr(func, "_opname", str(func)).rstrip("_")
-
-
-def _is_view(func: Any) -> bool:
-    returns = getattr(getattr(func, "_schema", None), "returns", ())
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+"""A traced op (torch.compile's) standing for several ops of the eager capture, each as `runtime.ops.op_name` gives it."""
 
 
 def region_ops(graph: OpGraph, name: str) -> list[tuple[Any, int]]:
     """(ATen op, operator node id) of each non-view call of region `name`'s forward, in graph order."""
-    program = graph.program
-    group_of = {m: gid for gid, group in enumerate(program.groups) for m in group}
-    return [(m.target, group_of[m]) for m in program.gm.graph.nodes
-            if m.op == "call_function" and m.meta.get(META_KEY) == name and isinstance(m.target, torch._ops.OpOverload)
-            and not _is_view(m.target) and m in group_of and graph.nodes[group_of[m]].phase != "backward"]
+    return [(op, node) for m, op, node in allocating_calls(graph)
+            if m.meta.get(META_KEY) == name and graph.nodes[node].phase != "backward"]
 
 
 class _Matcher:
@@ -79,10 +67,10 @@ class _Matcher:
         self.ops, self.saved, self.at = ops, saved, 0
 
     def decide(self, func: Any) -> CheckpointPolicy:
-        if _is_view(func) or self.at >= len(self.ops):
+        if is_view(func) or self.at >= len(self.ops):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        name = _name(func)
-        ahead = [_name(op) for op, _ in self.ops[self.at:self.at + LOOKAHEAD + len(_EXPANDS.get(name, ()))]]
+        name = op_name(func)
+        ahead = [op_name(op) for op, _ in self.ops[self.at:self.at + LOOKAHEAD + len(_EXPANDS.get(name, ()))]]
         chain = _EXPANDS.get(name, (name,))
         hit = next((i for i in range(len(ahead)) if tuple(ahead[i:i + len(chain)]) == chain), None)
         if hit is None:                                  # decomposed differently: part of the next graph op

@@ -153,14 +153,20 @@ class Regions:
     def trigger(self, name: str) -> int | None:
         """Where region `name`'s recomputation runs: before its first backward node, or before the first op
         of the autograd Node that runs it (a Node unpacks its saved tensors as it starts); None: no backward."""
-        order = list(self.order)
-        at = next((i for i, n in enumerate(order) if n in self.backward and name in self.owners[n]), None)
-        if at is None:
-            return None
-        label = self.autograd[order[at]] if self.autograd else None
-        while label is not None and at > 0 and order[at - 1] in self.backward and self.autograd[order[at - 1]] == label:
-            at -= 1
-        return order[at]
+        return self._triggers.get(name)
+
+    @cached_property
+    def _triggers(self) -> dict[str, int]:
+        order, found = list(self.order), {}
+        for i, node in enumerate(order):
+            for name in self.owners.get(node, ()) if node in self.backward else ():
+                if name not in found:
+                    at, label = i, self.autograd[node] if self.autograd else None
+                    while label is not None and at > 0 and order[at - 1] in self.backward \
+                            and self.autograd[order[at - 1]] == label:
+                        at -= 1
+                    found[name] = order[at]
+        return found
 
     def recomputed(self, name: str, saved: Sequence[int] | frozenset[int]) -> list[int]:
         """The nodes region `name` reruns before its backward when it saves `saved`."""

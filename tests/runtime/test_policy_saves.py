@@ -13,7 +13,6 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import runtime
@@ -25,6 +24,7 @@ from tasks.solve import solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
 from tasks.solve.core.solution import checked_solution
+from tests.runtime.projection_net import Net
 
 A, B, C, D, LOSS, GRAD = range(6)
 
@@ -73,31 +73,6 @@ def test_an_autograd_nodes_last_op_reads_what_its_earlier_ops_read_from_outside_
     assert held_reads(phases, inputs, outputs, (None, 7, 7, 8, None)) == [(), (0,), (1, 0), (2, 0), (3,)]
     assert held_reads(phases, ((), (0,), (1,), (2,), (3,)), outputs, (None, 7, 7, 7, None)) == \
         [(), (0,), (1,), (2, 0), (3,)]                   # 0 held to the Node's end; 1, 2 made inside it
-
-
-class Block(nn.Module):
-    """A projection whose output only recomputed ops read (the backward of `* 0.5` reads nothing of it),
-    as a query projection before rotary embeddings. Sin's backward is two ops (cos, mul) autograd runs as
-    one Node, holding sin's input through both (runtime/autograd_nodes.py)."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.inp, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.out(torch.sin(self.inp(x) * 0.5))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 32):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 class _CountMatmuls(TorchDispatchMode):

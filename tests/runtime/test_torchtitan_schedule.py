@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import runtime
 from runtime.policy_form import Regions
@@ -17,6 +16,7 @@ from tasks.solve import solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
 from tasks.solve.core.solution import SolveOptions
+from tests.runtime.projection_net import Net
 
 
 def _bench_peers():
@@ -32,30 +32,6 @@ _PEERS = _bench_peers()
 torchtitan_schedule, torchtitan_solution = _PEERS.torchtitan_schedule, _PEERS.torchtitan_solution
 
 MATMUL = ("aten.addmm.default", "aten.mm.default")
-
-
-class Block(nn.Module):
-    """A projection whose output only the next (recomputed) ops read, as a query projection before rotary:
-    the backward of `* 0.5` does not read it, so only torchtitan's policy saves it."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.inp, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.out(torch.sin(self.inp(x) * 0.5))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = 32):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def captured():
