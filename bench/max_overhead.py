@@ -1,4 +1,4 @@
-"""Plans by overhead, measured: each solver's max_overhead plan against a budget sweep of that solver.
+"""Plans by overhead, measured: each solver's published max_overhead plan against a budget sweep of that solver.
 
 All of a solver's plans are validated side by side in shared timing rounds, as the pipeline validates.
 
@@ -9,7 +9,10 @@ For each model of `--config` (at its batch sizes) the pipeline's stage functions
 profile it with the file's [profile] settings (`tasks.profile`, into a temporary store), measure the eager
 reference (`tasks.reference`) and, for each solver (default: those of the file's [[plans]] that give
 `max_overhead`, with that plan entry's settings, e.g. acg's `addresses`), solve with `tasks.solve_stage.solve_case`:
-- `ovh`: the plan at `max_overhead = --max-overhead`, exactly the pipeline's cell;
+- `ovh`: the plan the pipeline publishes at `max_overhead = --max-overhead`: the cell's predicted choice, then the
+  walk along its ladder by measured overhead against the no-recomputation plan (`tasks.overhead_refine.refine`,
+  each step one `validate_plans` call, as flows/refine.py validates them); `predicted`: the predicted choice,
+  shown where the walk published another rung;
 - `sweep`: `--budgets` fixed budgets spread evenly from the checkpoint-all peak down to the least budget the
   solver finds a schedule at (bisection to 0.5%), duplicates of one schedule dropped;
 - `none`: the checkpoint-all plan (no recomputation), the reference point of the predicted overhead, and the
@@ -47,6 +50,7 @@ from runtime.graph import OpGraph
 from runtime.plan import Plan
 from tasks.config import Budget, ModelConfig, PipelineConfig, PlanConfig, PlanSettings, load_config
 from tasks.models import build_batch, build_loss, build_model, resolve_device
+from tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
 from tasks.problems import load_problem
 from tasks.profile import ProfileSettings, profile_graph
 from tasks.records import Referenced, Solved, Validated
@@ -144,7 +148,11 @@ def solver_rows(spec: ModelConfig, batch: int, entry: PlanConfig, graph_path: st
 
     cells = [solved_at("none", "checkpoint-all", Budget(fraction=1.0), PlanSettings())]
     top = cells[0][1].checkpoint_all_peak_bytes
-    cells.append(solved_at("ovh", entry.solver, Budget(max_overhead=limit), settings))
+    predicted = solved_at("ovh", entry.solver, Budget(max_overhead=limit), settings)[1]
+    walked = walk(predicted, limit, spec, batch, graph, device, reference, config)
+    if walked.plan_id != predicted.plan_id:
+        cells.append(("predicted", predicted))
+    cells.append(("ovh", walked))
     sweep = [int(top - (top - least) * i / max(1, count - 1)) for i in range(count)]
     cells += [solved_at("sweep", entry.solver, Budget(bytes=budget), settings, i) for i, budget in enumerate(sweep)]
     plans, schedules = [], set()
@@ -162,6 +170,34 @@ def solver_rows(spec: ModelConfig, batch: int, entry: PlanConfig, graph_path: st
                                  reference, graph)
     against_none = overheads_against_first([p for _, _, p in plans], spec, batch, device, config, graph)
     return [Row(kind, solved, v, o) for (kind, solved, _), v, o in zip(plans, validations, against_none)]
+
+
+def walk(solved: Solved, limit: float, spec: ModelConfig, batch: int, graph: OpGraph, device: str,
+         reference: Referenced, config: PipelineConfig) -> Solved:
+    """The cell's published rung: its ladder walked by overhead measured against its no-recomputation plan,
+    each step one `validate_plans` call with the [validate] settings (flows/refine.py's walk). Prints the walk."""
+    if not solved.feasible:
+        return solved
+    baseline = Plan.load(solved.no_recompute_path)
+
+    def validated(rungs: list[int]) -> list[float | None]:
+        plans = [Plan.load(solved.candidates[i].plan_path) for i in rungs]
+        results = validate_plans(plans, spec, batch, device, config.seed, config.validation, reference, graph,
+                                 no_recompute=[baseline] * len(plans))
+        return [v.limited_overhead() if v.passed else None for v in results]
+
+    ladder = [Rung(c.predicted_overhead) for c in solved.candidates]
+    start = predicted_choice(ladder, limit)
+    (index, within, measured), = refine([(ladder, limit)], validated([start]),
+                                        lambda wanted: validated([i for _, i in wanted]))
+    steps = ", ".join(f"{solved.candidates[i].predicted_peak_bytes / 1e6:.2f} MB predicted "
+                      f"{solved.candidates[i].predicted_overhead:+.1%} measured "
+                      f"{'failed' if m is None else f'{m:+.1%}'}" for i, m in sorted(measured.items()))
+    print(f"{spec.name} {solved.solver}: walk published rung {index} (predicted choice {start}, "
+          f"{'within' if within else 'NOT within'}): {steps}", flush=True)
+    if index is None or index == start:
+        return solved
+    return with_rung(solved, solved.candidates[index])
 
 
 def overheads_against_first(plans: list[Plan], spec: ModelConfig, batch_size: int, device: str,
@@ -215,7 +251,7 @@ def report(console: Console, title: str, groups: dict[str, list[Row]], limit: fl
                           str(r.vs_none), "yes" if v.passed else "NO")
         ovh = next((r for r in rows if r.kind == "ovh"), None)
         for baseline in ("eager", "none"):
-            within = [r for r in rows if r.kind != "ovh" and r.at(limit, baseline)]
+            within = [r for r in rows if r.kind in ("none", "sweep") and r.at(limit, baseline)]
             best = min(within, key=lambda r: r.validated.measured_peak_bytes, default=None)
             if ovh is None or best is None:
                 verdicts.add_row(solver, baseline, "no plan" if ovh is None else "", "",

@@ -6,6 +6,7 @@ is the entry point the CLI and tests use."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any, Iterator
 from prefect import flow, unmapped
 
 from flows.preflight import check_locations
+from flows.refine import PlanToValidate, measured_choices
 from flows.report import Outcome, create_artifacts
 from flows.steps import (forget_captured, profile_step, publish_step, reference_step, solve_step, trace_step,
                          validate_step)
@@ -88,8 +90,10 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             floors = least_known_budgets(cases, solutions)
             validations = _validate_cells(cases, solutions, config, device, references, rerun, runner)
+            solutions, validations, walks = measured_choices(cases, solutions, validations, functools.partial(
+                validate_groups, config=config, device=device, references=references, rerun=rerun, runner=runner))
             outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_graph(case)),
-                                      references[_cell(case)].peak_bytes)
+                                      references[_cell(case)].peak_bytes, walks.get(case.alias, ""))
                         for case, s in zip(cases, solutions)]
     finally:
         forget_captured(traced)
@@ -192,19 +196,31 @@ def _validate_cells(cases: list[Case], solutions: list[Solved], config: Pipeline
     for case, solved in zip(cases, solutions):
         if solved.feasible:
             groups.setdefault(_cell(case), []).append((case, solved))
+    validate = functools.partial(validate_groups, config=config, device=device, references=references, rerun=rerun,
+                                 runner=runner)
+    results = validate({cell: [(case.model, PlanToValidate.of(s)) for case, s in group]
+                        for cell, group in groups.items()})
+    return {case.alias: validation for cell, group in groups.items()
+            for (case, _), validation in zip(group, results[cell])}
+
+
+def validate_groups(groups: dict[tuple[str, int], list[tuple[ModelConfig, PlanToValidate]]], config: PipelineConfig,
+                    device: str, references: References, rerun: dict[str, Any],
+                    runner: Any) -> dict[tuple[str, int], list[Validated]]:
+    """One `validate_step` per model and batch size of `groups`, its plans timed in shared rounds (beside their
+    no-recomputation plans), on the task runner's workers when `runner` is given."""
     parameters = {
-        cell: dict(plan_paths=[s.plan_path for _, s in group], plan_ids=[s.plan_id for _, s in group],
-                   model=group[0][0].model, batch_size=group[0][0].batch_size, device=device, seed=config.seed,
-                   settings=config.validation, reference=references[cell], limit=memory_limit(config, device))
+        cell: dict(plan_paths=[p.plan_path for _, p in group], plan_ids=[p.plan_id for _, p in group],
+                   model=group[0][0], batch_size=cell[1], device=device, seed=config.seed,
+                   settings=config.validation, reference=references[cell], limit=memory_limit(config, device),
+                   no_recompute_paths=[p.no_recompute_path for _, p in group],
+                   no_recompute_ids=[p.no_recompute_id for _, p in group])
         for cell, group in groups.items()}
     validate = validate_step.with_options(**rerun)
     if runner is None:
-        results = {cell: validate(**p) for cell, p in parameters.items()}
-    else:
-        futures = {cell: runner.submit(validate, p) for cell, p in parameters.items()}
-        results = {cell: future.result() for cell, future in futures.items()}
-    return {case.alias: validation for cell, group in groups.items()
-            for (case, _), validation in zip(group, results[cell])}
+        return {cell: validate(**p) for cell, p in parameters.items()}
+    futures = {cell: runner.submit(validate, p) for cell, p in parameters.items()}
+    return {cell: future.result() for cell, future in futures.items()}
 
 
 @dataclass(frozen=True)
@@ -235,9 +251,10 @@ def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tupl
 
 
 def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation: Validated | None,
-                  floor: KnownFloor | None, eager_peak: int) -> Outcome:
+                  floor: KnownFloor | None, eager_peak: int, walk: str = "") -> Outcome:
     """Publish one cell's plan when its `validation` passed; `floor` is the least budget the run knows feasible
-    for the cell's model and batch size, `eager_peak` eager PyTorch's measured peak there."""
+    for the cell's model and batch size, `eager_peak` eager PyTorch's measured peak there, `walk` what the
+    measured walk of a `max_overhead` cell validated (flows/refine.py)."""
     if validation is None:                                  # no schedule: nothing was validated
         return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
                           least_feasible_bytes=None if floor is None else floor.bytes, eager_peak_bytes=eager_peak)
@@ -245,7 +262,7 @@ def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation
         return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
     published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,
                              case.batch_size, case.budget.label)
-    return Outcome.of(case, solved, validation, published)
+    return Outcome.of(case, solved, validation, published, message=walk)
 
 
 def infeasible_message(case: Case, solved: Solved, floor: KnownFloor | None = None) -> str:

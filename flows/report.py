@@ -19,7 +19,9 @@ MIB = 2**20
 class Outcome:
     """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget on this
     device; `least_feasible_bytes` is the least budget the run knows is feasible) or rejected (failed
-    validation); `message` says why for the last two. `arena_peak_bytes`: the measured peak in arena mode,
+    validation); `message` says why for the last two, and for a published `max_overhead` cell what its measured
+    walk validated (flows/refine.py). `overhead_vs_no_recompute`: the measured overhead the limit is about,
+    against the no-recomputation plan timed in the same rounds. `arena_peak_bytes`: the measured peak in arena mode,
     for plans with addresses. `reference`: the step validation compared the plan with (eager, or where eager
     does not fit `device_memory` the first that does, down to the host's: tasks/fitting_reference.py). `form`:
     how the plan runs, "executor" (`runtime.load`) or "policy" (`runtime.apply`, `LOADERS`)."""
@@ -38,6 +40,8 @@ class Outcome:
     predicted_overhead: float | None = None
     overhead: float | None = None
     overhead_interval: list[float] | None = None
+    overhead_vs_no_recompute: float | None = None
+    overhead_vs_no_recompute_interval: list[float] | None = None
     arena_peak_bytes: int | None = None
     plan_id: str | None = None
     least_feasible_bytes: int | None = None
@@ -64,6 +68,8 @@ class Outcome:
             return cls(**common, status="infeasible", least_feasible_bytes=known, eager_peak_bytes=eager_peak_bytes)
         measured = dict(measured_peak_bytes=validated.measured_peak_bytes, eager_peak_bytes=validated.eager_peak_bytes,
                         overhead=validated.overhead, overhead_interval=validated.overhead_interval,
+                        overhead_vs_no_recompute=validated.overhead_vs_no_recompute,
+                        overhead_vs_no_recompute_interval=validated.overhead_vs_no_recompute_interval,
                         arena_peak_bytes=validated.arena_peak_bytes, reference=validated.reference,
                         predicted_overhead=solved.objective / solved.checkpoint_all_cost - 1)
         if published is None:
@@ -128,15 +134,17 @@ def markdown_table(outcomes: list[Outcome]) -> str:
     predicted and measured peak, overhead, status."""
     lines = [
         "| plan | solver | form | budget | budget MiB | predicted peak MiB | measured peak MiB | eager peak MiB "
-        "| predicted overhead | measured overhead | status |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| predicted overhead | measured overhead | vs no recompute | status |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for o in outcomes:
-        status = o.status if o.status == "published" else f"{status_text(o)}: {o.message}"
+        status = f"{status_text(o)}: {o.message}" if o.message else o.status
         lines.append(
             f"| {o.alias} | {o.solver} | {o.form} | {o.budget} | {budget_text(o)} | {_mib(o.predicted_peak_bytes)} "
             f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "
-            f"| {overhead_text(o.overhead, o.overhead_interval)} | {status.replace('|', '/')} |"
+            f"| {overhead_text(o.overhead, o.overhead_interval)} "
+            f"| {overhead_text(o.overhead_vs_no_recompute, o.overhead_vs_no_recompute_interval)} "
+            f"| {status.replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"
 

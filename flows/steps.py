@@ -164,27 +164,33 @@ def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
         _existing(path, "solve")
     _existing(p["reference"].path, "reference")
     return content_key("validate", p["plan_ids"], p["model"].content_hash(p["batch_size"]), p["device"], p["seed"],
-                       p["settings"], p["reference"], p.get("limit"), _torch_version(), code_hash("validate"))
+                       p["settings"], p["reference"], p.get("limit"), p.get("no_recompute_ids"), _torch_version(),
+                       code_hash("validate"))
 
 
 @task(name="validate", cache_key_fn=_validate_key, task_run_name="validate {model.name} b{batch_size}",
       **PERSISTED, **HOOKS)
 def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig, batch_size: int, device: str,
                   seed: int, settings: ValidateConfig, reference: Referenced,
-                  limit: MemoryLimit | None = None) -> list[Validated]:
+                  limit: MemoryLimit | None = None, no_recompute_paths: list[str | None] | None = None,
+                  no_recompute_ids: list[str | None] | None = None) -> list[Validated]:
     """Run the plans of one model and batch size (solved as content addresses `plan_ids`) on `device`, check
     each against the cell's `reference` and time them against eager PyTorch in shared rounds
     (tasks/validate.py `validate_plans`), on the graphs this run's trace captured when this process holds them
     (the plans run without capturing the model again: the executor's graph, and `capture_eager`'s for plans
     in the policy form); under a device memory `limit` each plan's peak and the
-    resident bytes must fit it."""
+    resident bytes must fit it. `no_recompute_paths` (aligned with `plan_paths`, content addresses
+    `no_recompute_ids`): each plan's no-recomputation plan, timed in the same rounds, which a `max_overhead`
+    plan's overhead is measured against."""
     from runtime.plan import Plan
     from tasks.validate import validate_plans
 
     plans = [Plan.load(path) for path in plan_paths]
     graphs = {plan.form: captures.get(plan.fingerprint, plan.form) for plan in plans}
+    baselines = [None if path is None else Plan.load(_existing(path, "solve")) for path in no_recompute_paths or ()]
     validations = validate_plans(plans, model, batch_size, device, seed, settings, reference,
-                                 graph=graphs.get("executor"), limit=limit, eager_graph=graphs.get("policy"))
+                                 graph=graphs.get("executor"), limit=limit, eager_graph=graphs.get("policy"),
+                                 no_recompute=baselines or None)
     for path, solved, validation in zip(plan_paths, plan_ids, validations):
         if validation.plan_id != solved:
             raise RuntimeError(f"{path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "

@@ -78,8 +78,22 @@ class Referenced(Record):
     absent: list[str]
 
 
+class Candidate(Record):
+    """One rung of a `max_overhead` cell's ladder (tasks/overhead_refine.py): a schedule the budget search found,
+    written as a plan, with its budget, predicted peak and predicted overhead over the no-recomputation schedule."""
+
+    plan_path: str
+    plan_id: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_overhead: float
+
+
 class Solved(Record):
-    """A solver's answer for one matrix cell, with the numbers the report needs."""
+    """A solver's answer for one matrix cell, with the numbers the report needs. A `max_overhead` cell also
+    carries its `candidates` (the ladder, most memory first, the predicted choice among them) and the
+    no-recomputation plan its measured overhead is taken against (`no_recompute_path`, none in the policy
+    form, whose no-recomputation step is eager PyTorch's)."""
 
     solver: str
     status: str
@@ -100,6 +114,9 @@ class Solved(Record):
     plan_id: str | None
     profile_run_id: str | None
     max_overhead: float | None = None
+    candidates: list[Candidate] = []
+    no_recompute_path: str | None = None
+    no_recompute_id: str | None = None
 
 
 class Validated(Record):
@@ -128,6 +145,14 @@ class Validated(Record):
     timed_steps: int | None = None
     reference: str = "eager"               # the step compared with: eager, or per-block checkpoint under a limit
     limit_bytes: int | None = None         # the device memory limit the plan was checked against
+    no_recompute_step_ms: float | None = None       # with a no-recomputation plan timed in the same rounds:
+    overhead_vs_no_recompute: float | None = None   # the plan's overhead against it (median of per-round ratios)
+    overhead_vs_no_recompute_interval: list[float] | None = None
+
+    def limited_overhead(self) -> float:
+        """The overhead a `max_overhead` limit is judged on: against the no-recomputation plan where it was
+        timed, else against the reference step."""
+        return self.overhead if self.overhead_vs_no_recompute is None else self.overhead_vs_no_recompute
 
     def explain(self, name: str, shown: int = 3) -> str:
         """One paragraph saying why plan `name` failed (the first `shown` reasons)."""

@@ -17,7 +17,8 @@ from runtime.graph import backend
 from runtime.plan import Plan, graph_provenance, plan_id
 from tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
-from tasks.records import Solved
+from tasks.overhead_refine import Rung, written_rungs
+from tasks.records import Candidate, Solved
 from tasks.solve import SOLVERS, solve
 from tasks.solve.core.addresses import greedy_addresses
 from tasks.solve.core.ddp import under_ddp
@@ -41,13 +42,20 @@ def solve_loaded(loaded: LoadedProblem, solver: str, budget: Budget, options: So
         solution = least_memory_within(problem, solver, budget.max_overhead, eager, options)
     else:
         solution = solve(problem, solver, budget.resolve(eager.peak_bytes), options)
-    if addresses != "none" and solution.feasible:              # addresses leave the live peak as it is
-        steps = in_place_steps(loaded, solution.schedule)
-        placed = greedy_addresses(problem, solution.simulation, steps) if addresses == "greedy" else \
-            olla_addresses(problem, solution.simulation, steps, time_limit=options.time_limit, gap=options.gap,
-                           backend=options.backend, threads=options.threads).addresses
-        solution = replace(solution, simulation=simulate(problem, solution.schedule, placed), addresses=placed)
-    return solution, eager
+    return place_addresses(loaded, solution, options, addresses), eager
+
+
+def place_addresses(loaded: LoadedProblem, solution: Solution, options: SolveOptions,
+                    addresses: Addresses = "none") -> Solution:
+    """`solution` with its copies placed in an arena by `addresses` ("none": as it is); the live peak stays."""
+    if addresses == "none" or not solution.feasible:
+        return solution
+    problem = loaded.problem
+    steps = in_place_steps(loaded, solution.schedule)
+    placed = greedy_addresses(problem, solution.simulation, steps) if addresses == "greedy" else \
+        olla_addresses(problem, solution.simulation, steps, time_limit=options.time_limit, gap=options.gap,
+                       backend=options.backend, threads=options.threads).addresses
+    return replace(solution, simulation=simulate(problem, solution.schedule, placed), addresses=placed)
 
 
 @dataclass(frozen=True)
@@ -104,20 +112,27 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
                                                  foreach))
     if settings.ddp_bucket_mb is not None:
         loaded = replace(loaded, problem=under_ddp(loaded.problem, loaded.graph.gradient_updates(), settings.ddp_bucket_mb))
-    solution, eager = solve_loaded(loaded, solver, budget, settings.solve_options(), settings.addresses)
+    options = settings.solve_options()
+    candidates, baseline = [], None
+    if budget.max_overhead is not None:
+        eager = simulate(loaded.problem, default_schedule(loaded.problem))
+        ladder = overhead_ladder(loaded.problem, solver, budget.max_overhead, eager, options)
+        solution = place_addresses(loaded, ladder.chosen, options, settings.addresses)
+    else:
+        solution, eager = solve_loaded(loaded, solver, budget, options, settings.addresses)
     problem = loaded.problem
     lower = solution.min_budget_lower_bound or min_budget_lower_bound(problem)
     smallest = None
     if solution.feasible:
         plan = plan_of(loaded, solution, device)
-        if budget.max_overhead is not None:
-            plan.provenance["max_overhead"] = budget.max_overhead
-        if settings.optimizer != "none":
-            plan.provenance["optimizer_in_step"] = settings.optimizer
-        if settings.ddp_bucket_mb is not None:
-            plan.provenance["ddp_bucket_mb"] = settings.ddp_bucket_mb
-        _record_form(plan, settings.form)
+        _annotate(plan, budget, settings)
         plan.save(plan_path)
+        if budget.max_overhead is not None:
+            candidates = _candidates(loaded, ladder, eager, budget, settings, device, plan_path, plan)
+            if settings.form != "policy":      # the policy form's no-recomputation step is eager PyTorch's
+                baseline = plan_of(loaded, solve(problem, "checkpoint-all", eager.peak_bytes), device)
+                _annotate(baseline, Budget(fraction=1.0), settings)
+                baseline.save(_sibling(plan_path, "no-recompute"))
     elif eager.peak_bytes > solution.budget_bytes:
         probes = (solver,) if settings.form == "policy" else PROBES     # the policy form's own floor
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes, probes=probes)
@@ -141,7 +156,49 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         plan_id=plan_id(plan) if solution.feasible else None,
         profile_run_id=loaded.profile_run_id,
         max_overhead=budget.max_overhead,
+        candidates=candidates,
+        no_recompute_path=None if baseline is None else _sibling(plan_path, "no-recompute"),
+        no_recompute_id=None if baseline is None else plan_id(baseline),
     )
+
+
+def _annotate(plan: Plan, budget: Budget, settings: PlanSettings) -> None:
+    """Record the cell's overhead limit, optimizer inside the step, DDP buckets and form in the plan's provenance."""
+    if budget.max_overhead is not None:
+        plan.provenance["max_overhead"] = budget.max_overhead
+    if settings.optimizer != "none":
+        plan.provenance["optimizer_in_step"] = settings.optimizer
+    if settings.ddp_bucket_mb is not None:
+        plan.provenance["ddp_bucket_mb"] = settings.ddp_bucket_mb
+    _record_form(plan, settings.form)
+
+
+def _sibling(plan_path: str, name: str) -> str:
+    """A plan file beside `plan_path`: `<stem>-<name>.json`."""
+    path = Path(plan_path)
+    return str(path.with_name(f"{path.stem}-{name}.json"))
+
+
+def _candidates(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budget: Budget, settings: PlanSettings,
+                device: str, plan_path: str, chosen: Plan) -> list[Candidate]:
+    """The rungs of `ladder` a measured walk can reach (`written_rungs`), each written as a plan beside
+    `plan_path` (the predicted choice's own, `chosen`), most memory first."""
+    rungs = [Rung(s.objective / eager.compute_cost - 1) for s in ladder.rungs]
+    candidates = []
+    for index in written_rungs(rungs, budget.max_overhead):
+        solution = ladder.rungs[index]
+        if solution is ladder.chosen:
+            path, plan = plan_path, chosen
+        else:
+            plan = plan_of(loaded, place_addresses(loaded, solution, settings.solve_options(), settings.addresses),
+                           device)
+            _annotate(plan, budget, settings)
+            path = _sibling(plan_path, f"rung{index}")
+            plan.save(path)
+        candidates.append(Candidate(plan_path=path, plan_id=plan_id(plan), budget_bytes=solution.budget_bytes,
+                                    predicted_peak_bytes=solution.predicted_peak_bytes,
+                                    predicted_overhead=rungs[index].predicted_overhead))
+    return candidates
 
 
 def _record_form(plan: Plan, form: PlanForm) -> None:
@@ -186,28 +243,51 @@ def bisect_budget(rejected: int, accepted: int, probe: Callable[[int], int | Non
     return accepted
 
 
-def least_memory_within(problem: Problem, solver: str, max_overhead: float, eager: Simulation,
-                        options: SolveOptions | None = None, rel_tol: float = 0.005) -> Solution:
+@dataclass(frozen=True)
+class Ladder:
+    """What a `max_overhead` search found: `chosen`, the least-peak schedule predicted within the limit (or a
+    Solution without a schedule saying why there is none), and `rungs`, the schedules it solved on the way that
+    no other beats on both peak and predicted cost, most memory first (`chosen` among them):
+    tasks/overhead_refine.py walks them by measured overhead."""
+
+    chosen: Solution
+    rungs: list[Solution]
+
+
+def overhead_ladder(problem: Problem, solver: str, max_overhead: float, eager: Simulation,
+                    options: SolveOptions | None = None, rel_tol: float = 0.005) -> Ladder:
     """The least-peak schedule `solver` finds whose predicted cost is at most (1 + `max_overhead`) x the cost of
     `eager`, the checkpoint-all simulation: bisection (`bisect_budget`, within `rel_tol`) on the budget
-    between the lower bound `min_budget_lower_bound` and the checkpoint-all peak. When even its schedule at
-    the checkpoint-all peak costs more, the Solution has no schedule and says so."""
+    between the lower bound `min_budget_lower_bound` and the checkpoint-all peak; and the ladder of every
+    schedule the bisection solved (those above the limit included). When even its schedule at the
+    checkpoint-all peak costs more, the chosen Solution has no schedule and says so."""
     limit = (1 + max_overhead) * eager.compute_cost * (1 + 1e-12)      # float sums of the same costs
-    within: dict[int, Solution] = {}
+    seen: dict[int, Solution] = {}
 
     def probe(budget: int, solution: Solution | None = None) -> int | None:
         solution = solution or solve(problem, solver, budget, options)
-        if not solution.feasible or solution.objective > limit:
+        if not solution.feasible:
             return None
-        within.setdefault(solution.predicted_peak_bytes, solution)
-        return solution.predicted_peak_bytes
+        seen.setdefault(solution.predicted_peak_bytes, solution)
+        return solution.predicted_peak_bytes if solution.objective <= limit else None
 
     at_top = solve(problem, solver, eager.peak_bytes, options)
     top = probe(eager.peak_bytes, at_top)
     if top is None:
         found = (f"its schedule there costs {at_top.objective / eager.compute_cost - 1:+.1%}" if at_top.feasible
                  else f"it finds no schedule there ({at_top.status})")
-        return Solution(solver, eager.peak_bytes, "no_solution", message=(
-            f"no schedule within +{max_overhead:.0%} predicted overhead: even at the checkpoint-all peak {found}"))
+        return Ladder(Solution(solver, eager.peak_bytes, "no_solution", message=(
+            f"no schedule within +{max_overhead:.0%} predicted overhead: even at the checkpoint-all peak {found}")), [])
     lower = min_budget_lower_bound(problem)
-    return within[bisect_budget(min(lower, top) - 1, top, probe, rel_tol)]
+    chosen = seen[bisect_budget(min(lower, top) - 1, top, probe, rel_tol)]
+    front: list[Solution] = []
+    for peak in sorted(seen):                # least peak first: keep a rung only if it costs less than all below
+        if not front or seen[peak].objective < front[-1].objective:
+            front.append(seen[peak])
+    return Ladder(chosen, front[::-1])
+
+
+def least_memory_within(problem: Problem, solver: str, max_overhead: float, eager: Simulation,
+                        options: SolveOptions | None = None, rel_tol: float = 0.005) -> Solution:
+    """The predicted choice of `overhead_ladder`: the least-peak schedule predicted within the limit."""
+    return overhead_ladder(problem, solver, max_overhead, eager, options, rel_tol).chosen

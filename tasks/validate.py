@@ -163,7 +163,7 @@ def validate_alone(
 def validate_plans(
     plans: Sequence[Plan], spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
-    eager_graph: OpGraph | None = None,
+    eager_graph: OpGraph | None = None, no_recompute: Sequence[Plan | None] | None = None,
 ) -> list[Validated]:
     """`validate_plan` for several plans of one model and batch size at once: each is checked against
     `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
@@ -172,7 +172,9 @@ def validate_plans(
     `eager_graph` the policy-form plans' (`runtime.policy.capture_eager`'s; a `graph` whose meta says
     `capture = "eager"` is taken as that); without `graph`, executor plans of
     one graph and rewrite selection share one capture of the model, and without `eager_graph` the policy-form
-    plans share one eager capture."""
+    plans share one eager capture. `no_recompute` (aligned with `plans`): each plan's no-recomputation plan
+    (None: none), timed in the same rounds (each distinct one once), against which a plan's
+    `overhead_vs_no_recompute` is measured as its overhead is against the reference step."""
     check_reference(reference, spec, batch_size, device, seed)
     in_step = {plan.provenance.get("optimizer_in_step") for plan in plans} - {None}
     if in_step - {reference.optimizer}:
@@ -201,10 +203,15 @@ def validate_plans(
         eager_graph = capture_eager(copy.deepcopy(base), loss_fn, batch)
     measured = [_first_run(plan, base, loss_fn, batch, device, seed, eager_graph if plan.form == POLICY else graph,
                            runs) for plan in plans]
+    baselines: dict[str, int] = {}                   # no-recomputation plan id -> its timed run
+    for other in {plan_id(p): p for p in no_recompute or () if p is not None}.values():
+        baselines[plan_id(other)] = _first_run(other, base, loss_fn, batch, device, seed, graph, runs).index
+    against = [None if p is None else baselines[plan_id(p)] for p in no_recompute or [None] * len(plans)]
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
     resident = None if limit is None else limit.module_resident_bytes(base, batch)
-    return [_verdict(run, expected, times, reference, settings, tolerance, limit, resident) for run in measured]
+    return [_verdict(run, expected, times, reference, settings, tolerance, limit, resident, baseline)
+            for run, baseline in zip(measured, against)]
 
 
 def _baseline(reference: Referenced, base: nn.Module, loss_fn: Callable[..., torch.Tensor],
@@ -295,10 +302,11 @@ class _PlanRun:
 
 def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], reference: Referenced,
              settings: ValidateConfig, tolerance: tuple[float, float], limit: MemoryLimit | None,
-             resident: int | None) -> Validated:
+             resident: int | None, no_recompute: int | None = None) -> Validated:
     """The `Validated` record of one plan's run: its state against the reference's (parameters instead of
     gradients for a plan updating inside the step), its peak against its budget and the device memory limit,
-    its step times against its baseline's in the same rounds."""
+    its step times against its baseline's in the same rounds, and against those of the run `no_recompute`
+    (its no-recomputation plan) where given."""
     plan = run.plan
     compared_kinds = ("loss", "param", "buffer") if run.baseline else ("loss", "grad", "buffer")
     expected = {k: v for k, v in cell_state.items() if k.split(":")[0] in compared_kinds}
@@ -306,14 +314,20 @@ def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], referen
     interval = median_interval(ratios)
     rtol, atol = tolerance
     problems, worst, compared = compare_tensors(expected, run.state, rtol, atol)
-    arena = {}
+    optional = {}                                  # arena mode's and the no-recomputation plan's
     if run.arena is not None:
         mismatches, arena_worst, _ = compare_tensors(expected, run.arena.state, rtol, atol)
         problems += [f"arena mode: {m}" for m in mismatches]
         worst = max(worst, arena_worst)
-        arena = dict(arena_peak_bytes=int(run.arena.peak_bytes),
-                     arena_step_ms=statistics.median(times[run.arena.index]),
-                     arena_bytes_not_placed=run.arena.bytes_not_placed)
+        optional = dict(arena_peak_bytes=int(run.arena.peak_bytes),
+                        arena_step_ms=statistics.median(times[run.arena.index]),
+                        arena_bytes_not_placed=run.arena.bytes_not_placed)
+    if no_recompute is not None:
+        against = [p / n for p, n in zip(times[run.index], times[no_recompute])]
+        span = median_interval(against)
+        optional |= dict(no_recompute_step_ms=statistics.median(times[no_recompute]),
+                         overhead_vs_no_recompute=statistics.median(against) - 1,
+                         overhead_vs_no_recompute_interval=None if span is None else [span[0] - 1, span[1] - 1])
     budget = plan.provenance.get("budget_bytes")
     if budget is None:
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
@@ -346,7 +360,7 @@ def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], referen
         tensors_compared=compared,
         reference=reference.kind,
         limit_bytes=None if limit is None else limit.limit_bytes,
-        **arena,
+        **optional,
     )
 
 

@@ -73,13 +73,16 @@ def outcome_table(outcomes: list[dict[str, Any]]):
     mib = 2**20
     width = max((len(o["alias"]) for o in outcomes), default=4)
     table = Table(Column("plan", no_wrap=True, min_width=width), "form", "budget MiB", "predicted peak MiB",
-                  "measured peak MiB", "eager peak MiB", "overhead", "status", title="memplan plans")
+                  "measured peak MiB", "eager peak MiB", "overhead", "vs no recompute", "status",
+                  title="memplan plans")
     for o in outcomes:
         def size(key: str) -> str:
             return "" if o[key] is None else f"{o[key] / mib:.1f}"
 
         overhead = overhead_text(o["overhead"], o.get("overhead_interval"))
+        limited = overhead_text(o.get("overhead_vs_no_recompute"), o.get("overhead_vs_no_recompute_interval"))
         style = "green" if o["status"] == "published" else "red"
         table.add_row(o["alias"], o["form"], size("budget_bytes"), size("predicted_peak_bytes"),
-                      size("measured_peak_bytes"), size("eager_peak_bytes"), overhead, f"[{style}]{status_text(Outcome(**o))}[/{style}]")
+                      size("measured_peak_bytes"), size("eager_peak_bytes"), overhead, limited,
+                      f"[{style}]{status_text(Outcome(**o))}[/{style}]")
     return table

@@ -17,7 +17,7 @@ def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
     lines = markdown_table([PUBLISHED, REJECTED]).splitlines()
     assert len(lines) == 4
     assert lines[2] == ("| m-b8-checkmate-90pct | checkmate | executor | 90pct | 90.0 (90% of eager) | 80.0 | 81.0 | 100.0 | +10% "
-                        "| not measurable here (under 6 rounds) | published |")
+                        "| not measurable here (under 6 rounds) |  | published |")
     assert lines[3].endswith("| rejected: plan m-b8-chen-90pct failed validation on cpu: loss differs / badly. |")
 
 
@@ -34,7 +34,16 @@ def test_an_overhead_with_its_interval_shows_the_larger_half_of_it():
     from dataclasses import replace
 
     measured = replace(PUBLISHED, overhead_interval=[0.10, 0.16])
-    assert markdown_table([measured]).splitlines()[2].endswith("| +10% | +12% ±4% | published |")
+    assert markdown_table([measured]).splitlines()[2].endswith("| +10% | +12% ±4% |  | published |")
+
+
+def test_a_max_overhead_plan_shows_its_overhead_against_no_recomputation_and_its_walk():
+    from dataclasses import replace
+
+    walked = replace(PUBLISHED, overhead_interval=[0.10, 0.16], overhead_vs_no_recompute=0.05,
+                     overhead_vs_no_recompute_interval=[0.03, 0.08], message="measured walk: published the predicted choice")
+    assert markdown_table([walked]).splitlines()[2].endswith(
+        "| +12% ±4% | +5% ±3% | published: measured walk: published the predicted choice |")
 
 
 def test_plot_is_a_png(tmp_path):
