@@ -1,5 +1,6 @@
 """The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
-batch size) -> solve (mapped over the matrix) -> validate -> publish, plus the run's artifacts. Plans in the
+batch size) -> solve (mapped over the matrix) -> validate (and, for `max_overhead` cells, the walk along the
+search's ladder by measured overhead: flows/refine.py) -> publish, plus the run's artifacts. Plans in the
 policy form are solved on the step as eager PyTorch runs it (`runtime.policy.capture_eager`), which the trace
 and profile stages capture and measure too for their models; the others on the executor's graph. `run_plan`
 is the entry point the CLI and tests use."""
@@ -16,7 +17,7 @@ from typing import Any, Iterator
 from prefect import flow, unmapped
 
 from flows.preflight import check_locations
-from flows.refine import PlanToValidate, measured_choices
+from flows.refine import PlanToValidate, Validate, measured_choices
 from flows.report import Outcome, create_artifacts
 from flows.steps import (forget_captured, profile_step, publish_step, reference_step, solve_step, trace_step,
                          validate_step)
@@ -89,9 +90,10 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
             solutions = [future.result() for future in solved]   # no solver competes with the timed steps
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
             floors = least_known_budgets(cases, solutions)
-            validations = _validate_cells(cases, solutions, config, device, references, rerun, runner)
-            solutions, validations, walks = measured_choices(cases, solutions, validations, functools.partial(
-                validate_groups, config=config, device=device, references=references, rerun=rerun, runner=runner))
+            validate = functools.partial(validate_groups, config=config, device=device, references=references,
+                                         rerun=rerun, runner=runner)
+            validations = _validate_cells(cases, solutions, validate)
+            solutions, validations, walks = measured_choices(cases, solutions, validations, validate)
             outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_graph(case)),
                                       references[_cell(case)].peak_bytes, walks.get(case.alias, ""))
                         for case, s in zip(cases, solutions)]
@@ -187,17 +189,13 @@ def _graph(case: Case) -> tuple[str, int, PlanForm]:
     return case.model.name, case.batch_size, case.plan.plan_form
 
 
-def _validate_cells(cases: list[Case], solutions: list[Solved], config: PipelineConfig, device: str,
-                    references: References, rerun: dict[str, Any], runner: Any) -> dict[str, Validated]:
-    """The validation of every feasible plan, by alias: one `validate_step` per model and batch size, its plans
-    timed in shared rounds (on the task runner's workers, one cell each, when `runner` is given; else one
-    cell after another in this process)."""
+def _validate_cells(cases: list[Case], solutions: list[Solved], validate: Validate) -> dict[str, Validated]:
+    """The validation of every feasible plan, by alias: `validate` (`validate_groups`) runs one `validate_step`
+    per model and batch size, its plans timed in shared rounds."""
     groups: dict[tuple[str, int], list[tuple[Case, Solved]]] = {}
     for case, solved in zip(cases, solutions):
         if solved.feasible:
             groups.setdefault(_cell(case), []).append((case, solved))
-    validate = functools.partial(validate_groups, config=config, device=device, references=references, rerun=rerun,
-                                 runner=runner)
     results = validate({cell: [(case.model, PlanToValidate.of(s)) for case, s in group]
                         for cell, group in groups.items()})
     return {case.alias: validation for cell, group in groups.items()
@@ -208,7 +206,8 @@ def validate_groups(groups: dict[tuple[str, int], list[tuple[ModelConfig, PlanTo
                     device: str, references: References, rerun: dict[str, Any],
                     runner: Any) -> dict[tuple[str, int], list[Validated]]:
     """One `validate_step` per model and batch size of `groups`, its plans timed in shared rounds (beside their
-    no-recomputation plans), on the task runner's workers when `runner` is given."""
+    no-recomputation plans): on the task runner's workers, one cell each, when `runner` is given; else one cell
+    after another in this process."""
     parameters = {
         cell: dict(plan_paths=[p.plan_path for _, p in group], plan_ids=[p.plan_id for _, p in group],
                    model=group[0][0], batch_size=cell[1], device=device, seed=config.seed,

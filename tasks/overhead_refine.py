@@ -48,7 +48,7 @@ class Rung:
 
 def predicted_choice(rungs: Sequence[Rung], limit: float) -> int:
     """The least-memory rung predicted within `limit` (the ladder's last such)."""
-    within = [i for i, rung in enumerate(rungs) if rung.predicted_overhead <= limit + 1e-12]
+    within = [i for i, rung in enumerate(rungs) if rung.predicted_overhead <= limit + 1e-9]
     if not within:
         raise ValueError(f"no rung of the ladder is predicted within +{limit:.1%}")
     return within[-1]

@@ -19,7 +19,9 @@ What counts:
   whole round slows both sides of its ratio. After `steps` rounds, timing goes on, up to `max_steps`
   rounds, until the 95% interval of that median (`median_interval`) lies within +-`overhead_precision`
   for every plan; the interval (none below 6 rounds) and the rounds are recorded. `validate_plans` times
-  several plans of one cell in the same rounds (one eager step per round for all of them);
+  several plans of one cell in the same rounds (one eager step per round for all of them), and with
+  `no_recompute` each plan's no-recomputation plan too (each distinct one once per round), against which a
+  `max_overhead` plan's overhead is measured the same way (`overhead_vs_no_recompute`, its interval);
 - the optimizer inside the step, for a plan with `provenance.optimizer_in_step` (`tasks.solve.core.optimizer`):
   the reference also holds the parameters after that optimizer's update (`tasks.reference`), the plan runs
   `runtime.load(..., optimizer=opt)`, and its parameters after the step are compared instead of the gradients
