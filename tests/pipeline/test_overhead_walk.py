@@ -16,7 +16,7 @@ device = "cpu"
 
 [[models]]
 name = "mlp"
-factory = "tinynet:mlp"
+factory = "walknet:mlp"
 batch_sizes = [512]
 inputs = [{ shape = [64] }, { shape = [], dtype = "int64", high = 4 }]
 
@@ -34,7 +34,7 @@ max_steps = 6
 warmup = 1
 '''
 
-TINYNET = '''
+WALKNET = '''
 from torch import nn
 
 
@@ -55,7 +55,7 @@ def walked(tmp_path_factory, harness):
     from flows.plan import run_plan
 
     folder = tmp_path_factory.mktemp("walk")
-    (folder / "tinynet.py").write_text(TINYNET)
+    (folder / "walknet.py").write_text(WALKNET)
     (folder / "pipeline.toml").write_text(PIPELINE)
     seen: dict[str, list] = {"solved": [], "walks": []}
     real_load, real_solve, real_refine = (tasks.solve_stage.load_problem, tasks.solve_stage.solve_case,
