@@ -60,7 +60,8 @@ from tasks.solve.core.simulator import default_schedule, simulate
 from tasks.solve.core.solution import min_budget_lower_bound
 from tasks.solve_stage import bisect_budget, solve_case
 from tasks.trace import trace
-from tasks.validate import median_interval, paired_step_times, validate_plans
+from tasks.step_timing import median_interval, paired_step_times
+from tasks.validate import validate_plans
 
 PEAK_RATIO_LIMIT = 1.05
 

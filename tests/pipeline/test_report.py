@@ -103,7 +103,7 @@ def _measured(ratios: list[float]) -> tuple[float, list[float]]:
     """The overhead and its 95% interval from per-round plan/eager time ratios, as tasks.validate computes them."""
     import statistics
 
-    from tasks.validate import median_interval
+    from tasks.step_timing import median_interval
 
     low, high = median_interval(ratios)
     return statistics.median(ratios) - 1, [low - 1, high - 1]

@@ -128,7 +128,7 @@ def test_median_interval_is_the_binomial_order_statistic_interval():
     k is the largest whose coverage reaches 95%, and a sample whose whole range falls short gives None."""
     from itertools import product
 
-    from tasks.validate import median_interval
+    from tasks.step_timing import median_interval
 
     def coverage(n: int, rank: int) -> float:
         return sum(rank <= sum(p) <= n - rank for p in product((0, 1), repeat=n)) / 2**n
@@ -166,7 +166,7 @@ class _FakeClock:
 def test_timing_stops_at_steps_on_a_quiet_host_and_goes_on_to_max_steps_on_a_noisy_one():
     from torch import nn
 
-    from tasks.validate import paired_step_times
+    from tasks.step_timing import paired_step_times
 
     model = nn.Linear(1, 1)
     clock = _FakeClock()
