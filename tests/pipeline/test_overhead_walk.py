@@ -127,3 +127,40 @@ def test_the_walk_publishes_the_least_memory_rung_measured_within_the_limit(walk
     assert outcome["overhead_vs_no_recompute"] == pytest.approx(measured[index])
     assert outcome["measured_peak_bytes"] <= outcome["budget_bytes"] * 1.05
     assert outcome["message"].count("% measured ") == len(measured)
+
+
+def test_a_policy_form_cell_writes_its_rungs_in_that_form_and_no_separate_no_recomputation_plan(tmp_path):
+    """The policy form's no-recomputation step is eager PyTorch's (its overhead is judged against the reference
+    step); its rungs are policy-form plans that `runtime.apply` accepts."""
+    import torch
+    from torch import nn
+
+    from runtime.plan import Plan
+    from runtime.policy import capture_eager
+    from tasks.config import Budget, PlanSettings
+    from tasks.profile import ProfileSettings, profile_graph
+    from tasks.solve_stage import solve_case
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32))
+                                        for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    graph = capture_eager(Net(), lambda model, x: model(x), (torch.randn(64, 32),))
+    graph.save(tmp_path / "graph.json")
+    profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    solved = solve_case(tmp_path / "graph.json", "selective-policy", Budget(max_overhead=10.0),
+                        PlanSettings(form="policy"), "cpu", str(tmp_path), str(tmp_path / "plan.json"))
+    assert solved.feasible and solved.no_recompute_path is None and len(solved.candidates) > 1
+    assert solved.plan_id in [c.plan_id for c in solved.candidates]
+    for rung in solved.candidates:
+        plan = Plan.load(rung.plan_path)
+        assert plan.provenance["form"] == "policy" and plan.provenance["max_overhead"] == 10.0
+        assert plan.predicted["peak_bytes"] == rung.predicted_peak_bytes
