@@ -21,8 +21,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 SHARED_CAPTURES = ("tests/runtime/test_executor.py", "tests/runtime/test_acg_plans.py")
-"""Modules that trace the same large torchvision models (densenet121 takes a minute): one xdist worker
-runs them together, first, so each model is traced once per suite instead of once per worker."""
+"""Modules that trace the same torchvision models: one xdist worker runs them together, first, so each model
+is traced once per suite instead of once per worker."""
 
 
 def _work_unit(nodeid: str) -> str:

@@ -48,6 +48,14 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+def _left_after(processes: list[psutil.Process], seconds: float = 5.0) -> list[psutil.Process]:
+    """The processes of `processes` still alive `seconds` from now, or [] as soon as none is."""
+    deadline = time.monotonic() + seconds
+    while _alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(processes)
+
+
 def test_ctrl_c_stops_the_run_within_seconds_with_one_line_and_no_process_left(tmp_path):
     run, tree = _start_run(tmp_path)
     stamp = f"{run.pid}:{tree[0].create_time():.2f}"
@@ -58,8 +66,7 @@ def test_ctrl_c_stops_the_run_within_seconds_with_one_line_and_no_process_left(t
     assert time.monotonic() - sent < 10
     assert run.returncode == 130
     assert err == MESSAGE + "\n" and out == ""
-    time.sleep(5)
-    assert _alive(tree) == []
+    assert _left_after(tree) == []
 
 
 def test_the_next_run_ends_the_processes_of_a_killed_run_and_no_other(tmp_path):
@@ -84,8 +91,7 @@ def test_sighup_ends_a_run_and_its_prefect_server(tmp_path):
     os.kill(run.pid, signal.SIGHUP)                      # the terminal closed: only the run gets the signal
     out, err = run.communicate(timeout=10)
     assert run.returncode == 128 + signal.SIGHUP and err == MESSAGE + "\n"
-    time.sleep(5)
-    assert _alive(tree) == []
+    assert _left_after(tree) == []
 
 
 def _resnet50() -> str:

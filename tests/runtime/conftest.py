@@ -73,7 +73,14 @@ def _build_on_cpu(name: str, n: int):
                             eos_token_id=0, attn_pdrop=0.0, activation_function="gelu_pytorch_tanh")
         return GPT2LMHeadModel(config).train(), lm_loss, (torch.randint(0, 128, (n, 32)),)
     import torchvision
-    model = getattr(torchvision.models, name)(num_classes=10)
+    if name == "bottleneck_resnet":            # resnet50's bottleneck residuals, one narrow block per stage
+        model = torchvision.models.ResNet(torchvision.models.resnet.Bottleneck, [1, 1, 1, 1], num_classes=10,
+                                          width_per_group=16)
+    elif name == "small_densenet":             # densenet121's dense concatenations, three short blocks
+        model = torchvision.models.DenseNet(growth_rate=8, block_config=(3, 3, 3), num_init_features=16,
+                                            bn_size=2, num_classes=10)
+    else:
+        model = getattr(torchvision.models, name)(num_classes=10)
     return model, cross_entropy, (torch.randn(n, 3, 64, 64), torch.randint(0, 10, (n,)))
 
 
