@@ -234,7 +234,8 @@ warmup = 0
 def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_path, harness, monkeypatch):
     """Two plans of one cell: one reference (a second run takes it from the cache); the eager budget is
     eager's measured peak in bytes; one validation of the cell's two plans, timed together (an overhead
-    search validates only the plan it returns: the solve stage cannot even import the validation)."""
+    search validates only the plan it returns: the solve stage cannot even import the validation), then
+    the measured walk's validations of the max_overhead plan's rungs (tasks/overhead_refine.py), alone."""
     import tasks.reference
     import tasks.validate
     from flows.codehash import ROOT, import_closure
@@ -253,13 +254,16 @@ def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_p
     assert [(spec.name, batch) for spec, batch in references] == [("mlp", 256)]
     assert [o["alias"] for o in outcomes] == ["mlp-b256-chen-sqrt-n-100pct-eager", "mlp-b256-ap-greedy-ovh25pct"]
     assert all(o["status"] == "published" for o in outcomes), outcomes
-    assert [[p.provenance.get("max_overhead") for p in plans] for plans in validations] == [[None, 0.25]]
+    from tasks.overhead_refine import EXTRA_VALIDATIONS
+
+    first, *walked = [[p.provenance.get("max_overhead") for p in plans] for plans in validations]
+    assert first == [None, 0.25] and walked == [[0.25]] * len(walked) and len(walked) <= EXTRA_VALIDATIONS
     eager_peak = outcomes[0]["eager_peak_bytes"]
     assert outcomes[0]["budget_bytes"] == eager_peak and outcomes[1]["eager_peak_bytes"] == eager_peak
     assert len(list((tmp_path / ".cache" / "memplan" / "references").glob("*.safetensors"))) == 1
     assert f"| {eager_peak / 2**20:.1f} (100% of eager) |" in markdown_table([Outcome(**o) for o in outcomes])
     assert ROOT / "tasks" / "validate.py" not in import_closure(("tasks.solve_stage",))
-    assert run_plan(tmp_path / "pipeline.toml") == outcomes and len(references) == 1 and len(validations) == 1
+    assert run_plan(tmp_path / "pipeline.toml") == outcomes and len(references) == 1 and len(validations) == 1 + len(walked)
 
 
 def test_a_fraction_of_eager_is_refused_where_eager_does_not_fit_the_device(config_data, reference):
