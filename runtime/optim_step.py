@@ -14,8 +14,9 @@ exists, the update is the class's functional API called as its `step()` calls it
 the same update through far less code, which matters because each update runs cold, right after a backward
 kernel). Updates of different parameters are independent for the classes in `PER_PARAMETER`; others (LBFGS,
 which needs a closure over the whole model; SparseAdam) are refused. `update_points` says after which schedule
-step each parameter is updated (torch-free `runtime.schedule.update_steps`, the rule the simulator charges). The policy form
-(`step_in_backward`) stays per parameter: autograd runs post-accumulate-grad hooks one parameter at a time.
+step each parameter is updated (torch-free `runtime.schedule.update_steps`, the rule the simulator charges). The
+policy form (`step_in_backward`) stays per parameter: autograd runs post-accumulate-grad hooks one parameter at a
+time.
 """
 
 from __future__ import annotations
