@@ -254,7 +254,7 @@ def test_grouped_updates_give_eager_parameters_bitwise(name, monkeypatch):
     for SGD, Adam and AdamW by the class's functional update (runtime.optim_functional) once their state exists,
     before that (Adam's first step) and for other classes by one `step()` of the class over them. After three
     steps every parameter and optimizer state equals eager's bit for bit."""
-    from runtime.optim_functional import FUNCTIONAL, FunctionalUpdate
+    from runtime.optim_functional import FUNCTIONAL
     from runtime.optim_step import update_points
     from tasks.solve.core.simulator import default_schedule
 
@@ -262,7 +262,7 @@ def test_grouped_updates_give_eager_parameters_bitwise(name, monkeypatch):
     model = ConvNet()
     batches = [(torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))) for _ in range(3)]
     graph = runtime.capture(model, loss_fn, batches[0])
-    problem = in_step(Problem.from_graph(graph), graph.gradient_updates(), "adamw")
+    problem = in_step(Problem.from_graph(graph), graph.gradient_updates(), "adamw")    # (points: any optimizer)
     plan = Plan(graph.fingerprint, default_schedule(problem))
     points = update_points(graph, plan, plan.validate(graph), range(len(problem.updates)))
     eager, planned = copy.deepcopy(model), copy.deepcopy(model)
