@@ -12,7 +12,9 @@ each a full training step with the optimizer, from the same weights, measured to
 - per solver and overhead limit (`max_overhead`, the pipeline's plans), the plan solved with the optimizer
   outside (`runtime.load(plan, ...)` then `opt.step()`) and the plan solved with it inside
   (`tasks.solve.core.optimizer.in_step`, run by `runtime.load(plan, ..., optimizer=opt)`), at the same limit;
-- the no-recomputation plan, outside and inside;
+- the no-recomputation plan, outside and inside, and inside "via step()": each update through
+  `Optimizer.step()` of the class (a subclass of it) rather than its functional API (runtime.optim_functional),
+  the form before; its "time / outside" against the functional row's is what the functional updates save;
 - "at target": the in-step problem solved at budget = the outside no-recomputation step's measured peak (its
   optimizer's temporaries included) - 0.8 x the parameter-gradient bytes by each of `--target-solvers`, the
   plan of least predicted cost.
@@ -63,11 +65,18 @@ from tasks.solve_stage import least_memory_within  # noqa: E402
 MiB = 2**20
 TARGET_DROP, TARGET_TIME = 0.8, 1.03
 AT_TARGET = "at target"
+VIA_STEP = "no recomputation, inside via step()"
 
 
-def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(name: str, model: torch.nn.Module, via_step: bool = False) -> torch.optim.Optimizer:
+    """`name`'s torch.optim optimizer over the model's parameters; with `via_step`, of a subclass of its class,
+    whose updates inside the step run through `Optimizer.step()` (runtime.optim_functional takes only the
+    classes themselves)."""
     spec = OPTIMIZERS[name]
-    return getattr(torch.optim, spec.torch_class)(model.parameters(), lr=0.01, **dict(spec.torch_kwargs))
+    cls = getattr(torch.optim, spec.torch_class)
+    if via_step:
+        cls = type(f"{cls.__name__}ViaStep", (cls,), {})
+    return cls(model.parameters(), lr=0.01, **dict(spec.torch_kwargs))
 
 
 def plans(problem: Problem, solvers: list[str], overheads: list[float]) -> dict[str, runtime.Plan]:
@@ -175,6 +184,10 @@ def runners_for(name: str, base: torch.nn.Module, loss_fn, batch: tuple, graph, 
                 step = runtime.load(plan, model, loss_fn, graph=graph)
                 run = (lambda s, o: lambda: (s(*batch), o.step(), o.zero_grad(set_to_none=True)))(step, opt)
             runners[f"{label}, {where}"] = (run, plan, label, where == "inside")
+    plan = runners["no recomputation, inside"][1]
+    model = copy.deepcopy(base)
+    step = runtime.load(plan, model, loss_fn, graph=graph, optimizer=make_optimizer(name, model, via_step=True))
+    runners[VIA_STEP] = ((lambda s: lambda: s(*batch))(step), plan, "no recomputation", True)
     return runners, inside, note
 
 
