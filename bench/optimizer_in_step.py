@@ -3,10 +3,12 @@
     .venv/bin/python bench/optimizer_in_step.py [--config pipeline.toml] [--model resnet18]
                                                 [--optimizers sgd-momentum adamw] [--solvers dtr ap-greedy acg]
                                                 [--overheads 0.05 0.25] [--target-solvers dtr hierarchical]
-                                                [--rounds 12] [--threads 1]
+                                                [--variants all] [--rounds 12] [--threads 1]
 
 The model, batch and solvers are the pipeline's (`pipeline.toml`: resnet18, batch 8). Node costs are profiled
-once in the same run. Per optimizer (`--optimizers`: torch.optim.SGD with momentum 0.9, AdamW, ...), runners,
+once in the same run, every implementation variant of `--variants` (`tasks.problems.VARIANT_RULES`, the plan
+setting `variants`; default "all", as the pipeline's plans) with them, so solvers that choose variants may run
+them (the weight gradients by ATen's native kernel, rule `native`, on resnet18). Per optimizer (`--optimizers`: torch.optim.SGD with momentum 0.9, AdamW, ...), runners,
 each a full training step with the optimizer, from the same weights, measured together:
 - eager: `loss.backward(); opt.step(); opt.zero_grad()`;
 - per solver and overhead limit (`max_overhead`, the pipeline's plans), the plan solved with the optimizer
@@ -14,8 +16,9 @@ each a full training step with the optimizer, from the same weights, measured to
   (`tasks.solve.core.optimizer.in_step`, run by `runtime.load(plan, ..., optimizer=opt)`), at the same limit;
 - the no-recomputation plan, outside and inside;
 - "at target": the in-step problem solved at budget = the outside no-recomputation step's measured peak (its
-  optimizer's temporaries included) - 0.8 x the parameter-gradient bytes by each of `--target-solvers`, the
-  plan of least predicted cost.
+  optimizer's temporaries included) - 0.8 x the parameter-gradient bytes by each of `--target-solvers`, in the
+  problem's order and in `update_order` (each convolution's input gradient before its weight gradient, so the
+  weight is updated in the step that makes its gradient), the plan of least predicted cost.
 Peaks are `PeakMeter(allocator=True)` on a step after the first (the optimizer state resident, as the plans
 predict). Step times (wall clock, and process CPU time, less sensitive to other jobs on a shared host) are
 medians over `--rounds` interleaved rounds (the order reversed every other round), beside the median minor
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import itertools
 import resource
 import statistics
 import sys
@@ -49,12 +54,14 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import runtime  # noqa: E402
-from bench.peers import profiled_costs  # noqa: E402
+from bench.peers import profiled_problem  # noqa: E402
 from runtime.meter import PeakMeter  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 from tasks.models import build_batch, build_loss, build_model  # noqa: E402
 from tasks.solve import solve  # noqa: E402
+from tasks.problems import VARIANT_RULES  # noqa: E402
 from tasks.solve.core.optimizer import OPTIMIZERS, in_step  # noqa: E402
+from tasks.solve.core.orders import update_order  # noqa: E402
 from tasks.solve.core.problem import Problem  # noqa: E402
 from tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate  # noqa: E402
 from tasks.solve.core.solution import min_budget_lower_bound  # noqa: E402
@@ -85,14 +92,17 @@ def plans(problem: Problem, solvers: list[str], overheads: list[float]) -> dict[
 
 
 def plan_at_target(problem: Problem, budget: int, solvers: list[str]) -> tuple[str, runtime.Plan | None]:
-    """The in-step plan of least predicted cost among `solvers`' schedules within `budget`, and a note of what
-    each solver found (its predicted cost, or its status)."""
+    """The in-step plan of least predicted cost among `solvers`' schedules within `budget`, each solver run on
+    the problem's order and on `update_order`, and a note of what each found (its predicted cost, or its
+    status)."""
     found, notes = [], []
-    for solver in solvers:
-        solution = solve(problem, solver, budget)
-        notes.append(f"{solver}: {solution.objective:.1f}" if solution.feasible else f"{solver}: {solution.status}")
+    orders = {"": problem, " (update order)": dataclasses.replace(problem, order=update_order(problem))}
+    for solver, (label, ordered) in itertools.product(solvers, orders.items()):
+        solution = solve(ordered, solver, budget)
+        name = f"{solver}{label}"
+        notes.append(f"{name}: {solution.objective:.1f}" if solution.feasible else f"{name}: {solution.status}")
         if solution.feasible:
-            found.append((solution.objective, solver, solution.to_plan(problem)))
+            found.append((solution.objective, name, solution.to_plan(problem)))
     within = f"budget {budget / MiB:.2f} MiB, predicted cost {'; '.join(notes)}"
     if not found:
         return within, None
@@ -186,6 +196,7 @@ def main() -> None:
     ap.add_argument("--solvers", nargs="+", default=["dtr", "ap-greedy", "acg"])
     ap.add_argument("--overheads", nargs="+", type=float, default=[0.05, 0.25])
     ap.add_argument("--target-solvers", nargs="+", default=["dtr", "hierarchical"])
+    ap.add_argument("--variants", default="all", choices=sorted(VARIANT_RULES))
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -197,11 +208,12 @@ def main() -> None:
     base, loss_fn = build_model(spec, config.seed), build_loss(spec)
     batch = build_batch(spec, batch_size, config.seed, "cpu")
     graph = runtime.capture(base, loss_fn, batch)
-    outside = Problem.from_graph(graph, profiled_costs(graph, args.model))
+    outside = profiled_problem(graph, args.model, args.variants)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     console = Console(width=230)
     title = (f"{args.model} batch {batch_size} ({args.config}), CPU, {torch.get_num_threads()} thread(s), "
-             f"{args.rounds} interleaved rounds; parameter gradients {grad_bytes / MiB:.1f} MiB")
+             f"variants {args.variants}, {args.rounds} interleaved rounds; parameter gradients "
+             f"{grad_bytes / MiB:.1f} MiB")
     target = Table(title=f"The target: the in-step plan at (outside no-recomputation peak - {TARGET_DROP} x gradients) "
                          f"vs the outside no-recomputation step, {title}")
     for column in ("optimizer", "in-step plan at target", "outside MiB", "in-step predicted MiB", "in-step MiB",

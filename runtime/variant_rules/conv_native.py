@@ -5,7 +5,8 @@ native kernel (im2col of the whole batch, then one matrix product) where it woul
 outputs and bytes; the workspace and time differ: on resnet18's last stage (batch 8, 1 thread) oneDNN holds
 about 9 MiB of scratch beside a 9 MiB gradient, the native kernel its 0.56 MiB im2col buffer. The im2col
 buffer grows with the image (`N x C x kh x kw x H_out x W_out` elements), so the profile's measured time and
-workspace decide where it pays (tasks/solve/core/fixed_variants.py fixes it only where it costs no more).
+workspace decide where it pays (tasks/solve/core/fixed_variants.py `lean_choice`: where it needs less workspace;
+the solver prices its time).
 Another summation order than oneDNN's: within the validation tolerance, not bit-identical. Where ATen
 does not use oneDNN for the shape (float64, a 1x1 kernel below 16 images on one thread) or on CUDA (the
 flag steers CPU kernels only) it runs the default's kernel and is exact (the profile's `exact` column).
