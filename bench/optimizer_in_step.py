@@ -37,6 +37,7 @@ that update floor (the largest parameter's gradient and its update's temporaries
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import itertools
@@ -56,10 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import runtime  # noqa: E402
 from bench.peers import profiled_problem  # noqa: E402
 from runtime.meter import PeakMeter  # noqa: E402
+from runtime.schedule import update_steps  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 from tasks.models import build_batch, build_loss, build_model  # noqa: E402
-from tasks.solve import solve  # noqa: E402
 from tasks.problems import VARIANT_RULES  # noqa: E402
+from tasks.solve import solve  # noqa: E402
 from tasks.solve.core.optimizer import OPTIMIZERS, in_step  # noqa: E402
 from tasks.solve.core.orders import update_order  # noqa: E402
 from tasks.solve.core.problem import Problem  # noqa: E402
@@ -108,7 +110,22 @@ def plan_at_target(problem: Problem, budget: int, solvers: list[str]) -> tuple[s
         return within, None
     _, solver, plan = min(found, key=lambda f: f[0])
     plan.predicted["peak_bytes"] = simulate(problem, plan.schedule).peak_bytes
-    return f"{solver} ({within})", plan
+    return f"{solver}: {plan_contents(problem, plan)} ({within})", plan
+
+
+def plan_contents(problem: Problem, plan: runtime.Plan) -> str:
+    """How many nodes a plan recomputes and runs as each implementation variant, and how many parameters it
+    updates in the step that makes their gradient (`update_order`'s point)."""
+    steps = normalize_schedule(plan.schedule)
+    computes = [s for s in steps if "compute" in s]
+    impls = collections.Counter(s["impl"] for s in computes if s.get("impl", "default") != "default")
+    io = [problem.variant(s["compute"], s.get("impl")) if "compute" in s else None for s in steps]
+    pairs = [(u.grads, u.params) for u in problem.updates]
+    prompt = sum(at == max(i for i, x in enumerate(io) if x is not None and set(x.outputs) & set(grads))
+                 for (grads, _), at in zip(pairs, update_steps(io, pairs)) if at is not None)
+    variants = ", ".join(f"{n} {impl}" for impl, n in sorted(impls.items()))
+    return (f"{len(computes) - problem.num_nodes} recomputations, {variants or 'no variants'}, {prompt} of "
+            f"{len(problem.updates)} parameters updated in the step making their gradient")
 
 
 def alive_at_peak(problem: Problem, schedule: list) -> tuple[str, int, int, int]:
