@@ -32,6 +32,22 @@ fraction of the parameter-gradient bytes (target >= 0.8); "time / outside" the s
 in-step peaks (gradients, other values, and the rest of the peak: the step's scratch) beside the floor no
 schedule goes below (`min_budget_lower_bound`: the leanest compute step, or the largest update alone) and
 that update floor (the largest parameter's gradient and its update's temporaries).
+
+Recorded (branch instepvar, torch 2.14.1, CPU, 1 thread, 20 rounds, target rows; a shared 2-core host at load
+7-9 from other jobs, so wall times move 30% between runs: the same no-recomputation in-step plan measured
+1.01x and 1.33x its outside step in two runs; "before" is b3a922a, run right after in the same session;
+measured peak = predicted in every in-step row):
+    sgd-momentum, glibc defaults   before: hierarchical, 0.80 at 1.179x wall, 1.257x CPU
+                                   after:  dtr, 14 recomputations, 11 native weight gradients, 62 of 62
+                                           parameters updated in the step making their gradient:
+                                           0.80 at 0.880x wall, 0.888x CPU (2784 page faults, outside 16096)
+    sgd-momentum, MALLOC_*_THRESHOLD_ as above (no fresh pages for anyone)
+                                   before: 0.80 at 1.179x wall, 1.177x CPU (no recomputation inside: 1.039x CPU)
+                                   after:  0.80 at 1.262x wall, 1.117x CPU (no recomputation inside: 1.122x CPU)
+    adamw: no plan before or after: the budget (26.53 MiB) is below the update floor (27.00 MiB: layer4's
+    9 MiB weight gradient and the single-tensor AdamW temporaries, 2x its bytes, while it is updated).
+With page faults equalized the plan at target costs what the no-recomputation in-step step costs: what
+remains above 1.03x is the per-update cost of the optimizer inside the step, not recomputation.
 """
 
 from __future__ import annotations
