@@ -7,14 +7,21 @@ Two measurements side by side in one run, then simulations:
 1. every convolution's weight gradient (`convolution_backward`, output mask [False, True, False], the split the
    graph runs) with oneDNN and with ATen's native kernel (`torch.backends.mkldnn.flags(enabled=False)`):
    summed median CPU time, and the largest scratch beside the gradient (`PeakMeter(allocator=True)`);
-2. the in-step problem (`tasks.solve.core.optimizer.in_step`, profiled costs) as it is and under two what-ifs,
-   each solved by `--solvers` at budget = the outside no-recomputation peak - `--drop` x gradient bytes:
-   "input gradient first" orders each convolution's input-gradient node before its weight-gradient node
-   (the weight is then updated right after its gradient, not after the input gradient that reads it);
-   "native weight gradient" prices each weight-gradient node's workspace as the native kernel's im2col
-   buffer (N x C x kh x kw x H_out x W_out floats) at unchanged cost (measurement 1 says what that assumes).
-The simulated rows are predictions of plans no runtime can run yet (no variant runs the native kernel, no
-solver reorders the two nodes): they say what the target needs, not what memplan does.
+2. the in-step problem (`tasks.solve.core.optimizer.in_step`, profiled costs, rule `native` offered) as it is and
+   with the two things that lift the bound, each solved by `--solvers` at budget = the outside no-recomputation
+   peak - `--drop` x gradient bytes: "input gradient first" is `tasks.solve.core.orders.update_order` (each
+   convolution's input-gradient node before its weight-gradient node, so the weight is updated right after its
+   gradient, not after the input gradient that reads it); "native weight gradient" fixes rule `native` (ATen's
+   native kernel) on the nodes where the profile measured it needing less workspace than oneDNN
+   (`tasks.solve.core.fixed_variants.lean_choice`), at its profiled time.
+The simulated rows are predictions; `bench/optimizer_in_step.py` runs such plans and measures them.
+
+Recorded (branch instepvar, resnet18 batch 8, sgd-momentum, 1 thread, shared host under load, one profile):
+oneDNN 57.6 ms and at most 9.00 MiB of scratch over the 20 weight gradients, the native kernel 67.7 ms and
+4.59 MiB (its im2col buffer on the first stage; 0.56 MiB on the last). Cost / outside no-recomputation at
+19.72 MiB (dtr, hierarchical): as it is 1.233, 1.150; input gradient first 1.233, 1.151; native weight
+gradient 1.127, 1.127; both 1.127, 1.127. The lower bound falls from 18.12 to 9.69 MiB with the native
+variant, the no-recomputation peak from 31.63 to 23.13 MiB with both.
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -39,7 +45,10 @@ from runtime.meter import PeakMeter  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 from tasks.models import build_batch, build_loss, build_model  # noqa: E402
 from tasks.solve import solve  # noqa: E402
+from runtime.variants import graph_variants  # noqa: E402
+from tasks.solve.core.fixed_variants import fixed_problem, lean_choice  # noqa: E402
 from tasks.solve.core.optimizer import OPTIMIZERS, in_step  # noqa: E402
+from tasks.solve.core.orders import update_order  # noqa: E402
 from tasks.solve.core.problem import Problem  # noqa: E402
 from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
 from tasks.solve.core.solution import min_budget_lower_bound  # noqa: E402
@@ -86,25 +95,11 @@ def weight_gradient_kernels(model: torch.nn.Module, images: torch.Tensor, repeat
     return table
 
 
-def what_ifs(graph, problem: Problem) -> dict[str, Problem]:
-    """The in-step problem as it is and under the what-ifs of the module docstring."""
-    nodes = graph.nodes
-    weight_grads = [j for j, n in enumerate(nodes) if "convolution_backward" in n.name]
-    input_grad_of = {j: i for j in weight_grads for i, n in enumerate(nodes)
-                     if n.name.startswith("convolution_default") and n.inputs[0] == nodes[j].inputs[0]}
-    order = [int(v) for v in problem.order]
-    for j, i in input_grad_of.items():
-        order.remove(i)
-        order.insert(order.index(j), i)
-    workspace = problem.workspace.copy()
-    for j in weight_grads:
-        x, w, grad = (graph.values[v].shape for v in nodes[j].inputs[:3])
-        im2col = x[0] * x[1] * w[2] * w[3] * grad[2] * grad[3] * 4
-        workspace[j] = min(int(workspace[j]), im2col)
-    reordered = dataclasses.replace(problem, order=np.array(order))
-    return {"as it is": problem, "input gradient first": reordered,
-            "native weight gradient": dataclasses.replace(problem, workspace=workspace),
-            "both": dataclasses.replace(reordered, workspace=workspace)}
+def what_ifs(problem: Problem) -> dict[str, Problem]:
+    """The in-step problem (variants offered) as it is and with the changes of the module docstring."""
+    plain, lean = problem.without_variants(), fixed_problem(problem, lean_choice(problem))
+    return {"as it is": plain, "input gradient first": dataclasses.replace(plain, order=update_order(plain)),
+            "native weight gradient": lean, "both": dataclasses.replace(lean, order=update_order(lean))}
 
 
 def main() -> None:
@@ -126,7 +121,7 @@ def main() -> None:
     console.print(weight_gradient_kernels(model, batch[0]))
 
     graph = runtime.capture(model, loss_fn, batch)
-    outside = Problem.from_graph(graph, profiled_costs(graph, args.model))
+    outside = Problem.from_graph(graph, profiled_costs(graph, args.model), graph_variants(graph, ("native",)))
     base = simulate(outside, default_schedule(outside))
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = int(base.peak_bytes - args.drop * grad_bytes)
@@ -137,7 +132,7 @@ def main() -> None:
                    *(f"{s}: cost / outside no-recomputation" for s in args.solvers)):
         table.add_column(column, justify="left" if column == "problem" else "right")
     inside = in_step(outside, graph.gradient_updates(), args.optimizer)
-    for label, problem in what_ifs(graph, inside).items():
+    for label, problem in what_ifs(inside).items():
         cells = []
         for solver in args.solvers:
             solution = solve(problem, solver, budget)

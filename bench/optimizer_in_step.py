@@ -3,19 +3,24 @@
     .venv/bin/python bench/optimizer_in_step.py [--config pipeline.toml] [--model resnet18]
                                                 [--optimizers sgd-momentum adamw] [--solvers dtr ap-greedy acg]
                                                 [--overheads 0.05 0.25] [--target-solvers dtr hierarchical]
-                                                [--rounds 12] [--threads 1]
+                                                [--variants all] [--rounds 12] [--threads 1]
 
 The model, batch and solvers are the pipeline's (`pipeline.toml`: resnet18, batch 8). Node costs are profiled
-once in the same run. Per optimizer (`--optimizers`: torch.optim.SGD with momentum 0.9, AdamW, ...), runners,
+once in the same run, every implementation variant of `--variants` (`tasks.problems.VARIANT_RULES`, the plan
+setting `variants`; default "all", as the pipeline's plans) with them, so solvers that choose variants may run
+them (the weight gradients by ATen's native kernel, rule `native`, on resnet18). Per optimizer (`--optimizers`: torch.optim.SGD with momentum 0.9, AdamW, ...), runners,
 each a full training step with the optimizer, from the same weights, measured together:
 - eager: `loss.backward(); opt.step(); opt.zero_grad()`;
 - per solver and overhead limit (`max_overhead`, the pipeline's plans), the plan solved with the optimizer
   outside (`runtime.load(plan, ...)` then `opt.step()`) and the plan solved with it inside
   (`tasks.solve.core.optimizer.in_step`, run by `runtime.load(plan, ..., optimizer=opt)`), at the same limit;
-- the no-recomputation plan, outside and inside;
+- the no-recomputation plan, outside and inside, and inside "via step()": each update through
+  `Optimizer.step()` of the class (a subclass of it) rather than its functional API (runtime.optim_functional),
+  the form before; its "time / outside" against the functional row's is what the functional updates save;
 - "at target": the in-step problem solved at budget = the outside no-recomputation step's measured peak (its
-  optimizer's temporaries included) - 0.8 x the parameter-gradient bytes by each of `--target-solvers`, the
-  plan of least predicted cost.
+  optimizer's temporaries included) - 0.8 x the parameter-gradient bytes by each of `--target-solvers`, in the
+  problem's order and in `update_order` (each convolution's input gradient before its weight gradient, so the
+  weight is updated in the step that makes its gradient), the plan of least predicted cost.
 Peaks are `PeakMeter(allocator=True)` on a step after the first (the optimizer state resident, as the plans
 predict). Step times (wall clock, and process CPU time, less sensitive to other jobs on a shared host) are
 medians over `--rounds` interleaved rounds (the order reversed every other round), beside the median minor
@@ -29,12 +34,31 @@ fraction of the parameter-gradient bytes (target >= 0.8); "time / outside" the s
 in-step peaks (gradients, other values, and the rest of the peak: the step's scratch) beside the floor no
 schedule goes below (`min_budget_lower_bound`: the leanest compute step, or the largest update alone) and
 that update floor (the largest parameter's gradient and its update's temporaries).
+
+Recorded (branch instepvar, torch 2.14.1, CPU, 1 thread, 20 rounds, target rows; a shared 2-core host at load
+7-9 from other jobs, so wall times move 30% between runs: the same no-recomputation in-step plan measured
+1.01x and 1.33x its outside step in two runs; "before" is b3a922a, run right after in the same session;
+measured peak = predicted in every in-step row):
+    sgd-momentum, glibc defaults   before: hierarchical, 0.80 at 1.179x wall, 1.257x CPU
+                                   after:  dtr, 14 recomputations, 11 native weight gradients, 62 of 62
+                                           parameters updated in the step making their gradient:
+                                           0.80 at 0.880x wall, 0.888x CPU (2784 page faults, outside 16096)
+    sgd-momentum, MALLOC_*_THRESHOLD_ as above (no fresh pages for anyone)
+                                   before: 0.80 at 1.179x wall, 1.177x CPU (no recomputation inside: 1.039x CPU)
+                                   after:  0.80 at 1.262x wall, 1.117x CPU (no recomputation inside: 1.122x CPU)
+    adamw: no plan before or after: the budget (26.53 MiB) is below the update floor (27.00 MiB: layer4's
+    9 MiB weight gradient and the single-tensor AdamW temporaries, 2x its bytes, while it is updated).
+With page faults equalized the plan at target costs what the no-recomputation in-step step costs: what
+remains above 1.03x is the per-update cost of the optimizer inside the step, not recomputation.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import dataclasses
+import itertools
 import resource
 import statistics
 import sys
@@ -49,12 +73,15 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import runtime  # noqa: E402
-from bench.peers import profiled_costs  # noqa: E402
+from bench.peers import profiled_problem  # noqa: E402
 from runtime.meter import PeakMeter  # noqa: E402
+from runtime.schedule import update_steps  # noqa: E402
 from tasks.config import load_config  # noqa: E402
 from tasks.models import build_batch, build_loss, build_model  # noqa: E402
+from tasks.problems import VARIANT_RULES  # noqa: E402
 from tasks.solve import solve  # noqa: E402
 from tasks.solve.core.optimizer import OPTIMIZERS, in_step  # noqa: E402
+from tasks.solve.core.orders import update_order  # noqa: E402
 from tasks.solve.core.problem import Problem  # noqa: E402
 from tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate  # noqa: E402
 from tasks.solve.core.solution import min_budget_lower_bound  # noqa: E402
@@ -63,11 +90,18 @@ from tasks.solve_stage import least_memory_within  # noqa: E402
 MiB = 2**20
 TARGET_DROP, TARGET_TIME = 0.8, 1.03
 AT_TARGET = "at target"
+VIA_STEP = "no recomputation, inside via step()"
 
 
-def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(name: str, model: torch.nn.Module, via_step: bool = False) -> torch.optim.Optimizer:
+    """`name`'s torch.optim optimizer over the model's parameters; with `via_step`, of a subclass of its class,
+    whose updates inside the step run through `Optimizer.step()` (runtime.optim_functional takes only the
+    classes themselves)."""
     spec = OPTIMIZERS[name]
-    return getattr(torch.optim, spec.torch_class)(model.parameters(), lr=0.01, **dict(spec.torch_kwargs))
+    cls = getattr(torch.optim, spec.torch_class)
+    if via_step:
+        cls = type(f"{cls.__name__}ViaStep", (cls,), {})
+    return cls(model.parameters(), lr=0.01, **dict(spec.torch_kwargs))
 
 
 def plans(problem: Problem, solvers: list[str], overheads: list[float]) -> dict[str, runtime.Plan]:
@@ -85,20 +119,38 @@ def plans(problem: Problem, solvers: list[str], overheads: list[float]) -> dict[
 
 
 def plan_at_target(problem: Problem, budget: int, solvers: list[str]) -> tuple[str, runtime.Plan | None]:
-    """The in-step plan of least predicted cost among `solvers`' schedules within `budget`, and a note of what
-    each solver found (its predicted cost, or its status)."""
+    """The in-step plan of least predicted cost among `solvers`' schedules within `budget`, each solver run on
+    the problem's order and on `update_order`, and a note of what each found (its predicted cost, or its
+    status)."""
     found, notes = [], []
-    for solver in solvers:
-        solution = solve(problem, solver, budget)
-        notes.append(f"{solver}: {solution.objective:.1f}" if solution.feasible else f"{solver}: {solution.status}")
+    orders = {"": problem, " (update order)": dataclasses.replace(problem, order=update_order(problem))}
+    for solver, (label, ordered) in itertools.product(solvers, orders.items()):
+        solution = solve(ordered, solver, budget)
+        name = f"{solver}{label}"
+        notes.append(f"{name}: {solution.objective:.1f}" if solution.feasible else f"{name}: {solution.status}")
         if solution.feasible:
-            found.append((solution.objective, solver, solution.to_plan(problem)))
+            found.append((solution.objective, name, solution.to_plan(problem)))
     within = f"budget {budget / MiB:.2f} MiB, predicted cost {'; '.join(notes)}"
     if not found:
         return within, None
     _, solver, plan = min(found, key=lambda f: f[0])
     plan.predicted["peak_bytes"] = simulate(problem, plan.schedule).peak_bytes
-    return f"{solver} ({within})", plan
+    return f"{solver}: {plan_contents(problem, plan)} ({within})", plan
+
+
+def plan_contents(problem: Problem, plan: runtime.Plan) -> str:
+    """How many nodes a plan recomputes and runs as each implementation variant, and how many parameters it
+    updates in the step that makes their gradient (`update_order`'s point)."""
+    steps = normalize_schedule(plan.schedule)
+    computes = [s for s in steps if "compute" in s]
+    impls = collections.Counter(s["impl"] for s in computes if s.get("impl", "default") != "default")
+    io = [problem.variant(s["compute"], s.get("impl")) if "compute" in s else None for s in steps]
+    pairs = [(u.grads, u.params) for u in problem.updates]
+    prompt = sum(at == max(i for i, x in enumerate(io) if x is not None and set(x.outputs) & set(grads))
+                 for (grads, _), at in zip(pairs, update_steps(io, pairs)) if at is not None)
+    variants = ", ".join(f"{n} {impl}" for impl, n in sorted(impls.items()))
+    return (f"{len(computes) - problem.num_nodes} recomputations, {variants or 'no variants'}, {prompt} of "
+            f"{len(problem.updates)} parameters updated in the step making their gradient")
 
 
 def alive_at_peak(problem: Problem, schedule: list) -> tuple[str, int, int, int]:
@@ -175,6 +227,10 @@ def runners_for(name: str, base: torch.nn.Module, loss_fn, batch: tuple, graph, 
                 step = runtime.load(plan, model, loss_fn, graph=graph)
                 run = (lambda s, o: lambda: (s(*batch), o.step(), o.zero_grad(set_to_none=True)))(step, opt)
             runners[f"{label}, {where}"] = (run, plan, label, where == "inside")
+    plan = runners["no recomputation, inside"][1]
+    model = copy.deepcopy(base)
+    step = runtime.load(plan, model, loss_fn, graph=graph, optimizer=make_optimizer(name, model, via_step=True))
+    runners[VIA_STEP] = ((lambda s: lambda: s(*batch))(step), plan, "no recomputation", True)
     return runners, inside, note
 
 
@@ -186,6 +242,7 @@ def main() -> None:
     ap.add_argument("--solvers", nargs="+", default=["dtr", "ap-greedy", "acg"])
     ap.add_argument("--overheads", nargs="+", type=float, default=[0.05, 0.25])
     ap.add_argument("--target-solvers", nargs="+", default=["dtr", "hierarchical"])
+    ap.add_argument("--variants", default="all", choices=sorted(VARIANT_RULES))
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
@@ -197,11 +254,12 @@ def main() -> None:
     base, loss_fn = build_model(spec, config.seed), build_loss(spec)
     batch = build_batch(spec, batch_size, config.seed, "cpu")
     graph = runtime.capture(base, loss_fn, batch)
-    outside = Problem.from_graph(graph, profiled_costs(graph, args.model))
+    outside = profiled_problem(graph, args.model, args.variants)
     grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
     console = Console(width=230)
     title = (f"{args.model} batch {batch_size} ({args.config}), CPU, {torch.get_num_threads()} thread(s), "
-             f"{args.rounds} interleaved rounds; parameter gradients {grad_bytes / MiB:.1f} MiB")
+             f"variants {args.variants}, {args.rounds} interleaved rounds; parameter gradients "
+             f"{grad_bytes / MiB:.1f} MiB")
     target = Table(title=f"The target: the in-step plan at (outside no-recomputation peak - {TARGET_DROP} x gradients) "
                          f"vs the outside no-recomputation step, {title}")
     for column in ("optimizer", "in-step plan at target", "outside MiB", "in-step predicted MiB", "in-step MiB",

@@ -5,15 +5,18 @@ the step.
 `InStepOptimizer` wraps the user's `torch.optim` optimizer as PyTorch's "optimizer in backward" recipe does, with
 one optimizer of the same class per update point: the parameters the plan updates after the same schedule step
 (and that share a param group) are updated by ONE `step()` of an optimizer over them, built from their group
-(with its `foreach`/`fused` choice), so a step pays `Optimizer.step`'s per-call overhead once per update
-point, not once per parameter. Before each update that optimizer takes its group's current hyperparameters
-(so an LR scheduler stepping the user's optimizer works) and shares the user's state dict of each of its
-parameters (so `optimizer.state_dict()` holds the same momentum buffers, steps and moments as after eager
-`optimizer.step()` calls, and `optimizer.load_state_dict` takes effect). Updates of different parameters are
-independent for the classes in `PER_PARAMETER`; others (LBFGS, which needs a closure over the whole model;
-SparseAdam) are refused. `update_points` says after which schedule step each parameter is updated
-(torch-free `runtime.schedule.update_steps`, the rule the simulator charges). The policy form
-(`step_in_backward`) stays per parameter: autograd runs post-accumulate-grad hooks one parameter at a time.
+(with its `foreach`/`fused` choice), so a step pays an update's per-call overhead once per update point, not
+once per parameter. Before each update that optimizer takes its group's current hyperparameters (so an LR
+scheduler stepping the user's optimizer works) and shares the user's state dict of each of its parameters (so
+`optimizer.state_dict()` holds the same momentum buffers, steps and moments as after eager `optimizer.step()`
+calls, and `optimizer.load_state_dict` takes effect). For SGD, Adam and AdamW, once the parameters' state
+exists, the update is the class's functional API called as its `step()` calls it (runtime.optim_functional:
+the same update through far less code, which matters because each update runs cold, right after a backward
+kernel). Updates of different parameters are independent for the classes in `PER_PARAMETER`; others (LBFGS,
+which needs a closure over the whole model; SparseAdam) are refused. `update_points` says after which schedule
+step each parameter is updated (torch-free `runtime.schedule.update_steps`, the rule the simulator charges). The
+policy form (`step_in_backward`) stays per parameter: autograd runs post-accumulate-grad hooks one parameter at a
+time.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import optim
 
 from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
+from runtime.optim_functional import FUNCTIONAL
 from runtime.plan import Plan
 from runtime.schedule import update_steps
 from runtime.variants import GraphVariants
@@ -50,6 +54,8 @@ class InStepOptimizer:
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._groups = [group_of.get(id(p)) for p in self.params]
         self._together: dict[tuple[int, ...], optim.Optimizer] = {}   # parameter indices -> their optimizer
+        self._by_group: dict[tuple, list[tuple[int, ...]]] = {}          # update's members -> indices per group
+        self._functional = FUNCTIONAL.get(type(optimizer))
 
     def holds(self, k: int) -> bool:
         """Whether the optimizer updates `params[k]`."""
@@ -64,34 +70,42 @@ class InStepOptimizer:
             for grad in grads[position:position + n]:
                 accumulate_grad(self.params[k], grad)
             position += n
-        by_group: dict[int, list[int]] = {}
-        for k, _ in members:
-            by_group.setdefault(id(self._groups[k]), []).append(k)
-        for ks in by_group.values():
-            self._step(tuple(ks))
+        by_group = self._by_group.get(members)
+        if by_group is None:
+            ks_of: dict[int, list[int]] = {}
+            for k, _ in members:
+                ks_of.setdefault(id(self._groups[k]), []).append(k)
+            by_group = self._by_group[members] = [tuple(ks) for ks in ks_of.values()]
+        for ks in by_group:
+            self._step(ks)
 
     def step_accumulated(self, k: int, *_: object) -> None:
         """Update `params[k]` with its `.grad`, then set it to None (also a post-accumulate-grad hook)."""
         self._step((k,))
 
     def _step(self, ks: tuple[int, ...]) -> None:
-        """One step of the optimizer over `params[k]`, k in `ks` (one param group), from their `.grad`."""
+        """One step of the optimizer over `params[k]`, k in `ks` (one param group), from their `.grad`: the
+        class's functional update (`FUNCTIONAL`) once their state exists, else `step()` of an optimizer of the
+        class over them (which creates the state)."""
         group = self._groups[ks[0]]
-        together = self._together.get(ks)
-        if together is None:
-            together = self._together[ks] = type(self.optimizer)(
-                [{**_hyperparameters(group), "params": [self.params[k] for k in ks]}])
-        together.param_groups[0].update(_hyperparameters(group))
-        for k in ks:
-            p = self.params[k]
-            state = self.optimizer.state[p]          # the user's optimizer's state for p (created empty)
-            if together.state.get(p) is not state:
-                together.state[p] = state
-            if self.clip_grad_value is not None:
+        params = [self.params[k] for k in ks]
+        if self.clip_grad_value is not None:
+            for p in params:
                 p.grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
-        together.step()
-        for k in ks:
-            self.params[k].grad = None
+        states = [self.optimizer.state[p] for p in params]     # the user's optimizer's state (created empty)
+        if self._functional is not None and self._functional.ready(states, group):
+            self._functional.update(params, [p.grad for p in params], states, group)
+        else:
+            together = self._together.get(ks)
+            if together is None:
+                together = self._together[ks] = type(self.optimizer)([{**_hyperparameters(group), "params": params}])
+            together.param_groups[0].update(_hyperparameters(group))
+            for p, state in zip(params, states):
+                if together.state.get(p) is not state:
+                    together.state[p] = state
+            together.step()
+        for p in params:
+            p.grad = None
 
 
 def step_in_backward(optimizer: optim.Optimizer, model: torch.nn.Module) -> list:

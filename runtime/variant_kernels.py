@@ -1,7 +1,7 @@
 """Kernels of the implementation variants of `runtime.variants`: the torch functions that the code
 `runtime.variant_ops` emits calls (packing and unpacking ReLU bit masks, normalization backwards from the
-output, max-pool window positions, math-backend attention). Plain eager functions of tensors; what they
-compute and why it matches ATen is in docs/plan-format.md.
+output, max-pool window positions, math-backend attention, a convolution backward without oneDNN). Plain
+eager functions of tensors; what they compute and why it matches ATen is in docs/plan-format.md.
 """
 
 from __future__ import annotations
@@ -237,3 +237,14 @@ def attention_math_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     grad_q = _strided_like(torch.matmul(ds, k).view(q.shape), strides[0])
     grad_k = _strided_like(torch.matmul(ds.transpose(-2, -1), _grouped(q, kv_heads)), strides[1])
     return grad_q, grad_k, grad_v
+
+
+def convolution_backward_native(*args):
+    """`aten.convolution_backward(*args)` with oneDNN disabled for this call (rule `native`): ATen's CPU
+    backend then runs its native kernel; the flag is restored even if the call raises."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return aten.convolution_backward.default(*args)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)

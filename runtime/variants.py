@@ -13,8 +13,9 @@ lists them, a pure function of the graph, so plans name them by id like any othe
 
 Rules shipped: `mask` and `bitmask` (ReLU / hardtanh backward from a zero mask), `output` (normalization
 backward from its output), `compact` (max-pool window positions), `math` (attention saving its
-probabilities), `inplace` (ReLU into its input's storage), `sigmoid` (tanh by its sigmoid identity); each
-module's docstring says how it works and how exact it is.
+probabilities), `inplace` (ReLU into its input's storage), `sigmoid` (tanh by its sigmoid identity),
+`native` (a convolution's weight gradient by ATen's native CPU kernel instead of oneDNN's); each module's
+docstring says how it works and how exact it is.
 
 A convolution's backward split into weight- and input-gradient nodes (MONeT appendix D) is not a variant:
 `runtime.capture` always splits it (docs/plan-format.md).

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from runtime.variant_rules.attention_math import MATH
+from runtime.variant_rules.conv_native import NATIVE
 from runtime.variant_rules.norm_output import OUTPUT
 from runtime.variant_rules.pool_compact import COMPACT
 from runtime.variant_rules.relu_inplace import INPLACE
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
     from runtime.graph import OpGraph
 
-RULES: dict[str, Rule] = {rule.name: rule for rule in (MASK, OUTPUT, COMPACT, MATH, BITMASK, INPLACE, SIGMOID)}
+RULES: dict[str, Rule] = {rule.name: rule for rule in (MASK, OUTPUT, COMPACT, MATH, BITMASK, INPLACE, SIGMOID,
+                                                          NATIVE)}
 
 
 def emit_variant(g: fx.Graph, graph: OpGraph, variants: GraphVariants, spec: VariantSpec,

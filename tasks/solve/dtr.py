@@ -21,16 +21,18 @@ A node reading an evicted value first recomputes its producer, recursively its e
 each pinned until its reader has run. A value is freed after its last read in the order unless an
 evicted value the order still reads is computed from it. With `hold`, values that a step's
 recomputations read stay resident (evictable) until the step has run, rather than being freed at once.
-Every combination of the options (`DtrOptions`: the problem's order and/or moccasin's low-peak
-`memory_order`, heuristics, staleness, hold, budget allowances) is walked, each walk stopping once it
-costs more than the best so far (each better schedule is logged as progress). Before the walks,
-`insertion` runs the peak-directed recomputation insertion greedy (tasks/solve/core/peak_insertion.py) from
-each order: it does not thrash where the walks do (random layered graphs at 0.8). The simulator checks
-each schedule (a walk's peak is at most the walk's own count, since a copy is live only until its last
-read) and the cheapest within the budget is returned. When the problem offers implementation variants,
-all of this runs once per candidate choice of them (tasks/solve/core/fixed_variants.py: the time-saving
-families, such as the GELU's tanh by its sigmoid identity, alone and with the memory-saving families,
-each fixed on every node offering it), each schedule running its choice's variants;
+Every combination of the options (`DtrOptions`: the problem's order, moccasin's low-peak `memory_order`
+and, with the optimizer inside the step, `update_order` (each parameter's later readers before its
+gradient, so it is updated as soon as the gradient is made), heuristics, staleness, hold, budget
+allowances) is walked, each walk stopping once it costs more than the best so far (each better schedule
+is logged as progress). Before the walks, `insertion` runs the peak-directed recomputation insertion
+greedy (tasks/solve/core/peak_insertion.py) from each order: it does not thrash where the walks do
+(random layered graphs at 0.8). The simulator checks each schedule (a walk's peak is at most the walk's
+own count, since a copy is live only until its last read) and the cheapest within the budget is
+returned. When the problem offers implementation variants, all of this runs once per candidate choice of
+them (tasks/solve/core/fixed_variants.py: the time-saving families, such as the GELU's tanh by its sigmoid
+identity, alone and with the memory-saving families, each fixed on every node offering it, and with each
+node-local variant fixed where it needs less workspace), each schedule running its choice's variants;
 a choice whose nodes, each computed once, already cost more than the best schedule found is skipped (as
 profiled on this CPU, MobileNet-V2's masks and output-activated BatchNorm add 36-61% to the step, more
 than the recomputation they could save).
@@ -48,7 +50,7 @@ import scipy.sparse as sp
 
 from tasks.solve.core.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
 from tasks.solve.core.milp import Progress
-from tasks.solve.core.orders import keeps_random_order, memory_order
+from tasks.solve.core.orders import keeps_random_order, memory_order, update_order
 from tasks.solve.core.peak_insertion import peak_insertion_schedule
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
@@ -63,8 +65,11 @@ class DtrOptions:
     """Options of `dtr`: every combination of the listed heuristics, staleness measures and allowances is
     run; the cheapest schedule within the budget is kept."""
 
-    orders: tuple[Literal["default", "memory"], ...] = field(default=("default", "memory"), metadata={
-        "help": "orders walked: 'default' (the problem's) and/or 'memory' (moccasin's low-peak topological order)."})
+    orders: tuple[Literal["default", "memory", "update"], ...] = field(default=("default", "memory", "update"),
+                                                                       metadata={
+        "help": "orders walked: 'default' (the problem's), 'memory' (moccasin's low-peak topological order) and/or "
+                "'update' (with the optimizer inside the step: each parameter's later readers before its gradient, "
+                "tasks/solve/core/orders.py update_order; walked only where it differs from the default)."})
     heuristics: tuple[Heuristic, ...] = field(default=("lookahead", "local"), metadata={
         "help": "evicted-neighbourhood cost: 'eq' (h_DTR^eq), 'local' (h_DTR^local), 'lookahead' (eq plus the "
                 "inputs that will be gone at the next use)."})
@@ -327,6 +332,10 @@ def _walk_all(problem: Problem, budget: int, opts: DtrOptions, deadline: float |
         order = memory_order(problem)
         if keeps_random_order(problem, order):
             walks["memory"] = replace(problem, order=order)
+    if "update" in opts.orders and problem.updates:
+        order = update_order(problem)
+        if not np.array_equal(order, problem.order) and keeps_random_order(problem, order):
+            walks["update"] = replace(problem, order=order)
     # the insertion greedy gets at most half the time: on large operator graphs (a 24-layer GPT-2 at 0.3
     # of its peak) it can take minutes where the walks find the same schedule in seconds
     insertion_deadline = None if deadline is None else start + (deadline - start) / 2

@@ -21,8 +21,9 @@ from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
 aten = torch.ops.aten
 # bit-identical to ATen (rules, and the variant names of rule `inplace`); the others within the validation tolerance
 EXACT_RULES = {"mask", "bitmask", "compact", "inplace", "mask-inplace", "bitmask-inplace"}
-EXPECTED = {"resnet18": {"mask", "bitmask", "output", "compact", "inplace"}, "mobilenet_v2": {"mask", "bitmask", "output"},
-            "vgg11": {"mask", "bitmask", "compact", "inplace"}, "gpt2_sdpa": {"output", "math"}}
+EXPECTED = {"resnet18": {"mask", "bitmask", "output", "compact", "inplace", "native"},
+            "mobilenet_v2": {"mask", "bitmask", "output", "native"}, "vgg11": {"mask", "bitmask", "compact", "inplace", "native"},
+            "gpt2_sdpa": {"output", "math"}}
 
 
 def variant_schedule(graph, variants, rules):
@@ -192,7 +193,8 @@ def test_max_pool_window_positions_rebuild_atens_indices_and_gradient(kernel, st
 
 
 def test_registry_lists_every_rule_under_its_own_name():
-    assert list(RULES) == ["mask", "output", "compact", "math", "bitmask", "inplace", "sigmoid"]   # value-id order
+    assert list(RULES) == ["mask", "output", "compact", "math", "bitmask", "inplace", "sigmoid",
+                           "native"]   # value-id order
     assert all(rule.name == name for name, rule in RULES.items())
 
 

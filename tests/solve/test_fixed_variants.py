@@ -125,3 +125,23 @@ def test_a_variant_that_only_saves_time_is_fixed_in_every_choice(cost, workspace
         sol = solve(p, "dtr", budget)
         assert sol.feasible and sol.objective == pytest.approx(brute_force(p, budget)), (budget, sol.schedule)
         assert [s[2:] for s in sol.schedule if s[0] == "compute" and s[1] == 0] == [("fast",)] * runs
+
+
+def test_a_variant_is_fixed_where_it_needs_less_workspace_and_dtr_prices_its_time():
+    """f_0 and f_1 both offer "lean", reading and making their defaults' values: at f_0 it needs no workspace
+    where the default needs 16 B (and costs 3, not 2), at f_1 8 B where the default needs none. Fixed on all
+    nodes the family saves nothing at checkpoint-all (f_0's step, 8 + 16 B, becomes f_1's, 8 + 8 + 8 B), so the
+    lean candidate fixes it on f_0 alone; at 20 B only that choice fits (f_0: 8 B, f_1: 16 B, the loss step
+    20 B), and dtr runs it at cost 3 + 2 + 1 + 1 + 1."""
+    from dataclasses import replace
+
+    from tasks.solve.core.fixed_variants import lean_choice
+
+    p = replace(fast_first(2.0), workspace=np.array([16, 0, 0, 0, 0], np.int64),
+                variants=((Variant("lean", 3.0, 0, (0,), (1,)),), (Variant("lean", 1.0, 8, (1,), (2,)),), (), (), ()))
+    assert simulate(p, default_schedule(p)).peak_bytes == 24
+    assert lean_choice(p) == {0: "lean"}
+    assert candidate_choices(p) == [{}, {0: "lean"}]
+    sol = solve(p, "dtr", 20)
+    assert sol.feasible and sol.objective == pytest.approx(8.0)
+    assert [s[2:] for s in sol.schedule if s[0] == "compute" and s[1] in (0, 1)] == [("lean",), ()]

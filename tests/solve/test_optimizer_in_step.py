@@ -166,3 +166,23 @@ def test_updates_after_one_step_run_as_one_optimizer_step():
                                       ([((gw1,), (w1,)), ((gw2,), (w2,))], True, 160)):
         sim = simulate(in_step(p, updates, "adamw", foreach), schedule(0, 1, 2))
         assert sim.timeline.tolist() == [40, 44, 4 + 160 + scratch], (updates, foreach)
+
+
+def test_update_order_moves_the_parameters_later_readers_before_its_gradient():
+    """`update_order`: n3 (dx, reads W) moves before n2 (dW), so dW dies in the step that makes it (hand-worked
+    timeline: a freed after n1, dx then dW, loss and out to the end); a reader of W that depends on the
+    gradient stays after it; without updates the order is the default."""
+    from dataclasses import replace
+
+    from tasks.solve.core.orders import update_order
+
+    p = in_step(problem(), [((GW,), (W,))], "sgd")
+    order = update_order(p)
+    assert order.tolist() == [0, 1, 3, 2, 4]
+    sim = simulate(p, schedule(*order.tolist()))
+    assert sim.timeline.tolist() == [40, 44, 34, 134, 54]
+    (dw,) = np.flatnonzero(sim.copy_value == GW)
+    assert sim.copy_start[dw] == sim.copy_end[dw] == 3
+    reads_gradient = replace(p, node_inputs=((W, X), (A,), (LOSS, X), (LOSS, W, GW), (GX,)))
+    assert update_order(reads_gradient).tolist() == [0, 1, 2, 3, 4]
+    assert update_order(problem()).tolist() == [0, 1, 2, 3, 4]

@@ -14,9 +14,14 @@ then plans recomputation on the result with a recompute-only solver (`dtr`):
   more workspace, and its nodes, as profiled, cost at least `TIME_SAVING` less together than their
   defaults (the fused GELU's tanh by its sigmoid identity): every schedule then holds the same memory and
   costs less, so every candidate fixes it;
+- a variant is **node-local** when it reads and allocates its default's values, not in place (the tanh's
+  sigmoid identity, a convolution's weight gradient by ATen's native kernel): it can be fixed node by
+  node, and it is **lean** on the nodes where it needs less workspace than its default (the native weight
+  gradient on resnet18's last stage, not on its first, where its im2col buffer is the larger);
 - the candidate choices are the time-saving families alone, and with every memory-saving family
   together, once with each of the families that compete for the same nodes (`mask` or `bitmask` on one
-  ReLU) in turn.
+  ReLU) in turn; then, where some node offers a lean variant, the first choice with the leanest variant of
+  each such node fixed (the solver prices its time against the recomputation it saves).
 
 `fixed_problem` turns a choice into a problem without variants whose per-node arrays are the chosen
 implementations (value ids unchanged: the values no chosen implementation makes, such as the int64
@@ -95,10 +100,24 @@ def _time_saving(problem: Problem, choice: Choice) -> bool:
     return same and sum(v.cost for _, v in chosen) <= (1 - TIME_SAVING) * sum(problem.cost[n] for n, _ in chosen)
 
 
+def lean_choice(problem: Problem) -> Choice:
+    """Each node offering a lean node-local variant (module docstring) runs the one needing least workspace."""
+    choice: Choice = {}
+    for node in range(problem.num_nodes):
+        reads, makes = set(problem.node_inputs[node]), tuple(problem.node_outputs[node])
+        lean = [v for v in (problem.variants[node] if problem.has_variants else ())
+                if set(v.inputs) == reads and tuple(v.outputs) == makes and not v.overwrites
+                and v.workspace < problem.workspace[node]]
+        if lean:
+            choice[node] = min(lean, key=lambda v: v.workspace).name
+    return choice
+
+
 def candidate_choices(problem: Problem) -> list[Choice]:
     """The time-saving families alone, then with every memory-saving family together, one alternative per
-    combination of the memory-saving families competing for the same nodes (module docstring); duplicates
-    removed (without time-saving families the first choice is no variants)."""
+    combination of the memory-saving families competing for the same nodes, then the first with the lean
+    variants (module docstring); duplicates removed (without time-saving families the first choice is no
+    variants)."""
     if not problem.has_variants:
         return [{}]
     schedule = default_schedule(problem)
@@ -126,7 +145,11 @@ def candidate_choices(problem: Problem) -> list[Choice]:
         choice = family_choice(problem, order)
         if choice not in found:
             found.append(choice)
+    lean = lean_choice(problem)
+    if lean and {**found[0], **lean} not in found:
+        found.append({**found[0], **lean})
     return found
 
 
-__all__ = ["TIME_SAVING", "Choice", "candidate_choices", "family_choice", "fixed_problem", "tag_schedule"]
+__all__ = ["TIME_SAVING", "Choice", "candidate_choices", "family_choice", "fixed_problem", "lean_choice",
+           "tag_schedule"]

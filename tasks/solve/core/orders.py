@@ -1,5 +1,6 @@
-"""Topological orders several solvers start from (moccasin, dtr, olla): a low-peak greedy order, and
-the check that an order keeps the random nodes in their default relative order."""
+"""Topological orders several solvers start from (moccasin, dtr, olla): a low-peak greedy order, an order
+that lets the optimizer inside the step update each parameter right after its gradient, and the check that an
+order keeps the random nodes in their default relative order."""
 
 from __future__ import annotations
 
@@ -39,6 +40,37 @@ def memory_order(problem: Problem) -> np.ndarray:
             missing[s] -= 1
             if missing[s] == 0:
                 ready.add(s)
+    return np.asarray(order, dtype=np.int64)
+
+
+def update_order(problem: Problem) -> np.ndarray:
+    """The default order with each parameter's later readers moved to just before the node that makes its
+    gradient, where the graph allows (every value such a reader reads, in any of its implementations, is made
+    earlier; random nodes stay put). With the optimizer inside the step a parameter is updated after its last
+    read (`runtime.schedule.update_steps`): a convolution's input gradient, which reads the weight, then runs
+    before its weight gradient, and the weight is updated, and its gradient freed, right after the gradient is
+    made. Equal to the default order for a problem without updates."""
+    order = [int(v) for v in problem.order]
+    producer, randoms = problem.value_producer, set(problem.random_nodes)
+    readers: dict[int, list[int]] = {}
+    for node in order:
+        for impl in problem.impls(node):
+            for v in problem.variant(node, impl).inputs:
+                readers.setdefault(int(v), []).append(node)
+    for update in problem.updates:
+        position = {node: k for k, node in enumerate(order)}
+        makers = [int(producer[g]) for g in update.grads if producer[g] >= 0]
+        if not makers:
+            continue
+        gradient = max(makers, key=position.__getitem__)
+        later = sorted({r for p in update.params for r in readers.get(p, ()) if position[r] > position[gradient]
+                        and r not in randoms}, key=position.__getitem__)
+        for reader in later:
+            reads = {int(v) for impl in problem.impls(reader) for v in problem.variant(reader, impl).inputs}
+            if all(producer[v] < 0 or position[int(producer[v])] < position[gradient] for v in reads):
+                order.remove(reader)
+                order.insert(order.index(gradient), reader)
+                position = {node: k for k, node in enumerate(order)}
     return np.asarray(order, dtype=np.int64)
 
 
