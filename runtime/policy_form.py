@@ -26,6 +26,11 @@ recomputed (PREFER_RECOMPUTE). What autograd does with that, as a schedule:
   values die at their last read, cannot express for a value nobody reads then. `settled` drops such
   saves (their nodes are then recomputed, as autograd would run them).
 
+- a checkpointed region's frame keeps the values the region was called with (`frame_inputs`: made outside
+  it, read by its forward; Llama's attention mask, made once and passed to every layer) until the last
+  autograd Node holding a tensor saved under the region has run (`frame_ends`); the schedule marks that
+  node's step with `"holds"` (docs/plan-format.md), so the simulator keeps them live through it.
+
 The simulator frees a value after the last op that reads it; autograd holds a saved tensor until the
 whole backward node of its forward op has run, and where that node is several ops of the graph (sin's
 backward: cos, then mul) a value lives one op longer than predicted, so the measured peak can exceed the
