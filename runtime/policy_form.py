@@ -296,9 +296,9 @@ def decisions(regions: Regions, schedule: Sequence[Mapping[str, Any]]) -> dict[s
         want = [s["compute"] for s in expected]
         i = next((i for i, (a, b) in enumerate(zip(computes, want)) if a != b), min(len(computes), len(want)))
         got = computes[i] if i < len(computes) else "the end"
+        expected_node = want[i] if i < len(want) else "the end"
         raise PolicyFormError(f"the plan's schedule is not one selective checkpointing can run: its compute step {i} "
-                              f"is node {got} where the policy form runs node {want[i] if i < len(want) else 'the end'} "
-                              f"({rule}). {fix}")
+                              f"is node {got} where the policy form runs node {expected_node} ({rule}). {fix}")
     for i, (step, form) in enumerate(zip(steps, expected)):
         if sorted(step.get("holds", ())) != form.get("holds", []):
             raise PolicyFormError(f"the plan's compute step {i} (node {computes[i]}) holds values "

@@ -7,7 +7,8 @@ step that overwrites it; freeing a value that is not resident or is a graph inpu
 outputs must be resident at the end. A compute step's `holds` must be resident too: values it keeps live
 without reading them (what a checkpoint's frame holds, runtime/policy_form.py). `walk` checks this and
 returns the value copies with their live ranges: a copy lives from the step computing it to its last read
-or hold (the step before an in-place step that overwrites it), a graph output's final copy to the end. Each caller words its own errors (`Complaints`).
+or hold (the step before an in-place step that overwrites it), a graph output's final copy to the end.
+Each caller words its own errors (`Complaints`).
 `update_steps` (the optimizer inside the step) and `gradient_buckets` (DistributedDataParallel's all-reduce)
 place per-gradient actions on a schedule, for the executor and the simulator alike.
 """

@@ -99,7 +99,8 @@ def _two_op_region() -> Regions:
     return Regions(order=tuple(range(8)),
                    inputs=((), (), (X, MASK), (A,), (B,), (LOSS, A), (GRAD_B, X), (GRAD_A,)),
                    outputs=((X,), (MASK,), (A,), (B,), (LOSS,), (GRAD_B,), (GRAD_A,), (GRAD_X,)),
-                   backward=frozenset({GRAD_B, GRAD_A, GRAD_X}), region_of=(None, None, "r", "r", None, None, None, None),
+                   backward=frozenset({GRAD_B, GRAD_A, GRAD_X}),
+                   region_of=(None, None, "r", "r", None, None, None, None),
                    random=frozenset(), allocating=frozenset(range(8)))
 
 
