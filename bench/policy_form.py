@@ -132,8 +132,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for label, row in rows.items():
         pred, message = predicted.get(label, (None, ""))
-        print(f"| {label} | {row['peak']:.3f} | {times[label] / times['eager']:.3f} | "
-              f"{'' if pred is None else f'{pred / eager_peak:.3f}'} | {row['err']:.1e} | {message} |")
+        print(f"| {label} | {row['peak']:.4f} | {times[label] / times['eager']:.3f} | "
+              f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | {row['err']:.1e} | {message} |")
 
 
 if __name__ == "__main__":

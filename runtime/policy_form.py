@@ -24,8 +24,7 @@ recomputed (PREFER_RECOMPUTE). What autograd does with that, as a schedule:
 - a saved node must be read by the region's backward or by a node it recomputes (`idle_saves`): the
   checkpoint cache holds a saved output until the recomputation reaches its op, which a schedule, whose
   values die at their last read, cannot express for a value nobody reads then. `settled` drops such
-  saves (their nodes are then recomputed, as autograd would run them).
-
+  saves (their nodes are then recomputed, as autograd would run them);
 - a checkpointed region's frame keeps the values the region was called with (`frame_inputs`: made outside
   it, read by its forward; Llama's attention mask, made once and passed to every layer) until the last
   autograd Node holding a tensor saved under the region has run (`frame_ends`); the schedule marks that
