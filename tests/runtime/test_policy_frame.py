@@ -121,3 +121,17 @@ def test_a_policy_plan_must_hold_what_the_frame_holds():
     with pytest.raises(PolicyFormError, match=r"compute step 7 \(node 6\) holds values \[\] where the policy form "
                                               r"holds \[0, 1\]"):
         decisions(regions, without)
+
+
+def test_a_read_of_a_shared_input_belongs_to_the_region_whose_backward_runs_then():
+    """r1 and r2 both read `mask`, as every Llama layer reads the attention mask: a backward node reading it
+    after r1's backward has begun ends r1's frame, not r2's."""
+    x, mask, a1, b1, a2, b2, loss, g2, g2x, g1, g1x = range(11)
+    regions = Regions(order=tuple(range(11)),
+                      inputs=((), (), (x, mask), (a1,), (b1, mask), (a2,), (b2,), (loss, a2), (g2, mask), (g2x, a1),
+                              (g1, mask)),
+                      outputs=tuple((n,) for n in range(11)), backward=frozenset({g2, g2x, g1, g1x}),
+                      region_of=(None, None, "r1", "r1", "r2", "r2", None, None, None, None, None),
+                      random=frozenset(), allocating=frozenset(range(11)))
+    assert regions.frame_inputs == {"r1": (x, mask), "r2": (mask, b1)}
+    assert regions.frame_ends == {"r2": g2x, "r1": g1x}
