@@ -8,11 +8,12 @@ with eager attention and the key/value cache off (`runtime.policy.capture_eager`
 attention mask; a checkpointed layer must not update a cache twice). Rows:
 eager; eager under torch.compile (`aot_eager_decomp_partition`, bench/peers.py's CPU compile); transformers'
 per-block `torch.utils.checkpoint` and torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`),
-each in eager and compiled; memplan `selective-policy` plans, solved on this run's profile of the eager capture at each fraction of the
-no-recomputation peak and at the least it reaches, run by `runtime.apply` in eager and compiled. Peaks are
-`PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both as ratios
-to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak; "grad err" the
-largest gradient difference from eager (compiled dropout draws its masks differently).
+each in eager and compiled; memplan `selective-policy` plans, solved on this run's profile of the eager
+capture at each fraction of the no-recomputation peak and at the least it reaches (`least_fraction`), run by
+`runtime.apply` in eager and compiled. Peaks are `PeakMeter(allocator=True)` of a step after the first,
+times medians of interleaved rounds, both as ratios to eager's; "predicted" is the simulator's peak for the
+plan over eager's measured peak; "grad err" the largest gradient difference from eager (compiled dropout
+draws its masks differently).
 """
 
 from __future__ import annotations
@@ -66,6 +67,23 @@ def compiled(model, loss_fn, batch):
     return model, step
 
 
+def least_fraction(problem, full: int, steps: int = 12) -> float | None:
+    """The least predicted peak (fraction of `full`) `selective-policy` reaches: below the grid point of
+    `smallest_fraction`, the budget bisected `steps` times (the grid alone stops at the first fraction that
+    fails, above the least peak, where the solver returns a cheaper plan)."""
+    coarse = smallest_fraction(problem, "selective-policy", SolveOptions(), full)
+    if coarse is None:
+        return None
+    low, high = 0, round(coarse * full)
+    for _ in range(steps):
+        solution = solve(problem, "selective-policy", (low + high) // 2)
+        if solution.feasible:
+            high = solution.predicted_peak_bytes
+        else:
+            low = (low + high) // 2
+    return high / full
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
@@ -88,14 +106,14 @@ def main() -> None:
         runs[label] = (sac, step)
         runs[label + ", compiled"] = compiled(sac, loss_fn, batch)
     predicted = {}
-    least = smallest_fraction(problem, "selective-policy", SolveOptions(), full)
+    least = least_fraction(problem, full)
     for fraction in sorted({*args.fractions, *([least] if least else [])}, reverse=True):
-        solution = solve(problem, "selective-policy", int(fraction * full))
+        solution = solve(problem, "selective-policy", round(fraction * full))
         if not solution.feasible:
             continue
         plan = solution.to_plan(problem)
         plan.provenance.update(graph_provenance(graph))
-        label = f"memplan policy @ {fraction:.2f}"
+        label = f"memplan policy @ {fraction:.3f}"
         applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
         runs[label] = (applied, lambda m=applied: loss_fn(m, *batch).backward())
         runs[label + ", compiled"] = compiled(runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph),
@@ -114,8 +132,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for label, row in rows.items():
         pred, message = predicted.get(label, (None, ""))
-        print(f"| {label} | {row['peak']:.3f} | {times[label] / times['eager']:.3f} | "
-              f"{'' if pred is None else f'{pred / eager_peak:.3f}'} | {row['err']:.1e} | {message} |")
+        print(f"| {label} | {row['peak']:.4f} | {times[label] / times['eager']:.3f} | "
+              f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | {row['err']:.1e} | {message} |")
 
 
 if __name__ == "__main__":

@@ -43,9 +43,18 @@ def op_name(func: Any) -> str:
     return getattr(func, "_opname", str(func)).rstrip("_")
 
 
+UNTRACKED_VIEWS = frozenset({"aten::_unsafe_view"})
+"""Ops whose result shares its input's storage though the schema declares no alias (autograd does not track
+it as a view): `matmul` reshapes its `mm` / `bmm` result so in eager PyTorch, where a traced graph may not."""
+
+
 def is_view(func: Any) -> bool:
-    """Whether every result of `func` aliases an input without writing it (a view allocates nothing)."""
-    returns = getattr(getattr(func, "_schema", None), "returns", ())
+    """Whether every result of `func` aliases an input without writing it (a view allocates nothing),
+    `UNTRACKED_VIEWS` included."""
+    schema = getattr(func, "_schema", None)
+    if getattr(schema, "name", None) in UNTRACKED_VIEWS:
+        return True
+    returns = getattr(schema, "returns", ())
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 

@@ -39,8 +39,9 @@ def memplan_version() -> str:
 
 def normalize_step(step: Any, where: str = "step") -> dict[str, Any]:
     """One schedule step as its JSON dict: `{"compute": N}`, `{"compute": N, "impl": name}` or
-    `{"free": X}`. Accepts those dicts or the tuples `("compute", N[, impl])` / `("free", X)`; the
-    default implementation is written without `impl`."""
+    `{"free": X}`; a compute may also carry `"holds": [X, ...]`, values it keeps live without reading them
+    (docs/plan-format.md), written sorted without repeats. Accepts those dicts or the tuples
+    `("compute", N[, impl])` / `("free", X)`; the default implementation is written without `impl`."""
     if isinstance(step, (tuple, list)) and step and step[0] in ("compute", "free"):
         if step[0] == "compute" and len(step) in (2, 3):
             step = {"compute": step[1]} if len(step) == 2 or step[2] is None else {"compute": step[1], "impl": step[2]}
@@ -48,16 +49,23 @@ def normalize_step(step: Any, where: str = "step") -> dict[str, Any]:
             step = {"free": step[1]}
     if isinstance(step, Mapping):
         keys = set(step)
-        if keys in ({"compute"}, {"compute", "impl"}, {"free"}):
+        if keys in ({"compute"}, {"compute", "impl"}, {"free"}, {"compute", "holds"}, {"compute", "impl", "holds"}):
             ref = step.get("compute", step.get("free"))
             impl = step.get("impl")
-            if isinstance(ref, int) and not isinstance(ref, bool) and ref >= 0 and (impl is None or isinstance(impl, str)):
+            holds = step.get("holds", [])
+            if _is_id(ref) and (impl is None or isinstance(impl, str)) and isinstance(holds, (list, tuple)) \
+                    and all(_is_id(v) for v in holds):
                 if "free" in step:
                     return {"free": ref}
-                return {"compute": ref} if impl in (None, DEFAULT) else {"compute": ref, "impl": impl}
+                out = {"compute": ref} if impl in (None, DEFAULT) else {"compute": ref, "impl": impl}
+                return {**out, "holds": sorted(set(holds))} if holds else out
     raise PlanError(
-        f"{where} is {step!r:.120}; a step is {{\"compute\": node_id}} (optionally with \"impl\": name) or "
-        f"{{\"free\": value_id}} with a non-negative integer id.")
+        f"{where} is {step!r:.120}; a step is {{\"compute\": node_id}} (optionally with \"impl\": name and "
+        f"\"holds\": [value_id, ...]) or {{\"free\": value_id}} with non-negative integer ids.")
+
+
+def _is_id(ref: Any) -> bool:
+    return isinstance(ref, int) and not isinstance(ref, bool) and ref >= 0
 
 
 @dataclass

@@ -24,7 +24,11 @@ recomputed (PREFER_RECOMPUTE). What autograd does with that, as a schedule:
 - a saved node must be read by the region's backward or by a node it recomputes (`idle_saves`): the
   checkpoint cache holds a saved output until the recomputation reaches its op, which a schedule, whose
   values die at their last read, cannot express for a value nobody reads then. `settled` drops such
-  saves (their nodes are then recomputed, as autograd would run them).
+  saves (their nodes are then recomputed, as autograd would run them);
+- a checkpointed region's frame keeps the values the region was called with (`frame_inputs`: made outside
+  it, read by its forward; Llama's attention mask, made once and passed to every layer) until the last
+  autograd Node holding a tensor saved under the region has run (`frame_ends`); the schedule marks that
+  node's step with `"holds"` (docs/plan-format.md), so the simulator keeps them live through it.
 
 The simulator frees a value after the last op that reads it; autograd holds a saved tensor until the
 whole backward node of its forward op has run, and where that node is several ops of the graph (sin's
@@ -168,6 +172,41 @@ class Regions:
                     found[name] = order[at]
         return found
 
+    @cached_property
+    def called_with(self) -> dict[str, frozenset[int]]:
+        """Per region, the values its forward reads that are made outside it (graph inputs included): the
+        checkpointed function's arguments and what it reads of the model."""
+        out = {}
+        for name, nodes in self.members.items():
+            own = {v for n in nodes for v in self.outputs[n]}
+            out[name] = frozenset(v for n in nodes for v in self.inputs[n] if v not in own)
+        return out
+
+    @cached_property
+    def frame_inputs(self) -> dict[str, tuple[int, ...]]:
+        """Per region, `called_with` less graph inputs (always resident): what checkpoint's frame keeps
+        alive, as the arguments to rerun the region from."""
+        made = {v for values in self.outputs for v in values}
+        return {name: tuple(sorted(values & made)) for name, values in self.called_with.items()}
+
+    @cached_property
+    def frame_ends(self) -> dict[str, int]:
+        """Per region with a backward, its last backward node whose autograd Node unpacks a tensor saved
+        under the region's checkpoint, which references the frame (and with it `frame_inputs`) until it has
+        run: the last node that reads one of the region's own values (`owners`) or, before another region's
+        next such node, one of `called_with` (the first linear's weight gradient reads the region's input)."""
+        last: dict[str, int] = {}
+        span: set[str] = set()
+        for node in self.order:
+            if node not in self.backward:
+                continue
+            span = self.owners[node] or span
+            reads = set(self.inputs[node])
+            for name in span:
+                if name in self.owners[node] or reads & self.called_with[name]:
+                    last[name] = node
+        return last
+
     def recomputed(self, name: str, saved: Sequence[int] | frozenset[int]) -> list[int]:
         """The nodes region `name` reruns before its backward when it saves `saved`."""
         return [n for n in self.rerun[name] if n not in saved]
@@ -189,7 +228,7 @@ class Regions:
         return {n for n in saved if not read & set(self.outputs[n])}
 
 
-def policy_schedule(regions: Regions, saved: Mapping[str, Sequence[int] | frozenset[int]]) -> list[dict[str, int]]:
+def policy_schedule(regions: Regions, saved: Mapping[str, Sequence[int] | frozenset[int]]) -> list[dict[str, Any]]:
     """The schedule autograd runs when each region `name` in `saved` is checkpointed saving `saved[name]`
     (a subset of `regions.savable[name]` without idle saves); regions not in `saved` are not checkpointed."""
     for name, keep in saved.items():
@@ -209,14 +248,17 @@ def policy_schedule(regions: Regions, saved: Mapping[str, Sequence[int] | frozen
                                   f"recomputation reaches them, longer than the schedule says. Save "
                                   f"`Regions.settled(name, saved)` instead.")
     before: dict[int, list[int]] = {}
+    holds: dict[int, set[int]] = {}
     for name, keep in saved.items():
         trigger, rerun = regions.trigger(name), regions.recomputed(name, frozenset(keep))
         if trigger is not None and rerun:
             before.setdefault(trigger, []).extend(rerun)
-    steps: list[dict[str, int]] = []
+            if regions.frame_inputs[name]:
+                holds.setdefault(regions.frame_ends[name], set()).update(regions.frame_inputs[name])
+    steps: list[dict[str, Any]] = []
     for node in regions.order:
         steps.extend({"compute": n} for n in before.get(node, ()))
-        steps.append({"compute": node})
+        steps.append({"compute": node, "holds": sorted(holds[node])} if node in holds else {"compute": node})
     return steps
 
 
@@ -247,13 +289,22 @@ def decisions(regions: Regions, schedule: Sequence[Mapping[str, Any]]) -> dict[s
             raise PolicyFormError(f"the plan's schedule is not one selective checkpointing can run: region {name!r} "
                                   f"would keep nodes {sorted(idle)[:5]} from the forward that neither its backward "
                                   f"nor its recomputation reads ({rule}). {fix}")
-    expected = [int(s["compute"]) for s in policy_schedule(regions, saved)]
-    if computes != expected:
-        i = next((i for i, (a, b) in enumerate(zip(computes, expected)) if a != b), min(len(computes), len(expected)))
+    steps = [s for s in schedule if "compute" in s]
+    expected = policy_schedule(regions, saved)
+    if computes != [s["compute"] for s in expected]:
+        want = [s["compute"] for s in expected]
+        i = next((i for i, (a, b) in enumerate(zip(computes, want)) if a != b), min(len(computes), len(want)))
         got = computes[i] if i < len(computes) else "the end"
-        want = expected[i] if i < len(expected) else "the end"
+        expected_node = want[i] if i < len(want) else "the end"
         raise PolicyFormError(f"the plan's schedule is not one selective checkpointing can run: its compute step {i} "
-                              f"is node {got} where the policy form runs node {want} ({rule}). {fix}")
+                              f"is node {got} where the policy form runs node {expected_node} ({rule}). {fix}")
+    for i, (step, form) in enumerate(zip(steps, expected)):
+        if sorted(step.get("holds", ())) != form.get("holds", []):
+            raise PolicyFormError(f"the plan's compute step {i} (node {computes[i]}) holds values "
+                                  f"{sorted(step.get('holds', ()))[:5]} where the policy form holds "
+                                  f"{form.get('holds', [])[:5]}: a checkpointed region's frame keeps the values it "
+                                  f"was called with until the region's last backward node has run, and the "
+                                  f"prediction must count them there. {fix}")
     return saved
 
 

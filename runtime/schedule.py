@@ -4,9 +4,11 @@ and the simulator (`tasks.solve.core.simulator.simulate`).
 A schedule is valid when every compute finds its inputs resident: graph inputs always are; a value is
 resident once computed (by an implementation that allocates it), until an explicit free or an in-place
 step that overwrites it; freeing a value that is not resident or is a graph input is an error; graph
-outputs must be resident at the end. `walk` checks this and returns the value copies with their live
-ranges: a copy lives from the step computing it to its last read (the step before an in-place step that
-overwrites it), a graph output's final copy to the end. Each caller words its own errors (`Complaints`).
+outputs must be resident at the end. A compute step's `holds` must be resident too: values it keeps live
+without reading them (what a checkpoint's frame holds, runtime/policy_form.py). `walk` checks this and
+returns the value copies with their live ranges: a copy lives from the step computing it to its last read
+or hold (the step before an in-place step that overwrites it), a graph output's final copy to the end.
+Each caller words its own errors (`Complaints`).
 `update_steps` (the optimizer inside the step) and `gradient_buckets` (DistributedDataParallel's all-reduce)
 place per-gradient actions on a schedule, for the executor and the simulator alike.
 """
@@ -77,6 +79,15 @@ def walk(steps: Iterable[Mapping[str, Any]], num_nodes: int, num_values: int, is
             spec = io(i, node, step.get("impl"))
             w.io.append(spec)
             for v in spec.inputs:
+                if is_input(v):
+                    continue
+                if v not in current:
+                    raise complaints.absent_input(i, node, v, _absence(v, freed_at, overwritten_at))
+                copy_end[current[v]] = i
+            for v in step.get("holds", ()):               # kept live through the step, not read
+                if v >= num_values:
+                    raise complaints.error(f"schedule[{i}] holds value {v}, which does not exist "
+                                           f"(0..{num_values - 1}).")
                 if is_input(v):
                     continue
                 if v not in current:

@@ -252,8 +252,12 @@ def test_refusals_of_malformed_keys_say_what_the_key_must_be(tmp_path):
     assert str(err.value) == "plan key 'provenance' must be an object with string keys."
     with pytest.raises(PlanError) as err:
         normalize_step(("run", 1))
-    assert str(err.value) == ("step is ('run', 1); a step is {\"compute\": node_id} (optionally with \"impl\": name) "
-                              "or {\"free\": value_id} with a non-negative integer id.")
+    assert str(err.value) == ("step is ('run', 1); a step is {\"compute\": node_id} (optionally with \"impl\": name and "
+                              "\"holds\": [value_id, ...]) or {\"free\": value_id} with non-negative integer ids.")
+    with pytest.raises(PlanError, match="non-negative integer ids"):
+        normalize_step({"compute": 1, "holds": [2, -1]})
+    assert normalize_step({"compute": 1, "holds": [3, 2, 3]}) == {"compute": 1, "holds": [2, 3]}
+    assert normalize_step({"compute": 1, "holds": []}) == {"compute": 1}
     with pytest.raises(PlanError) as err:
         Plan.load({"format": "memplan-plan", "version": 3, "fingerprint": "f", "schedule": []})
     assert str(err.value) == ("plan dict: plan format version 3 is not supported (this memplan reads versions 1, 2); "

@@ -143,3 +143,22 @@ def test_backward_calls_align_with_the_graph_past_ops_only_one_side_has():
                  ("mm", 4)]
     calls = [("mul", 10), ("detach", 11), ("add", 13), ("mm", 14), ("mm", 14)]   # eager ran nodes 1, 2 otherwise
     assert match_nodes(graph_ops, calls) == {0: 10, 3: 13, 4: 14}
+
+
+def test_an_eager_matmuls_unsafe_view_neither_skips_graph_ops_nor_saves_them():
+    """Eager attention's `attn @ v` is bmm then `_unsafe_view`; the traced graph has the bmm alone, then the
+    output projection (clone, mm, `_unsafe_view`) and the residual add. Matching the eager `_unsafe_view`
+    to the projection's would skip the clone and mm and give them the saved add's MUST_SAVE (Llama: 1 MiB
+    a layer above the prediction). `_unsafe_view` allocates nothing: a view on both sides."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    from runtime.ops import is_view
+    from runtime.policy import _Matcher
+
+    aten = torch.ops.aten
+    graph_ops = [(aten.bmm.default, 93), (aten.clone.default, 94), (aten.mm.default, 95),
+                 (aten._unsafe_view.default, 95), (aten.add.Tensor, 96)]
+    matcher = _Matcher([(op, n) for op, n in graph_ops if not is_view(op)], frozenset({96}))    # as region_ops
+    eager = [aten.bmm.default, aten._unsafe_view.default, aten.transpose.int, aten.clone.default, aten.view.default,
+             aten.t.default, aten.mm.default, aten._unsafe_view.default, aten.add.Tensor]
+    saved = [op for op in eager if matcher.decide(op) is CheckpointPolicy.MUST_SAVE]
+    assert saved == [aten.add.Tensor] and matcher.at == len(matcher.ops)

@@ -40,6 +40,16 @@ def test_timeline_frees_after_last_read():
     assert sim.peak_bytes == 70 and sim.peak_step == 2 and sim.compute_cost == 10
 
 
+def test_a_hold_keeps_a_resident_value_live_through_its_step():
+    p = _diamond()
+    held = simulate(p, [("compute", 0), ("compute", 1), ("compute", 2), {"compute": 3, "holds": [0]}])
+    assert held.timeline.tolist() == [10, 30, 70, 75]          # a lives through d, which does not read it
+    with pytest.raises(InvalidSchedule, match=r"schedule\[4\] computes .*value 0, but it was freed at schedule\[3\]"):
+        simulate(p, [("compute", 0), ("compute", 1), ("compute", 2), ("free", 0), {"compute": 3, "holds": [0]}])
+    with pytest.raises(InvalidSchedule, match=r"schedule\[3\] holds value 9, which does not exist"):
+        simulate(p, [("compute", 0), ("compute", 1), ("compute", 2), {"compute": 3, "holds": [9]}])
+
+
 def test_recomputation_makes_a_fresh_copy_and_old_copy_dies_at_its_last_read():
     p = _diamond()
     sim = simulate(p, [{"compute": 0}, {"compute": 1}, {"compute": 0}, {"compute": 2}, {"compute": 3}])

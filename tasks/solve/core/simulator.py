@@ -6,7 +6,8 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
 - a compute allocates fresh copies of the node's outputs; later reads see the newest copy;
 - a copy is live from the step computing it through the step holding its last read before the value
   is computed again (a copy never read lives during its own step only); an explicit free can only
-  come after that last read, so it releases nothing earlier;
+  come after that last read, so it releases nothing earlier; a compute step's `holds` count as reads
+  (values something outside the graph keeps live, a checkpoint's frame: runtime/policy_form.py);
 - the final copy of a graph output stays live to the end;
 - live memory during a compute step = live copies + the node's workspace; the peak is its maximum;
 - a compute step runs the implementation variant its `impl` names (default: the node as listed): the
