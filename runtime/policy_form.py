@@ -291,8 +291,8 @@ def decisions(regions: Regions, schedule: Sequence[Mapping[str, Any]]) -> dict[s
                                   f"nor its recomputation reads ({rule}). {fix}")
     steps = [s for s in schedule if "compute" in s]
     expected = policy_schedule(regions, saved)
-    if computes != [s["compute"] for s in expected]:
-        want = [s["compute"] for s in expected]
+    want = [s["compute"] for s in expected]
+    if computes != want:
         i = next((i for i, (a, b) in enumerate(zip(computes, want)) if a != b), min(len(computes), len(want)))
         got = computes[i] if i < len(computes) else "the end"
         expected_node = want[i] if i < len(want) else "the end"

@@ -78,16 +78,12 @@ def walk(steps: Iterable[Mapping[str, Any]], num_nodes: int, num_values: int, is
                 raise complaints.error(f"schedule[{i}] computes node {node}, which does not exist (0..{num_nodes - 1}).")
             spec = io(i, node, step.get("impl"))
             w.io.append(spec)
-            for v in spec.inputs:
-                if is_input(v):
-                    continue
-                if v not in current:
-                    raise complaints.absent_input(i, node, v, _absence(v, freed_at, overwritten_at))
-                copy_end[current[v]] = i
-            for v in step.get("holds", ()):               # kept live through the step, not read
-                if v >= num_values:
-                    raise complaints.error(f"schedule[{i}] holds value {v}, which does not exist "
-                                           f"(0..{num_values - 1}).")
+            holds = step.get("holds", ())                 # kept live through the step, not read
+            missing = next((v for v in holds if v >= num_values), None)
+            if missing is not None:
+                raise complaints.error(f"schedule[{i}] holds value {missing}, which does not exist "
+                                       f"(0..{num_values - 1}).")
+            for v in (*spec.inputs, *holds):
                 if is_input(v):
                     continue
                 if v not in current:
