@@ -42,12 +42,14 @@ def normalize_step(step: Any, where: str = "step") -> dict[str, Any]:
     `{"free": X}`; a compute may also carry `"holds": [X, ...]`, values it keeps live without reading them
     (docs/plan-format.md), written sorted without repeats. Accepts those dicts or the tuples
     `("compute", N[, impl])` / `("free", X)`; the default implementation is written without `impl`."""
+    if type(step) is tuple and len(step) == 2 and step[0] in ("compute", "free") and _is_id(step[1]):
+        return {step[0]: step[1]}                 # the solvers' steps: every simulation normalizes them
     if isinstance(step, (tuple, list)) and step and step[0] in ("compute", "free"):
         if step[0] == "compute" and len(step) in (2, 3):
             step = {"compute": step[1]} if len(step) == 2 or step[2] is None else {"compute": step[1], "impl": step[2]}
         elif step[0] == "free" and len(step) == 2:
             step = {"free": step[1]}
-    if isinstance(step, Mapping):
+    if isinstance(step, dict) or isinstance(step, Mapping):     # dict first: typing.Mapping's check is slow
         keys = set(step)
         if keys in ({"compute"}, {"compute", "impl"}, {"free"}, {"compute", "holds"}, {"compute", "impl", "holds"}):
             ref = step.get("compute", step.get("free"))

@@ -9,7 +9,7 @@ resident is recomputed, recursively (eq. 1b). Each entry set is forced, so R is 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -23,10 +23,10 @@ def forward_nodes(problem: Problem) -> list[int]:
     return [int(v) for v in problem.order if problem.is_recomputable[v]]
 
 
-def recompute_closure(problem: Problem, targets: Iterable[int], resident: np.ndarray) -> list[int]:
+def recompute_closure(problem: Problem, targets: Iterable[int], resident: Sequence[bool] | np.ndarray) -> list[int]:
     """Nodes to run, in default-order position, so that every node in `targets` can run: a target's
-    input that is not `resident` (a boolean mask over values; graph inputs always are) has its
-    producer added, and so on recursively (the eq. 1b fix of Algorithm 2 for one stage)."""
+    input that is not `resident` (a boolean mask over values, or anything indexed like one; graph inputs
+    always are) has its producer added, and so on recursively (the eq. 1b fix of Algorithm 2 for one stage)."""
     producer = problem.value_producer
     marked = set(targets)
     stack = list(marked)
@@ -37,8 +37,21 @@ def recompute_closure(problem: Problem, targets: Iterable[int], resident: np.nda
             if p >= 0 and not resident[v] and p not in marked:
                 marked.add(p)
                 stack.append(p)
+    if len(marked) == 1:
+        return list(marked)
     pos = problem.position
     return sorted(marked, key=lambda node: pos[node])
+
+
+class _ResidentAt:
+    """The mask `available_until >= t` of `schedule_from_checkpoints`, read per value instead of built per stage
+    (a stage of a recomputation fill reads a few values; the mask has one entry per value)."""
+
+    def __init__(self, available_until: list[int], t: int):
+        self.available_until, self.t = available_until, t
+
+    def __getitem__(self, value: int) -> bool:
+        return self.available_until[value] >= self.t
 
 
 def segment_windows(problem: Problem, kept: np.ndarray) -> np.ndarray:
@@ -82,15 +95,12 @@ def schedule_from_checkpoints(problem: Problem, kept: Iterable[int], *,
         raise ProblemError(f"kept values must be value ids 0..{problem.num_values - 1}, got "
                            f"{kept_ids[(kept_ids < 0) | (kept_ids >= problem.num_values)][:5].tolist()}.")
     kept_mask[kept_ids] = True
-    window = segment_windows(problem, kept_mask)
-    available_until = np.where(problem.value_producer < 0, NEVER, -1)
+    window = segment_windows(problem, kept_mask).tolist()
+    available_until = np.where(problem.value_producer < 0, NEVER, -1).tolist()
     schedule: list[tuple[str, int]] = []
     for t, node in enumerate(problem.order.tolist()):
-        for x in recompute_closure(problem, [node], available_until >= t):
+        for x in recompute_closure(problem, [node], _ResidentAt(available_until, t)):
             schedule.append(("compute", x))
-            outs = list(problem.node_outputs[x])
-            if x == node:
-                available_until[outs] = window[outs]
-            else:
-                available_until[outs] = NEVER if retain_recomputed else t
+            for v in problem.node_outputs[x]:
+                available_until[v] = window[v] if x == node else NEVER if retain_recomputed else t
     return schedule
