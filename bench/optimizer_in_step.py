@@ -285,7 +285,7 @@ def main() -> None:
         else:
             target.add_row(name, note, f"{peaks[baseline] / MiB:.1f}", *[""] * 7)
         lower = min_budget_lower_bound(inside)
-        update_floor = max(int(inside.value_bytes[list(u.grads)].sum()) + u.workspace for u in inside.updates)
+        update_floor = max(int(inside.value_bytes[list(u.grads)].sum()) + u.largest_workspace for u in inside.updates)
         for label in ("no recomputation", AT_TARGET):
             if f"{label}, inside" in runners:
                 step_label, grads, other, scratch = alive_at_peak(inside, runners[f"{label}, inside"][1].schedule)
