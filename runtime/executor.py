@@ -36,9 +36,11 @@ from runtime.cuda_graph import GraphedStep
 from runtime.ddp_sync import GradientSync
 from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
-from runtime.optim_step import InStepOptimizer, check_optimizer, refuse_accumulation, refuse_global_clipping, update_points
+from runtime.optim_step import (InStepOptimizer, check_optimizer, check_slice_bytes, refuse_accumulation,
+                                refuse_global_clipping, update_points)
 from runtime.plan import Plan
 from runtime.program import Program
+from runtime.schedule import UPDATE_SLICE_BYTES
 from runtime.variant_ops import head_node
 from runtime.variant_rules import emit_variant
 from runtime.variants import GraphVariants
@@ -195,7 +197,8 @@ class TrainStep:
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
                  graph: OpGraph | None = None, arena: bool = False, cuda_graph: bool = False,
                  optimizer: torch.optim.Optimizer | None = None, clip_grad_value: float | None = None,
-                 clip_grad_norm: float | None = None):
+                 clip_grad_norm: float | None = None, update_slice_bytes: int | None = UPDATE_SLICE_BYTES):
+        check_slice_bytes(update_slice_bytes)
         if optimizer is not None:
             check_optimizer(optimizer)
             refuse_global_clipping(clip_grad_norm)
@@ -229,6 +232,7 @@ class TrainStep:
         self.arena_report: dict[tuple, ArenaReport] = {}
         self.optimizer = optimizer
         self.clip_grad_value = clip_grad_value
+        self.update_slice_bytes = update_slice_bytes
         self._graph = graph
         self._compiled: dict[tuple, _Compiled] = {}
 
@@ -260,7 +264,7 @@ class TrainStep:
         in_step = updates = None
         if self.optimizer is not None:
             tensors = [grad_params[graph.outputs.index(grads[0]) - 1] for grads, _ in graph.gradient_updates()]
-            in_step = InStepOptimizer(self.optimizer, tensors, self.clip_grad_value)
+            in_step = InStepOptimizer(self.optimizer, tensors, self.clip_grad_value, self.update_slice_bytes)
             updates = update_points(graph, self.plan, variants, [k for k in range(len(tensors)) if in_step.holds(k)])
         reductions = None if self.gradient_sync is None else \
             self.gradient_sync.reduce_points(graph, self.plan, variants, program.grad_params)
@@ -307,7 +311,8 @@ class TrainStep:
 def load(plan_or_path: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module,
          loss_fn: Callable[..., torch.Tensor], graph: OpGraph | None = None, arena: bool = False,
          cuda_graph: bool = False, optimizer: torch.optim.Optimizer | None = None,
-         clip_grad_value: float | None = None, clip_grad_norm: float | None = None) -> TrainStep:
+         clip_grad_value: float | None = None, clip_grad_norm: float | None = None,
+         update_slice_bytes: int | None = UPDATE_SLICE_BYTES) -> TrainStep:
     """A training step running `model` and `loss_fn(model, *batch)` under the plan (a `Plan`, its JSON
     dict or a plan file). `graph`, a graph captured from the same model and batch shapes, saves the
     capture on the first call. `arena=True` places value copies at the plan's addresses (runtime.arena);
@@ -315,9 +320,12 @@ def load(plan_or_path: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.M
     graph (runtime.cuda_graph). `optimizer=opt` (a torch.optim optimizer over the model's parameters) runs it
     inside the step: each parameter it holds is updated right after its final gradient and that gradient is
     freed, so the step leaves no `.grad` for them (runtime.optim_step; docs/training.md); `clip_grad_value`
-    clamps each gradient elementwise first, and `clip_grad_norm` is refused there with the reason. A
+    clamps each gradient elementwise first, and `clip_grad_norm` is refused there with the reason;
+    `update_slice_bytes` bounds the slices in which it updates a large parameter whose update allocates
+    temporaries (runtime.schedule.UPDATE_SLICE_BYTES, which plans assume; None: whole). A
     `DistributedDataParallel`-wrapped model is captured through its `.module` and its gradients are all-reduced
     in DDP's buckets as the planned backward finishes them (runtime.ddp_sync; not with optimizer= or
     cuda_graph=True)."""
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
-    return TrainStep(plan, model, loss_fn, graph, arena, cuda_graph, optimizer, clip_grad_value, clip_grad_norm)
+    return TrainStep(plan, model, loss_fn, graph, arena, cuda_graph, optimizer, clip_grad_value, clip_grad_norm,
+                     update_slice_bytes)

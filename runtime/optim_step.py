@@ -12,11 +12,12 @@ scheduler stepping the user's optimizer works) and shares the user's state dict 
 calls, and `optimizer.load_state_dict` takes effect). For SGD, Adam and AdamW, once the parameters' state
 exists, the update is the class's functional API called as its `step()` calls it (runtime.optim_functional:
 the same update through far less code, which matters because each update runs cold, right after a backward
-kernel). Updates of different parameters are independent for the classes in `PER_PARAMETER`; others (LBFGS,
-which needs a closure over the whole model; SparseAdam) are refused. `update_points` says after which schedule
-step each parameter is updated (torch-free `runtime.schedule.update_steps`, the rule the simulator charges). The
-policy form (`step_in_backward`) stays per parameter: autograd runs post-accumulate-grad hooks one parameter at a
-time.
+kernel), and where it allocates temporaries (Adam's, AdamW's) a parameter larger than `slice_bytes` is updated in
+elementwise slices (`runtime.schedule.update_slices`), so they are a slice's, as the planner counts them. Updates
+of different parameters are independent for the classes in `PER_PARAMETER`; others (LBFGS, which needs a closure
+over the whole model; SparseAdam) are refused. `update_points` says after which schedule step each parameter is
+updated (torch-free `runtime.schedule.update_steps`, the rule the simulator charges). The policy form
+(`step_in_backward`) stays per parameter: autograd runs post-accumulate-grad hooks one parameter at a time.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from torch import optim
 
 from runtime.grads import accumulate_grad
 from runtime.graph import OpGraph
-from runtime.optim_functional import FUNCTIONAL
+from runtime.optim_functional import FUNCTIONAL, single_tensor, update_in_slices
 from runtime.plan import Plan
-from runtime.schedule import update_steps
+from runtime.schedule import UPDATE_SLICE_BYTES, update_steps
 from runtime.variants import GraphVariants
 
 PER_PARAMETER = (optim.SGD, optim.Adam, optim.AdamW, optim.Adamax, optim.NAdam, optim.RAdam, optim.Adagrad,
@@ -42,15 +43,18 @@ PER_PARAMETER = (optim.SGD, optim.Adam, optim.AdamW, optim.Adamax, optim.NAdam, 
 class InStepOptimizer:
     """Updates parameters `params[k]` from their gradients (`update(members, *grads)`, or one from its `.grad`:
     `step_accumulated(k)`) with an optimizer of `optimizer`'s class per update point (module docstring),
-    `clip_grad_value` clamping each gradient first; parameters the optimizer does not hold are not updated
-    (`holds`)."""
+    `clip_grad_value` clamping each gradient first, the functional updates of parameters larger than
+    `slice_bytes` in slices (runtime.optim_functional.update_in_slices; None: whole); parameters the optimizer
+    does not hold are not updated (`holds`)."""
 
     def __init__(self, optimizer: optim.Optimizer, params: Sequence[torch.Tensor],
-                 clip_grad_value: float | None = None):
+                 clip_grad_value: float | None = None, slice_bytes: int | None = UPDATE_SLICE_BYTES):
         check_optimizer(optimizer)
+        check_slice_bytes(slice_bytes)
         self.optimizer = optimizer
         self.params = list(params)
         self.clip_grad_value = clip_grad_value
+        self.slice_bytes = slice_bytes
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._groups = [group_of.get(id(p)) for p in self.params]
         self._together: dict[tuple[int, ...], optim.Optimizer] = {}   # parameter indices -> their optimizer
@@ -85,8 +89,8 @@ class InStepOptimizer:
 
     def _step(self, ks: tuple[int, ...]) -> None:
         """One step of the optimizer over `params[k]`, k in `ks` (one param group), from their `.grad`: the
-        class's functional update (`FUNCTIONAL`) once their state exists, else `step()` of an optimizer of the
-        class over them (which creates the state)."""
+        class's functional update (`FUNCTIONAL`) once their state exists, large parameters in slices where that
+        bounds its temporaries, else `step()` of an optimizer of the class over them (which creates the state)."""
         group = self._groups[ks[0]]
         params = [self.params[k] for k in ks]
         if self.clip_grad_value is not None:
@@ -94,7 +98,12 @@ class InStepOptimizer:
                 p.grad.clamp_(-self.clip_grad_value, self.clip_grad_value)
         states = [self.optimizer.state[p] for p in params]     # the user's optimizer's state (created empty)
         if self._functional is not None and self._functional.ready(states, group):
-            self._functional.update(params, [p.grad for p in params], states, group)
+            grads = [p.grad for p in params]
+            if self.slice_bytes is not None and self._functional.allocates(states, group) and \
+                    single_tensor(params, group):
+                update_in_slices(self._functional.update, params, grads, states, group, self.slice_bytes)
+            else:
+                self._functional.update(params, grads, states, group)
         else:
             together = self._together.get(ks)
             if together is None:
@@ -139,6 +148,16 @@ def check_optimizer(optimizer: object) -> None:
             raise ValueError(f"optimizer param_groups[{i}] has differentiable=True, which the optimizer inside the "
                              f"step does not support (it runs without autograd). Build the optimizer with "
                              f"differentiable=False, or load without optimizer= and step it yourself.")
+
+
+def check_slice_bytes(slice_bytes: object) -> None:
+    """Refuse an update slice size that is not a positive number of bytes (or None), in one paragraph."""
+    if slice_bytes is not None and (not isinstance(slice_bytes, int) or isinstance(slice_bytes, bool)
+                                    or slice_bytes <= 0):
+        raise ValueError(f"update_slice_bytes={slice_bytes!r} is not a number of bytes: pass a positive integer (the "
+                         f"largest slice of a parameter the optimizer inside the step updates at once; the planner's "
+                         f"default is {UPDATE_SLICE_BYTES}, runtime.schedule.UPDATE_SLICE_BYTES, which the plan's "
+                         f"prediction assumes) or None to update every parameter whole.")
 
 
 def update_points(graph: OpGraph, plan: Plan, variants: GraphVariants,

@@ -10,7 +10,8 @@ returns the value copies with their live ranges: a copy lives from the step comp
 or hold (the step before an in-place step that overwrites it), a graph output's final copy to the end.
 Each caller words its own errors (`Complaints`).
 `update_steps` (the optimizer inside the step) and `gradient_buckets` (DistributedDataParallel's all-reduce)
-place per-gradient actions on a schedule, for the executor and the simulator alike.
+place per-gradient actions on a schedule, for the executor and the simulator alike; `update_slices` says in which
+elementwise slices the optimizer inside the step updates a large parameter.
 """
 
 from __future__ import annotations
@@ -148,6 +149,27 @@ def update_steps(io: Sequence[StepIO | None],
         computed.update(spec.outputs)
     return [max(last[v] for v in (*grads, *params) if v in last) if computed.issuperset(grads) else None
             for grads, params in updates]
+
+
+UPDATE_SLICE_BYTES = 2**20
+"""The optimizer inside the step updates a parameter of more bytes than this in elementwise slices of at most
+this many bytes (`update_slices`), where its update allocates temporaries (AdamW's single-tensor kernels hold 2x
+the bytes they update): they then hold 2x a slice, not 2x the parameter. 1 MiB: ResNet-18's 9 MiB layer4 weights
+in 9 slices, whose temporaries (2 MiB, not 18 MiB) leave the gradient (9 MiB) most of the update's memory, each
+slice's update still long enough that its per-call cost is small beside its kernels' (bench/optimizer_in_step.py)."""
+
+SLICE_ALIGN = 64
+"""Slices start at multiples of this many bytes (a cache line; every element size divides it)."""
+
+
+def update_slices(nbytes: int, slice_bytes: int | None) -> list[tuple[int, int]]:
+    """The byte ranges [start, end) in which an update of a parameter of `nbytes` runs: the whole when
+    `slice_bytes` is None or `nbytes` at most `slice_bytes`, else consecutive ranges of `slice_bytes` rounded down
+    to a multiple of `SLICE_ALIGN` (at least `SLICE_ALIGN`), the last one shorter."""
+    if slice_bytes is None or nbytes <= slice_bytes:
+        return [(0, nbytes)]
+    size = max(SLICE_ALIGN, slice_bytes // SLICE_ALIGN * SLICE_ALIGN)
+    return [(start, min(start + size, nbytes)) for start in range(0, nbytes, size)]
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,34 @@ def test_updates_after_one_step_run_as_one_optimizer_step():
         assert sim.timeline.tolist() == [40, 44, 4 + 160 + scratch], (updates, foreach)
 
 
+def test_large_parameters_are_updated_in_slices_each_by_a_call_of_its_own():
+    """As above with slice_bytes = 70 (slices of 64 B, a multiple of SLICE_ALIGN): W1 (100 B) in slices of 64 and
+    36 B, each updated by an AdamW call of its own holding 2x the slice: 128 B at most, nothing after; W2 (60 B)
+    stays whole (120 B, 60 B carried). W2 then W1: W2's call ends before W1's slices; W1 then W2: W1's slices,
+    then W2 with nothing carried: 128 B either way, against 220 / 260 whole. The update floor: dW1 and 128 B.
+    SGD with momentum allocates nothing and foreach kernels hold every slice's temporaries at once, so neither
+    is sliced."""
+    w1, w2, x, a, loss, gw1, gw2 = range(7)
+    p = Problem(
+        name="pair", cost=np.ones(3), workspace=np.zeros(3, dtype=np.int64), phase=("forward", "loss", "backward"),
+        node_inputs=((w1, w2, x), (a,), (loss, x)), node_outputs=((a,), (loss,), (gw1, gw2)),
+        value_bytes=np.array([100, 60, 8, 40, 4, 100, 60], dtype=np.int64),
+        value_producer=np.array([-1, -1, -1, 0, 1, 2, 2], dtype=np.int64),
+        outputs=(loss, gw1, gw2), order=np.arange(3))
+    first, second = ((gw1,), (w1,)), ((gw2,), (w2,))
+    sliced = in_step(p, [first, second], "adamw", slice_bytes=70)
+    assert sliced.updates == (ParamUpdate((gw1,), (w1,), 0, 0, 128), ParamUpdate((gw2,), (w2,), 120, 60))
+    assert sliced.optimizer_state_bytes == 2 * 160
+    for updates in ([first, second], [second, first]):
+        sim = simulate(in_step(p, updates, "adamw", slice_bytes=70), schedule(0, 1, 2))
+        assert sim.timeline.tolist() == [40, 44, 4 + 160 + 128], updates
+    assert min_budget_lower_bound(sliced) == 100 + 128
+    assert in_step(p, [first, second], "sgd-momentum", slice_bytes=70).updates == \
+        (ParamUpdate((gw1,), (w1,)), ParamUpdate((gw2,), (w2,)))
+    assert in_step(p, [first, second], "adamw", True, slice_bytes=70).updates == \
+        (ParamUpdate((gw1,), (w1,), 100, 100), ParamUpdate((gw2,), (w2,), 60, 60))
+
+
 def test_update_order_moves_the_parameters_later_readers_before_its_gradient():
     """`update_order`: n3 (dx, reads W) moves before n2 (dW), so dW dies in the step that makes it (hand-worked
     timeline: a freed after n1, dx then dW, loss and out to the end); a reader of W that depends on the

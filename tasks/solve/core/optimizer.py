@@ -6,7 +6,9 @@ gradient is freed there; the parameters updated after the same step are updated 
 (`runtime.optim_step`). `in_step(problem, pairs, optimizer)` turns a problem into that one: the gradients
 stop being graph outputs (so every solver sees them die early and plans with the memory freed), each
 becomes a `ParamUpdate` (the simulator keeps its last copy live through the update and charges the update
-step's temporaries: one parameter after another for single-tensor kernels, all at once for foreach ones),
+step's temporaries: one parameter after another for single-tensor kernels, all at once for foreach ones; a
+parameter larger than `slice_bytes` whose update allocates temporaries is updated in elementwise slices by
+single-tensor kernels, one call per slice, `runtime.schedule.update_slices`, so its temporaries are a slice's),
 and the optimizer's state is a resident term (`Problem.optimizer_state_bytes`, reported as the plan's
 `predicted.optimizer_state_bytes`, never in the peak).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from runtime.schedule import UPDATE_SLICE_BYTES, update_slices
 from tasks.solve.core.problem import ParamUpdate, Problem
 
 
@@ -50,17 +53,28 @@ OPTIMIZERS = {
 
 
 def in_step(problem: Problem, updates: Sequence[tuple[Sequence[int], Sequence[int]]], optimizer: str,
-            foreach: bool = False) -> Problem:
+            foreach: bool = False, slice_bytes: int | None = UPDATE_SLICE_BYTES) -> Problem:
     """`problem` with `optimizer` (a name in `OPTIMIZERS`) inside the step for each parameter tensor's
     (gradient values, parameter values) in `updates` (`runtime.graph.OpGraph.gradient_updates`), its kernels
-    foreach (`foreach`) or single-tensor; see the module docstring. A tied tensor's state and workspace count
-    once."""
+    foreach (`foreach`) or single-tensor, these updating parameters in slices of at most `slice_bytes` (None:
+    whole; `runtime.load`'s `update_slice_bytes`); see the module docstring. A tied tensor's state and workspace
+    count once."""
     model = OPTIMIZERS[optimizer]
     grads = {g for gs, _ in updates for g in gs}
     nbytes = [int(problem.value_bytes[params[0]]) for _, params in updates]
-    workspace, carried = (model.foreach_workspace, model.foreach_workspace) if foreach else \
-        (model.workspace, model.carried)
     return replace(problem, outputs=tuple(v for v in problem.outputs if v not in grads),
-                   updates=tuple(ParamUpdate(tuple(gs), tuple(ps), workspace * b, carried * b)
+                   updates=tuple(_update(tuple(gs), tuple(ps), b, model, foreach, slice_bytes)
                                  for (gs, ps), b in zip(updates, nbytes)),
                    optimizer_state_bytes=model.state * sum(nbytes), foreach_updates=foreach)
+
+
+def _update(grads: tuple[int, ...], params: tuple[int, ...], nbytes: int, model: OptimizerModel, foreach: bool,
+            slice_bytes: int | None) -> ParamUpdate:
+    """The update of a parameter of `nbytes`: foreach, single-tensor, or single-tensor in slices, one call each
+    (`runtime.optim_functional.update_in_slices`, which slices only updates that allocate temporaries)."""
+    if foreach:
+        return ParamUpdate(grads, params, model.foreach_workspace * nbytes, model.foreach_workspace * nbytes)
+    sizes = [end - start for start, end in update_slices(nbytes, slice_bytes if model.workspace else None)]
+    if len(sizes) == 1:
+        return ParamUpdate(grads, params, model.workspace * nbytes, model.carried * nbytes)
+    return ParamUpdate(grads, params, sliced_workspace=model.workspace * max(sizes))

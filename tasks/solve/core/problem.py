@@ -51,12 +51,21 @@ class ParamUpdate:
     outputs: they die at the update), with `workspace` bytes of temporaries while it runs, `carried` of which
     it still holds while the next parameter of the same optimizer step is updated (torch.optim's single-tensor
     loop keeps its last temporary until the next parameter's replaces it) (`tasks.solve.core.optimizer`; the
-    simulator charges them)."""
+    simulator charges them). A parameter updated in slices (`runtime.schedule.update_slices`), each by an
+    optimizer call of its own (after the parameters before it, whose temporaries are then freed), holds
+    `sliced_workspace` bytes of temporaries while its largest slice is updated (its `workspace` and `carried`
+    are 0; 0 when it is updated whole)."""
 
     grads: tuple[int, ...]
     params: tuple[int, ...]
     workspace: int = 0
     carried: int = 0
+    sliced_workspace: int = 0
+
+    @property
+    def largest_workspace(self) -> int:
+        """The most temporaries the update holds by itself."""
+        return max(self.workspace, self.sliced_workspace)
 
 
 @dataclass(frozen=True)
@@ -446,7 +455,7 @@ def _check(p: Problem) -> None:
     if len(set(grads)) != len(grads) or any(not 0 <= v < nv for u in p.updates for v in (*u.grads, *u.params)) or any(
             not u.grads or p.value_producer[list(u.grads)].min() < 0 or set(u.grads) & set(p.outputs)
             or p.value_producer[list(u.params)].max(initial=-1) >= 0 or u.workspace < 0
-            or not 0 <= u.carried <= u.workspace for u in p.updates) or \
+            or not 0 <= u.carried <= u.workspace or u.sliced_workspace < 0 for u in p.updates) or \
             p.optimizer_state_bytes < 0:
         raise ProblemError(f"problem {p.name!r}: each parameter update names a distinct gradient made by a node (not "
                            f"a graph output) and a graph input parameter, with non-negative workspace and state bytes "

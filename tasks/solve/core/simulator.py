@@ -22,7 +22,8 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   computes it or reads it or its parameter); the updates run after u's node, when its scratch and the copies
   ending with u are gone, as one optimizer step over them (in `Problem.updates` order): live then = the
   copies live into step u + 1 + the gradients updated after u + their scratch: one parameter after another,
-  the largest of each update's workspace plus what the update before it still holds (`ParamUpdate.carried`);
+  the largest of each update's workspace plus what the update before it still holds (`ParamUpdate.carried`),
+  and of each parameter updated in slices, a call per slice (`sliced_workspace`: its largest slice's, none after);
   with `Problem.foreach_updates`, all their workspaces at once (parameters of several param groups take one
   step per group, which holds no more); step u counts the larger of that and its node's live bytes; a
   gradient never computed is an InvalidSchedule;
@@ -197,7 +198,7 @@ def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> tuple[np.nd
         if problem.foreach_updates:
             scratch[step] += u.workspace
         else:
-            scratch[step] = max(scratch[step], carried[step] + u.workspace)
+            scratch[step] = max(scratch[step], carried[step] + u.workspace, u.sliced_workspace)
             carried[step] = u.carried
         grads[step] += int(problem.value_bytes[list(u.grads)].sum())
     return scratch, grads

@@ -194,5 +194,6 @@ def min_budget_lower_bound(problem: Problem) -> int:
     per_node = np.array([min(held(problem.variant(node, impl)) for impl in problem.impls(node))
                          for node in range(problem.num_nodes)], dtype=np.int64)
     outputs = int(problem.value_bytes[list(set(problem.outputs))].sum())
-    updates = max((int(problem.value_bytes[list(u.grads)].sum()) + u.workspace for u in problem.updates), default=0)
+    updates = max((int(problem.value_bytes[list(u.grads)].sum()) + u.largest_workspace for u in problem.updates),
+                  default=0)
     return int(max(per_node.max(initial=0), outputs, updates))
