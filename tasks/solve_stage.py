@@ -17,7 +17,7 @@ from runtime.graph import backend
 from runtime.plan import Plan, graph_provenance, plan_id
 from tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
-from tasks.overhead_refine import Rung, written_rungs
+from tasks.overhead_refine import Rung, no_recompute_path, written_rungs
 from tasks.records import Candidate, Solved
 from tasks.solve import SOLVERS, solve
 from tasks.solve.core.addresses import greedy_addresses
@@ -132,7 +132,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
             if settings.form != "policy":      # the policy form's no-recomputation step is eager PyTorch's
                 baseline = plan_of(loaded, solve(problem, "checkpoint-all", eager.peak_bytes), device)
                 _annotate(baseline, Budget(fraction=1.0), settings)
-                baseline.save(_sibling(plan_path, "no-recompute"))
+                baseline.save(no_recompute_path(plan_path))
     elif eager.peak_bytes > solution.budget_bytes:
         probes = (solver,) if settings.form == "policy" else PROBES     # the policy form's own floor
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes, probes=probes)
@@ -157,7 +157,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         profile_run_id=loaded.profile_run_id,
         max_overhead=budget.max_overhead,
         candidates=candidates,
-        no_recompute_path=None if baseline is None else _sibling(plan_path, "no-recompute"),
+        no_recompute_path=None if baseline is None else no_recompute_path(plan_path),
         no_recompute_id=None if baseline is None else plan_id(baseline),
     )
 

@@ -142,3 +142,44 @@ def test_a_tampered_plan_file_is_refused_by_validate(project):
     (folder / "tampered.json").write_text(json.dumps(data))
     result = runner.invoke(app, ["validate", str(folder / "tampered.json"), "--config", str(folder / "pipeline.toml")])
     assert result.exit_code == 1 and "edited or corrupted" in result.output and "Traceback" not in result.output
+
+
+def max_overhead_copy(folder: Path, name: str, limit: float, sibling: bool) -> Path:
+    """The published plan as a `max_overhead` cell's plan `name` (limit `limit`), with the cell's
+    no-recomputation plan beside it as the solve stage writes it when `sibling`."""
+    from runtime.plan import Plan
+
+    plan = Plan.load(plan_file(folder))
+    if sibling:
+        plan.provenance["solver"] = "checkpoint-all"
+        plan.save(folder / f"{name}-no-recompute.json")
+    plan.provenance.update(solver="dtr", max_overhead=limit)
+    plan.save(folder / f"{name}.json")
+    return folder / f"{name}.json"
+
+
+def test_validate_and_publish_measure_a_max_overhead_plan_against_its_no_recompute_plan(project):
+    from tasks.publish import read_index
+
+    folder, _ = project
+    path = max_overhead_copy(folder, "cell", 10.0, sibling=True)        # the same schedule: +1000% is never reached
+    config = str(folder / "pipeline.toml")
+    result = runner.invoke(app, ["validate", str(path), "--config", config])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "vs no recompute" in text and "(against cell-no-recompute.json)" in text, result.output
+    assert "max_overhead │ +1000% │ within the limit" in text, result.output
+    published = runner.invoke(app, ["publish", str(path), "--config", config, "--alias", "tiny-cell"])
+    assert published.exit_code == 0, published.output
+    row = next(r for r in read_index(folder / "plans") if r["alias"] == "tiny-cell")
+    assert row["max_overhead"] == 10.0 and row["overhead_vs_no_recompute"] is not None
+
+
+def test_validate_says_a_max_overhead_plan_without_its_no_recompute_plan_is_not_judged(project):
+    folder, _ = project
+    path = max_overhead_copy(folder, "lonely", 0.1, sibling=False)
+    result = runner.invoke(app, ["validate", str(path), "--config", str(folder / "pipeline.toml")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "vs no recompute" not in text
+    assert "not judged: there is no no-recomputation plan beside it" in text and "lonely-no-recompute.json" in text
