@@ -119,8 +119,10 @@ def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_o
     except NoFittingReference as exc:
         why_not = str(exc)
     plot = fit_plot(search, Path(config.cache_dir) / "reports" / f"{name}-fit-{dimension}.png")
-    result = FitAnswer(search=search, validation=None if measured is None else measured.validation, why_not=why_not,
-                       plot=str(plot), **({} if measured is None else dict(plan_path=measured.plan_path, walk=measured.walk)))
+    validation, plan_path, walk = (None, None, "") if measured is None else \
+        (measured.validation, measured.plan_path, measured.walk)
+    result = FitAnswer(search=search, validation=validation, why_not=why_not, plot=str(plot), plan_path=plan_path,
+                       walk=walk)
     create_fit_artifacts(result)
     return result.model_dump(mode="json")
 

@@ -45,10 +45,7 @@ def judged(validation: Validated) -> float | None:
 def walk_answer(point: SizePoint, limit_bytes: int, max_overhead: float, validate: Validate) -> MeasuredAnswer:
     """Validate `point`'s predicted choice and walk its ladder upward by measured overhead (module doc), over the
     rungs whose predicted peak plus the resident bytes fits `limit_bytes`."""
-    if not point.candidates:                  # a policy-form or ladderless answer: its own plan alone
-        validation, = validate([point.plan_path])
-        return MeasuredAnswer(point.plan_path, validation, "")
-    rungs = point.candidates
+    rungs = point.candidates                    # the predicted choice among them (`tasks.solve_stage.write_ladder`)
     choice = predicted_choice([Rung(c.predicted_overhead) for c in rungs], max_overhead)
     fitting = [i for i in range(choice + 1) if point.total(rungs[i].predicted_peak_bytes) <= limit_bytes]
     ladder = rungs[fitting[0]:choice + 1]        # the choice fits: the search chose it by this test

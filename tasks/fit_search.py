@@ -116,11 +116,11 @@ def evaluate_size(spec: ModelConfig, batch_size: int, size: int, label: str, con
                   limit: MemoryLimit, solver: str, max_overhead: float) -> SizePoint:
     """Trace, profile and solve `spec` at `batch_size` (`size`: the size searched); memplan's plan lands under
     `<cache_dir>/fit/`, named after the model, `label` (`b64`, or `b2-s512` for a sequence length) and solver."""
+    from tasks.config import Budget, PlanSettings
     from tasks.problems import load_problem
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve import solve
     from tasks.solve.core.simulator import default_schedule, simulate
-    from tasks.config import Budget, PlanSettings
     from tasks.solve.core.solution import SolveOptions
     from tasks.solve_stage import overhead_ladder, plan_of, write_ladder
     from tasks.trace import trace
