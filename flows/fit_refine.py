@@ -62,10 +62,11 @@ def walk_answer(point: SizePoint, limit_bytes: int, max_overhead: float, validat
 
 
 def walk_line(ladder: list[Candidate], records: dict[int, Validated], index: int, within: bool) -> str:
-    """What the walk validated (each rung's predicted peak, predicted and measured overhead) and what it chose."""
+    """What the walk validated (each rung's predicted step peak, resident bytes not included, and its predicted and
+    measured overhead) and what it chose."""
     from flows.report import overhead_text
 
-    seen = "; ".join(f"{ladder[i].predicted_peak_bytes / 2**20:.2f} MiB predicted {ladder[i].predicted_overhead:+.1%} "
+    seen = "; ".join(f"step peak {ladder[i].predicted_peak_bytes / 2**20:.2f} MiB, predicted {ladder[i].predicted_overhead:+.1%} "
                      f"measured {overhead_text(v.limited_overhead(), v.limited_interval()) if v.passed else 'failed'}"
                      for i, v in sorted(records.items()))
     if index == len(ladder) - 1 and within:

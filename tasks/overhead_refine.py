@@ -145,23 +145,21 @@ def no_recompute_path(plan_path: str | Path) -> str:
 
 def no_recompute_beside(plan_path: str | Path, plan: Plan) -> tuple[Plan | None, str]:
     """The no-recomputation plan that `plan` (a `max_overhead` plan, read from `plan_path`) is measured against,
-    from the file the solve stage wrote beside it, or None and why there is none to use."""
+    from the file the solve stage wrote beside it, and its name; or None and why there is none to use."""
     if plan.form == POLICY:
-        return None, ("a policy-form plan's no-recomputation step is eager PyTorch's own, so its limit is judged on "
-                      "the overhead against eager")
+        return None, "a policy-form plan's no-recomputation step is eager PyTorch's own"
     path = Path(no_recompute_path(plan_path))
     if not path.exists():
         return None, (f"there is no no-recomputation plan beside it ({path}; `memplan run` writes one beside each "
-                      f"max_overhead cell's plan in its cache, a published plan has none), so only the overhead "
-                      f"against eager is measured")
+                      f"max_overhead cell's plan in its cache, a published plan has none)")
     try:
         other = Plan.load(path)
     except PlanError as exc:
-        return None, f"its no-recomputation plan cannot be read ({exc}), so only the overhead against eager is measured"
+        return None, f"its no-recomputation plan cannot be read ({exc})"
     computes = other.compute_steps()
     differs = [key for key in SETTINGS if other.provenance.get(key) != plan.provenance.get(key)]
     if other.fingerprint != plan.fingerprint or len(computes) != len(set(computes)) or differs:
         why = ("is of another graph" if other.fingerprint != plan.fingerprint else
                "recomputes" if len(computes) != len(set(computes)) else f"has another {' and '.join(differs)}")
-        return None, f"the plan beside it, {path}, {why}, so only the overhead against eager is measured"
-    return other, f"against {path.name}"
+        return None, f"the plan beside it, {path}, {why}"
+    return other, path.name

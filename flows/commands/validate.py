@@ -54,7 +54,7 @@ class CommandValidation:
 def run_validation(plan_path: Path, config_path: Path, model: str | None, batch: int | None) -> CommandValidation:
     """Load the plan and the pipeline file, find the plan's model, measure eager PyTorch's step as the
     reference (its tensors in a temporary folder) and validate on the configured device; a `max_overhead`
-    plan is timed beside the no-recomputation plan written next to it, where there is one."""
+    plan is timed beside its no-recomputation plan (`no_recompute_for`), where there is one."""
     from rich.status import Status
 
     from flows.lookup import model_for_plan
@@ -63,19 +63,44 @@ def run_validation(plan_path: Path, config_path: Path, model: str | None, batch:
     from tasks.config import load_config
     from tasks.memory_limit import memory_limit
     from tasks.models import resolve_device
-    from tasks.overhead_refine import no_recompute_beside
     from tasks.validate import validate_alone
 
     plan = Plan.load(plan_path)
     config = load_config(config_path)
     device = resolve_device(config.device)
     spec, batch_size = model_for_plan(config, plan, model, batch)
-    limit = plan.provenance.get("max_overhead")
-    baseline, against = no_recompute_beside(plan_path, plan) if limit is not None else (None, "")
+    limit, graph, baseline, against = plan.provenance.get("max_overhead"), None, None, ""
     with Status(f"validating {plan_path.name} ({spec.name}, batch {batch_size}) on {device}"):
-        validation = validate_alone(plan, spec, batch_size, device, config.seed, config.validation,
+        if limit is not None:
+            graph, baseline, against = no_recompute_for(plan_path, plan, spec, batch_size, device, config.seed)
+        validation = validate_alone(plan, spec, batch_size, device, config.seed, config.validation, graph=graph,
                                     limit=memory_limit(config, device), no_recompute=baseline)
     return CommandValidation(validation, spec, batch_size, limit, against, baseline is not None or plan.form == POLICY)
+
+
+def no_recompute_for(plan_path: Path, plan, spec: ModelConfig, batch_size: int, device: str, seed: int):
+    """(graph, no-recomputation plan, "against ..." or why there is none) for a `max_overhead` plan: the file the
+    solve stage wrote beside it (`no_recompute_beside`); else, for an executor plan without the optimizer inside
+    the step or DDP buckets, the eager-order plan (`runtime.plan.default_plan`: every node once, in order, as the
+    executor runs the solve stage's no-recomputation plan) of its graph captured here with its rewrites, which
+    validation then reuses. The others' no-recomputation step needs the solve stage's problem (its profile)."""
+    from runtime.capture import capture
+    from runtime.plan import default_plan
+    from runtime.policy_form import FORM as POLICY
+    from tasks.models import build_batch, build_loss, build_model
+    from tasks.overhead_refine import no_recompute_beside
+
+    baseline, why = no_recompute_beside(plan_path, plan)
+    if baseline is not None:
+        return None, baseline, f"against {why}"
+    if plan.form == POLICY:
+        return None, None, f"{why}: its limit is judged on the overhead against eager"
+    if plan.provenance.get("optimizer_in_step") or plan.provenance.get("ddp_bucket_mb"):
+        return None, None, (f"{why}; one for a plan with the optimizer inside the step or DDP buckets is built from the "
+                            f"solve stage's profiled problem, not here, so only the overhead against eager is measured")
+    graph = capture(build_model(spec, seed).to(device), build_loss(spec), build_batch(spec, batch_size, seed, device),
+                    rewrites=plan.rewrites)
+    return graph, default_plan(graph), f"against the eager-order plan of its graph, built here: {why}"
 
 
 def validation_table(done: CommandValidation):

@@ -27,7 +27,7 @@ def test_a_matching_no_recompute_plan_is_used(tmp_path, make_plan):
     plan.provenance["max_overhead"] = 0.1
     eager_order(plan).save(tmp_path / "cell-no-recompute.json")
     found, why = no_recompute_beside(tmp_path / "cell-rung2.json", plan)
-    assert found is not None and found.compute_steps() == [0, 1, 2, 3] and why == "against cell-no-recompute.json"
+    assert found is not None and found.compute_steps() == [0, 1, 2, 3] and why == "cell-no-recompute.json"
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -41,7 +41,7 @@ def test_a_no_recompute_plan_that_does_not_match_is_refused(tmp_path, make_plan,
     change(other)
     other.save(tmp_path / "cell-no-recompute.json")
     found, why = no_recompute_beside(tmp_path / "cell.json", plan)
-    assert found is None and reason in why and "only the overhead against eager is measured" in why
+    assert found is None and reason in why
 
 
 def test_without_a_readable_no_recompute_plan_only_eager_is_measured(tmp_path, make_plan):
