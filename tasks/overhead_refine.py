@@ -21,7 +21,11 @@ the limit: the upper end of the 95% interval would turn down nearly every plan n
 (intervals up to 75 points wide were seen on 2 cores), the lower end would admit plans much slower than the
 limit. A plan measured within is therefore within the limit plus its interval. `EXTRA_VALIDATIONS` bounds the
 rungs validated after the predicted choice (validation is the expensive stage); a rung that fails validation
-(results or peak) is never published.
+(results or peak) is never published. `memplan fit` walks its answer's ladder with the same `refine`, judged
+by the interval's lower end instead (flows/fit_refine.py).
+
+The no-recomputation plan lies beside the cell's plan (`no_recompute_path`); `no_recompute_beside` finds it for
+a plan validated outside the plan flow (`memplan validate`), checking that it is one for that plan.
 """
 
 from __future__ import annotations
