@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 if TYPE_CHECKING:
+    from runtime.graph import OpGraph
+    from runtime.plan import Plan
     from tasks.config import ModelConfig
     from tasks.records import Validated
 
@@ -39,7 +41,7 @@ def register(app: typer.Typer) -> None:
 @dataclass(frozen=True)
 class CommandValidation:
     """What `memplan validate` found: the `validation`, the plan's model entry and batch size, and for a
-    `max_overhead` plan its limit, what its overhead was measured against (`no_recompute_beside`) and whether
+    `max_overhead` plan its limit, what its overhead was measured against (`no_recompute_for`) and whether
     that overhead is the one the limit is about (`judged`: against its no-recomputation plan, or a policy-form
     plan's against eager)."""
 
@@ -78,7 +80,8 @@ def run_validation(plan_path: Path, config_path: Path, model: str | None, batch:
     return CommandValidation(validation, spec, batch_size, limit, against, baseline is not None or plan.form == POLICY)
 
 
-def no_recompute_for(plan_path: Path, plan, spec: ModelConfig, batch_size: int, device: str, seed: int):
+def no_recompute_for(plan_path: Path, plan: Plan, spec: ModelConfig, batch_size: int, device: str,
+                     seed: int) -> tuple[OpGraph | None, Plan | None, str]:
     """(graph, no-recomputation plan, "against ..." or why there is none) for a `max_overhead` plan: the file the
     solve stage wrote beside it (`no_recompute_beside`); else, for an executor plan without the optimizer inside
     the step or DDP buckets, the eager-order plan (`runtime.plan.default_plan`: every node once, in order, as the
@@ -127,9 +130,9 @@ def validation_table(done: CommandValidation):
             table.add_row("vs no recompute", overhead_text(validation.overhead_vs_no_recompute,
                                                            validation.overhead_vs_no_recompute_interval),
                           f"no-recomputation plan {validation.no_recompute_step_ms:.2f} ms ({done.against})")
-        verdict = limit_verdict(validation.limited_overhead(), validation.limited_interval(),
-                                done.max_overhead) if done.judged else "not judged"
-        table.add_row("max_overhead", f"+{done.max_overhead:.0%}", verdict if timed else f"{verdict}: {done.against}")
+        verdict = limit_verdict(validation.limited_overhead(), validation.limited_interval(), done.max_overhead)
+        table.add_row("max_overhead", f"+{done.max_overhead:.0%}", f"not judged: {done.against}" if not done.judged
+                      else verdict if timed else f"{verdict}; {done.against}")
     table.add_row("result", "[green]passed[/green]" if validation.passed else "[red]failed[/red]",
                   "; ".join(validation.reasons))
     return table
