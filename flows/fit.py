@@ -33,6 +33,8 @@ class FitAnswer(BaseModel):
     validation: Validated | None          # None: no reference step fits the limit (`why_not`)
     why_not: str = ""
     plot: str
+    plan_path: str | None = None          # the plan validated: the answer's, or the rung its measured walk chose
+    walk: str = ""                        # what that walk validated (flows/fit_refine.py)
 
     @property
     def validated(self) -> bool:
@@ -40,9 +42,14 @@ class FitAnswer(BaseModel):
 
     @property
     def verdict(self) -> str:
-        """'validated against <reference>', or why not."""
+        """'validated against <reference>' with the measured overhead's verdict against the limit, or why not."""
         if self.validated:
-            return f"validated against {self.validation.reference}"
+            from flows.report import limit_verdict
+
+            limited = limit_verdict(self.validation.limited_overhead(), self.validation.limited_interval(),
+                                    self.search.max_overhead)
+            against = "no recomputation" if self.validation.overhead_vs_no_recompute is not None else "eager"
+            return f"validated against {self.validation.reference}; overhead against {against}: {limited}"
         return "NOT validated: " + (self.why_not or "; ".join(self.validation.reasons))
 
 
@@ -92,10 +99,10 @@ def check_fit_settings(config: PipelineConfig, model: str | None, max_overhead: 
 def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_overhead: float = 0.10,
              solver: str = "dtr", max_size: int = 4096, dimension: Dimension = "batch", batch_size: int | None = None,
              config: PipelineConfig | None = None) -> dict[str, Any]:
-    """Search, validate memplan's answer and leave the table and plot as artifacts; returns `FitAnswer` as JSON."""
+    """Search, validate memplan's answer by measured overhead (flows/fit_refine.py) and leave the table and plot
+    as artifacts; returns `FitAnswer` as JSON."""
+    from flows.fit_refine import validate_answer
     from tasks.models import allow_imports_from, resolve_device
-    from tasks.validate import validate_alone
-    from runtime.plan import Plan
 
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
@@ -105,15 +112,17 @@ def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_o
     limit = memory_limit(config, device)
     search = search_fit(spec, config, device, limit, solver, max_overhead, max_size, dimension, batch_size)
     answer = search.point(search.memplan_largest)
-    validation, why_not = None, ""
+    measured, why_not = None, ""
     try:
         entry, batch = at_size(spec, dimension, answer.size, batch_size)
-        validation = validate_alone(Plan.load(answer.plan_path), entry, batch, device, config.seed,
-                                    config.validation, limit=limit)
+        measured = validate_answer(answer, entry, batch, device, config.seed, config.validation, limit, max_overhead)
     except NoFittingReference as exc:
         why_not = str(exc)
     plot = fit_plot(search, Path(config.cache_dir) / "reports" / f"{name}-fit-{dimension}.png")
-    result = FitAnswer(search=search, validation=validation, why_not=why_not, plot=str(plot))
+    validation, plan_path, walk = (None, None, "") if measured is None else \
+        (measured.validation, measured.plan_path, measured.walk)
+    result = FitAnswer(search=search, validation=validation, why_not=why_not, plot=str(plot), plan_path=plan_path,
+                       walk=walk)
     create_fit_artifacts(result)
     return result.model_dump(mode="json")
 
@@ -162,6 +171,17 @@ def fit_rows(search: FitSearch) -> list[dict[str, Any]]:
     return rows
 
 
+def measured_text(answer: FitAnswer, size: int) -> str:
+    """The validated plan's measured overhead at the answer's `size` (against its no-recomputation plan, where it
+    was timed beside it), with its interval; "-" at other sizes."""
+    from flows.report import overhead_text
+
+    validation = answer.validation
+    if size != answer.search.memplan_largest or validation is None:
+        return "-"
+    return overhead_text(validation.limited_overhead(), validation.limited_interval()) or "-"
+
+
 def markdown_fit(answer: FitAnswer) -> str:
     """The searches as a markdown table, with the answers and the validation."""
     search = answer.search
@@ -173,13 +193,14 @@ def markdown_fit(answer: FitAnswer) -> str:
              f"Largest {size_name(search)}: eager {search.eager_largest}, per-block checkpoint "
              f"{search.checkpoint_largest}, memplan ({search.solver}, predicted overhead at most "
              f"{search.max_overhead:.0%}) {search.memplan_largest}, "
-             f"{answer.verdict}.", "",
-             f"| {size_name(search)} | eager MiB | per-block checkpoint MiB | memplan MiB | memplan overhead | fits |",
-             "|---|---|---|---|---|---|"]
+             f"{answer.verdict}." + (f" Measured walk: {answer.walk}." if answer.walk else ""), "",
+             f"| {size_name(search)} | eager MiB | per-block checkpoint MiB | memplan MiB | memplan overhead "
+             "(predicted) | measured | fits |",
+             "|---|---|---|---|---|---|---|"]
     for row in fit_rows(search):
         overhead = "-" if row["overhead"] is None else f"{row['overhead']:+.1%}"
         lines.append(f"| {row['size']} | {mib(row['eager'])} | {mib(row['checkpoint'])} | {mib(row['memplan'])} | "
-                     f"{overhead} | {', '.join(sorted(row['fits'])) or 'none'} |")
+                     f"{overhead} | {measured_text(answer, row['size'])} | {', '.join(sorted(row['fits'])) or 'none'} |")
     return "\n".join(lines) + "\n"
 
 

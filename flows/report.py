@@ -122,6 +122,20 @@ def overhead_text(overhead: float | None, interval: list[float] | None = None) -
     return f"{overhead:+.0%} ±{half:.0%}"
 
 
+def limit_verdict(overhead: float, interval: list[float] | None, limit: float) -> str:
+    """Whether a measured overhead is within a `max_overhead` limit: by its median, as the measured walk judges
+    (tasks/overhead_refine.py), saying where the 95% interval lies when it straddles the limit."""
+    if overhead <= limit:
+        verdict = f"within the limit ({overhead:+.1%} <= +{limit:.0%})"
+        return verdict if interval is None or interval[1] <= limit else \
+            f"{verdict}; its 95% interval reaches {interval[1]:+.1%}"
+    verdict = f"OVER the limit ({overhead:+.1%} > +{limit:.0%})"
+    if interval is None:
+        return f"{verdict}; no interval (under 6 rounds)"
+    return f"{verdict}, beyond its 95% interval" if interval[0] > limit else \
+        f"{verdict}, though its 95% interval reaches down to {interval[0]:+.1%}"
+
+
 def status_text(outcome: Outcome) -> str:
     """'published', or the status with the least feasible budget known for an infeasible cell."""
     if outcome.status == "infeasible" and outcome.least_feasible_bytes is not None:

@@ -4,14 +4,14 @@ device memory limit: eager PyTorch's, per-block checkpointing's and memplan's wi
 that has one (token ids: `inputs = [{ shape = [128], dtype = "int64", ... }]`).
 
 Each size tried is traced, profiled and solved with the pipeline's own stage functions
-(`tasks.trace.trace`, `tasks.profile.profile_graph`, `tasks.solve_stage.least_memory_within`), and judged
+(`tasks.trace.trace`, `tasks.profile.profile_graph`, `tasks.solve_stage.overhead_ladder`), and judged
 by the shared simulator's predicted peaks: eager is the no-recomputation schedule (`default_schedule`),
 per-block checkpointing is `module-checkpoint` with `every = 1` (`torch.utils.checkpoint` around each
 repeated block), memplan is the least-memory schedule of `solver` within `max_overhead`. A batch fits when
 its predicted peak plus the resident bytes (`MemoryLimit.graph_resident_bytes`: parameters, buffers,
 batch, optimizer state) is at most the limit. The search doubles the size from 1 until it does not fit
 (or reaches `max_size`), then bisects; the three searches share the sizes they evaluate. Only the
-answer is validated (flows/fit.py)."""
+answer is validated, by measured overhead (flows/fit_refine.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks.config import MemplanError, ModelConfig, PipelineConfig
 from tasks.memory_limit import MemoryLimit
+from tasks.overhead_refine import no_recompute_path
+from tasks.records import Candidate
 
 PER_BLOCK = "module-checkpoint"
 Dimension = Literal["batch", "sequence"]
@@ -46,6 +48,8 @@ class SizePoint(BaseModel):
     memplan_peak_bytes: int | None
     memplan_overhead: float | None          # predicted, over the no-recomputation schedule
     plan_path: str | None
+    candidates: list[Candidate] = []        # memplan's ladder (tasks/overhead_refine.py), most memory first,
+    no_recompute_path: str | None = None    # and the no-recomputation plan its overheads are measured against
 
     def total(self, peak: int | None) -> int | None:
         """`peak` plus the resident bytes."""
@@ -112,12 +116,13 @@ def evaluate_size(spec: ModelConfig, batch_size: int, size: int, label: str, con
                   limit: MemoryLimit, solver: str, max_overhead: float) -> SizePoint:
     """Trace, profile and solve `spec` at `batch_size` (`size`: the size searched); memplan's plan lands under
     `<cache_dir>/fit/`, named after the model, `label` (`b64`, or `b2-s512` for a sequence length) and solver."""
+    from tasks.config import Budget, PlanSettings
     from tasks.problems import load_problem
     from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve import solve
     from tasks.solve.core.simulator import default_schedule, simulate
     from tasks.solve.core.solution import SolveOptions
-    from tasks.solve_stage import least_memory_within, plan_of
+    from tasks.solve_stage import overhead_ladder, plan_of, write_ladder
     from tasks.trace import trace
 
     traced, graph = trace(spec, batch_size, device, config.seed, config.cache_dir)
@@ -127,13 +132,15 @@ def evaluate_size(spec: ModelConfig, batch_size: int, size: int, label: str, con
     problem = loaded.problem
     eager = simulate(problem, default_schedule(problem))
     per_block = solve(problem, PER_BLOCK, eager.peak_bytes, SolveOptions(params={"every": 1}))
-    memplan = least_memory_within(problem, solver, max_overhead, eager)
-    plan_path = None
+    ladder = overhead_ladder(problem, solver, max_overhead, eager)
+    memplan, plan_path, candidates, baseline = ladder.chosen, None, [], None
     if memplan.feasible:
         plan = plan_of(loaded, memplan, run.device)
         plan.provenance["max_overhead"] = max_overhead
         plan_path = Path(config.cache_dir) / "fit" / f"{spec.name}-{label}-{solver}-{graph.fingerprint[:12]}.json"
         plan.save(plan_path)
+        candidates, baseline = write_ladder(loaded, ladder, eager, Budget(max_overhead=max_overhead), PlanSettings(),
+                                            run.device, str(plan_path), plan)
     return SizePoint(
         size=size,
         batch_size=batch_size,
@@ -143,6 +150,8 @@ def evaluate_size(spec: ModelConfig, batch_size: int, size: int, label: str, con
         memplan_peak_bytes=memplan.predicted_peak_bytes if memplan.feasible else None,
         memplan_overhead=memplan.objective / eager.compute_cost - 1 if memplan.feasible else None,
         plan_path=None if plan_path is None else str(plan_path),
+        candidates=candidates,
+        no_recompute_path=None if baseline is None else no_recompute_path(plan_path),
     )
 
 

@@ -21,14 +21,22 @@ the limit: the upper end of the 95% interval would turn down nearly every plan n
 (intervals up to 75 points wide were seen on 2 cores), the lower end would admit plans much slower than the
 limit. A plan measured within is therefore within the limit plus its interval. `EXTRA_VALIDATIONS` bounds the
 rungs validated after the predicted choice (validation is the expensive stage); a rung that fails validation
-(results or peak) is never published.
+(results or peak) is never published. `memplan fit` walks its answer's ladder with the same `refine`, judged
+by the interval's lower end instead (flows/fit_refine.py).
+
+The no-recomputation plan lies beside the cell's plan (`no_recompute_path`); `no_recompute_beside` finds it for
+a plan validated outside the plan flow (`memplan validate`), checking that it is one for that plan.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
+from runtime.plan import Plan, PlanError
+from runtime.policy_form import FORM as POLICY
 from tasks.records import Candidate, Solved
 
 MARGIN = 0.5
@@ -125,3 +133,37 @@ def with_rung(solved: Solved, rung: Candidate) -> Solved:
         plan_path=rung.plan_path, plan_id=rung.plan_id, budget_bytes=rung.budget_bytes,
         predicted_peak_bytes=rung.predicted_peak_bytes,
         objective=(1 + rung.predicted_overhead) * solved.checkpoint_all_cost, arena_bytes=None))
+
+
+_RUNG = re.compile(r"-rung\d+$")
+SETTINGS = ("optimizer_in_step", "ddp_bucket_mb")
+"""The provenance a no-recomputation plan shares with the plans measured against it: how the executor runs them."""
+
+
+def no_recompute_path(plan_path: str | Path) -> str:
+    """Where the solve stage writes a `max_overhead` cell's no-recomputation plan: beside the cell's plan
+    `<stem>.json` as `<stem>-no-recompute.json`, shared by the cell's rungs (`<stem>-rung<i>.json`)."""
+    path = Path(plan_path)
+    return str(path.with_name(f"{_RUNG.sub('', path.stem)}-no-recompute.json"))
+
+
+def no_recompute_beside(plan_path: str | Path, plan: Plan) -> tuple[Plan | None, str]:
+    """The no-recomputation plan that `plan` (a `max_overhead` plan, read from `plan_path`) is measured against,
+    from the file the solve stage wrote beside it, and its name; or None and why there is none to use."""
+    if plan.form == POLICY:
+        return None, "a policy-form plan's no-recomputation step is eager PyTorch's own"
+    path = Path(no_recompute_path(plan_path))
+    if not path.exists():
+        return None, (f"there is no no-recomputation plan beside it ({path}; `memplan run` writes one beside each "
+                      f"max_overhead cell's plan in its cache, a published plan has none)")
+    try:
+        other = Plan.load(path)
+    except PlanError as exc:
+        return None, f"its no-recomputation plan cannot be read ({exc})"
+    computes = other.compute_steps()
+    differs = [key for key in SETTINGS if other.provenance.get(key) != plan.provenance.get(key)]
+    if other.fingerprint != plan.fingerprint or len(computes) != len(set(computes)) or differs:
+        why = ("is of another graph" if other.fingerprint != plan.fingerprint else
+               "recomputes" if len(computes) != len(set(computes)) else f"has another {' and '.join(differs)}")
+        return None, f"the plan beside it, {path}, {why}"
+    return other, path.name

@@ -66,6 +66,9 @@ class IndexRow:
     eager_peak_bytes: int
     eager_step_ms: float
     overhead: float
+    max_overhead: float | None                        # a max_overhead plan's limit, and its overhead measured against
+    overhead_vs_no_recompute: float | None            # the no-recomputation plan, with its 95% interval (None: not timed)
+    overhead_vs_no_recompute_interval: Annotated[list[float] | None, pa.list_(pa.float64())]
     device: str
     device_name: str | None
     device_class: str | None
@@ -83,6 +86,7 @@ def arrow_schema(row: type) -> pa.Schema:
     fields = []
     for name, hint in get_type_hints(row, include_extras=True).items():
         arrow = next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, pa.DataType)), None)
+        hint = hint.__origin__ if arrow is not None else hint          # Annotated[X, arrow] -> X
         args = get_args(hint)
         kinds = [a for a in args if a is not type(None)] if type(None) in args else [hint]
         fields.append(pa.field(name, arrow or _ARROW[kinds[0]], nullable=type(None) in args))
@@ -162,6 +166,9 @@ def _index_row(
         eager_peak_bytes=validation.eager_peak_bytes,
         eager_step_ms=validation.eager_step_ms,
         overhead=validation.overhead,
+        max_overhead=provenance.get("max_overhead"),
+        overhead_vs_no_recompute=validation.overhead_vs_no_recompute,
+        overhead_vs_no_recompute_interval=validation.overhead_vs_no_recompute_interval,
         device=validation.device,
         device_name=validation.device_name,
         device_class=os.environ.get(DEVICE_CLASS_VAR) or None,
@@ -228,16 +235,17 @@ def index_files(plans_dir: str | os.PathLike) -> list[Path]:
 
 def read_index(plans_dir: str | os.PathLike, where: str = "", params: list[Any] | None = None) -> list[dict[str, Any]]:
     """Index rows (newest first) via DuckDB; `where` is an optional SQL condition with `?` parameters.
-    Unreadable index files are skipped with a warning (`index_files`)."""
+    Unreadable index files are skipped with a warning (`index_files`); a row written before a nullable column
+    existed (device_class, form, overhead_vs_no_recompute, ...) reads it as None."""
     import duckdb
 
     files = [str(p) for p in index_files(plans_dir)]
     if not files:
         return []
-    rows = ("(SELECT * FROM read_parquet(?, union_by_name = true) "     # rows written before device_class, form: NULL
-            "UNION ALL BY NAME SELECT NULL::VARCHAR AS device_class, NULL::VARCHAR AS form WHERE false)")
+    rows = "(SELECT * FROM read_parquet(?, union_by_name = true) UNION ALL BY NAME SELECT * FROM _index_schema)"
     sql = f"SELECT * FROM {rows} {'WHERE ' + where if where else ''} ORDER BY published_at DESC, alias"
     with duckdb.connect() as con:
+        con.register("_index_schema", INDEX_SCHEMA.empty_table())        # every column, even if no file has it
         cursor = con.execute(sql, [files, *(params or [])])
         columns = [d[0] for d in cursor.description]
         return [dict(zip(columns, row)) for row in cursor.fetchall()]

@@ -154,6 +154,10 @@ class Validated(Record):
         timed, else against the reference step."""
         return self.overhead if self.overhead_vs_no_recompute is None else self.overhead_vs_no_recompute
 
+    def limited_interval(self) -> list[float] | None:
+        """The 95% interval of `limited_overhead`."""
+        return self.overhead_interval if self.overhead_vs_no_recompute is None else self.overhead_vs_no_recompute_interval
+
     def explain(self, name: str, shown: int = 3) -> str:
         """One paragraph saying why plan `name` failed (the first `shown` reasons)."""
         more = len(self.reasons) - shown

@@ -17,7 +17,7 @@ from runtime.graph import backend
 from runtime.plan import Plan, graph_provenance, plan_id
 from tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
-from tasks.overhead_refine import Rung, written_rungs
+from tasks.overhead_refine import Rung, no_recompute_path, written_rungs
 from tasks.records import Candidate, Solved
 from tasks.solve import SOLVERS, solve
 from tasks.solve.core.addresses import greedy_addresses
@@ -128,11 +128,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         _annotate(plan, budget, settings)
         plan.save(plan_path)
         if budget.max_overhead is not None:
-            candidates = _candidates(loaded, ladder, eager, budget, settings, device, plan_path, plan)
-            if settings.form != "policy":      # the policy form's no-recomputation step is eager PyTorch's
-                baseline = plan_of(loaded, solve(problem, "checkpoint-all", eager.peak_bytes), device)
-                _annotate(baseline, Budget(fraction=1.0), settings)
-                baseline.save(_sibling(plan_path, "no-recompute"))
+            candidates, baseline = write_ladder(loaded, ladder, eager, budget, settings, device, plan_path, plan)
     elif eager.peak_bytes > solution.budget_bytes:
         probes = (solver,) if settings.form == "policy" else PROBES     # the policy form's own floor
         smallest = smallest_feasible_budget(problem, max(lower, solution.budget_bytes), eager.peak_bytes, probes=probes)
@@ -157,7 +153,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
         profile_run_id=loaded.profile_run_id,
         max_overhead=budget.max_overhead,
         candidates=candidates,
-        no_recompute_path=None if baseline is None else _sibling(plan_path, "no-recompute"),
+        no_recompute_path=None if baseline is None else no_recompute_path(plan_path),
         no_recompute_id=None if baseline is None else plan_id(baseline),
     )
 
@@ -177,6 +173,21 @@ def _sibling(plan_path: str, name: str) -> str:
     """A plan file beside `plan_path`: `<stem>-<name>.json`."""
     path = Path(plan_path)
     return str(path.with_name(f"{path.stem}-{name}.json"))
+
+
+def write_ladder(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budget: Budget, settings: PlanSettings,
+                 device: str, plan_path: str, chosen: Plan) -> tuple[list[Candidate], Plan | None]:
+    """What a measured walk of a `max_overhead` search's `ladder` needs, written beside its predicted choice
+    `chosen` (saved at `plan_path`): the rungs it can reach (`_candidates`) and the no-recomputation plan it
+    measures them against (`no_recompute_path`; None in the policy form, whose no-recomputation step is eager
+    PyTorch's). `eager`: the checkpoint-all simulation."""
+    candidates = _candidates(loaded, ladder, eager, budget, settings, device, plan_path, chosen)
+    if settings.form == "policy":
+        return candidates, None
+    baseline = plan_of(loaded, solve(loaded.problem, "checkpoint-all", eager.peak_bytes), device)
+    _annotate(baseline, Budget(fraction=1.0), settings)
+    baseline.save(no_recompute_path(plan_path))
+    return candidates, baseline
 
 
 def _candidates(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budget: Budget, settings: PlanSettings,

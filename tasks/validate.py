@@ -146,10 +146,11 @@ def validate_plan(
 
 def validate_alone(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
-    graph: OpGraph | None = None, limit: MemoryLimit | None = None,
+    graph: OpGraph | None = None, limit: MemoryLimit | None = None, no_recompute: Plan | None = None,
 ) -> Validated:
     """`validate_plan` outside a pipeline run: the reference step measured for this plan alone (with the
-    optimizer it runs inside the step, under `limit`) in a temporary folder, then the plan checked against it."""
+    optimizer it runs inside the step, under `limit`) in a temporary folder, then the plan checked against it
+    (`validate_plans`), timed beside its `no_recompute` plan when given."""
     import tempfile
     from pathlib import Path
 
@@ -158,7 +159,8 @@ def validate_alone(
     with tempfile.TemporaryDirectory(prefix="memplan-reference-") as folder:
         reference = measure_reference(spec, batch_size, device, seed, Path(folder) / "reference.safetensors",
                                       limit=limit, optimizer=plan.provenance.get("optimizer_in_step"))
-        return validate_plan(plan, spec, batch_size, device, seed, settings, reference, graph, limit)
+        return validate_plans([plan], spec, batch_size, device, seed, settings, reference, graph, limit,
+                              no_recompute=[no_recompute])[0]
 
 
 def validate_plans(

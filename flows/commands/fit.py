@@ -46,8 +46,10 @@ def register(app: typer.Typer) -> None:
             console().print(
                 f"largest {size_name(search)} in {search.limit_bytes / 2**20:.2f} MiB: eager {search.eager_largest}, "
                 f"per-block checkpoint {search.checkpoint_largest}, memplan {search.memplan_largest} ({answer.verdict}); "
-                f"plan {search.point(search.memplan_largest).plan_path}; plot {answer.plot}", markup=False,
-                highlight=False)
+                f"plan {answer.plan_path or search.point(search.memplan_largest).plan_path}; plot {answer.plot}",
+                markup=False, highlight=False)
+            if answer.walk:
+                console().print(f"measured walk: {answer.walk}", markup=False, highlight=False)
             if not answer.validated:
                 raise typer.Exit(1)
 
@@ -56,10 +58,11 @@ def fit_table(answer):
     """The sizes evaluated as a rich table: predicted peaks (resident included), overhead, what fits."""
     from rich.table import Table
 
-    from flows.fit import fit_rows, size_name
+    from flows.fit import fit_rows, measured_text, size_name
 
     search = answer.search
-    table = Table(size_name(search), "eager peak MiB", "per-block checkpoint peak MiB", "memplan peak MiB", "overhead", "fits?",
+    table = Table(size_name(search), "eager peak MiB", "per-block checkpoint peak MiB", "memplan peak MiB",
+                  "overhead (predicted)", "measured", "fits?",
                   title=f"memplan fit: {search.model} in {search.limit_bytes / 2**20:.2f} MiB "
                         f"({search.optimizer}; peaks include parameters, gradients, optimizer state, batch)")
     for row in fit_rows(search):
@@ -68,5 +71,5 @@ def fit_table(answer):
 
         overhead = "-" if row["overhead"] is None else f"{row['overhead']:+.1%}"
         table.add_row(str(row["size"]), mib("eager"), mib("checkpoint"), mib("memplan"), overhead,
-                      ", ".join(sorted(row["fits"])) or "[red]none[/red]")
+                      measured_text(answer, row["size"]), ", ".join(sorted(row["fits"])) or "[red]none[/red]")
     return table

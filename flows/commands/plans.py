@@ -53,13 +53,15 @@ def register(app: typer.Typer) -> None:
         mib = 2**20
         width = max((len(r["alias"]) for r in rows), default=5)
         table = Table(Column("plan id", no_wrap=True), Column("alias", no_wrap=True, min_width=width), "solver", "form",
-                      "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "device", "class", "published",
+                      "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "vs no recompute", "device",
+                      "class", "published",
                       title=f"plans in {plans_dir}")
         for r in rows:
             table.add_row(r["plan_id"][:12], r["alias"], r["solver"], r.get("form") or "executor",
                           f"{r['budget_bytes'] / mib:.1f}",
                           f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
-                          f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", r["device"], r.get("device_class") or "",
+                          f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", limited_text(r), r["device"],
+                          r.get("device_class") or "",
                           f"{r['published_at']:%Y-%m-%d %H:%M}")
         console().print(table)
         forms = {r.get("form") or "executor" for r in rows}
@@ -101,3 +103,11 @@ def register(app: typer.Typer) -> None:
         console().print(table)
 
     app.add_typer(plans, name="plans")
+
+
+def limited_text(row: dict) -> str:
+    """A `max_overhead` plan's measured overhead against its no-recomputation plan and its limit ("" for other
+    plans; a policy-form plan, or one validated without that plan, is judged on `overhead`: "-")."""
+    limit, measured = row.get("max_overhead"), row.get("overhead_vs_no_recompute")
+    text = "-" if measured is None else f"{measured:+.0%}"
+    return ("" if measured is None else text) if limit is None else f"{text} (limit +{limit:.0%})"

@@ -32,8 +32,9 @@ def register(app: typer.Typer) -> None:
 
             if alias is not None:
                 check_alias(alias)                       # before the validation's minutes of work
-            validation, spec, batch_size = run_validation(plan, config, model, batch)
-            console().print(validation_table(validation))
+            done = run_validation(plan, config, model, batch)
+            validation, spec, batch_size = done.validation, done.spec, done.batch_size
+            console().print(validation_table(done))
             loaded = Plan.load(plan)
             budget = f"{loaded.provenance.get('budget_bytes')}B"
             name = alias or f"{spec.name}-b{batch_size}-{loaded.provenance.get('solver')}-{budget}"

@@ -142,3 +142,66 @@ def test_a_tampered_plan_file_is_refused_by_validate(project):
     (folder / "tampered.json").write_text(json.dumps(data))
     result = runner.invoke(app, ["validate", str(folder / "tampered.json"), "--config", str(folder / "pipeline.toml")])
     assert result.exit_code == 1 and "edited or corrupted" in result.output and "Traceback" not in result.output
+
+
+def max_overhead_copy(folder: Path, name: str, limit: float, sibling: bool) -> Path:
+    """The published plan as a `max_overhead` cell's plan `name` (limit `limit`), with the cell's
+    no-recomputation plan beside it as the solve stage writes it when `sibling`."""
+    from runtime.plan import Plan
+
+    plan = Plan.load(plan_file(folder))
+    if sibling:
+        plan.provenance["solver"] = "checkpoint-all"
+        plan.save(folder / f"{name}-no-recompute.json")
+    plan.provenance.update(solver="dtr", max_overhead=limit)
+    plan.save(folder / f"{name}.json")
+    return folder / f"{name}.json"
+
+
+def test_validate_and_publish_measure_a_max_overhead_plan_against_its_no_recompute_plan(project):
+    from tasks.publish import read_index
+
+    folder, _ = project
+    path = max_overhead_copy(folder, "cell", 10.0, sibling=True)        # the same schedule: +1000% is never reached
+    config = str(folder / "pipeline.toml")
+    result = runner.invoke(app, ["validate", str(path), "--config", config])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "vs no recompute" in text and "(against cell-no-recompute.json)" in text, result.output
+    assert "max_overhead │ +1000% │ within the limit" in text, result.output
+    published = runner.invoke(app, ["publish", str(path), "--config", config, "--alias", "tiny-cell"])
+    assert published.exit_code == 0, published.output
+    row = next(r for r in read_index(folder / "plans") if r["alias"] == "tiny-cell")
+    assert row["max_overhead"] == 10.0 and row["overhead_vs_no_recompute"] is not None
+
+
+def test_without_its_no_recompute_plan_validate_builds_the_eager_order_plan_of_its_graph(project):
+    folder, _ = project
+    path = max_overhead_copy(folder, "lonely", 10.0, sibling=False)
+    result = runner.invoke(app, ["validate", str(path), "--config", str(folder / "pipeline.toml")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "vs no recompute" in text and "against the eager-order plan of its graph, built here" in text, result.output
+    assert "there is no no-recomputation plan beside it" in text and "within the limit" in text
+
+
+def test_a_plan_whose_no_recompute_step_is_not_built_here_is_not_judged(project, make_validation):
+    from rich.console import Console
+
+    from flows.commands.validate import CommandValidation, no_recompute_for, validation_table
+    from runtime.plan import Plan
+    from tasks.config import load_config
+
+    folder, _ = project
+    plan = Plan.load(max_overhead_copy(folder, "in-step", 0.1, sibling=False))
+    plan.provenance["optimizer_in_step"] = "adamw"
+    spec = load_config(folder / "pipeline.toml").models[0]
+    graph, baseline, why = no_recompute_for(folder / "in-step.json", plan, spec, 32, "cpu", 0)
+    assert graph is None and baseline is None
+    assert "only the overhead against eager is measured" in why and "optimizer inside the step" in why
+    done = CommandValidation(make_validation(plan), spec, 32, 0.1, why, judged=False)
+    console = Console(width=300, record=True)
+    console.print(validation_table(done))
+    text = " ".join(console.export_text().split())
+    assert "max_overhead │ +10% │ not judged: there is no no-recomputation plan beside it" in text
+    assert "vs no recompute" not in text

@@ -150,10 +150,14 @@ def test_memplan_fits_a_larger_batch_than_eager_and_its_plan_runs_under_the_limi
     markdown = markdown_fit(answer)
     assert f"eager {search.eager_largest}, per-block checkpoint {search.checkpoint_largest}" in markdown
     assert f"| {search.memplan_largest} |" in markdown and "validated against" in markdown
+    validation = answer.validation                  # timed beside the answer's no-recomputation plan
+    assert validation.overhead_vs_no_recompute is not None and Path(point.no_recompute_path).is_file()
+    assert answer.plan_path in {c.plan_path for c in point.candidates}
+    assert "overhead against no recomputation: within the limit" in markdown          # +1000%: never over
 
     model = blocks(WIDTH, DEPTH)
     batch = (torch.randn(search.memplan_largest, WIDTH), torch.randn(search.memplan_largest, WIDTH))
-    step = runtime.load(point.plan_path, model, loss_fn)
+    step = runtime.load(answer.plan_path, model, loss_fn)
     step(*batch)                                                   # the first call captures the model
     model.zero_grad(set_to_none=True)
     with PeakMeter("cpu", limit_bytes=limit, resident_bytes=params + sum(t.numel() * 4 for t in batch)):

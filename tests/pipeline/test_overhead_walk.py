@@ -82,10 +82,13 @@ def walked(tmp_path_factory, harness):
         patch.setattr(tasks.solve_stage, "solve_case", solve_case)
         patch.setattr(flows.refine, "refine", refine)
         outcomes = run_plan(folder / "pipeline.toml")
+    seen["folder"] = folder
     return outcomes, seen
 
 
 def test_the_overhead_is_measured_against_the_no_recomputation_plan_and_reported(walked):
+    from tasks.publish import read_index
+
     outcomes, seen = walked
     outcome, = outcomes
     solved, = seen["solved"]
@@ -94,6 +97,9 @@ def test_the_overhead_is_measured_against_the_no_recomputation_plan_and_reported
     low, high = outcome["overhead_vs_no_recompute_interval"]
     assert low <= outcome["overhead_vs_no_recompute"] <= high
     assert outcome["message"].startswith("measured walk: ")
+    row, = read_index(seen["folder"] / "plans")                  # the index keeps what the limit was about
+    assert (row["max_overhead"], row["overhead_vs_no_recompute"]) == (0.10, outcome["overhead_vs_no_recompute"])
+    assert row["overhead_vs_no_recompute_interval"] == [low, high]
 
 
 def test_the_walk_publishes_the_least_memory_rung_measured_within_the_limit(walked):

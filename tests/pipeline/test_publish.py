@@ -114,3 +114,59 @@ def test_duckdb_sees_the_index_as_a_table(tmp_path, make_plan, make_validation):
             [str(tmp_path / "index" / "*.parquet")],
         ).fetchall()
     assert rows == [("toy-b4-checkmate-200B", True), ("toy-b4-checkmate-300B", True)]
+
+
+def test_index_row_holds_the_overhead_a_max_overhead_limit_is_about(tmp_path, make_plan, make_validation):
+    plan = make_plan()
+    plan.provenance["max_overhead"] = 0.1
+    publish_toy(tmp_path, plan, make_validation(plan, overhead_vs_no_recompute=0.04,
+                                                overhead_vs_no_recompute_interval=[0.01, 0.07]))
+    other = make_plan(budget_bytes=300)
+    publish_toy(tmp_path, other, make_validation(other), alias="toy-b4-checkmate-300B")
+    rows = {r["alias"]: r for r in read_index(tmp_path)}
+    limited, plain = rows["toy-b4-checkmate-200B"], rows["toy-b4-checkmate-300B"]
+    assert (limited["max_overhead"], limited["overhead_vs_no_recompute"]) == (0.1, 0.04)
+    assert limited["overhead_vs_no_recompute_interval"] == [0.01, 0.07]
+    assert (plain["max_overhead"], plain["overhead_vs_no_recompute"], plain["overhead_vs_no_recompute_interval"]) == \
+        (None, None, None)
+    within = read_index(tmp_path, "overhead_vs_no_recompute <= max_overhead")
+    assert [r["alias"] for r in within] == ["toy-b4-checkmate-200B"]
+
+
+def test_index_rows_written_before_the_overhead_columns_still_load(tmp_path, make_plan, make_validation):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.publish import INDEX_SCHEMA
+
+    plan = make_plan()
+    publish_toy(tmp_path, plan, make_validation(plan))
+    (path,) = (tmp_path / "index").glob("*.parquet")
+    newer = {"max_overhead", "overhead_vs_no_recompute", "overhead_vs_no_recompute_interval", "device_class", "form"}
+    older = pa.schema([f for f in INDEX_SCHEMA if f.name not in newer])
+    pq.write_table(pq.read_table(path).select(older.names).cast(older), path)       # as an older memplan wrote it
+    (row,) = read_index(tmp_path)
+    assert row["plan_id"] == plan_id(plan) and row["overhead"] == 0.25
+    assert all(row[name] is None for name in newer)
+
+
+def test_plans_list_and_query_show_the_overhead_against_no_recomputation(tmp_path, make_plan, make_validation,
+                                                                         monkeypatch):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.setenv("COLUMNS", "300")
+    plan = make_plan()
+    plan.provenance["max_overhead"] = 0.1
+    publish_toy(tmp_path, plan, make_validation(plan, overhead_vs_no_recompute=0.04,
+                                                overhead_vs_no_recompute_interval=[0.01, 0.07]))
+    listed = CliRunner().invoke(app, ["plans", "list", "--dir", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert "vs no recompute" in listed.output and "+4% (limit +10%)" in listed.output
+    (tmp_path / "store").mkdir()
+    query = CliRunner().invoke(app, ["query", "--plans", str(tmp_path), "--store", str(tmp_path / "store"), "-f", "csv",
+                                     "SELECT max_overhead, overhead_vs_no_recompute, "
+                                     "overhead_vs_no_recompute_interval[2] AS high FROM plans"])
+    assert query.exit_code == 0, query.output
+    assert query.stdout.endswith("max_overhead,overhead_vs_no_recompute,high\n0.1,0.04,0.07\n")
