@@ -7,6 +7,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SOLVERS = ("dtr", "ap-greedy", "acg")
 LIMITS = ("ovh5pct", "ovh25pct")
@@ -26,7 +28,21 @@ def test_the_default_file_declares_what_the_readme_says():
     assert re.search(r"\| `dtr`, `ap-greedy`, `acg` \| at most 5%, 25% predicted overhead \|", readme)
 
 
-def test_the_default_pipeline_runs_end_to_end(tmp_path, harness):
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, harness) -> tuple[Path, list[dict]]:
+    """`memplan run` on a copy of the default pipeline.toml (its caches, store and plans in a folder of their
+    own), timed for `steps` rounds only: the rounds past it (up to max_steps) only narrow the overhead's
+    interval, which tests/pipeline/test_validate.py checks on a fake clock. Returns (folder, outcomes)."""
+    from flows.plan import run_plan
+
+    folder = tmp_path_factory.mktemp("default-pipeline")
+    text = (ROOT / "pipeline.toml").read_text()
+    assert re.search(r"^max_steps = 20 ", text, re.M)
+    (folder / "pipeline.toml").write_text(re.sub(r"^max_steps = 20 ", "max_steps = 6 ", text, flags=re.M))
+    return folder, run_plan(folder / "pipeline.toml")
+
+
+def test_the_default_pipeline_runs_end_to_end(default_run):
     """The README's main job, `memplan run` on the default pipeline.toml (a copy, so its caches, store and
     plans land in tmp_path; timed for `steps` rounds only): all 12 cells are solved, validated against eager
     PyTorch, timed against their no-recomputation plans, walked by measured overhead and published; on the CPU each plan's measured peak (the CPU allocator's, kernels' scratch
@@ -36,17 +52,11 @@ def test_the_default_pipeline_runs_end_to_end(tmp_path, harness):
     that the prediction does not count; docs/plan-format.md.)"""
     import torch
 
-    from flows.plan import run_plan
     from runtime.plan import Plan
     from tasks.overhead_refine import MARGIN
     from tasks.publish import read_index
 
-    # the file as it is, but timing stops at `steps` rounds: the rounds past it (up to max_steps) only narrow
-    # the overhead's interval, which tests/pipeline/test_validate.py checks on a fake clock
-    text = (ROOT / "pipeline.toml").read_text()
-    assert re.search(r"^max_steps = 20 ", text, re.M)
-    (tmp_path / "pipeline.toml").write_text(re.sub(r"^max_steps = 20 ", "max_steps = 6 ", text, flags=re.M))
-    outcomes = run_plan(tmp_path / "pipeline.toml")
+    tmp_path, outcomes = default_run
     assert len(outcomes) == 12 and all(o["status"] == "published" for o in outcomes), outcomes
     index = read_index(tmp_path / "plans")
     assert {r["alias"] for r in index} == {o["alias"] for o in outcomes}
@@ -74,24 +84,23 @@ def _perturbed(problem, conv_nodes: set[int], extra: int):
     return replace(problem, workspace=workspace, variants=variants)
 
 
-def test_every_default_plan_exists_on_a_device_with_twice_the_scratch(tmp_path):
+def test_every_default_plan_exists_on_a_device_with_twice_the_scratch(default_run):
     """Every cell of the default file still gets a plan within its overhead limit when every operator's
     workspace is doubled and every convolution's grows by 16 MiB more (the issue's host: convolutions
-    taking 9.5 MB of scratch put a "93%" budget below the floor)."""
+    taking 9.5 MB of scratch put a "93%" budget below the floor). The graphs and profiles are the default
+    run's."""
+    from runtime.graph import OpGraph
     from tasks.config import expand_matrix, load_config
     from tasks.problems import load_problem
-    from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve_stage import solve_loaded
-    from tasks.trace import trace
 
-    config = load_config(ROOT / "pipeline.toml")
+    folder, _ = default_run
+    config = load_config(folder / "pipeline.toml")
     loaded, convolutions = {}, {}
     for model in config.models:
-        batch = model.batch_sizes[0]
-        traced, graph = trace(model, batch, "cpu", config.seed, tmp_path / "cache")
-        profile_graph(graph, "cpu", ProfileSettings(0, 1, config.seed), model=model.name, root=tmp_path / "store",
-                      progress=False)
-        base = load_problem(traced.path, device="cpu", store=tmp_path / "store")
+        path, = (folder / ".cache" / "memplan" / "graphs").glob(f"{model.name}-b{model.batch_sizes[0]}-*.json")
+        graph = OpGraph.load(path)
+        base = load_problem(path, device="cpu", store=folder / "profiles_db")
         convolutions[model.name] = {n.id for n in graph.nodes if n.targets[0].startswith("aten.convolution")}
         loaded[model.name] = replace(base, problem=_perturbed(base.problem, convolutions[model.name], 16 * 2**20))
     assert convolutions["resnet18"]                          # forward and backward convolutions grew
