@@ -30,14 +30,54 @@ def _work_unit(nodeid: str) -> str:
     return "shared-captures" if module in SHARED_CAPTURES else module
 
 
+WAITING = ("tests/fleet/test_fleet_ops.py", "tests/fleet/test_scheduler.py")
+"""Modules that mostly wait on Prefect's clocks (a dead host's run is marked crashed after `zombie_after_s`
+without a heartbeat; a cron run starts on the minute): about 80 of their 140 s. With 3 or more xdist workers
+the last one runs only these, beside the others' CPU-bound tests, so the waits overlap with work."""
+
+
 def pytest_xdist_make_scheduler(config, log):
-    """Scheduling for the 2 xdist workers of pyproject's addopts: a module's tests stay on one worker (as
-    with `--dist loadfile`: module fixtures such as captures are built once), SHARED_CAPTURES together."""
+    """Scheduling for the xdist workers of pyproject's addopts: a module's tests stay on one worker (as with
+    `--dist loadfile`: module fixtures such as captures are built once), SHARED_CAPTURES together; with 3 or
+    more workers, the last is a lane for the WAITING modules, which the others take only once they have
+    nothing else."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _work_unit(nodeid)
+
+        def _waiting_lane(self, node) -> bool:
+            return len(self.nodes) >= 3 and node is self.nodes[-1]
+
+        def _next_unit(self, node) -> str | None:
+            """The first queued unit of the node's lane; for a worker of the others, any unit once its own
+            lane's are gone."""
+            lane = self._waiting_lane(node)
+            mine = next((scope for scope in self.workqueue if (scope in WAITING) == lane), None)
+            return mine if mine is not None or lane else next(iter(self.workqueue), None)
+
+        def _assign_work_unit(self, node) -> None:
+            scope = self._next_unit(node)
+            if scope is None:
+                return
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+        def schedule(self) -> None:
+            super().schedule()
+            for node in self.nodes:                 # a lane with nothing queued is never given a test
+                if not node.shutting_down and not self.assigned_work.get(node):
+                    self._reschedule(node)
+
+        def _reschedule(self, node) -> None:
+            if not node.shutting_down and self._next_unit(node) is None \
+                    and not self._pending_of(self.assigned_work.get(node, {})):
+                node.shutdown()                 # its lane is done (the base class waits for an empty queue)
+                return
+            super()._reschedule(node)
 
     return ModuleScheduling(config, log)
 
