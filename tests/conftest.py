@@ -1,6 +1,9 @@
 """Session-wide test settings shared by every test folder."""
 
 import os
+from typing import Iterator
+
+import pytest
 
 # Prefect's ephemeral server starts slowly on small machines; never phone home from tests.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -18,6 +21,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(_share)
+
+
+@pytest.fixture(scope="session")
+def harness() -> Iterator[str]:
+    """One Prefect test harness (a server of its own) for the test session of a worker; yields its API URL, for
+    the `memplan` processes a test starts."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
 
 
 SHARED_CAPTURES = ("tests/runtime/test_executor.py", "tests/runtime/test_acg_plans.py")

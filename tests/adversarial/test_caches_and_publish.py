@@ -66,7 +66,7 @@ def test_a_plan_that_cannot_be_indexed_publishes_nothing(tmp_path):
     assert not (tmp_path / "plans").exists() or not [p for p in (tmp_path / "plans").rglob("*") if p.is_file()]
 
 
-def test_a_deleted_solutions_folder_is_rebuilt_by_the_next_run(tmp_path, monkeypatch):
+def test_a_deleted_solutions_folder_is_rebuilt_by_the_next_run(tmp_path, harness):
     """The cached solve result names a plan file under `cache_dir/solutions`; with that folder deleted, the
     next run solves the cell again (instead of failing on a missing file) and publishes the same plan."""
     import shutil
@@ -76,7 +76,6 @@ def test_a_deleted_solutions_folder_is_rebuilt_by_the_next_run(tmp_path, monkeyp
     from flows.cli import app
     from tasks.publish import read_index
 
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
     config = tiny_pipeline(tmp_path)
     runner = CliRunner()
     first = runner.invoke(app, ["run", str(config)])

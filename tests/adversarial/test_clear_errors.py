@@ -70,13 +70,15 @@ def test_bad_benchmark_graphs(tmp_path, monkeypatch, change, fragment):
     _fails_with(["solve", "--graph", "g.json", "--solver", "checkpoint-all", "--budget", "1.0"], fragment)
 
 
-def test_an_error_inside_a_stage_prints_memplan_s_message_once(tmp_path):
+def test_an_error_inside_a_stage_prints_memplan_s_message_once(tmp_path, harness):
     """A factory that raises fails the trace stage inside Prefect: one message, no Prefect traceback
-    (a real `memplan run`, so that Prefect's logging is what a user sees)."""
+    (a real `memplan run` in a process of its own, reporting to a running server, so that Prefect's logging is
+    what a user sees)."""
     (tmp_path / "boom.py").write_text("def make(**kwargs):\n    raise RuntimeError('out of memory in the factory')\n")
     config = tiny_pipeline(tmp_path, factory="boom:make")
     run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=300)
+                         env={**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": harness}, cwd=tmp_path,
+                         timeout=300)
     output = run.stdout + run.stderr
     assert run.returncode == 1 and "Traceback" not in output, output
     assert output.count("out of memory in the factory") == 1, output

@@ -31,15 +31,6 @@ CONFIG: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="session")
-def harness():
-    """One Prefect test harness (ephemeral server) for the whole test session."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 @pytest.fixture
 def config_data() -> dict[str, Any]:
     """A fresh deep copy of a valid parsed pipeline.toml (safe to mutate)."""
