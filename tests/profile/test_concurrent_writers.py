@@ -11,10 +11,11 @@ from tasks.store_query import connect, load_costs
 
 WORKERS = 8
 
-# Each worker captures an MLP, profiles it, waits until all workers have measured (a file barrier), then
-# writes its run and prints its rows as JSON.
-WORKER = r"""
-import json, sys, time
+# One process imports torch and memplan once and forks the workers (each import would cost a worker 3-4
+# CPU-seconds). Each worker captures an MLP, profiles it, waits until all workers have measured (a file
+# barrier), then writes its run and its rows as JSON to `<index>.json`; the parent exits non-zero if any failed.
+WORKERS_SCRIPT = r"""
+import json, multiprocessing, sys, time
 from pathlib import Path
 import torch
 from torch import nn
@@ -22,35 +23,46 @@ import runtime
 from tasks.profile import ProfileSettings, measure_graph
 from tasks.store import write_run
 
-root, barrier, index, workers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-torch.set_num_threads(1)
-torch.manual_seed(index)
-net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
-graph = runtime.capture(net, lambda m, x, y: nn.functional.cross_entropy(m(x), y),
-                        (torch.randn(16, 32), torch.zeros(16, dtype=torch.long)))
-rows = measure_graph(graph, "cpu", ProfileSettings(warmup=1, repeats=3), model=f"mlp-{index % 2}", progress=False)
-(barrier / str(index)).touch()
-deadline = time.monotonic() + 300
-while len(list(barrier.iterdir())) < workers:
-    if time.monotonic() > deadline:
-        sys.exit("barrier timed out")
-    time.sleep(0.01)
-write_run(rows, root)
-print(json.dumps([[r["run_id"], r["fingerprint"], r["node_id"], r["time_ms"], r["output_bytes"]] for r in rows]))
+root, barrier, out, workers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+
+
+def work(index):
+    torch.set_num_threads(1)
+    torch.manual_seed(index)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    graph = runtime.capture(net, lambda m, x, y: nn.functional.cross_entropy(m(x), y),
+                            (torch.randn(16, 32), torch.zeros(16, dtype=torch.long)))
+    rows = measure_graph(graph, "cpu", ProfileSettings(warmup=1, repeats=3), model=f"mlp-{index % 2}", progress=False)
+    (barrier / str(index)).touch()
+    deadline = time.monotonic() + 300
+    while len(list(barrier.iterdir())) < workers:
+        if time.monotonic() > deadline:
+            sys.exit("barrier timed out")
+        time.sleep(0.01)
+    write_run(rows, root)
+    (out / f"{index}.json").write_text(json.dumps(
+        [[r["run_id"], r["fingerprint"], r["node_id"], r["time_ms"], r["output_bytes"]] for r in rows]))
+
+
+if __name__ == "__main__":
+    procs = [multiprocessing.get_context("fork").Process(target=work, args=(i,)) for i in range(workers)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(540)
+    sys.exit(sum(proc.exitcode != 0 for proc in procs))
 """
 
 
 def test_eight_processes_profile_and_write_at_once(tmp_path):
-    root, barrier = tmp_path / "profiles_db", tmp_path / "barrier"
+    root, barrier, out = tmp_path / "profiles_db", tmp_path / "barrier", tmp_path / "rows"
     barrier.mkdir()
+    out.mkdir()
     repo = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(root), str(barrier), str(i), str(WORKERS)],
-                              cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(WORKERS)]
-    results = [p.communicate(timeout=540) for p in procs]
-    for proc, (_, err) in zip(procs, results):
-        assert proc.returncode == 0, err
-    written = sorted(tuple(row) for out, _ in results for row in json.loads(out))
+    done = subprocess.run([sys.executable, "-c", WORKERS_SCRIPT, str(root), str(barrier), str(out), str(WORKERS)],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = sorted(tuple(row) for i in range(WORKERS) for row in json.loads((out / f"{i}.json").read_text()))
     runs = {row[0] for row in written}
     assert len(runs) == WORKERS
     con = connect(root)
