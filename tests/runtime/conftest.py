@@ -79,6 +79,10 @@ def _build_on_cpu(name: str, n: int):
     elif name == "small_densenet":             # densenet121's dense concatenations, three short blocks
         model = torchvision.models.DenseNet(growth_rate=8, block_config=(3, 3, 3), num_init_features=16,
                                             bn_size=2, num_classes=10)
+    elif name == "vgg11":                      # vgg11's convolutions and pools; its classifier's layers 64 wide, not
+        model = torchvision.models.vgg11(num_classes=10)          # 4096 (480 MB of weights on a 7x7x512 input)
+        model.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 64), nn.ReLU(True), nn.Dropout(),
+                                         nn.Linear(64, 64), nn.ReLU(True), nn.Dropout(), nn.Linear(64, 10))
     else:
         model = getattr(torchvision.models, name)(num_classes=10)
     return model, cross_entropy, (torch.randn(n, 3, 64, 64), torch.randint(0, 10, (n,)))
