@@ -148,6 +148,18 @@ def test_bad_optimizer_settings_are_refused(settings, message):
     assert message in str(info.value)
 
 
+def _pair() -> Problem:
+    """n0: a = f(W1, W2, x) (40 B); n1: loss(a) (4 B); n2: (dW1, dW2) = g(loss, x) (100 B, 60 B); values W1, W2,
+    x, a, loss, dW1, dW2 are ids 0..6."""
+    w1, w2, x, a, loss, gw1, gw2 = range(7)
+    return Problem(
+        name="pair", cost=np.ones(3), workspace=np.zeros(3, dtype=np.int64), phase=("forward", "loss", "backward"),
+        node_inputs=((w1, w2, x), (a,), (loss, x)), node_outputs=((a,), (loss,), (gw1, gw2)),
+        value_bytes=np.array([100, 60, 8, 40, 4, 100, 60], dtype=np.int64),
+        value_producer=np.array([-1, -1, -1, 0, 1, 2, 2], dtype=np.int64),
+        outputs=(loss, gw1, gw2), order=np.arange(3))
+
+
 def test_updates_after_one_step_run_as_one_optimizer_step():
     """n0: a = f(W1, W2, x) (40 B); n1: loss(a) (4 B); n2: (dW1, dW2) = g(loss, x) (100 B, 60 B): both updated
     after step 2, by one AdamW step, with the loss (4 B) and both gradients (160 B) live. Single-tensor kernels
@@ -155,12 +167,7 @@ def test_updates_after_one_step_run_as_one_optimizer_step():
     max(200, 100 + 120) = 220 B, W2 then W1 max(120, 60 + 200) = 260 B; foreach kernels hold 1x of both at
     once: 160 B."""
     w1, w2, x, a, loss, gw1, gw2 = range(7)
-    p = Problem(
-        name="pair", cost=np.ones(3), workspace=np.zeros(3, dtype=np.int64), phase=("forward", "loss", "backward"),
-        node_inputs=((w1, w2, x), (a,), (loss, x)), node_outputs=((a,), (loss,), (gw1, gw2)),
-        value_bytes=np.array([100, 60, 8, 40, 4, 100, 60], dtype=np.int64),
-        value_producer=np.array([-1, -1, -1, 0, 1, 2, 2], dtype=np.int64),
-        outputs=(loss, gw1, gw2), order=np.arange(3))
+    p = _pair()
     for updates, foreach, scratch in (([((gw1,), (w1,)), ((gw2,), (w2,))], False, 220),
                                       ([((gw2,), (w2,)), ((gw1,), (w1,))], False, 260),
                                       ([((gw1,), (w1,)), ((gw2,), (w2,))], True, 160)):
@@ -176,12 +183,7 @@ def test_large_parameters_are_updated_in_slices_each_by_a_call_of_its_own():
     SGD with momentum allocates nothing and foreach kernels hold every slice's temporaries at once, so neither
     is sliced."""
     w1, w2, x, a, loss, gw1, gw2 = range(7)
-    p = Problem(
-        name="pair", cost=np.ones(3), workspace=np.zeros(3, dtype=np.int64), phase=("forward", "loss", "backward"),
-        node_inputs=((w1, w2, x), (a,), (loss, x)), node_outputs=((a,), (loss,), (gw1, gw2)),
-        value_bytes=np.array([100, 60, 8, 40, 4, 100, 60], dtype=np.int64),
-        value_producer=np.array([-1, -1, -1, 0, 1, 2, 2], dtype=np.int64),
-        outputs=(loss, gw1, gw2), order=np.arange(3))
+    p = _pair()
     first, second = ((gw1,), (w1,)), ((gw2,), (w2,))
     sliced = in_step(p, [first, second], "adamw", slice_bytes=70)
     assert sliced.updates == (ParamUpdate((gw1,), (w1,), 0, 0, 128), ParamUpdate((gw2,), (w2,), 120, 60))
