@@ -1,6 +1,7 @@
 """Session-wide test settings shared by every test folder."""
 
 import os
+import sys
 from typing import Iterator
 
 import pytest
@@ -8,6 +9,12 @@ import pytest
 # Prefect's ephemeral server starts slowly on small machines; never phone home from tests.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The suite starts some eighty Python processes that import memplan (CLI runs, examples, ranks, flow runs, Dask
+# workers) and three xdist workers that rewrite every test module's asserts: with PYTHONDONTWRITEBYTECODE set,
+# as on many CI hosts, each compiled it all again (4 CPU-s of collection per worker, 0.5 s per process).
+# Bytecode goes to the __pycache__ folders .gitignore lists.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # Models are built from configs with random weights: never reach for a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -96,7 +103,14 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
+LONGEST_FIRST = ("tests/pipeline/test_training_doc.py", "tests/fleet/test_dask_runner.py", "shared-captures",
+                 "tests/pipeline/test_default_pipeline.py", "tests/pipeline/test_fit.py", "tests/fleet/test_fleet_e2e.py")
+"""The work units of 30 s and more (each 30-100 s on 2 cores), longest first."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """The shared-captures unit first (with `--no-loadscope-reorder` work units go out in collection
-    order): the longest unit starts at once instead of ending the run on one worker."""
-    items.sort(key=lambda item: _work_unit(item.nodeid) != "shared-captures")
+    """The LONGEST_FIRST units first, in that order (with `--no-loadscope-reorder` work units go out in
+    collection order): long units start at once instead of ending the run on one worker while the others
+    have finished (longest-first scheduling), then the rest in collection order."""
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(LONGEST_FIRST)))
