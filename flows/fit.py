@@ -2,8 +2,8 @@
 for eager PyTorch, per-block checkpointing and memplan within a predicted overhead (tasks/fit_search.py),
 memplan's answer validated (tasks/validate.py, against a reference that fits: tasks/fitting_reference.py), a
 plot of peak memory against the size under `<cache_dir>/reports/`, and both left as Prefect artifacts.
-`run_fit` is the entry point of the CLI and the tests; a fleet can deploy `fit_flow` per device class (its
-parameters are plain values; `memplan deploy` does not create it yet)."""
+`run_fit` is the entry point of the CLI and the tests; `memplan deploy` makes a `fit/<class>` deployment of
+`fit_flow` per device class (its parameters are plain values: `fit_parameters`)."""
 
 from __future__ import annotations
 

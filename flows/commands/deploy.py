@@ -1,8 +1,9 @@
-"""`memplan deploy [pipeline.toml]`: Prefect deployments of the `profile` and `plan` flows for a fleet.
+"""`memplan deploy [pipeline.toml]`: Prefect deployments of the `profile`, `plan` and `fit` flows for a fleet.
 
 From the `[deploy]` section (docs/config.md, docs/fleet.md): one process work pool, one work queue per
-device class, and per class the deployments `profile/<class>` (on its `profile_cron`) and `plan/<class>`
-(on its `plan_cron`, or on demand), on the Prefect server in `PREFECT_API_URL`. Idempotent: a deployment,
+device class, and per class the deployments `profile/<class>` (on its `profile_cron`), `plan/<class>`
+(on its `plan_cron`, or on demand) and `fit/<class>` (on its `fit_cron`, or on demand: what fits this
+class's device), on the Prefect server in `PREFECT_API_URL`. Idempotent: a deployment,
 pool, queue or automation that already matches is left untouched (reported `unchanged`), so deploying twice
 changes nothing on the server; `--dry-run` says what would change and changes nothing. Every run gets
 `$MEMPLAN_DEVICE_CLASS` (the plans index records it), heartbeats every `heartbeat_s` and `flow_retries`
@@ -22,7 +23,7 @@ from flows.automations import ensure_automations, pool_tag
 from tasks.config import DeployConfig, MemplanError
 from tasks.publish import DEVICE_CLASS_VAR
 
-ENTRYPOINTS = {"profile": "flows.profile:profile_flow", "plan": "flows.plan:plan_flow"}
+ENTRYPOINTS = {"profile": "flows.profile:profile_flow", "plan": "flows.plan:plan_flow", "fit": "flows.fit:fit_flow"}
 
 
 class DeployError(MemplanError):
@@ -76,7 +77,8 @@ def desired_deployments(deploy: DeployConfig, config_path: Path, cache_dir: str 
     wanted = []
     for cls in deploy.classes:
         for flow, cron, extra in (("profile", cls.profile_cron, cls.profile_parameters),
-                                  ("plan", cls.plan_cron, cls.plan_parameters)):
+                                  ("plan", cls.plan_cron, cls.plan_parameters),
+                                  ("fit", cls.fit_cron, cls.fit_parameters)):
             wanted.append(dict(
                 flow=flow, name=cls.name, work_pool_name=deploy.work_pool, work_queue_name=cls.name,
                 entrypoint=ENTRYPOINTS[flow], path=str(directory),
@@ -203,7 +205,7 @@ def register(app: typer.Typer) -> None:
         remove_all: Annotated[bool, typer.Option("--remove", help="Delete the deployments and automations of "
                                                  "\\[deploy] instead (runs, pool and queues stay).")] = False,
     ) -> None:
-        """Create the fleet's Prefect deployments (profile and plan flows per device class) and automations
+        """Create the fleet's Prefect deployments (profile, plan and fit flows per device class) and automations
         from \\[deploy]."""
         from flows.console import console, exit_on_error
 

@@ -42,12 +42,12 @@ def fleet_status(config, store: str | None = None, now: datetime | None = None) 
 
 
 def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[tuple[str, str]]:
-    """Pause (their schedules create no new runs) or resume the profile and plan deployments of
+    """Pause (their schedules create no new runs) or resume the profile, plan and fit deployments of
     `classes` (default: all of `deploy`); return (deployment, paused|resumed|absent)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from flows.commands.deploy import api_url
+    from flows.commands.deploy import ENTRYPOINTS, api_url
     from tasks.config import ConfigError
 
     names = [c.name for c in deploy.classes]
@@ -58,7 +58,7 @@ def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[t
     done = []
     with get_client(sync_client=True) as client:
         for name in classes or names:
-            for flow in ("profile", "plan"):
+            for flow in ENTRYPOINTS:
                 try:
                     found = client.read_deployment_by_name(f"{flow}/{name}")
                 except ObjectNotFound:
@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
                     table.add_row(name, status)
             console().print(table)
 
-        command.__doc__ = ("Pause the profile and plan deployments: their schedules create no new runs (a running "
+        command.__doc__ = ("Pause the profile, plan and fit deployments: their schedules create no new runs (a running "
                            "one finishes)." if paused else "Resume paused deployments: their schedules run again.")
         return command
 

@@ -29,19 +29,27 @@ def _cron(expression: str) -> str:
 Cron = Annotated[str, AfterValidator(_cron)]
 
 
+FIT_PARAMETERS = ("model", "max_overhead", "solver", "max_size", "dimension", "batch_size")
+"""The `fit` flow's parameters a deployment may set (`flows.fit.fit_flow`; `config_path` is `memplan deploy`'s)."""
+
+
 class DeviceClassConfig(Section):
-    """One GPU class of the fleet: a work queue its hosts' workers poll, and when to profile and plan."""
+    """One GPU class of the fleet: a work queue its hosts' workers poll, and when to profile, plan and fit."""
 
     name: str = Field(description="The class (and its work queue) name, e.g. 'h100'.")
     device: str | None = Field(None, description="The device key its hosts write into the profile store "
                                "(`memplan query \"SELECT DISTINCT device FROM runs\"`); default: `name`.")
     profile_cron: Cron = Field("0 3 * * *", description="When the `profile` flow runs (cron, in `timezone`).")
     plan_cron: Cron | None = Field(None, description="When the `plan` flow runs (cron); none: planned on demand.")
+    fit_cron: Cron | None = Field(None, description="When the `fit` flow runs (cron); none: on demand.")
     timezone: str = Field("UTC", description="IANA time zone of the cron expressions.")
     profile_parameters: dict[str, Any] = Field(
         default_factory=dict, description="Extra parameters of the profile flow's runs, e.g. {reuse = true}.")
     plan_parameters: dict[str, Any] = Field(
         default_factory=dict, description="Extra parameters of the plan flow's runs, e.g. {refresh = true}.")
+    fit_parameters: dict[str, Any] = Field(
+        default_factory=dict, description="Parameters of the fit flow's runs (`memplan fit`'s options), e.g. "
+        "{model = \"gpt2-tiny\", max_overhead = 0.1}.")
     concurrency: int | None = Field(None, ge=1, description="At most this many runs of the class at once, on all "
                                     "its hosts (the work queue's concurrency limit); none: one per worker (`--limit 1`).")
 
@@ -63,10 +71,11 @@ class DeviceClassConfig(Section):
             raise ValueError(f"time zone {zone!r} is unknown; use an IANA name such as 'UTC' or 'Europe/Paris'") from None
         return zone
 
-    @field_validator("profile_parameters", "plan_parameters")
+    @field_validator("profile_parameters", "plan_parameters", "fit_parameters")
     @classmethod
     def _parameters(cls, parameters: dict[str, Any], info) -> dict[str, Any]:
-        allowed = {"profile_parameters": ("reuse",), "plan_parameters": ("refresh",)}[info.field_name]
+        allowed = {"profile_parameters": ("reuse",), "plan_parameters": ("refresh",),
+                   "fit_parameters": FIT_PARAMETERS}[info.field_name]
         unknown = sorted(set(parameters) - set(allowed))
         if unknown:
             raise ValueError(f"unknown flow parameter(s) {unknown}; allowed: {', '.join(allowed)} (config_path "
@@ -91,7 +100,7 @@ class DeviceClassConfig(Section):
 
 
 class DeployConfig(Section):
-    """Prefect deployments of the `profile` and `plan` flows on a fleet (`memplan deploy`, docs/fleet.md)."""
+    """Prefect deployments of the `profile`, `plan` and `fit` flows on a fleet (`memplan deploy`, docs/fleet.md)."""
 
     work_pool: str = Field("memplan", description="The process work pool the fleet's workers poll.")
     directory: str | None = Field(None, description="The project folder on every worker host (holding this "

@@ -34,6 +34,9 @@ def config(deploy=None, run=None, **top):
     ({"classes": [{"name": "h100", "timezone": "Mars/Base"}]}, r"deploy.classes\[0\].timezone .* unknown"),
     ({"classes": [{"name": "h100", "plan_parameters": {"reuse": True}}]},
      r"deploy.classes\[0\].plan_parameters: unknown flow parameter\(s\) \['reuse'\]; allowed: refresh"),
+    ({"classes": [{"name": "h100", "fit_parameters": {"device_memory": "16 GiB"}}]},
+     r"deploy.classes\[0\].fit_parameters: unknown flow parameter\(s\) \['device_memory'\]; allowed: model, "
+     r"max_overhead, solver, max_size, dimension, batch_size"),
     ({"classes": [{"name": "h100", "gpu": "x"}]}, r"deploy.classes\[0\].gpu = 'x': unknown key; allowed keys in "
                                                   r"deploy.classes\[0\]: name, device, profile_cron"),
     ({"classes": [{"name": "h100"}, {"name": "h100"}]}, "device class 'h100' is declared twice"),
@@ -68,10 +71,17 @@ def test_cron_gaps_set_the_allowed_age():
 
 def test_deployments_per_class_and_flow():
     deploy = config({"directory": "/mnt/shared/memplan", "work_pool": "gpu-fleet",
-                     "classes": [{"name": "h100", "plan_cron": "0 5 * * *", "profile_parameters": {"reuse": True}},
-                                 {"name": "a100", "timezone": "Europe/Paris"}]}).deploy
+                     "classes": [{"name": "h100", "plan_cron": "0 5 * * *", "profile_parameters": {"reuse": True},
+                                  "fit_parameters": {"model": "gpt2-tiny", "max_overhead": 0.1}},
+                                 {"name": "a100", "timezone": "Europe/Paris", "fit_cron": "0 6 * * 1"}]}).deploy
     wanted = {(d["flow"], d["name"]): d for d in desired_deployments(deploy, Path("conf/fleet.toml"))}
-    assert sorted(wanted) == [("plan", "a100"), ("plan", "h100"), ("profile", "a100"), ("profile", "h100")]
+    assert sorted(wanted) == [("fit", "a100"), ("fit", "h100"), ("plan", "a100"), ("plan", "h100"),
+                              ("profile", "a100"), ("profile", "h100")]
+    fit = wanted["fit", "h100"]
+    assert (fit["entrypoint"], fit["schedules"], fit["work_queue_name"]) == ("flows.fit:fit_flow", [], "h100")
+    assert fit["parameters"] == {"config_path": "/mnt/shared/memplan/fleet.toml", "model": "gpt2-tiny",
+                                 "max_overhead": 0.1}
+    assert wanted["fit", "a100"]["schedules"] == [("0 6 * * 1", "Europe/Paris")]
     profile = wanted["profile", "h100"]
     assert profile["parameters"] == {"config_path": "/mnt/shared/memplan/fleet.toml", "reuse": True}
     assert (profile["work_pool_name"], profile["work_queue_name"], profile["path"]) == (

@@ -105,7 +105,7 @@ def test_two_hosts_profile_on_schedule_into_one_store(prefect_server, project, t
     api, config = prefect_server, project / "pipeline.toml"
     first = _deploy(config, api)
     assert first == {"work pool gpu-fleet": "created", "work queue cpu-a": "created", "work queue cpu-b": "created",
-                     **{f"deployment {f}/{c}": "created" for c in CLASSES for f in ("profile", "plan")},
+                     **{f"deployment {f}/{c}": "created" for c in CLASSES for f in ("profile", "plan", "fit")},
                      "automation memplan gpu-fleet: zombie runs": "created"}
     assert set(_deploy(config, api).values()) == {"unchanged"}          # idempotent
 

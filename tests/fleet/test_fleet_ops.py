@@ -129,8 +129,11 @@ def test_dry_run_changes_nothing_and_pause_stops_a_class(server, project):
         assert [a.type for a in zombie.actions] == ["change-flow-run-state", "run-deployment"]
         deployment = client.read_deployment_by_name(f"profile/{CLASS}")
         assert deployment.job_variables["env"]["MEMPLAN_DEVICE_CLASS"] == CLASS
+        fit = client.read_deployment_by_name(f"fit/{CLASS}")           # on demand: no schedule
+        assert fit.entrypoint == "flows.fit:fit_flow" and not fit.schedules
         paused = _memplan(server, "fleet", "pause", str(config), "--class", CLASS)
         assert paused.exit_code == 0 and client.read_deployment(deployment.id).paused, paused.output
+        assert client.read_deployment(fit.id).paused
         resumed = _memplan(server, "fleet", "resume", str(config))
         assert resumed.exit_code == 0 and not client.read_deployment(deployment.id).paused, resumed.output
 
