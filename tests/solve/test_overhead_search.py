@@ -71,3 +71,19 @@ def test_more_overhead_buys_less_memory_down_to_the_floor():
     peaks = [least_memory_within(problem, "checkmate", x, eager, rel_tol=0.0).predicted_peak_bytes
              for x in (0.0, 0.25, 1.0, 10.0)]
     assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[-1]
+
+
+def test_a_solver_whose_one_schedule_costs_more_than_the_limit_says_so():
+    """chen-sqrt-n makes one schedule whatever the budget: it cannot honour a limit its schedule's cost exceeds,
+    and the answer says what that schedule costs instead of returning it."""
+    problem = uneven_linear_graph()
+    eager = simulate(problem, default_schedule(problem))
+    fixed = solve(problem, "chen-sqrt-n", eager.peak_bytes)
+    overhead = fixed.objective / eager.compute_cost - 1
+    assert fixed.feasible and overhead > 0
+    refused = least_memory_within(problem, "chen-sqrt-n", overhead / 2, eager)
+    assert not refused.feasible and refused.schedule is None
+    assert refused.message == (f"no schedule within +{overhead / 2:.0%} predicted overhead: even at the checkpoint-all "
+                               f"peak its schedule there costs {overhead:+.1%}")
+    honoured = least_memory_within(problem, "chen-sqrt-n", overhead, eager)
+    assert honoured.feasible and honoured.objective == fixed.objective
