@@ -18,15 +18,17 @@ def net(**kwargs):
 
 
 def test_editing_a_factory_s_source_changes_every_cache_key(tmp_path, monkeypatch):
-    """ReLU -> Tanh in the factory's file, nothing else changed: the trace is not served from a cache and
-    the profile key (the first cached stage, keyed on the traced fingerprint) changes."""
+    """ReLU -> Sigmoid in the factory's file, nothing else changed: the trace is not served from a cache and
+    the profile key (the first cached stage, keyed on the traced fingerprint) changes. (The edit changes the
+    file's size: Python's bytecode cache, keyed on a source's mtime in seconds and its size, would serve the
+    first version of a same-size edit made within the same second.)"""
     from flows.steps import _profile_key, trace_step
     from tasks.config import load_config
 
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = load_config(tiny_pipeline(tmp_path, factory="netmod:net"))
     keys, fingerprints = [], []
-    for act in ("ReLU", "Tanh"):
+    for act in ("ReLU", "Sigmoid"):
         (tmp_path / "netmod.py").write_text(NET.format(act=act))
         sys.modules.pop("netmod", None)                       # a new `memplan run` imports the edited file
         inputs = dict(model=spec.models[0], batch_size=2, device="cpu", seed=0, cache_dir=spec.cache_dir)
