@@ -140,6 +140,13 @@ SETTINGS = ("optimizer_in_step", "ddp_bucket_mb")
 """The provenance a no-recomputation plan shares with the plans measured against it: how the executor runs them."""
 
 
+def rung_path(plan_path: str | Path, index: int) -> str:
+    """Where the solve stage writes rung `index` of a `max_overhead` cell's ladder: `<stem>-rung<index>.json`
+    beside the cell's plan `<stem>.json`."""
+    path = Path(plan_path)
+    return str(path.with_name(f"{path.stem}-rung{index}.json"))
+
+
 def no_recompute_path(plan_path: str | Path) -> str:
     """Where the solve stage writes a `max_overhead` cell's no-recomputation plan: beside the cell's plan
     `<stem>.json` as `<stem>-no-recompute.json`, shared by the cell's rungs (`<stem>-rung<i>.json`)."""
@@ -162,8 +169,7 @@ def no_recompute_beside(plan_path: str | Path, plan: Plan) -> tuple[Plan | None,
         return None, f"its no-recomputation plan cannot be read ({exc})"
     computes = other.compute_steps()
     differs = [key for key in SETTINGS if other.provenance.get(key) != plan.provenance.get(key)]
-    if other.fingerprint != plan.fingerprint or len(computes) != len(set(computes)) or differs:
-        why = ("is of another graph" if other.fingerprint != plan.fingerprint else
-               "recomputes" if len(computes) != len(set(computes)) else f"has another {' and '.join(differs)}")
-        return None, f"the plan beside it, {path}, {why}"
-    return other, path.name
+    why = ("is of another graph" if other.fingerprint != plan.fingerprint else
+           "recomputes" if len(computes) != len(set(computes)) else
+           f"has another {' and '.join(differs)}" if differs else None)
+    return (other, path.name) if why is None else (None, f"the plan beside it, {path}, {why}")

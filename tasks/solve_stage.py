@@ -17,7 +17,7 @@ from runtime.graph import backend
 from runtime.plan import Plan, graph_provenance, plan_id
 from tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from tasks.problems import LoadedProblem, load_problem
-from tasks.overhead_refine import Rung, no_recompute_path, written_rungs
+from tasks.overhead_refine import Rung, no_recompute_path, rung_path, written_rungs
 from tasks.records import Candidate, Solved
 from tasks.solve import SOLVERS, solve
 from tasks.solve.core.addresses import greedy_addresses
@@ -169,11 +169,6 @@ def _annotate(plan: Plan, budget: Budget, settings: PlanSettings) -> None:
     _record_form(plan, settings.form)
 
 
-def _sibling(plan_path: str, name: str) -> str:
-    """A plan file beside `plan_path`: `<stem>-<name>.json`."""
-    path = Path(plan_path)
-    return str(path.with_name(f"{path.stem}-{name}.json"))
-
 
 def write_ladder(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budget: Budget, settings: PlanSettings,
                  device: str, plan_path: str, chosen: Plan) -> tuple[list[Candidate], Plan | None]:
@@ -204,7 +199,7 @@ def _candidates(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budget
             plan = plan_of(loaded, place_addresses(loaded, solution, settings.solve_options(), settings.addresses),
                            device)
             _annotate(plan, budget, settings)
-            path = _sibling(plan_path, f"rung{index}")
+            path = rung_path(plan_path, index)
             plan.save(path)
         candidates.append(Candidate(plan_path=path, plan_id=plan_id(plan), budget_bytes=solution.budget_bytes,
                                     predicted_peak_bytes=solution.predicted_peak_bytes,
