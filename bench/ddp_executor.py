@@ -1,6 +1,6 @@
 """The executor under DistributedDataParallel vs DDP's own backward, on gloo ranks on this CPU, in one run.
 
-    .venv/bin/python bench/ddp_executor.py [--config pipeline.toml] [--model resnet18] [--solver dtr]
+    .venv/bin/python -m bench.ddp_executor [--config pipeline.toml] [--model resnet18] [--solver dtr]
                                            [--overhead 0.25] [--bucket-mb 25] [--ranks 2] [--rounds 10]
 
 The model and batch are the pipeline's (`pipeline.toml`: resnet18, batch 8 per rank, each rank its own data).

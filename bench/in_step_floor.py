@@ -1,6 +1,6 @@
 """What bounds the peak of the optimizer inside the step on the CPU, and what would lift that bound (issue 34).
 
-    .venv/bin/python bench/in_step_floor.py [--config pipeline.toml] [--model resnet18] [--optimizer sgd-momentum]
+    .venv/bin/python -m bench.in_step_floor [--config pipeline.toml] [--model resnet18] [--optimizer sgd-momentum]
                                             [--solvers dtr hierarchical] [--drop 0.8] [--threads 1]
 
 Two measurements side by side in one run, then simulations:

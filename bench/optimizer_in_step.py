@@ -1,6 +1,6 @@
 """The optimizer inside the step vs after it: measured peak and step time, side by side in one run.
 
-    .venv/bin/python bench/optimizer_in_step.py [--config pipeline.toml] [--model resnet18]
+    .venv/bin/python -m bench.optimizer_in_step [--config pipeline.toml] [--model resnet18]
                                                 [--optimizers sgd-momentum adamw] [--solvers dtr ap-greedy acg]
                                                 [--overheads 0.05 0.25] [--target-solvers dtr hierarchical]
                                                 [--variants all] [--rounds 12] [--threads 1]

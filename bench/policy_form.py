@@ -1,6 +1,6 @@
 """The policy form (runtime.apply) beside PyTorch's own checkpointing, measured side by side in one run.
 
-    .venv/bin/python bench/policy_form.py [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5]
+    .venv/bin/python -m bench.policy_form [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5]
 
 One model for every row: the GPT-2 of bench/peers.py with transformers' default dropout of 0.1 (6 layers,
 256 wide, seq 256, batch 4), or its Llama-style decoder (`--model llama`: RMSNorm, rotary, SwiGLU, no dropout),
