@@ -18,7 +18,7 @@ from torch import fx, nn
 
 from runtime.facts import graph_facts
 from runtime.graph import Node, OpGraph, Value
-from runtime.modules import META_KEY
+from runtime.modules import META_KEY, PART_KEY
 from runtime.program import CaptureError, Program
 
 # Ops whose schema declares a fresh result but whose kernel returns a view of the input.
@@ -193,6 +193,9 @@ def fold(gm: fx.GraphModule, sig: Any, model: nn.Module, batch: tuple) -> OpGrap
     modules = [head.meta.get(META_KEY) if phase != "backward" else None for head, phase in zip(heads, phases)]
     if any(modules):
         meta["node_modules"] = modules
+        parts = [head.meta.get(PART_KEY) if module else None for head, module in zip(heads, modules)]
+        if any(parts):
+            meta["node_parts"] = parts
     graph = OpGraph(value_objs, nodes, graph_outputs, meta, program=program)
     meta.update(graph_facts(graph))
     return graph

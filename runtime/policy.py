@@ -1,10 +1,12 @@
 """Run a plan in the policy form: selective activation checkpointing in the user's own training loop.
 
 `apply(plan, model, loss_fn, batch)` wraps the forward of each region the plan recomputes (a repeated
-module recorded at capture, runtime/modules.py) in `torch.utils.checkpoint(use_reentrant=False,
-context_fn=...)`, whose `create_selective_checkpoint_contexts` policy returns MUST_SAVE for the ops of
-the nodes the plan keeps and PREFER_RECOMPUTE for the rest (runtime/policy_form.py says which schedules
-that is and what the simulator predicts for them). The model then trains with `loss.backward()`, under
+module recorded at capture, runtime/modules.py, or a child of one for the layers the plan splits) in
+`torch.utils.checkpoint(use_reentrant=False, context_fn=...)`, whose `create_selective_checkpoint_contexts`
+policy returns MUST_SAVE for the ops of the nodes the plan keeps and PREFER_RECOMPUTE for the rest
+(runtime/policy_form.py says which schedules that is and what the simulator predicts for them). A region
+the plan recomputes whole is wrapped in plain `torch.utils.checkpoint(use_reentrant=False)`, which does the
+same without the policy's dispatch mode (it cost 4% of a GPT-2 step split into 24 whole regions). The model then trains with `loss.backward()`, under
 `torch.compile` and DistributedDataParallel unchanged.
 
 Op calls are matched to the captured graph's ops of the region by order: the policy sees the region's
@@ -13,10 +15,10 @@ AOTAutograd traced them (`capture_eager`). Views are skipped on both sides (reco
 nothing); ops compare by name without overload or in-place suffix (`bernoulli_.float` is `bernoulli.p`).
 A call whose op is among the next `LOOKAHEAD` graph ops is that op, and the graph ops it passes count as
 run; torch.compile's `native_dropout` is eager's `empty_like`, `bernoulli`, `div`, `mul` (`_EXPANDS`); any
-other call is part of the next graph op and takes its decision. After each eager forward of a region every
-graph op must have been matched, else the model ran another forward than the captured one and the step
-raises PolicyMismatch. Each applied region is registered in `_REGIONS` under a key its wrapper holds
-(torch.compile takes a `context_fn` only as a function or a partial of constants).
+other call is part of the next graph op and takes its decision. After each eager forward of a region
+with a policy every graph op must have been matched, else the model ran another forward than the captured
+one and the step raises PolicyMismatch. Each region with a policy is registered in `_REGIONS` under a key
+its wrapper holds (torch.compile takes a `context_fn` only as a function or a partial of constants).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from runtime.autograd_nodes import label_backward
 from runtime.capture import capture
 from runtime.graph import OpGraph
-from runtime.modules import META_KEY, marked_modules
+from runtime.modules import META_KEY, PART_KEY, marked_modules, module_parts
 from runtime.ops import allocating_calls, is_view, op_name
 from runtime.optim_step import check_optimizer, step_in_backward
 from runtime.plan import Plan
@@ -55,9 +57,10 @@ _EXPANDS = {"native_dropout": ("empty_like", "bernoulli", "div", "mul")}
 
 
 def region_ops(graph: OpGraph, name: str) -> list[tuple[Any, int]]:
-    """(ATen op, operator node id) of each non-view call of region `name`'s forward, in graph order."""
+    """(ATen op, operator node id) of each non-view call of region `name`'s forward (a recorded module or
+    part), in graph order."""
     return [(op, node) for m, op, node in allocating_calls(graph)
-            if m.meta.get(META_KEY) == name and graph.nodes[node].phase != "backward"]
+            if name in (m.meta.get(META_KEY), m.meta.get(PART_KEY)) and graph.nodes[node].phase != "backward"]
 
 
 class _Matcher:
@@ -175,13 +178,20 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
     if graph is None or graph.program is None or graph.meta.get("capture") != "eager":
         graph = capture_eager(model, loss_fn, tuple(batch))
     plan.validate(graph)
-    saved = decisions(Regions.of_graph(graph), plan.schedule)
-    modules = marked_modules(model)
+    split = plan.provenance.get("split", [])
+    if not isinstance(split, list) or not all(isinstance(name, str) for name in split):
+        raise PolicyFormError(f"the plan's provenance.split is {split!r}; it must be a list of the recorded modules "
+                              f"(layer names) checkpointed by their parts (docs/plan-format.md).")
+    saved = decisions(Regions.of_graph(graph, split), plan.schedule)
+    modules = {**marked_modules(model), **module_parts(model)}
     for name, keep in saved.items():
         module, key = modules[name], f"{uuid.uuid4().hex}:{name}"
-        _REGIONS[key] = _Region(name, region_ops(graph, name), keep)
         setattr(module, _WRAPPED, key)
-        module.forward = functools.partial(_checkpointed, module.forward, key)
+        if keep:
+            _REGIONS[key] = _Region(name, region_ops(graph, name), keep)
+            module.forward = functools.partial(_checkpointed, module.forward, key)
+        else:                                        # recomputed whole: no op to map, no policy to consult
+            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
     if optimizer is not None:
         step_in_backward(optimizer, model)
     return model

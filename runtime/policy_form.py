@@ -3,9 +3,11 @@
 around each region runs, and the schedule the simulator must see for them. Torch-free: solvers build
 schedules with it, `runtime.policy` reads plans with it.
 
-A region is one call of a repeated module recorded at capture (`meta["node_modules"]`). Its decision is
-the set of its nodes whose outputs autograd keeps (MUST_SAVE); every other op of the region is
-recomputed (PREFER_RECOMPUTE). What autograd does with that, as a schedule:
+A region is one call of a repeated module recorded at capture (`meta["node_modules"]`), or, for a layer
+the decision splits (`Regions.split`; plans record them in `provenance.split`), one call of a child of it
+(`meta["node_parts"]`: its attention, its MLP), the layer's own ops between them (residual adds) then
+being in no region. Its decision is the set of its nodes whose outputs autograd keeps (MUST_SAVE); every
+other op of the region is recomputed (PREFER_RECOMPUTE). What autograd does with that, as a schedule:
 
 - forward: every forward and loss node once, in the default order;
 - a backward node belongs to the regions whose own values it reads (not their outputs, which later
@@ -41,9 +43,9 @@ prediction by such a tensor. One-op backwards (GELU's, a matmul's, layer norm's)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 FORM = "policy"
 
@@ -64,20 +66,25 @@ class Regions:
     random: frozenset[int]
     allocating: frozenset[int]               # nodes whose outputs take bytes (views take none)
     autograd: tuple[int | None, ...] = ()    # per node, its autograd Node's label (runtime/autograd_nodes.py)
+    part_of: tuple[str | None, ...] = ()     # per node, the recorded child of its module (forward nodes only)
+    split_modules: frozenset[str] = frozenset()  # the recorded modules whose parts are the regions instead
 
     @classmethod
-    def of_problem(cls, problem: Any) -> "Regions":
-        """From a `tasks.solve.core.problem.Problem`."""
+    def of_problem(cls, problem: Any, split: Iterable[str] = ()) -> "Regions":
+        """From a `tasks.solve.core.problem.Problem`, with the recorded modules in `split` split into their
+        parts (`Regions.split`)."""
         n = len(problem.node_inputs)
         return cls(tuple(int(v) for v in problem.order), tuple(problem.node_inputs), tuple(problem.node_outputs),
                    frozenset(i for i, p in enumerate(problem.phase) if p == "backward"),
                    tuple(problem.node_modules) or (None,) * n, frozenset(problem.random_nodes),
-                   frozenset(i for i, b in enumerate(problem.node_bytes) if b > 0), tuple(problem.autograd_nodes))
+                   frozenset(i for i, b in enumerate(problem.node_bytes) if b > 0), tuple(problem.autograd_nodes),
+                   tuple(problem.node_parts) or (None,) * n).split(split)
 
     @classmethod
-    def of_graph(cls, graph: Any) -> "Regions":
+    def of_graph(cls, graph: Any, split: Iterable[str] = ()) -> "Regions":
         """From a captured `runtime.graph.OpGraph` (its nodes are in the default order), reading as
-        `Problem.from_graph` does (`held_reads`)."""
+        `Problem.from_graph` does (`held_reads`), with the recorded modules in `split` split into their parts
+        (`Regions.split`)."""
         n = len(graph.nodes)
         random = getattr(graph.program, "random_devices", {}) or {}
         reads = held_reads([x.phase for x in graph.nodes], [x.inputs for x in graph.nodes],
@@ -86,7 +93,32 @@ class Regions:
                    frozenset(x.id for x in graph.nodes if x.phase == "backward"),
                    tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(int(k) for k in random),
                    frozenset(x.id for x in graph.nodes if sum(graph.values[v].bytes for v in x.outputs) > 0),
-                   tuple(graph.meta.get("autograd_nodes") or ()))
+                   tuple(graph.meta.get("autograd_nodes") or ()),
+                   tuple(graph.meta.get("node_parts") or (None,) * n)).split(split)
+
+    @cached_property
+    def parts(self) -> dict[str, list[str]]:
+        """Per recorded module not split, its recorded children that compute something, in order."""
+        out: dict[str, list[str]] = {}
+        for name, nodes in self.members.items():
+            if name not in self.split_modules:
+                out[name] = list(dict.fromkeys(self.part_of[n] for n in nodes if self.part_of[n] is not None))
+        return out
+
+    def split(self, modules: Iterable[str]) -> "Regions":
+        """These regions with each of `modules` (recorded modules) replaced by its parts (`parts`): a region
+        per part, and the module's nodes outside every part in none (autograd keeps what they save)."""
+        modules = frozenset(modules) - self.split_modules
+        unknown = sorted(name for name in modules if not self.parts.get(name))
+        if unknown:
+            splittable = [name for name, parts in self.parts.items() if parts]
+            raise PolicyFormError(f"cannot split {unknown[:3]} into parts: the graph records no parts of them "
+                                  f"(modules with recorded parts: {', '.join(splittable[:6]) or 'none'}). A graph "
+                                  f"captured before memplan recorded parts has none: capture it again.")
+        if not modules:
+            return self
+        region_of = tuple(self.part_of[n] if name in modules else name for n, name in enumerate(self.region_of))
+        return replace(self, region_of=region_of, split_modules=self.split_modules | modules)
 
     @cached_property
     def members(self) -> dict[str, list[int]]:

@@ -7,24 +7,35 @@ Decision per region (a repeated module recorded at capture): which of its nodes 
 allocates up to the last its backward reads (`Regions.savable`; e.g. the projections torchtitan keeps).
 Candidates to recompute are ranked by predicted time per byte (the knapsack order of PyTorch's
 `_activation_checkpointing` and of torchtitan's op lists, where matmuls are dearest per byte), each
-decision `Regions.settled`. Two families are simulated and the cheapest within the budget returned:
+decision `Regions.settled`. Three families are simulated and the cheapest within the budget returned:
 - `decision_ladder`: the savable nodes of all regions dropped one at a time in that order, then the
   first k regions checkpointed whole (what `module-checkpoint` does);
 - `staircases`: regions alike (a transformer's layers) share one ranking of their node positions, by
   the mean time per byte over them (one profile's noise does not split them), giving levels 0 (not
   checkpointed), 1, 2, ... of the same decision in every region; every region at level i and the first
   or last k at level i + 1, or the first or last k whole: the per-layer policies torchtitan applies,
-  and mixes of them across layers.
+  and mixes of them across layers;
+- `split_decisions`: layers split into their parts (`Regions.split`: each of a layer's children, its
+  attention, its MLP, its norms, a region of its own, so one part's recomputation is not live through
+  another's backward, at the cost of keeping each part's input): the first or last k layers split with
+  the parts of some kinds checkpointed whole, the rest whole; and every layer split, with
+  `decision_ladder` over the parts (the plan records the split layers in `provenance.split`).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from typing import Iterator
 
 from runtime.policy_form import FORM, Regions, policy_schedule
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
 from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+
+PART_KINDS = 4
+"""Up to this many kinds of parts per layer (a transformer layer's two norms, attention and MLP),
+`split_decisions` tries every subset of them."""
 
 
 def decision_ladder(problem: Problem, regions: Regions) -> list[dict[str, frozenset[int]]]:
@@ -74,32 +85,56 @@ def staircases(problem: Problem, regions: Regions) -> list[dict[str, frozenset[i
     return out
 
 
+def split_decisions(problem: Problem, regions: Regions) -> Iterator[tuple[Regions, dict[str, frozenset[int]]]]:
+    """Candidate decisions over split layers (module docstring), each with the regions it is over: the first
+    or last k layers split, the others whole, and of the split layers' parts those of some kinds checkpointed
+    whole (kinds: the parts' child names; every subset of up to `PART_KINDS` kinds, else all kinds and all
+    but one); then every layer split, `decision_ladder` over its parts."""
+    names = [name for name, parts in regions.parts.items() if parts]
+    kind = lambda part: part.rsplit(".", 1)[-1]  # noqa: E731  (the child's own name: "mlp", "self_attn")
+    kinds = sorted({kind(part) for layer in names for part in regions.parts[layer]})
+    subsets = [set(c) for k in range(1, len(kinds) + 1) for c in itertools.combinations(kinds, k)] \
+        if len(kinds) <= PART_KINDS else [set(kinds), *(set(kinds) - {kind} for kind in kinds)]
+    for k in range(1, len(names) + 1):
+        for split in dict.fromkeys((tuple(names[:k]), tuple(names[len(names) - k:]))):
+            parts = regions.split(split)
+            for kept in subsets:
+                yield parts, {name: frozenset() for name in parts.members if parts.rerun[name]
+                              and (name in regions.members or kind(name) in kept)}
+    if names:
+        parts = regions.split(names)
+        yield from ((parts, saved) for saved in decision_ladder(problem, parts))
+
+
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
-    """The cheapest `decision_ladder` or `staircases` schedule whose simulated peak fits `budget` (module
-    docstring)."""
+    """The cheapest candidate schedule (module docstring) whose simulated peak fits `budget`."""
     start = time.perf_counter()
     regions = Regions.of_problem(problem)
     if not regions.members:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"{problem.name} records no module boundaries, which the policy form checkpoints "
                                 f"(capture it with runtime.capture, which records them)", form=FORM)
+    whole = ((regions, saved) for saved in [{}, *decision_ladder(problem, regions), *staircases(problem, regions)])
     best, seen = None, set()
-    for saved in [{}, *decision_ladder(problem, regions), *staircases(problem, regions)]:
+    for over, saved in itertools.chain(whole, split_decisions(problem, regions)):
         if options.time_limit is not None and best is not None and time.perf_counter() - start > options.time_limit:
             break
-        key = tuple(sorted((name, tuple(sorted(keep))) for name, keep in saved.items()))
+        key = (over.split_modules, tuple(sorted((name, tuple(sorted(keep))) for name, keep in saved.items())))
         if key in seen:
             continue
         seen.add(key)
-        schedule = policy_schedule(regions, saved)
+        schedule = policy_schedule(over, saved)
         sim = simulate(problem, schedule)
         if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
-            best = (schedule, sim, saved)
+            best = (schedule, sim, saved, over)
     if best is None:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
                                 f"the budget", form=FORM)
-    recomputed = sum(len(regions.recomputed(name, keep)) for name, keep in best[2].items())
-    return checked_solution(problem, "selective-policy", budget, best[0], solve_seconds=time.perf_counter() - start,
-                            form=FORM, message=f"{len(best[2])} of {len(regions.members)} regions checkpointed, "
-                                                   f"{recomputed} nodes recomputed")
+    schedule, _, saved, over = best
+    recomputed = sum(len(over.recomputed(name, keep)) for name, keep in saved.items())
+    split = f", {len(over.split_modules)} of them split into their parts" if over.split_modules else ""
+    return checked_solution(problem, "selective-policy", budget, schedule, solve_seconds=time.perf_counter() - start,
+                            form=FORM, policy_split=tuple(sorted(over.split_modules)),
+                            message=f"{len(saved)} regions checkpointed over {len(regions.members)} layers{split}, "
+                                    f"{recomputed} nodes recomputed")

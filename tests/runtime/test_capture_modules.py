@@ -95,3 +95,28 @@ def test_batchnorm_running_statistics_do_not_cut_a_checkpointed_block():
     sol = solve(problem, "module-checkpoint", eager.peak_bytes, SolveOptions(params={"every": 1}))
     computed = [s[1] for s in sol.schedule if s[0] == "compute"]
     assert max(computed.count(n) for n in inside) == 2 and sol.predicted_peak_bytes < 0.8 * eager.peak_bytes
+
+
+class TwiceCalled(nn.Module):
+    """A layer whose activation module runs twice in one forward (as ResNet's BasicBlock does with its ReLU)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.first, self.second, self.act = nn.Linear(d, d), nn.Linear(d, d), nn.Tanh()
+
+    def forward(self, x):
+        return x + self.act(self.second(self.act(self.first(x))))
+
+
+def test_each_layers_children_are_recorded_as_its_parts_unless_called_twice():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), TwiceCalled(8), TwiceCalled(8))
+    graph = runtime.capture(model, lambda m, x: m(x).square().mean(), (torch.randn(3, 4),))
+    modules, parts = graph.meta["node_modules"], graph.meta["node_parts"]
+    forward = [n for n in graph.nodes if n.phase == "forward" and modules[n.id] is not None]
+    assert {parts[n.id] for n in forward} == {None, "1.first", "1.second", "2.first", "2.second"}
+    assert all(parts[n.id].startswith(modules[n.id] + ".") for n in forward if parts[n.id])
+    assert all(parts[n.id] is None for n in forward if "aten.tanh.default" in n.targets)   # act runs twice
+    assert all(parts[n.id] is None for n in graph.nodes if n.phase == "backward")
+    linears = [parts[n.id] for n in forward if any(t.startswith("aten.addmm") for t in n.targets)]
+    assert linears == [None, "1.first", "1.second", "2.first", "2.second"]          # "0" is a Linear: no parts

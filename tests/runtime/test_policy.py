@@ -23,6 +23,7 @@ from runtime.policy_form import PolicyFormError, Regions, decisions, policy_sche
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import checked_solution
 
 
 class Block(nn.Module):
@@ -141,7 +142,7 @@ def test_round_trip_of_decisions_and_solver_schedules():
         solution = solve(problem, "selective-policy", int(fraction * full))
         if solution.feasible:
             assert solution.predicted_peak_bytes <= int(fraction * full)
-            decisions(regions, solution.schedule)                    # expressible, or it raises
+            decisions(Regions.of_graph(graph, solution.policy_split), solution.schedule)   # expressible, or it raises
 
 
 def test_plans_the_policy_form_cannot_express_are_refused(helpers):
@@ -172,3 +173,72 @@ def test_a_forward_that_departs_from_the_capture_is_caught():
         block.residual = False
     with pytest.raises(PolicyMismatch, match="its eager forward ran none of the captured graph's"):
         step(applied, loss_fn, batch)
+
+
+def split_plan(name: str):
+    """A policy plan of `name` with every layer split into its parts and every part checkpointed whole."""
+    model, loss_fn, batch, graph, problem, _ = setup(name)
+    regions = Regions.of_graph(graph)
+    layers = list(regions.parts)
+    parts = regions.split(layers)
+    schedule = policy_schedule(parts, {name: frozenset() for name in parts.members if parts.rerun[name]})
+    solution = checked_solution(problem, "selective-policy", 2**62, schedule, form="policy", policy_split=tuple(layers))
+    plan = solution.to_plan(problem)
+    plan.provenance.update(graph_provenance(graph))
+    return model, loss_fn, batch, graph, problem, plan
+
+
+def test_a_layer_split_into_its_parts_trains_like_eager_at_the_predicted_peak():
+    """Each of a GPT-2 layer's children (ln_1, attn, ln_2, mlp) checkpointed on its own, with dropout: the
+    layer's residual adds run outside every region, and each part recomputes right before its own backward."""
+    model, loss_fn, batch, graph, problem, plan = split_plan("gpt2")
+    assert plan.provenance["split"] == ["transformer.h.0", "transformer.h.1"]
+    saved = decisions(Regions.of_graph(graph, plan.provenance["split"]), plan.schedule)
+    assert set(saved) == {f"transformer.h.{i}.{part}" for i in range(2) for part in ("ln_1", "attn", "ln_2", "mlp")}
+    eager_peak, eager_grads = step(copy.deepcopy(model), loss_fn, batch)
+    applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    peak, grads = step(applied, loss_fn, batch)
+    assert_grads_equal(grads, eager_grads)
+    assert abs(peak / plan.predicted["peak_bytes"] - 1) <= 0.05, (peak, plan.predicted["peak_bytes"])
+    assert peak < eager_peak
+    unsplit = copy.deepcopy(plan)                       # the same schedule read over whole layers
+    del unsplit.provenance["split"]
+    with pytest.raises(PolicyFormError, match="not one selective checkpointing can run"):
+        runtime.apply(unsplit, copy.deepcopy(model), loss_fn, batch, graph=graph)
+
+
+def test_a_split_plan_under_torch_compile():
+    """The simulator models eager autograd; compiled, AOTAutograd decides what the graphs keep, which was 8%
+    less than predicted here: the prediction bounds the peak from above."""
+    model, loss_fn, batch, graph, problem, plan = split_plan("gpt2-nodropout")
+    _, eager_grads = step(copy.deepcopy(model), loss_fn, batch)
+    applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    compiled = torch.compile(applied, backend="aot_eager")
+    run = lambda: step(applied, lambda m, *b: loss_fn(compiled, *b), batch, allocator=True)  # noqa: E731
+    run()
+    peak, grads = run()
+    assert_grads_equal(grads, eager_grads)
+    assert peak <= plan.predicted["peak_bytes"] * 1.05, (peak, plan.predicted["peak_bytes"])
+
+
+def test_the_solver_reaches_the_least_of_whole_and_split_layers():
+    """selective-policy's least feasible budget is no higher than the least of every layer checkpointed whole
+    and every layer split with each part whole, both simulated here from their decisions."""
+    _, _, _, graph, problem, _ = setup("gpt2")
+    regions = Regions.of_graph(graph)
+    parts = regions.split(regions.parts)
+    whole = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
+    every_part = {r: frozenset() for r in parts.members if parts.rerun[r]}
+    split = simulate(problem, policy_schedule(parts, every_part)).peak_bytes
+    solution = solve(problem, "selective-policy", min(whole, split))
+    assert solution.feasible and solution.predicted_peak_bytes <= min(whole, split)
+    assert decisions(Regions.of_graph(graph, solution.policy_split), solution.schedule)
+
+
+def test_a_split_naming_no_recorded_layer_is_refused():
+    model, loss_fn, batch, graph, problem, plan = split_plan("mlp")
+    for bad, match in ((["blocks.7"], "cannot split \\['blocks.7'\\] into parts"), ("blocks.0", "must be a list")):
+        wrong = copy.deepcopy(plan)
+        wrong.provenance["split"] = bad
+        with pytest.raises(PolicyFormError, match=match):
+            runtime.apply(wrong, copy.deepcopy(model), loss_fn, batch, graph=graph)

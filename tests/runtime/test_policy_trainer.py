@@ -16,7 +16,7 @@ from runtime.policy import capture_eager
 from runtime.policy_form import Regions, decisions, policy_schedule
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from tasks.solve.core.simulator import default_schedule, simulate
 
 
 def loss_fn(model, input_ids, attention_mask, labels):
@@ -42,15 +42,16 @@ def test_policy_model_under_trainer_trains_like_trainer_without_the_plan(tmp_pat
     batch = (ids[:8], torch.ones_like(ids[:8]), ids[:8])
     graph = capture_eager(model, loss_fn, batch)
     problem, regions = Problem.from_graph(graph), Regions.of_graph(graph)
-    budget = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
-    plan = solve(problem, "selective-policy", budget).to_plan(problem)
+    whole = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
+    full = simulate(problem, default_schedule(problem)).peak_bytes
+    plan = solve(problem, "selective-policy", (whole + full) // 2).to_plan(problem)     # keeps part of a layer
     plan.provenance.update(graph_provenance(graph))
-    assert decisions(regions, plan.schedule)                                 # something is recomputed
+    assert decisions(Regions.of_graph(graph, plan.provenance.get("split", [])), plan.schedule)   # something recomputed
 
     reference = trained(copy.deepcopy(model), examples, tmp_path / "eager")
     applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
     checkpointed = trained(applied, examples, tmp_path / "plan")
-    keys = [getattr(m, policy._WRAPPED) for m in applied.modules() if hasattr(m, policy._WRAPPED)]
+    keys = [getattr(m, policy._WRAPPED) for m in applied.modules() if getattr(m, policy._WRAPPED, None) in policy._REGIONS]
     assert keys and all(policy._REGIONS[k].forward_pass.at == len(policy._REGIONS[k].ops) for k in keys)
     for k in reference:
         torch.testing.assert_close(checkpointed[k], reference[k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")

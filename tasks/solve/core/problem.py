@@ -96,6 +96,8 @@ class Problem:
     recomputations, so a solver that reorders nodes (OLLA) keeps these in their default relative order.
     `node_modules[i]`: the repeated module (a transformer layer, a residual block) whose forward
     computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
+    `node_parts[i]`: the child of that module (a layer's attention, MLP) whose forward computed node i;
+    None outside one; empty: not recorded.
     `autograd_nodes[i]`: a number shared by the consecutive backward nodes one autograd Node runs (the
     policy form's eager capture, runtime/autograd_nodes.py; `node_inputs` already hold a Node's reads to its
     last op); None elsewhere; empty: not recorded.
@@ -123,6 +125,7 @@ class Problem:
     cost_unit: str | None = None
     random_nodes: tuple[int, ...] = ()
     node_modules: tuple[str | None, ...] = ()
+    node_parts: tuple[str | None, ...] = ()
     autograd_nodes: tuple[int | None, ...] = ()
     updates: tuple[ParamUpdate, ...] = ()
     optimizer_state_bytes: int = 0
@@ -273,6 +276,7 @@ class Problem:
             cost_unit=None if costs is None else "ms",
             random_nodes=tuple(sorted(int(v) for v in random_nodes)),
             node_modules=tuple(graph.meta.get("node_modules") or ()),
+            node_parts=tuple(graph.meta.get("node_parts") or ()),
             autograd_nodes=tuple(graph.meta.get("autograd_nodes") or ()),
         )
 
@@ -402,10 +406,11 @@ def _check(p: Problem) -> None:
              "node_outputs": len(p.node_outputs), "order": len(p.order)}
     bad = {k: v for k, v in sizes.items() if v != n}
     if bad or len(p.value_producer) != nv or (p.node_names and len(p.node_names) != n) or \
-            (p.node_modules and len(p.node_modules) != n) or (p.autograd_nodes and len(p.autograd_nodes) != n):
+            any(labels and len(labels) != n for labels in (p.node_modules, p.node_parts, p.autograd_nodes)):
         raise ProblemError(f"problem {p.name!r}: {n} node costs but sizes {bad}; {nv} value sizes but "
                            f"{len(p.value_producer)} producers; {len(p.node_names)} node names, "
-                           f"{len(p.node_modules)} node modules and {len(p.autograd_nodes)} autograd node labels "
+                           f"{len(p.node_modules)} node modules, {len(p.node_parts)} node parts and "
+                           f"{len(p.autograd_nodes)} autograd node labels "
                            f"(each must be 0 or {n}).")
     if not np.all(np.isfinite(p.cost)) or np.any(p.cost < 0) or np.any(p.workspace < 0) or np.any(p.value_bytes < 0):
         raise ProblemError(f"problem {p.name!r}: costs, workspaces and value bytes must be finite and non-negative.")

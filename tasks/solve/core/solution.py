@@ -85,6 +85,7 @@ class Solution:
     message: str = ""
     source: str | None = None
     form: str = "executor"          # "policy": runtime.apply runs it too (provenance["form"], runtime/policy_form.py)
+    policy_split: tuple[str, ...] = ()  # the policy form's layers checkpointed by their parts (provenance["split"])
 
     @property
     def feasible(self) -> bool:
@@ -147,7 +148,8 @@ class Solution:
                         "gap": self.gap, "profile_run_id": profile_run_id, "device": device,
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "memplan_version": memplan_version(),
-                        **({"form": self.form} if self.form != "executor" else {})},
+                        **({"form": self.form} if self.form != "executor" else {}),
+                        **({"split": list(self.policy_split)} if self.policy_split else {})},
         )
 
 
