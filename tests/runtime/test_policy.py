@@ -17,7 +17,7 @@ from torch import nn
 
 import runtime
 from runtime.meter import PeakMeter
-from runtime.plan import graph_provenance
+from runtime.plan import Plan, graph_provenance
 from runtime.policy import PolicyMismatch, capture_eager
 from runtime.policy_form import PolicyFormError, Regions, decisions, policy_schedule
 from tasks.solve import solve
@@ -188,10 +188,13 @@ def split_plan(name: str):
     return model, loss_fn, batch, graph, problem, plan
 
 
-def test_a_layer_split_into_its_parts_trains_like_eager_at_the_predicted_peak():
+def test_a_layer_split_into_its_parts_trains_like_eager_at_the_predicted_peak(tmp_path):
     """Each of a GPT-2 layer's children (ln_1, attn, ln_2, mlp) checkpointed on its own, with dropout: the
-    layer's residual adds run outside every region, and each part recomputes right before its own backward."""
+    layer's residual adds run outside every region, and each part recomputes right before its own backward.
+    The plan runs as saved to a file and loaded back."""
     model, loss_fn, batch, graph, problem, plan = split_plan("gpt2")
+    plan.save(tmp_path / "plan.json")
+    plan = Plan.load(tmp_path / "plan.json")
     assert plan.provenance["split"] == ["transformer.h.0", "transformer.h.1"]
     saved = decisions(Regions.of_graph(graph, plan.provenance["split"]), plan.schedule)
     assert set(saved) == {f"transformer.h.{i}.{part}" for i in range(2) for part in ("ln_1", "attn", "ln_2", "mlp")}
