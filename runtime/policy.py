@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from runtime.autograd_nodes import label_backward
@@ -109,8 +110,30 @@ def _context(key: str) -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(policy)
 
 
+def _checkpoint(forward: Callable, *args: Any, context_fn: Callable | None = None, **kwargs: Any) -> Any:
+    """`torch.utils.checkpoint(forward, *args, use_reentrant=False, **kwargs)` with every tensor of the call
+    passed as a positional argument: checkpoint saves those for its recomputation with `save_for_backward`,
+    which an enclosing (nested) checkpoint packs and recomputes, but keeps keyword arguments (a transformer
+    layer's `self_attn(hidden_states=...)`) in its frame as they are, from the forward to the end of the
+    region's backward, which the schedule of a nested module does not (runtime/policy_form.py)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    inputs = [leaves[i] for i in at]
+    others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]   # no tensor in the closure
+
+    def run(*tensors: torch.Tensor) -> Any:
+        call = list(others)
+        for i, t in zip(at, tensors):
+            call[i] = t
+        call_args, call_kwargs = pytree.tree_unflatten(call, spec)
+        return forward(*call_args, **call_kwargs)
+
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return checkpoint(run, *inputs, use_reentrant=False, **extra)
+
+
 def _checkpointed(forward: Callable, key: str, *args: Any, **kwargs: Any) -> Any:
-    out = checkpoint(forward, *args, use_reentrant=False, context_fn=functools.partial(_context, key), **kwargs)
+    out = _checkpoint(forward, *args, context_fn=functools.partial(_context, key), **kwargs)
     region = _REGIONS[key]
     if not torch.compiler.is_compiling() and region.forward_pass is not None and region.forward_pass.at < len(region.ops):
         op, node = region.ops[region.forward_pass.at]
@@ -178,12 +201,18 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
     if graph is None or graph.program is None or graph.meta.get("capture") != "eager":
         graph = capture_eager(model, loss_fn, tuple(batch))
     plan.validate(graph)
-    split = plan.provenance.get("split", [])
-    if not isinstance(split, list) or not all(isinstance(name, str) for name in split):
-        raise PolicyFormError(f"the plan's provenance.split is {split!r}; it must be a list of the recorded modules "
-                              f"(layer names) checkpointed by their parts (docs/plan-format.md).")
-    saved = decisions(Regions.of_graph(graph, split), plan.schedule)
+    split, nest = plan.provenance.get("split", []), plan.provenance.get("nest", [])
+    for key, names in (("split", split), ("nest", nest)):
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise PolicyFormError(f"the plan's provenance.{key} is {names!r}; it must be a list of recorded modules "
+                                  f"(layer names): those checkpointed by their parts (split), and of those, the ones "
+                                  f"also checkpointed whole around them (nest) (docs/plan-format.md).")
+    regions = Regions.of_graph(graph, split, nest)
+    saved = decisions(regions, plan.schedule)
     modules = {**marked_modules(model), **module_parts(model)}
+    for name in regions.nested_modules:                 # outer checkpoints around the parts' (nested)
+        setattr(modules[name], _WRAPPED, f"{uuid.uuid4().hex}:{name}")
+        modules[name].forward = functools.partial(_checkpoint, modules[name].forward)
     for name, keep in saved.items():
         module, key = modules[name], f"{uuid.uuid4().hex}:{name}"
         setattr(module, _WRAPPED, key)
@@ -191,7 +220,7 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
             _REGIONS[key] = _Region(name, region_ops(graph, name), keep)
             module.forward = functools.partial(_checkpointed, module.forward, key)
         else:                                        # recomputed whole: no op to map, no policy to consult
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+            module.forward = functools.partial(_checkpoint, module.forward)
     if optimizer is not None:
         step_in_backward(optimizer, model)
     return model

@@ -27,6 +27,13 @@ other op of the region is recomputed (PREFER_RECOMPUTE). What autograd does with
   checkpoint cache holds a saved output until the recomputation reaches its op, which a schedule, whose
   values die at their last read, cannot express for a value nobody reads then. `settled` drops such
   saves (their nodes are then recomputed, as autograd would run them);
+- a nested module (`Regions.nest`: a split layer checkpointed whole as well, around its parts' checkpoints,
+  all whole; PyTorch's nested non-reentrant checkpoints) keeps only what it was called with through the
+  forward; before its first backward node it reruns from its first node to its last part's entry
+  (`outer_rerun`: the parts it passes run their forward and keep nothing), then each part reruns before
+  its own backward, so the parts before the last are computed three times; a part's arguments come from
+  that rerun (`runtime.policy` passes every tensor positionally, so checkpoint saves them where the
+  enclosing checkpoint recomputes them), so only the module's own frame holds values;
 - a checkpointed region's frame keeps the values the region was called with (`frame_inputs`: made outside
   it, read by its forward; Llama's attention mask, made once and passed to every layer) until the last
   autograd Node holding a tensor saved under the region has run (`frame_ends`); the schedule marks that
@@ -68,23 +75,24 @@ class Regions:
     autograd: tuple[int | None, ...] = ()    # per node, its autograd Node's label (runtime/autograd_nodes.py)
     part_of: tuple[str | None, ...] = ()     # per node, the recorded child of its module (forward nodes only)
     split_modules: frozenset[str] = frozenset()  # the recorded modules whose parts are the regions instead
+    nested_modules: frozenset[str] = frozenset()  # split modules also checkpointed whole around their parts
 
     @classmethod
-    def of_problem(cls, problem: Any, split: Iterable[str] = ()) -> "Regions":
+    def of_problem(cls, problem: Any, split: Iterable[str] = (), nest: Iterable[str] = ()) -> "Regions":
         """From a `tasks.solve.core.problem.Problem`, with the recorded modules in `split` split into their
-        parts (`Regions.split`)."""
+        parts (`Regions.split`) and those in `nest` nested (`Regions.nest`)."""
         n = len(problem.node_inputs)
         return cls(tuple(int(v) for v in problem.order), tuple(problem.node_inputs), tuple(problem.node_outputs),
                    frozenset(i for i, p in enumerate(problem.phase) if p == "backward"),
                    tuple(problem.node_modules) or (None,) * n, frozenset(problem.random_nodes),
                    frozenset(i for i, b in enumerate(problem.node_bytes) if b > 0), tuple(problem.autograd_nodes),
-                   tuple(problem.node_parts) or (None,) * n).split(split)
+                   tuple(problem.node_parts) or (None,) * n).split(split).nest(nest)
 
     @classmethod
-    def of_graph(cls, graph: Any, split: Iterable[str] = ()) -> "Regions":
+    def of_graph(cls, graph: Any, split: Iterable[str] = (), nest: Iterable[str] = ()) -> "Regions":
         """From a captured `runtime.graph.OpGraph` (its nodes are in the default order), reading as
         `Problem.from_graph` does (`held_reads`), with the recorded modules in `split` split into their parts
-        (`Regions.split`)."""
+        (`Regions.split`) and those in `nest` nested (`Regions.nest`)."""
         n = len(graph.nodes)
         random = getattr(graph.program, "random_devices", {}) or {}
         reads = held_reads([x.phase for x in graph.nodes], [x.inputs for x in graph.nodes],
@@ -94,7 +102,7 @@ class Regions:
                    tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(int(k) for k in random),
                    frozenset(x.id for x in graph.nodes if sum(graph.values[v].bytes for v in x.outputs) > 0),
                    tuple(graph.meta.get("autograd_nodes") or ()),
-                   tuple(graph.meta.get("node_parts") or (None,) * n)).split(split)
+                   tuple(graph.meta.get("node_parts") or (None,) * n)).split(split).nest(nest)
 
     @cached_property
     def parts(self) -> dict[str, list[str]]:
@@ -102,7 +110,7 @@ class Regions:
         out: dict[str, list[str]] = {}
         for name, nodes in self.members.items():
             if name not in self.split_modules:
-                out[name] = list(dict.fromkeys(self.part_of[n] for n in nodes if self.part_of[n] is not None))
+                out[name] = list(dict.fromkeys(self.part_of[n] for n in nodes if self.part_of and self.part_of[n]))
         return out
 
     def split(self, modules: Iterable[str]) -> "Regions":
@@ -115,17 +123,55 @@ class Regions:
             raise PolicyFormError(f"cannot split {unknown[:3]} into parts: the graph records no parts of them "
                                   f"(modules with recorded parts: {', '.join(splittable[:6]) or 'none'}). A graph "
                                   f"captured before memplan recorded parts has none: capture it again.")
+        return replace(self, split_modules=self.split_modules | modules) if modules else self
+
+    def nest(self, modules: Iterable[str]) -> "Regions":
+        """These regions with each of `modules` split (`split`) and nested: checkpointed whole as well, around
+        the checkpoints of its parts (PyTorch's nested non-reentrant checkpoints; `outer_rerun`)."""
+        modules = frozenset(modules)
         if not modules:
             return self
-        region_of = tuple(self.part_of[n] if name in modules else name for n, name in enumerate(self.region_of))
-        return replace(self, region_of=region_of, split_modules=self.split_modules | modules)
+        split = self.split(modules - self.split_modules)
+        return replace(split, nested_modules=self.nested_modules | modules)
+
+    @cached_property
+    def whole(self) -> "Regions":
+        """These regions with no module split or nested."""
+        return replace(self, split_modules=frozenset(), nested_modules=frozenset())
+
+    def nested_of(self, region: str) -> str | None:
+        """The nested module whose part `region` is, or None."""
+        module = self.region_of[self.members[region][0]] if region in self.members else None
+        return module if module in self.nested_modules else None
+
+    def outer_rerun(self, name: str, inner: Iterable[str]) -> list[int]:
+        """The nodes nested module `name`'s own checkpoint reruns when its parts `inner` are checkpointed
+        inside it (whole): from its first node until it has recomputed every tensor it saved in the
+        forward (checkpoint's early stop), which are each inner part's arguments (saved as it is entered:
+        the rerun ends before the last inner part) and what the module's other ops save (the values read by
+        a backward node of no inner part; its residual adds save none). The inner parts it passes run their
+        forward whole and keep nothing of it: their own checkpoints recompute them before their backward."""
+        inner = set(inner)
+        nodes = self.whole.members[name]
+        stop = max((nodes.index(self.members[part][0]) - 1 for part in inner), default=-1)
+        made = {v for n in nodes for v in self.outputs[n]}
+        kept = {v for b in self.backward if not self.owners[b] & inner for v in self.inputs[b]}
+        for i, n in enumerate(nodes):
+            if self.region[n] not in inner and (set(self.outputs[n]) | (set(self.inputs[n]) & made)) & kept:
+                stop = max(stop, i)
+        return nodes[:stop + 1]
+
+    @cached_property
+    def region(self) -> tuple[str | None, ...]:
+        """Per node, its region: its recorded module, or for a split one its part (None outside every part)."""
+        return tuple(self.part_of[n] if name in self.split_modules else name for n, name in enumerate(self.region_of))
 
     @cached_property
     def members(self) -> dict[str, list[int]]:
         """Forward nodes of each region, in order."""
         out: dict[str, list[int]] = {}
         for node in self.order:
-            name = self.region_of[node]
+            name = self.region[node]
             if name is not None and node not in self.backward:
                 out.setdefault(name, []).append(node)
         return out
@@ -139,7 +185,7 @@ class Regions:
         """Values made in a region and read by a forward node outside it."""
         made = self._producer_region
         return {v for node in self.order if node not in self.backward for v in self.inputs[node]
-                if v in made and made[v] != self.region_of[node]}
+                if v in made and made[v] != self.region[node]}
 
     @cached_property
     def owners(self) -> dict[int, set[str]]:
@@ -279,13 +325,27 @@ def policy_schedule(regions: Regions, saved: Mapping[str, Sequence[int] | frozen
                                   f"node it recomputes reads: checkpoint's cache would hold them until the "
                                   f"recomputation reaches them, longer than the schedule says. Save "
                                   f"`Regions.settled(name, saved)` instead.")
+    inner = {name: regions.nested_of(name) for name in saved}
+    for name in regions.nested_modules:
+        parts = [part for part in regions.members if regions.nested_of(part) == name and regions.rerun[part]]
+        if any(saved.get(part) != frozenset() for part in parts):
+            raise PolicyFormError(f"nested module {name!r} must have each of its parts ({', '.join(parts)}) "
+                                  f"checkpointed whole, saving nothing: its own checkpoint reruns them and keeps "
+                                  f"none of their values.")
     before: dict[int, list[int]] = {}
     holds: dict[int, set[int]] = {}
+    whole = regions.whole
+    for name in sorted(regions.nested_modules):
+        trigger = whole.trigger(name)
+        if trigger is not None:
+            before.setdefault(trigger, []).extend(regions.outer_rerun(name, [p for p in saved if inner[p] == name]))
+            if whole.frame_inputs[name]:
+                holds.setdefault(whole.frame_ends[name], set()).update(whole.frame_inputs[name])
     for name, keep in saved.items():
         trigger, rerun = regions.trigger(name), regions.recomputed(name, frozenset(keep))
         if trigger is not None and rerun:
             before.setdefault(trigger, []).extend(rerun)
-            if regions.frame_inputs[name]:
+            if regions.frame_inputs[name] and inner[name] is None:
                 holds.setdefault(regions.frame_ends[name], set()).update(regions.frame_inputs[name])
     steps: list[dict[str, Any]] = []
     for node in regions.order:
@@ -303,7 +363,8 @@ def decisions(regions: Regions, schedule: Sequence[Mapping[str, Any]]) -> dict[s
                               "torch.utils.checkpoint cannot: only the executor form (runtime.load) runs them. "
                               "Solve with variants off, or use runtime.load.")
     again = {n for i, n in enumerate(computes) if n in computes[:i]}
-    outside = sorted(n for n in again if n in regions.backward or regions.region_of[n] is None)
+    outside = sorted(n for n in again if n in regions.backward
+                     or (regions.region[n] is None and regions.region_of[n] not in regions.nested_modules))
     if outside:
         raise PolicyFormError(f"the plan recomputes nodes {outside[:5]} outside every recorded module (or backward "
                               f"nodes); the policy form recomputes only within the regions checkpoint wraps "

@@ -18,8 +18,11 @@ decision `Regions.settled`. Three families are simulated and the cheapest within
 - `split_decisions`: layers split into their parts (`Regions.split`: each of a layer's children, its
   attention, its MLP, its norms, a region of its own, so one part's recomputation is not live through
   another's backward, at the cost of keeping each part's input): the first or last k layers split with
-  the parts of some kinds checkpointed whole, the rest whole; and every layer split, with
-  `decision_ladder` over the parts (the plan records the split layers in `provenance.split`).
+  the parts of some kinds checkpointed whole, the rest whole; every layer split, with
+  `decision_ladder` over the parts; and the first or last k layers nested (`Regions.nest`: checkpointed
+  whole around their parts' checkpoints, which keeps one input per layer through the forward and one
+  part's recomputation in the backward, at a third forward of the parts before the last) (the plan records
+  the split layers in `provenance.split`, the nested ones in `provenance.nest`).
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ def split_decisions(problem: Problem, regions: Regions) -> Iterator[tuple[Region
     """Candidate decisions over split layers (module docstring), each with the regions it is over: the first
     or last k layers split, the others whole, and of the split layers' parts those of some kinds checkpointed
     whole (kinds: the parts' child names; every subset of up to `PART_KINDS` kinds, else all kinds and all
-    but one); then every layer split, `decision_ladder` over its parts."""
+    but one); then every layer split, `decision_ladder` over its parts; then the first or last k layers
+    nested, each part whole."""
     names = [name for name, parts in regions.parts.items() if parts]
     kind = lambda part: part.rsplit(".", 1)[-1]  # noqa: E731  (the child's own name: "mlp", "self_attn")
     kinds = sorted({kind(part) for layer in names for part in regions.parts[layer]})
@@ -104,6 +108,10 @@ def split_decisions(problem: Problem, regions: Regions) -> Iterator[tuple[Region
     if names:
         parts = regions.split(names)
         yield from ((parts, saved) for saved in decision_ladder(problem, parts))
+    for k in range(1, len(names) + 1):
+        for nest in dict.fromkeys((tuple(names[:k]), tuple(names[len(names) - k:]))):
+            nested = regions.nest(nest)
+            yield nested, {name: frozenset() for name in nested.members if nested.rerun[name]}
 
 
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
@@ -119,7 +127,8 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
     for over, saved in itertools.chain(whole, split_decisions(problem, regions)):
         if options.time_limit is not None and best is not None and time.perf_counter() - start > options.time_limit:
             break
-        key = (over.split_modules, tuple(sorted((name, tuple(sorted(keep))) for name, keep in saved.items())))
+        key = (over.split_modules, over.nested_modules,
+               tuple(sorted((name, tuple(sorted(keep))) for name, keep in saved.items())))
         if key in seen:
             continue
         seen.add(key)
@@ -131,10 +140,12 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
                                 f"the budget", form=FORM)
-    schedule, _, saved, over = best
-    recomputed = sum(len(over.recomputed(name, keep)) for name, keep in saved.items())
+    schedule, sim, saved, over = best
+    recomputed = sim.num_computes - problem.num_nodes
     split = f", {len(over.split_modules)} of them split into their parts" if over.split_modules else ""
+    split += f" ({len(over.nested_modules)} also checkpointed whole around them)" if over.nested_modules else ""
     return checked_solution(problem, "selective-policy", budget, schedule, solve_seconds=time.perf_counter() - start,
                             form=FORM, policy_split=tuple(sorted(over.split_modules)),
+                            policy_nest=tuple(sorted(over.nested_modules)),
                             message=f"{len(saved)} regions checkpointed over {len(regions.members)} layers{split}, "
                                     f"{recomputed} nodes recomputed")

@@ -60,6 +60,13 @@ def build(name: str):
     torch.manual_seed(0)
     if name == "mlp":
         return BlockMLP(), lambda m, x, y: F.cross_entropy(m(x), y), (torch.randn(64, 16), torch.randint(0, 8, (64,)))
+    if name == "llama":                             # its layers call self_attn with keyword arguments
+        from transformers import LlamaConfig, LlamaForCausalLM
+        config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=32, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0, use_cache=False)
+        config._attn_implementation = "eager"
+        return LlamaForCausalLM(config).train(), lm_loss, (torch.randint(0, 128, (8, 32)),)
     from transformers import GPT2Config, GPT2LMHeadModel
     p = 0.1 if name == "gpt2" else 0.0
     config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0,
@@ -175,14 +182,16 @@ def test_a_forward_that_departs_from_the_capture_is_caught():
         step(applied, loss_fn, batch)
 
 
-def split_plan(name: str):
-    """A policy plan of `name` with every layer split into its parts and every part checkpointed whole."""
+def split_plan(name: str, nest: int = 0):
+    """A policy plan of `name` with every layer split into its parts and every part checkpointed whole, the
+    first `nest` layers checkpointed whole around them too (nested), any other layer whole."""
     model, loss_fn, batch, graph, problem, _ = setup(name)
     regions = Regions.of_graph(graph)
-    layers = list(regions.parts)
-    parts = regions.split(layers)
+    layers = list(regions.parts)[:nest] if nest else list(regions.parts)
+    parts = regions.nest(layers) if nest else regions.split(layers)
     schedule = policy_schedule(parts, {name: frozenset() for name in parts.members if parts.rerun[name]})
-    solution = checked_solution(problem, "selective-policy", 2**62, schedule, form="policy", policy_split=tuple(layers))
+    solution = checked_solution(problem, "selective-policy", 2**62, schedule, form="policy", policy_split=tuple(layers),
+                                policy_nest=tuple(layers) if nest else ())
     plan = solution.to_plan(problem)
     plan.provenance.update(graph_provenance(graph))
     return model, loss_fn, batch, graph, problem, plan
@@ -210,32 +219,35 @@ def test_a_layer_split_into_its_parts_trains_like_eager_at_the_predicted_peak(tm
         runtime.apply(unsplit, copy.deepcopy(model), loss_fn, batch, graph=graph)
 
 
-def test_a_split_plan_under_torch_compile():
-    """The simulator models eager autograd; compiled, AOTAutograd decides what the graphs keep, which was 8%
-    less than predicted here: the prediction bounds the peak from above."""
-    model, loss_fn, batch, graph, problem, plan = split_plan("gpt2-nodropout")
-    _, eager_grads = step(copy.deepcopy(model), loss_fn, batch)
+@pytest.mark.parametrize("nest", [0, 1])
+def test_a_split_plan_under_torch_compile(nest):
+    """The simulator models eager autograd; compiled, AOTAutograd decides what the graphs keep: for the split
+    plan 8% less than predicted here (the prediction bounds the peak from above); nested checkpoints compile
+    and train alike, but peak above the prediction (6% here), under eager's peak."""
+    model, loss_fn, batch, graph, problem, plan = split_plan("gpt2-nodropout", nest=nest)
+    eager_peak, eager_grads = step(copy.deepcopy(model), loss_fn, batch, allocator=True)
     applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
     compiled = torch.compile(applied, backend="aot_eager")
     run = lambda: step(applied, lambda m, *b: loss_fn(compiled, *b), batch, allocator=True)  # noqa: E731
     run()
     peak, grads = run()
     assert_grads_equal(grads, eager_grads)
-    assert peak <= plan.predicted["peak_bytes"] * 1.05, (peak, plan.predicted["peak_bytes"])
+    assert peak <= plan.predicted["peak_bytes"] * 1.05 if not nest else peak < eager_peak, (peak, plan.predicted)
 
 
-def test_the_solver_reaches_the_least_of_whole_and_split_layers():
-    """selective-policy's least feasible budget is no higher than the least of every layer checkpointed whole
-    and every layer split with each part whole, both simulated here from their decisions."""
+def test_the_solver_reaches_the_least_of_whole_split_and_nested_layers():
+    """selective-policy's least feasible budget is no higher than the least of every layer checkpointed whole,
+    every layer split with each part whole, and every layer nested, each simulated here from its decision."""
     _, _, _, graph, problem, _ = setup("gpt2")
     regions = Regions.of_graph(graph)
     parts = regions.split(regions.parts)
     whole = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
     every_part = {r: frozenset() for r in parts.members if parts.rerun[r]}
     split = simulate(problem, policy_schedule(parts, every_part)).peak_bytes
-    solution = solve(problem, "selective-policy", min(whole, split))
-    assert solution.feasible and solution.predicted_peak_bytes <= min(whole, split)
-    assert decisions(Regions.of_graph(graph, solution.policy_split), solution.schedule)
+    nested = simulate(problem, policy_schedule(regions.nest(regions.parts), every_part)).peak_bytes
+    solution = solve(problem, "selective-policy", min(whole, split, nested))
+    assert solution.feasible and solution.predicted_peak_bytes <= min(whole, split, nested)
+    assert decisions(Regions.of_graph(graph, solution.policy_split, solution.policy_nest), solution.schedule)
 
 
 def test_a_split_naming_no_recorded_layer_is_refused():
@@ -245,3 +257,45 @@ def test_a_split_naming_no_recorded_layer_is_refused():
         wrong.provenance["split"] = bad
         with pytest.raises(PolicyFormError, match=match):
             runtime.apply(wrong, copy.deepcopy(model), loss_fn, batch, graph=graph)
+
+
+@pytest.mark.parametrize("nest", [1, 2])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_nested_layers_train_like_eager_at_the_predicted_peak(name, nest, tmp_path):
+    """Each layer checkpointed whole around its parts' checkpoints (PyTorch's nested non-reentrant
+    checkpoints): one input per layer kept through the forward, and in the backward the layer's rerun up to
+    its last part, then each part's own rerun before its backward. Llama's layer passes its attention's input
+    as a keyword argument, which checkpoint would keep as it is from the forward on: runtime.apply passes it
+    positionally, so the enclosing checkpoint recomputes it, as the schedule says (kept, it measured 3%
+    above the prediction with the first of Llama's two layers nested)."""
+    model, loss_fn, batch, graph, problem, plan = split_plan(name, nest=nest)
+    plan.save(tmp_path / "plan.json")
+    plan = Plan.load(tmp_path / "plan.json")
+    regions = Regions.of_graph(graph, plan.provenance["split"], plan.provenance["nest"])
+    layers = list(Regions.of_graph(graph).members)
+    computes = [s["compute"] for s in plan.schedule]
+    first = regions.members[regions.whole.parts[layers[0]][0]][0]     # forward, the layer's rerun, the part's rerun
+    assert computes.count(first) == 3
+    eager_peak, eager_grads = step(copy.deepcopy(model), loss_fn, batch)
+    applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    peak, grads = step(applied, loss_fn, batch)
+    assert_grads_equal(grads, eager_grads)
+    assert abs(peak / plan.predicted["peak_bytes"] - 1) <= 0.01, (peak, plan.predicted["peak_bytes"])
+    unnested = copy.deepcopy(plan)
+    del unnested.provenance["nest"]
+    with pytest.raises(PolicyFormError, match="outside every recorded module"):
+        runtime.apply(unnested, copy.deepcopy(model), loss_fn, batch, graph=graph)
+
+
+def test_a_nested_layers_parts_are_checkpointed_whole():
+    _, _, _, graph, problem, _ = setup("gpt2")
+    regions = Regions.of_graph(graph)
+    nested = regions.nest(list(regions.parts)[:1])
+    decision = {name: frozenset() for name in nested.members if nested.rerun[name]}
+    attn = next(name for name in decision if name.endswith(".attn"))
+    decision[attn] = frozenset(nested.savable[attn][:1])
+    with pytest.raises(PolicyFormError, match="checkpointed whole, saving nothing"):
+        policy_schedule(nested, decision)
+    del decision[attn]
+    with pytest.raises(PolicyFormError, match="checkpointed whole, saving nothing"):
+        policy_schedule(nested, decision)

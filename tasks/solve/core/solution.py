@@ -86,6 +86,7 @@ class Solution:
     source: str | None = None
     form: str = "executor"          # "policy": runtime.apply runs it too (provenance["form"], runtime/policy_form.py)
     policy_split: tuple[str, ...] = ()  # the policy form's layers checkpointed by their parts (provenance["split"])
+    policy_nest: tuple[str, ...] = ()   # ... and of those, the ones also checkpointed whole (provenance["nest"])
 
     @property
     def feasible(self) -> bool:
@@ -149,7 +150,8 @@ class Solution:
                         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "memplan_version": memplan_version(),
                         **({"form": self.form} if self.form != "executor" else {}),
-                        **({"split": list(self.policy_split)} if self.policy_split else {})},
+                        **({"split": list(self.policy_split)} if self.policy_split else {}),
+                        **({"nest": list(self.policy_nest)} if self.policy_nest else {})},
         )
 
 
