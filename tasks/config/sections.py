@@ -295,12 +295,13 @@ class PlanConfig(Section):
                              f"checkpointing cannot run (runtime/policy_form.py); use a solver that makes them ({able}) "
                              f"or form = \"executor\" (runtime.load) in this [[plans]] table")
         refused = [f"{key} = {json.dumps(value)}" for key, value, default in (
-            ("addresses", self.addresses, "none"), ("ddp_bucket_mb", self.ddp_bucket_mb, None)) if value != default]
+            ("addresses", self.addresses, "none"), ("ddp_bucket_mb", self.ddp_bucket_mb, None))
+            if value != default]
         if refused:
             raise ValueError(f"plan of solver {self.solver!r} {form} and sets {' and '.join(refused)}, which only the "
                              f"executor form plans (under runtime.apply, DDP buckets the gradients itself and "
-                             f"PyTorch's allocator places the tensors): remove {'them' if len(refused) > 1 else 'it'} or set form = "
-                             f"\"executor\" in this [[plans]] table")
+                             f"PyTorch's allocator places the tensors): remove {'them' if len(refused) > 1 else 'it'} "
+                             f"or set form = \"executor\" in this [[plans]] table")
         return self
 
     @property

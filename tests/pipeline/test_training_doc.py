@@ -129,8 +129,9 @@ def test_the_policy_forms_pipeline_settings_for_the_optimizer_parse():
     from tasks.config import expand_matrix, parse_config
 
     fragment = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)[1]
-    model = ('[[models]]\nname = "linear"\nfactory = "torch.nn:Linear"\nkwargs = { in_features = 4, out_features = 3 }\n'
-             'loss = "mse"\ninputs = [{ shape = [4] }, { shape = [3] }]\n\n')
+    model = ('[[models]]\nname = "linear"\nfactory = "torch.nn:Linear"\n'
+             'kwargs = { in_features = 4, out_features = 3 }\nloss = "mse"\n'
+             'inputs = [{ shape = [4] }, { shape = [3] }]\n\n')
     config = parse_config(tomllib.loads(fragment.replace("[[plans]]", model + "[[plans]]", 1)))
     case, = expand_matrix(config)
     settings = case.plan.solve_settings(config.optimizer)

@@ -5,9 +5,9 @@ computes its gradient or reads the gradient or the parameter (`runtime.schedule.
 gradient is freed there; the parameters updated after the same step are updated by one optimizer step
 (`runtime.optim_step`). With `runtime.apply(..., optimizer=opt)` (the policy form, `each_alone`) autograd's
 post-accumulate-grad hooks update each parameter by a call of its own once its gradient is accumulated, so
-no temporary is carried from one parameter's update to the next and foreach kernels hold one parameter's. `in_step(problem, pairs, optimizer)` turns a problem into that one: the gradients
-stop being graph outputs (so every solver sees them die early and plans with the memory freed), each
-becomes a `ParamUpdate` (the simulator keeps its last copy live through the update and charges the update
+no temporary is carried from one parameter's update to the next and foreach kernels hold one parameter's.
+`in_step(problem, pairs, optimizer)` turns a problem into that one: the gradients stop being graph outputs
+(so every solver sees them die early and plans with the memory freed), each becomes a `ParamUpdate` (the simulator keeps its last copy live through the update and charges the update
 step's temporaries: one parameter after another for single-tensor kernels, all at once for foreach ones; a
 parameter larger than `slice_bytes` whose update allocates temporaries is updated in elementwise slices by
 single-tensor kernels, one call per slice, `runtime.schedule.update_slices`, so its temporaries are a slice's),
