@@ -2,7 +2,7 @@
 post-accumulate-grad hooks update each parameter by a call of its own once its gradient is accumulated
 (runtime.optim_step.step_in_backward), so the problem a policy plan is solved on says so
 (`in_step(..., each_alone=True)`): nothing carried from one parameter's update to the next, a parameter over
-1 MiB updated in slices as the executor does. A `selective-policy` plan solved on that problem then has the
+1 MiB updated in slices as the executor does, each update after the whole autograd Node making its gradient. A `selective-policy` plan solved on that problem then has the
 measured peak of a step (after a warm-up step that creates the optimizer state) equal to its prediction within
 a scalar's bytes, and three steps of `loss.backward()` give eager `loss.backward(); opt.step()`'s parameters and
 optimizer state bit for bit (tiny GPT-2 with dropout and tied embeddings; an MLP with 2 MiB weights)."""
@@ -126,3 +126,31 @@ def test_each_parameter_is_updated_alone_as_the_problem_says():
     predicted = simulate(alone, plan.schedule).peak_bytes
     assert abs(meter.peak_bytes - predicted) <= 8, (meter.peak_bytes, predicted)   # the loss's and its seed's
     assert simulate(grouped, plan.schedule).peak_bytes == 5 * C * 4 + 4 >= meter.peak_bytes + C * 4 - 16
+
+
+def test_an_update_follows_the_autograd_node_that_makes_its_gradient():
+    """A Linear's backward Node (AddmmBackward0) is several graph ops: the weight's `mm`, then the bias's `sum`.
+    Autograd hands both gradients to AccumulateGrad, whose hook updates the parameter, once the whole Node has run,
+    so the policy form's problem updates the weight after the `sum`, not after its `mm` (as the executor does)."""
+    from types import SimpleNamespace
+
+    from runtime.schedule import update_steps
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    graph = capture_eager(model, cross_entropy, (torch.randn(4, 16), torch.randint(0, 8, (4,))))
+    labels = graph.meta["autograd_nodes"]
+
+    def steps(problem):              # the default schedule computes node i at step i
+        io = [SimpleNamespace(inputs=reads, outputs=made) for reads, made in zip(problem.node_inputs,
+                                                                                  problem.node_outputs)]
+        return update_steps(io, [(u.grads, u.params) for u in problem.updates])
+
+    alone = steps(in_step(Problem.from_graph(graph), graph.gradient_updates(), "adamw", each_alone=True))
+    grouped = steps(in_step(Problem.from_graph(graph), graph.gradient_updates(), "adamw"))
+    names = [name for name, _ in model.named_parameters()]
+    for name, step in zip(names, alone):
+        assert step + 1 == len(labels) or labels[step + 1] != labels[step], name   # the last op of its Node
+    weight, bias = names.index("0.weight"), names.index("0.bias")
+    assert alone[weight] == alone[bias] == grouped[bias] > grouped[weight]
+    assert graph.nodes[grouped[weight]].name.startswith("mm") and graph.nodes[alone[weight]].name.startswith("sum")
