@@ -105,6 +105,18 @@ def test_the_published_plan_updates_like_eager_adamw_in_a_plain_loop(project):
             assert torch.equal(got[k][key], want[k][key]), (k, key)
 
 
+def test_plans_show_says_to_pass_the_optimizer(project):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    folder, _ = project
+    shown = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["plans", "show", ALIAS, "--dir", str(folder / "plans")])
+    assert shown.exit_code == 0, shown.output
+    assert "runtime.apply(plan, model, loss_fn, batch, optimizer=opt), opt a torch.optim.AdamW over " \
+           "model.parameters()" in shown.output
+
+
 def loss_fn(model, x, y):
     return F.cross_entropy(model(x), y)
 
