@@ -69,9 +69,10 @@ def test_the_plan_is_solved_with_the_updates_validated_and_published(project):
     row, = read_index(folder / "plans")
     assert row["form"] == "policy"
     assert row["predicted_peak_bytes"] <= row["budget_bytes"] < row["eager_peak_bytes"]
-    # validation's meter counts the allocator's bytes: kernels' scratch (about 5 KiB here) on top of the tensors
+    # validation's meter counts the allocator's bytes: kernels' scratch (about 5 KiB here) on top of the tensors;
+    # far below the prediction, the plan would not be planning the memory its updates free
     ratio = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
-    assert 1 <= ratio <= 1.05, row                            # [validate] peak_rtol
+    assert 0.99 <= ratio <= 1.05, row                         # [validate] peak_rtol
 
 
 def test_the_published_plan_updates_like_eager_adamw_in_a_plain_loop(project):
