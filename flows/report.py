@@ -88,7 +88,9 @@ def run_with(form: str | None, optimizer: str | None) -> str:
     call = LOADERS.get(form or "executor", LOADERS["executor"])
     if optimizer is None:
         return call
-    return f"{call[:-1]}, optimizer=opt), opt a torch.optim.{OPTIMIZERS[optimizer].torch_class} over model.parameters()"
+    known = OPTIMIZERS.get(optimizer)
+    name = f"torch.optim.{known.torch_class}" if known else f"{optimizer!r} optimizer"
+    return f"{call[:-1]}, optimizer=opt), opt a {name} over model.parameters()"
 
 
 def loading_hint(forms: set[str]) -> str:
