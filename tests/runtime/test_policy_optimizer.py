@@ -124,7 +124,7 @@ def test_each_parameter_is_updated_alone_as_the_problem_says():
     with PeakMeter("cpu") as meter:
         cross_entropy(model, *batches[1]).backward()
     predicted = simulate(alone, plan.schedule).peak_bytes
-    assert abs(meter.peak_bytes - predicted) <= 8, (meter.peak_bytes, predicted)   # the loss's and its seed's
+    assert abs(meter.peak_bytes - predicted) <= 8, (meter.peak_bytes, predicted)   # two float32 scalars
     assert simulate(grouped, plan.schedule).peak_bytes == 5 * C * 4 + 4 >= meter.peak_bytes + C * 4 - 16
 
 
