@@ -1,7 +1,7 @@
 """`memplan run` making policy-form plans beside executor plans, measured side by side in one run.
 
     .venv/bin/python bench/policy_pipeline.py [--activation gelu_new gelu_pytorch_tanh] [--fractions 0.7 0.5]
-                                              [--steps 10] [--keep FOLDER]
+                                              [--optimizer none adamw] [--steps 10] [--keep FOLDER]
 
 One pipeline.toml per activation, each with the GPT-2 of bench/peers.py (6 layers, 256 wide, seq 256, batch
 4, transformers' default dropout, eager attention, the key/value cache off) and, at each fraction of eager
@@ -12,6 +12,12 @@ differ where the executor's rewrites apply), a `selective-policy` plan (policy f
 Columns, as ratios: budget, predicted and measured peak over eager's measured peak; measured over predicted;
 the step-time overhead over eager (median of per-round ratios); the status (a rejected plan's first reason). GPT-2's default `gelu_new` is several graph
 ops whose backward keeps a value longer than the policy form predicts (runtime/policy_form.py).
+
+With `--optimizer adamw` (or `sgd-momentum`, ...) each activation also runs a pipeline whose plans set
+`optimizer_in_step = true` for that optimizer: the policy plan runs it in `runtime.apply(..., optimizer=opt)`, the
+executor plan in `runtime.load(..., optimizer=opt)`, each compared on its parameters after the update and timed
+against eager's step followed by `opt.step()`; "eager" is still the reference's backward (its gradients alive at
+its end), without `opt.step()`'s temporaries.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 
 PIPELINE = '''
 device = "cpu"
+optimizer = "{optimizer}"
 
 [[models]]
 name = "gpt2"
@@ -38,10 +45,12 @@ repeats = 3
 [[plans]]
 solver = "selective-policy"
 budgets = {budgets}
+optimizer_in_step = {in_step}
 
 [[plans]]
 solver = "dtr"
 budgets = {budgets}
+optimizer_in_step = {in_step}
 
 [validate]
 steps = {steps}
@@ -49,20 +58,23 @@ max_steps = {steps}
 '''
 
 
-def run(folder: Path, activation: str, fractions: list[float], steps: int) -> list[dict]:
+def run(folder: Path, activation: str, fractions: list[float], steps: int, optimizer: str) -> list[dict]:
+    """The pipeline's outcomes; `optimizer` "none": the optimizer after the step, else that one inside it."""
     from flows.plan import PipelineFailed, run_plan
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "pipeline.toml"
     budgets = "[" + ", ".join(f'"{f:.0%} eager"' for f in fractions) + "]"
-    path.write_text(PIPELINE.format(activation=activation, budgets=budgets, steps=steps))
+    in_step = optimizer != "none"
+    path.write_text(PIPELINE.format(activation=activation, budgets=budgets, steps=steps,
+                                    optimizer=optimizer if in_step else "sgd", in_step=str(in_step).lower()))
     try:
         return run_plan(path)
     except PipelineFailed as failed:                    # rejected plans are rows of the table too
         return failed.outcomes
 
 
-def row(activation: str, o: dict) -> str:
+def row(activation: str, optimizer: str, o: dict) -> str:
     eager = o["eager_peak_bytes"]
     ratio = (lambda key: "" if o[key] is None or not eager else f"{o[key] / eager:.2f}")  # noqa: E731
     measured, predicted = o["measured_peak_bytes"], o["predicted_peak_bytes"]
@@ -70,7 +82,7 @@ def row(activation: str, o: dict) -> str:
     overhead = "" if o["overhead"] is None else f"{o['overhead']:+.1%}"
     reasons = o["message"].split(" failed validation on ", 1)[-1].split(": ", 1)[-1]
     status = o["status"] if o["status"] != "rejected" else "rejected: " + reasons.split("; ")[0].split(" (allowed")[0]
-    return (f"| {activation} | {o['solver']} | {o['form']} | {o['budget']} | {ratio('budget_bytes')} "
+    return (f"| {activation} | {optimizer} | {o['solver']} | {o['form']} | {o['budget']} | {ratio('budget_bytes')} "
             f"| {ratio('predicted_peak_bytes')} | {ratio('measured_peak_bytes')} | {over} | {overhead} | {status} |")
 
 
@@ -78,18 +90,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--activation", nargs="*", default=["gelu_new", "gelu_pytorch_tanh"])
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.7])
+    parser.add_argument("--optimizer", nargs="*", default=["none"],
+                        help="'none' (after the step) and/or optimizers run inside the step, e.g. adamw")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--keep", type=Path, help="run in this folder (kept) instead of a temporary one")
     args = parser.parse_args()
     from prefect.testing.utilities import prefect_test_harness
 
-    lines = ["| activation | solver | form | budget | budget / eager | predicted / eager | measured / eager "
-             "| measured / predicted | overhead | status |", "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| activation | optimizer in step | solver | form | budget | budget / eager | predicted / eager "
+             "| measured / eager | measured / predicted | overhead | status |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     with tempfile.TemporaryDirectory(prefix="policy-pipeline-") as tmp, \
             prefect_test_harness(server_startup_timeout=120):
         for activation in args.activation:
-            folder = (args.keep or Path(tmp)) / activation
-            lines += [row(activation, o) for o in run(folder, activation, args.fractions, args.steps)]
+            for optimizer in args.optimizer:
+                folder = (args.keep or Path(tmp)) / f"{activation}-{optimizer}"
+                lines += [row(activation, optimizer, o)
+                          for o in run(folder, activation, args.fractions, args.steps, optimizer)]
     print("\n".join(lines))
 
 

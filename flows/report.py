@@ -11,6 +11,7 @@ from typing import Any
 
 from tasks.config import Case
 from tasks.records import Published, Solved, Validated
+from tasks.solve.core.optimizer import OPTIMIZERS
 
 MIB = 2**20
 
@@ -79,6 +80,17 @@ class Outcome:
 
 LOADERS = {"executor": "runtime.load(plan, model, loss_fn)", "policy": "runtime.apply(plan, model, loss_fn, batch)"}
 """How a training job runs a plan of each form (docs/training.md)."""
+
+
+def run_with(form: str | None, optimizer: str | None) -> str:
+    """How a training job runs a plan of `form` (None: the executor's) that runs `optimizer` (a name in
+    `tasks.solve.core.optimizer.OPTIMIZERS`) inside the step, or none."""
+    call = LOADERS.get(form or "executor", LOADERS["executor"])
+    if optimizer is None:
+        return call
+    known = OPTIMIZERS.get(optimizer)
+    name = f"torch.optim.{known.torch_class}" if known else f"{optimizer!r} optimizer"
+    return f"{call[:-1]}, optimizer=opt), opt a {name} over model.parameters()"
 
 
 def loading_hint(forms: set[str]) -> str:

@@ -109,7 +109,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
     if settings.optimizer != "none":
         foreach = backend(device) == "CUDA"            # torch.optim's default kernels there
         loaded = replace(loaded, problem=in_step(loaded.problem, loaded.graph.gradient_updates(), settings.optimizer,
-                                                 foreach))
+                                                 foreach, each_alone=settings.form == "policy"))
     if settings.ddp_bucket_mb is not None:
         loaded = replace(loaded, problem=under_ddp(loaded.problem, loaded.graph.gradient_updates(), settings.ddp_bucket_mb))
     options = settings.solve_options()

@@ -24,7 +24,8 @@ What counts:
   `max_overhead` plan's overhead is measured the same way (`overhead_vs_no_recompute`, its interval);
 - the optimizer inside the step, for a plan with `provenance.optimizer_in_step` (`tasks.solve.core.optimizer`):
   the reference also holds the parameters after that optimizer's update (`tasks.reference`), the plan runs
-  `runtime.load(..., optimizer=opt)`, and its parameters after the step are compared instead of the gradients
+  `runtime.load(..., optimizer=opt)` (a policy-form plan `runtime.apply(..., optimizer=opt)`, its hooks updating
+  in the model's own backward), and its parameters after the step are compared instead of the gradients
   (freed inside the step); its step is timed against the reference step followed by `opt.step()`;
 - a device memory limit (`limit`, pipeline.toml's `device_memory`): the reference is the first step that
   fits it, eager, per-block or nested checkpointing, micro-batches, else eager on the host CPU without the

@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
 
         from flows.commands.query import reporting_store_warnings
         from flows.console import console, exit_on_error
-        from flows.report import LOADERS
+        from flows.report import run_with
         from runtime.plan import Plan
         from tasks.publish import plan_id, read_index, resolve
 
@@ -93,7 +93,7 @@ def register(app: typer.Typer) -> None:
         computes = plan.compute_steps()
         table = Table("key", "value", title=f"plan {pid[:12]} ({path})", show_header=False)
         table.add_row("fingerprint", plan.fingerprint)
-        table.add_row("run it with", LOADERS.get(plan.form, LOADERS["executor"]))
+        table.add_row("run it with", run_with(plan.form, plan.provenance.get("optimizer_in_step")))
         table.add_row("schedule", f"{len(plan.schedule)} steps: {len(computes)} computes of {len(set(computes))} "
                                   f"nodes ({len(computes) - len(set(computes))} recomputations)")
         for key, value in (plan.predicted | plan.provenance).items():

@@ -237,7 +237,8 @@ class PlanConfig(Section):
         "bit-identical to the captured op on its device); 'none' (the captured ops only). The others ('output', "
         "'math', 'sigmoid') are within the validation tolerance.")
     optimizer_in_step: bool = Field(
-        False, description="Plan for the pipeline's `optimizer` inside the step (runtime.load(..., optimizer=opt)): "
+        False, description="Plan for the pipeline's `optimizer` inside the step (runtime.load(..., optimizer=opt); a "
+        "policy-form plan: runtime.apply(..., optimizer=opt)): "
         "each parameter gradient dies where its parameter is updated, not at the end of the step; the "
         "optimizer's state is reported as predicted.optimizer_state_bytes.")
     ddp_bucket_mb: float | None = Field(
@@ -294,13 +295,13 @@ class PlanConfig(Section):
                              f"checkpointing cannot run (runtime/policy_form.py); use a solver that makes them ({able}) "
                              f"or form = \"executor\" (runtime.load) in this [[plans]] table")
         refused = [f"{key} = {json.dumps(value)}" for key, value, default in (
-            ("addresses", self.addresses, "none"), ("optimizer_in_step", self.optimizer_in_step, False),
-            ("ddp_bucket_mb", self.ddp_bucket_mb, None)) if value != default]
+            ("addresses", self.addresses, "none"), ("ddp_bucket_mb", self.ddp_bucket_mb, None))
+            if value != default]
         if refused:
             raise ValueError(f"plan of solver {self.solver!r} {form} and sets {' and '.join(refused)}, which only the "
-                             f"executor form plans (runtime.apply's model runs under DDP unchanged and takes the "
-                             f"optimizer in runtime.apply): remove {'them' if len(refused) > 1 else 'it'} or set form = "
-                             f"\"executor\" in this [[plans]] table")
+                             f"executor form plans (under runtime.apply, DDP buckets the gradients itself and "
+                             f"PyTorch's allocator places the tensors): remove {'them' if len(refused) > 1 else 'it'} "
+                             f"or set form = \"executor\" in this [[plans]] table")
         return self
 
     @property

@@ -122,13 +122,23 @@ def test_the_capability_is_declared_by_the_solver_not_its_name(monkeypatch):
 
 
 @pytest.mark.parametrize("key, value, shown", [("addresses", "greedy", 'addresses = "greedy"'),
-                                                ("optimizer_in_step", True, "optimizer_in_step = true"),
                                                 ("ddp_bucket_mb", 25, "ddp_bucket_mb = 25")])
 def test_executor_settings_are_refused_in_the_policy_form(key, value, shown):
     with pytest.raises(ConfigError, match=rf"key plans\[0\]: plan of solver 'selective-policy' is in the policy form "
                                           rf"\(its solver's default\) and sets {shown}.*set form = \"executor\""):
         config(solver="selective-policy", **{key: value})
     assert config(solver="selective-policy", form="executor", **{key: value}).plans[0].plan_form == "executor"
+
+
+def test_the_optimizer_inside_the_step_is_planned_in_the_policy_form():
+    """runtime.apply takes the optimizer (post-accumulate-grad hooks), so the policy form plans it; it still
+    refuses addresses with it, naming both keys."""
+    plan = config(solver="selective-policy", optimizer_in_step=True).plans[0]
+    assert plan.plan_form == "policy"
+    assert plan.solve_settings("adamw").optimizer == "adamw" and plan.solve_settings("adamw").form == "policy"
+    with pytest.raises(ConfigError, match=r"key plans\[0\]: plan of solver 'selective-policy' sets optimizer_in_step = "
+                                          r"true with addresses = 'greedy'.*use addresses = \"none\""):
+        config(solver="selective-policy", optimizer_in_step=True, addresses="greedy")
 
 
 def test_an_unknown_form_lists_the_forms():

@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def plain_and_compiled(folder) -> str:
 
 def test_every_block_is_a_named_example_with_a_test():
     assert set(examples()) == {"pipeline", "plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer",
-                                 "optimizer-in-step", "executor-ddp"}
+                                 "optimizer-in-step", "optimizer-in-step-policy", "executor-ddp"}
 
 
 FAST = "\n[profile]\nwarmup = 0\nrepeats = 1\n\n[validate]\nsteps = 1\nmax_steps = 1\n"
@@ -74,7 +75,7 @@ FAST = "\n[profile]\nwarmup = 0\nrepeats = 1\n\n[validate]\nsteps = 1\nmax_steps
 def test_pipeline_publishes_a_policy_plan_the_example_trains_with(tmp_path, harness):
     from flows.plan import run_plan
 
-    toml, = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)
+    toml = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)[0]      # the first: a whole pipeline.toml
     (tmp_path / "pipeline.toml").write_text(toml + FAST)
     outcome, = run_plan(tmp_path / "pipeline.toml")
     assert (outcome["alias"], outcome["form"], outcome["status"]) == ("gpt2-b8-selective-policy-70pct", "policy",
@@ -112,6 +113,29 @@ def test_optimizer_in_step(tmp_path):
     assert peak and float(peak[1]) < float(peak[2]) and float(peak[3]) > 40, out[0]
     values = losses("\n".join(out[1:]), 3)
     assert values[-1] < values[0]
+
+
+def test_optimizer_in_step_in_the_policy_form(tmp_path):
+    out = run(examples()["optimizer-in-step-policy"], tmp_path).splitlines()
+    peak = re.fullmatch(r"predicted peak (\d+\.\d) MiB with AdamW inside the step, (\d+\.\d) MiB with it after the "
+                        r"step", out[0])
+    assert peak and float(peak[1]) < float(peak[2]), out[0]
+    values = losses("\n".join(out[1:]), 3)
+    assert values[-1] < values[0]
+
+
+def test_the_policy_forms_pipeline_settings_for_the_optimizer_parse():
+    """The doc's toml fragment for the optimizer inside the step in the policy form, completed with a model."""
+    from tasks.config import expand_matrix, parse_config
+
+    fragment = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)[1]
+    model = ('[[models]]\nname = "linear"\nfactory = "torch.nn:Linear"\n'
+             'kwargs = { in_features = 4, out_features = 3 }\nloss = "mse"\n'
+             'inputs = [{ shape = [4] }, { shape = [3] }]\n\n')
+    config = parse_config(tomllib.loads(fragment.replace("[[plans]]", model + "[[plans]]", 1)))
+    case, = expand_matrix(config)
+    settings = case.plan.solve_settings(config.optimizer)
+    assert (settings.form, settings.optimizer) == ("policy", "adamw")
 
 
 def test_executor_under_ddp(tmp_path):

@@ -163,64 +163,6 @@ def test_global_norm_clipping_and_unsupported_optimizers_are_refused(setup):
         runtime.load(plan, model, loss_fn, clip_grad_value=1.0)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-class Blocks(nn.Module):
-    def __init__(self, d: int = 32):
-        super().__init__()
-        self.inp, self.out = nn.Linear(16, d), nn.Linear(d, 8)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(3))
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_policy_form_updates_in_backward_like_eager(name):
-    """runtime.apply(..., optimizer=opt): a plan of `selective-policy` made with the optimizer inside the step,
-    3 steps of loss.backward() (no optimizer.step()) give eager's parameters, and the measured peak is the
-    prediction within 5%."""
-    from runtime.plan import graph_provenance
-    from runtime.policy import capture_eager
-    from runtime.policy_form import Regions, decisions
-    from tasks.solve import solve
-    from tasks.solve.core.simulator import default_schedule
-
-    torch.manual_seed(0)
-    model = Blocks()
-    batches = [(torch.randn(64, 16), torch.randint(0, 8, (64,))) for _ in range(3)]
-    graph = capture_eager(model, loss_fn, batches[0])
-    problem = in_step(Problem.from_graph(graph), graph.gradient_updates(), name)
-    solution = solve(problem, "selective-policy", int(0.9 * simulate(problem, default_schedule(problem)).peak_bytes))
-    assert solution.feasible, solution.message
-    plan = solution.to_plan(problem)
-    plan.provenance.update(graph_provenance(graph))
-    assert decisions(Regions.of_graph(graph), plan.schedule)                        # something is recomputed
-    eager, planned = copy.deepcopy(model), copy.deepcopy(model)
-    eager_opt = OPTIMIZERS[name](eager.parameters())
-    runtime.apply(plan, planned, loss_fn, batches[0], graph=graph, optimizer=OPTIMIZERS[name](planned.parameters()))
-    eager_steps(eager, eager_opt, batches[:2])
-    for x, y in batches[:2]:
-        loss_fn(planned, x, y).backward()
-    assert all(p.grad is None for p in planned.parameters())
-    with PeakMeter("cpu") as meter:                  # the third step, with the optimizer state resident
-        loss_fn(planned, *batches[2]).backward()
-    eager_steps(eager, eager_opt, batches[2:])
-    for a, b in zip(eager.parameters(), planned.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    assert abs(meter.peak_bytes / plan.predicted["peak_bytes"] - 1) <= 0.05, (meter.peak_bytes, plan.predicted)
-
-
 class ConvNet(nn.Module):
     """Convolutions with biases and batch norms: their backward nodes make two gradients each, updated together."""
 
