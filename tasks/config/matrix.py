@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tasks.config.errors import ConfigError
 from tasks.config.schema import PipelineConfig
 from tasks.config.sections import ModelConfig, PlanConfig, PlanForm
 from tasks.config.values import Budget
@@ -20,13 +21,17 @@ class Case:
     @property
     def alias(self) -> str:
         """Readable plan name, e.g. `resnet18-b8-checkmate-60pct`; a plan whose form is not its solver's default
-        (`PlanConfig.default_form`) names it: `gpt2-b8-selective-policy-executor-60pct`."""
+        (`PlanConfig.default_form`) names it: `gpt2-b8-selective-policy-executor-60pct`; so do the optimizer
+        inside the step (`-in-step`) and DistributedDataParallel's buckets (`-ddp25mb`)."""
         form = "" if self.plan.form in (None, self.plan.default_form) else f"-{self.plan.form}"
+        form += "-in-step" if self.plan.optimizer_in_step else ""
+        form += f"-ddp{self.plan.ddp_bucket_mb:g}mb" if self.plan.ddp_bucket_mb is not None else ""
         return f"{self.model.name}-b{self.batch_size}-{self.plan.solver}{form}-{self.budget.label}"
 
 
 def expand_matrix(config: PipelineConfig) -> list[Case]:
-    """All (model, batch size, plan, budget) combinations, in declaration order, without duplicates."""
+    """All (model, batch size, plan, budget) combinations, in declaration order, without duplicates; two
+    [[plans]] tables that differ but would make plans of the same name are refused."""
     cases: dict[str, Case] = {}
     for model, batch_size in config.model_batches():
         for plan in config.plans:
@@ -34,8 +39,20 @@ def expand_matrix(config: PipelineConfig) -> list[Case]:
                 continue
             for budget in plan.cell_budgets:
                 case = Case(model, batch_size, plan, budget)
-                cases.setdefault(case.alias, case)
+                known = cases.setdefault(case.alias, case)
+                if known.plan != plan:
+                    raise ConfigError(
+                        f"[[plans]] tables {config.plans.index(known.plan) + 1} and {config.plans.index(plan) + 1} "
+                        f"(solver {plan.solver!r}) both make plan {case.alias!r} but differ in other keys "
+                        f"({', '.join(_differing(known.plan, plan))}), so one would be dropped; make them one table, "
+                        f"or give them different budgets or models.")
     return list(cases.values())
+
+
+def _differing(a: PlanConfig, b: PlanConfig) -> list[str]:
+    """The keys whose values differ between two [[plans]] tables."""
+    first, second = a.model_dump(), b.model_dump()
+    return [key for key in first if first[key] != second.get(key)]
 
 
 def graph_forms(model: str, batch_size: int, cases: list[Case]) -> list[PlanForm]:

@@ -40,7 +40,7 @@ max_steps = 1
 warmup = 0
 '''
 
-ALIAS = "blocknet-b128-selective-policy-80pct"
+ALIAS = "blocknet-b128-selective-policy-in-step-80pct"
 
 
 @pytest.fixture(scope="module")

@@ -311,3 +311,17 @@ def test_the_prediction_bounds_a_policy_plans_measured_peak():
         "measured peak 1,051 B exceeds the predicted 1,000 B by 5.1% (allowed 5.0%): autograd keeps more than the "
         "policy form predicts (runtime/policy_form.py: an op whose backward is several graph ops)")
     assert "no predicted.peak_bytes" in prediction_problem(10, None, 0.05)
+
+
+def test_plans_apart_only_in_the_optimizer_inside_the_step_get_names_apart():
+    """Each setting a plan runs with is in its name; two tables that differ otherwise and would make one
+    name are refused, naming the tables and the keys, not one of them dropped."""
+    data = {"models": [LINEAR], "optimizer": "adamw", "plans": [
+        {"solver": "dtr", "budgets": [0.8]}, {"solver": "dtr", "budgets": [0.8], "optimizer_in_step": True},
+        {"solver": "dtr", "budgets": [0.8], "ddp_bucket_mb": 25}]}
+    assert [c.alias for c in expand_matrix(parse_config(data, "pipeline.toml"))] == [
+        "linear-b8-dtr-80pct", "linear-b8-dtr-in-step-80pct", "linear-b8-dtr-ddp25mb-80pct"]
+    data["plans"] = [{"solver": "dtr", "budgets": [0.8]}, {"solver": "dtr", "budgets": [0.8], "variants": "none"}]
+    with pytest.raises(ConfigError, match=r"\[\[plans\]\] tables 1 and 2 \(solver 'dtr'\) both make plan "
+                                          r"'linear-b8-dtr-80pct' but differ in other keys \(variants\)"):
+        expand_matrix(parse_config(data, "pipeline.toml"))

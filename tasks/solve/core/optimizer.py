@@ -10,8 +10,8 @@ autograd hands a Node's gradients on when the whole Node has run, so a gradient 
 makes (`Problem.autograd_nodes`: a weight's `mm` before its bias's `sum`) is read by the Node's last op too,
 and the update follows that op (`_held_by_node`).
 `in_step(problem, pairs, optimizer)` turns a problem into that one: the gradients stop being graph outputs
-(so every solver sees them die early and plans with the memory freed), each becomes a `ParamUpdate` (the simulator keeps its last copy live through the update and charges the update
-step's temporaries: one parameter after another for single-tensor kernels, all at once for foreach ones; a
+(so every solver sees them die early and plans with the memory freed), each becomes a `ParamUpdate` (the
+simulator keeps its last copy live through the update and charges the update step's temporaries: one parameter after another for single-tensor kernels, all at once for foreach ones; a
 parameter larger than `slice_bytes` whose update allocates temporaries is updated in elementwise slices by
 single-tensor kernels, one call per slice, `runtime.schedule.update_slices`, so its temporaries are a slice's),
 and the optimizer's state is a resident term (`Problem.optimizer_state_bytes`, reported as the plan's
