@@ -2,10 +2,11 @@
 post-accumulate-grad hooks update each parameter by a call of its own once its gradient is accumulated
 (runtime.optim_step.step_in_backward), so the problem a policy plan is solved on says so
 (`in_step(..., each_alone=True)`): nothing carried from one parameter's update to the next, a parameter over
-1 MiB updated in slices as the executor does, each update after the whole autograd Node making its gradient. A `selective-policy` plan solved on that problem then has the
-measured peak of a step (after a warm-up step that creates the optimizer state) equal to its prediction within
-a scalar's bytes, and three steps of `loss.backward()` give eager `loss.backward(); opt.step()`'s parameters and
-optimizer state bit for bit (tiny GPT-2 with dropout and tied embeddings; an MLP with 2 MiB weights)."""
+1 MiB updated in slices as the executor does, each update after the whole autograd Node making its gradient.
+A `selective-policy` plan solved on that problem then has the measured peak of a step (after a warm-up step
+that creates the optimizer state) equal to its prediction within a scalar's bytes, and three steps of
+`loss.backward()` give eager `loss.backward(); opt.step()`'s parameters and optimizer state bit for bit (tiny
+GPT-2 with dropout and tied embeddings; an MLP with 2 MiB weights)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_policy_plans_update_like_eager_at_the_predicted_peak(name):
         assert solution.feasible, solution.message
         plan = solution.to_plan(problem)
         plan.provenance.update(graph_provenance(graph))
-        assert decisions(regions, plan.schedule)                               # something is recomputed
+        assert decisions(Regions.of_graph(graph, solution.policy_split, solution.policy_nest), plan.schedule)  # recomputes
         eager, planned = copy.deepcopy(model), copy.deepcopy(model)
         eager_opt, planned_opt = build_optimizer(eager.parameters()), build_optimizer(planned.parameters())
         runtime.apply(plan, planned, loss_fn, batch, graph=graph, optimizer=planned_opt)
