@@ -186,6 +186,13 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if optimizer is not None:
         check_optimizer(optimizer)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            raise PolicyFormError(
+                "optimizer= updates each parameter as soon as autograd has accumulated its gradient, which under "
+                "a process group of several ranks (DistributedDataParallel, FSDP2) is the rank's own gradient, "
+                "before the all-reduce or reduce-scatter: the ranks would drift apart. Apply the plan without "
+                "optimizer= and call opt.step() after loss.backward().")
     if getattr(getattr(model, "config", None), "use_cache", False):
         raise PolicyFormError("this model keeps a key/value cache (config.use_cache = True), which a checkpointed "
                               "region would update twice (forward and recomputation). Set model.config.use_cache = "

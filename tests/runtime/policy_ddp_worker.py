@@ -1,6 +1,7 @@
 """Two gloo ranks on the CPU (run by tests/runtime/test_policy_ddp.py): a policy-form model wrapped in
 DistributedDataParallel gets, on each rank, the gradients of the same model under DDP without
-checkpointing. Prints `rank R max_abs_diff D recomputations N` per rank; exits non-zero on a difference."""
+checkpointing. Prints `rank R max_abs_diff D recomputations N` per rank; exits non-zero on a difference.
+`runtime.apply` with an optimizer inside the step is refused on each rank (`rank R optimizer refused: True`)."""
 
 import copy
 import sys
@@ -15,7 +16,7 @@ import runtime
 from gloo_ranks import join, report, spawn
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
-from runtime.policy_form import Regions, policy_schedule
+from runtime.policy_form import PolicyFormError, Regions, policy_schedule
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
@@ -61,6 +62,11 @@ def worker(rank: int, world: int, port: int) -> None:
     checkpointed = grads(DDP(runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)), batch)
     diff = max((reference[k] - checkpointed[k]).abs().max().item() for k in reference)
     report(f"rank {rank} max_abs_diff {diff:.3g} recomputations {len(plan.schedule) - len(graph.nodes)}")
+    in_step = copy.deepcopy(model)
+    try:            # each rank would update from its own gradient, before DDP's all-reduce
+        runtime.apply(plan, in_step, loss_fn, batch, graph=graph, optimizer=torch.optim.SGD(in_step.parameters()))
+    except PolicyFormError as exc:
+        report(f"rank {rank} optimizer refused: {'before the all-reduce' in str(exc)}")
     dist.destroy_process_group()
     if diff > 1e-6:
         sys.exit(1)
