@@ -57,6 +57,7 @@ class IndexRow:
     fingerprint: str
     solver: str
     form: str | None
+    optimizer_in_step: str | None                     # the optimizer the plan runs inside the step (None: after it)
     budget: str
     budget_bytes: int
     predicted_peak_bytes: int
@@ -157,6 +158,7 @@ def _index_row(
         fingerprint=plan.fingerprint,
         solver=provenance["solver"],
         form=plan.form,
+        optimizer_in_step=provenance.get("optimizer_in_step"),
         budget=budget,
         budget_bytes=int(provenance["budget_bytes"]),
         predicted_peak_bytes=int(predicted["peak_bytes"]),

@@ -133,6 +133,17 @@ def test_index_row_holds_the_overhead_a_max_overhead_limit_is_about(tmp_path, ma
     assert [r["alias"] for r in within] == ["toy-b4-checkmate-200B"]
 
 
+def test_index_row_names_the_optimizer_a_plan_runs_inside_the_step(tmp_path, make_plan, make_validation):
+    plan = make_plan()
+    plan.provenance["optimizer_in_step"] = "adamw"
+    publish_toy(tmp_path, plan, make_validation(plan))
+    other = make_plan(budget_bytes=300)
+    publish_toy(tmp_path, other, make_validation(other), alias="toy-b4-checkmate-300B")
+    rows = {r["alias"]: r["optimizer_in_step"] for r in read_index(tmp_path)}
+    assert rows == {"toy-b4-checkmate-200B": "adamw", "toy-b4-checkmate-300B": None}
+    assert [r["alias"] for r in read_index(tmp_path, "optimizer_in_step = 'adamw'")] == ["toy-b4-checkmate-200B"]
+
+
 def test_index_rows_written_before_the_overhead_columns_still_load(tmp_path, make_plan, make_validation):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -142,7 +153,8 @@ def test_index_rows_written_before_the_overhead_columns_still_load(tmp_path, mak
     plan = make_plan()
     publish_toy(tmp_path, plan, make_validation(plan))
     (path,) = (tmp_path / "index").glob("*.parquet")
-    newer = {"max_overhead", "overhead_vs_no_recompute", "overhead_vs_no_recompute_interval", "device_class", "form"}
+    newer = {"max_overhead", "overhead_vs_no_recompute", "overhead_vs_no_recompute_interval", "device_class", "form",
+             "optimizer_in_step"}
     older = pa.schema([f for f in INDEX_SCHEMA if f.name not in newer])
     pq.write_table(pq.read_table(path).select(older.names).cast(older), path)       # as an older memplan wrote it
     (row,) = read_index(tmp_path)
