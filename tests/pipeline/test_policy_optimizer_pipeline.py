@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.pipeline.test_policy_pipeline import BLOCKNET
+from tests.pipeline.test_policy_pipeline import run_blocknet
 
 PIPELINE = '''
 device = "cpu"
@@ -46,12 +46,7 @@ ALIAS = "blocknet-b128-selective-policy-in-step-80pct"
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, harness):
     """The pipeline run once on BlockNet: its folder and outcomes."""
-    from flows.plan import run_plan
-
-    folder = tmp_path_factory.mktemp("policy-optimizer-project")
-    (folder / "blocknet.py").write_text(BLOCKNET)
-    (folder / "pipeline.toml").write_text(PIPELINE)
-    return folder, run_plan(folder / "pipeline.toml")
+    return run_blocknet(tmp_path_factory, "policy-optimizer-project", PIPELINE)
 
 
 def test_the_plan_is_solved_with_the_updates_validated_and_published(project):

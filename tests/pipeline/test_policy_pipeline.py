@@ -158,15 +158,20 @@ def test_a_model_without_repeated_modules_is_refused_at_its_trace():
         capture_model(spec, 8, "cpu", 0, "policy")
 
 
+def run_blocknet(tmp_path_factory, name: str, pipeline: str):
+    """`pipeline` run once on BlockNet in a fresh folder: the folder and the run's outcomes."""
+    from flows.plan import run_plan
+
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "blocknet.py").write_text(BLOCKNET)
+    (folder / "pipeline.toml").write_text(pipeline)
+    return folder, run_plan(folder / "pipeline.toml")
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, harness):
     """The pipeline run once on BlockNet: its folder and outcomes."""
-    from flows.plan import run_plan
-
-    folder = tmp_path_factory.mktemp("policy-project")
-    (folder / "blocknet.py").write_text(BLOCKNET)
-    (folder / "pipeline.toml").write_text(PIPELINE)
-    return folder, run_plan(folder / "pipeline.toml")
+    return run_blocknet(tmp_path_factory, "policy-project", PIPELINE)
 
 
 def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
