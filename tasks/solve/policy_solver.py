@@ -98,20 +98,24 @@ def split_decisions(problem: Problem, regions: Regions) -> Iterator[tuple[Region
     kind = lambda part: part.rsplit(".", 1)[-1]  # noqa: E731  (the child's own name: "mlp", "self_attn")
     kinds = sorted({kind(part) for layer in names for part in regions.parts[layer]})
     subsets = [set(c) for k in range(1, len(kinds) + 1) for c in itertools.combinations(kinds, k)] \
-        if len(kinds) <= PART_KINDS else [set(kinds), *(set(kinds) - {kind} for kind in kinds)]
-    for k in range(1, len(names) + 1):
-        for split in dict.fromkeys((tuple(names[:k]), tuple(names[len(names) - k:]))):
-            parts = regions.split(split)
-            for kept in subsets:
-                yield parts, {name: frozenset() for name in parts.members if parts.rerun[name]
-                              and (name in regions.members or kind(name) in kept)}
+        if len(kinds) <= PART_KINDS else [set(kinds), *(set(kinds) - {left_out} for left_out in kinds)]
+    for split in _first_or_last(names):
+        parts = regions.split(split)
+        for kept in subsets:
+            yield parts, {name: frozenset() for name in parts.members if parts.rerun[name]
+                          and (name in regions.members or kind(name) in kept)}
     if names:
         parts = regions.split(names)
         yield from ((parts, saved) for saved in decision_ladder(problem, parts))
-    for k in range(1, len(names) + 1):
-        for nest in dict.fromkeys((tuple(names[:k]), tuple(names[len(names) - k:]))):
-            nested = regions.nest(nest)
-            yield nested, {name: frozenset() for name in nested.members if nested.rerun[name]}
+    for nest in _first_or_last(names):
+        nested = regions.nest(nest)
+        yield nested, {name: frozenset() for name in nested.members if nested.rerun[name]}
+
+
+def _first_or_last(names: list[str]) -> list[tuple[str, ...]]:
+    """The first k and the last k of `names`, for every k, without repeats."""
+    return list(dict.fromkeys(ends for k in range(1, len(names) + 1)
+                              for ends in (tuple(names[:k]), tuple(names[len(names) - k:]))))
 
 
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
