@@ -4,7 +4,7 @@ re-trace runs the joint graph, not the model, so `nn_module_stack` is empty).
 The repeated units a user checkpoints by hand are the children of `nn.ModuleList` and `nn.Sequential`
 containers (transformer layers, ResNet bottlenecks, MobileNet's inverted residuals); `marked_modules`
 picks the outermost of them. Their children (`module_parts`: a layer's attention, MLP and norms) are
-recorded too, so the policy form can checkpoint a layer by its parts. While tracing, hooks pass the first
+recorded too where asked (the policy form's capture), so it can checkpoint a layer by its parts. While tracing, hooks pass the first
 tensor entering and leaving each such module through the identity op `memplan::module_boundary` (its
 gradient passes through unmarked); the markers survive the re-trace as FX nodes. `strip_boundaries` tags
 every FX node between a module's two markers with the module's name (`node.meta["memplan_module"]`) and
@@ -77,11 +77,11 @@ def _mark_first_tensor(tree: Any, name: str, enter: bool) -> tuple[Any, bool]:
 
 
 @contextmanager
-def boundary_hooks(model: nn.Module) -> Iterator[None]:
-    """Mark the entry and exit of every module of `marked_modules(model)` and `module_parts(model)` while
-    the context is open."""
+def boundary_hooks(model: nn.Module, parts: bool = False) -> Iterator[None]:
+    """Mark the entry and exit of every module of `marked_modules(model)`, and with `parts` of
+    `module_parts(model)`, while the context is open."""
     handles = []
-    for name, module in {**marked_modules(model), **module_parts(model)}.items():
+    for name, module in {**marked_modules(model), **(module_parts(model) if parts else {})}.items():
         def enter(mod, args, kwargs, name=name):
             args, done = _mark_first_tensor(args, name, True)
             if not done:

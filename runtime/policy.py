@@ -169,7 +169,7 @@ def capture_eager(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch:
     captures the same way for a plan whose provenance says `capture = "eager"`."""
     cpu = all(t.device.type == "cpu" for t in (*batch, *model.parameters()))
     with _eager_dropout() if cpu else contextlib.nullcontext():
-        graph = capture(model, loss_fn, tuple(batch), rewrites={})
+        graph = capture(model, loss_fn, tuple(batch), rewrites={}, record_parts=True)
         label_backward(graph, model, loss_fn, tuple(batch))
     graph.meta["capture"] = "eager"
     return graph

@@ -111,7 +111,10 @@ class TwiceCalled(nn.Module):
 def test_each_layers_children_are_recorded_as_its_parts_unless_called_twice():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), TwiceCalled(8), TwiceCalled(8))
-    graph = runtime.capture(model, lambda m, x: m(x).square().mean(), (torch.randn(3, 4),))
+    loss_fn, batch = (lambda m, x: m(x).square().mean()), (torch.randn(3, 4),)
+    graph = runtime.capture(model, loss_fn, batch, record_parts=True)
+    assert "node_parts" not in runtime.capture(model, loss_fn, batch).meta          # only where asked
+    assert graph.fingerprint == runtime.capture(model, loss_fn, batch, record_modules=False).fingerprint
     modules, parts = graph.meta["node_modules"], graph.meta["node_parts"]
     forward = [n for n in graph.nodes if n.phase == "forward" and modules[n.id] is not None]
     assert {parts[n.id] for n in forward} == {None, "1.first", "1.second", "2.first", "2.second"}
