@@ -4,9 +4,10 @@ re-trace runs the joint graph, not the model, so `nn_module_stack` is empty).
 The repeated units a user checkpoints by hand are the children of `nn.ModuleList` and `nn.Sequential`
 containers (transformer layers, ResNet bottlenecks, MobileNet's inverted residuals); `marked_modules`
 picks the outermost of them. Their children (`module_parts`: a layer's attention, MLP and norms) are
-recorded too where asked (the policy form's capture), so it can checkpoint a layer by its parts. While tracing, hooks pass the first
-tensor entering and leaving each such module through the identity op `memplan::module_boundary` (its
-gradient passes through unmarked); the markers survive the re-trace as FX nodes. `strip_boundaries` tags
+recorded too where asked (the policy form's capture), so it can checkpoint a layer by its parts. While
+tracing, hooks pass the first tensor entering and leaving each such module through the identity op
+`memplan::module_boundary` (its gradient passes through unmarked); the markers survive the re-trace as FX
+nodes. `strip_boundaries` tags
 every FX node between a module's two markers with the module's name (`node.meta["memplan_module"]`) and
 the part's (`node.meta["memplan_part"]`; a part called more than once in a step is not one), then removes
 the markers, so the graph is the one captured without them.
