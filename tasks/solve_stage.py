@@ -169,7 +169,6 @@ def _annotate(plan: Plan, budget: Budget, settings: PlanSettings) -> None:
     _record_form(plan, settings.form)
 
 
-
 def write_ladder(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budget: Budget, settings: PlanSettings,
                  device: str, plan_path: str, chosen: Plan) -> tuple[list[Candidate], Plan | None]:
     """What a measured walk of a `max_overhead` search's `ladder` needs, written beside its predicted choice

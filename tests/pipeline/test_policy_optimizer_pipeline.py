@@ -15,29 +15,11 @@ import torch.nn.functional as F
 
 from tests.pipeline.test_policy_pipeline import run_blocknet
 
-PIPELINE = '''
-device = "cpu"
-optimizer = "adamw"
-
-[[models]]
-name = "blocknet"
-factory = "blocknet:BlockNet"
-batch_sizes = [128]
-inputs = [{ shape = [64] }, { shape = [], dtype = "int64", high = 8 }]
-
-[profile]
-warmup = 0
-repeats = 1
-
+PLANS = '''
 [[plans]]
 solver = "selective-policy"
 budgets = [0.8]
 optimizer_in_step = true
-
-[validate]
-steps = 1
-max_steps = 1
-warmup = 0
 '''
 
 ALIAS = "blocknet-b128-selective-policy-in-step-80pct"
@@ -46,7 +28,7 @@ ALIAS = "blocknet-b128-selective-policy-in-step-80pct"
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, harness):
     """The pipeline run once on BlockNet: its folder and outcomes."""
-    return run_blocknet(tmp_path_factory, "policy-optimizer-project", PIPELINE)
+    return run_blocknet(tmp_path_factory, "policy-optimizer-project", PLANS, top='optimizer = "adamw"')
 
 
 def test_the_plan_is_solved_with_the_updates_validated_and_published(project):

@@ -45,19 +45,28 @@ class BlockNet(nn.Module):
         return self.head(x)
 '''
 
-PIPELINE = '''
+BLOCKNET_PIPELINE = '''
 device = "cpu"
+{top}
 
 [[models]]
 name = "blocknet"
 factory = "blocknet:BlockNet"
 batch_sizes = [128]
-inputs = [{ shape = [64] }, { shape = [], dtype = "int64", high = 8 }]
+inputs = [{{ shape = [64] }}, {{ shape = [], dtype = "int64", high = 8 }}]
 
 [profile]
 warmup = 0
 repeats = 1
+{plans}
+[validate]
+steps = 1
+max_steps = 1
+warmup = 0
+'''
+"""A pipeline.toml on BlockNet with one profiling call and one timed step: `top` level keys and `plans` tables."""
 
+PLANS = '''
 [[plans]]
 solver = "selective-policy"
 budgets = [0.7, 0.1]
@@ -65,11 +74,6 @@ budgets = [0.7, 0.1]
 [[plans]]
 solver = "checkpoint-all"
 budgets = [1.0]
-
-[validate]
-steps = 1
-max_steps = 1
-warmup = 0
 '''
 
 LINEAR = {"name": "linear", "factory": "torch.nn:Linear", "kwargs": {"in_features": 4, "out_features": 3},
@@ -158,20 +162,21 @@ def test_a_model_without_repeated_modules_is_refused_at_its_trace():
         capture_model(spec, 8, "cpu", 0, "policy")
 
 
-def run_blocknet(tmp_path_factory, name: str, pipeline: str):
-    """`pipeline` run once on BlockNet in a fresh folder: the folder and the run's outcomes."""
+def run_blocknet(tmp_path_factory, name: str, plans: str, top: str = ""):
+    """`BLOCKNET_PIPELINE` with `plans` and `top` run once on BlockNet in a fresh folder: the folder and the
+    run's outcomes."""
     from flows.plan import run_plan
 
     folder = tmp_path_factory.mktemp(name)
     (folder / "blocknet.py").write_text(BLOCKNET)
-    (folder / "pipeline.toml").write_text(pipeline)
+    (folder / "pipeline.toml").write_text(BLOCKNET_PIPELINE.format(top=top, plans=plans))
     return folder, run_plan(folder / "pipeline.toml")
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, harness):
     """The pipeline run once on BlockNet: its folder and outcomes."""
-    return run_blocknet(tmp_path_factory, "policy-project", PIPELINE)
+    return run_blocknet(tmp_path_factory, "policy-project", PLANS)
 
 
 def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
