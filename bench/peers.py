@@ -224,7 +224,9 @@ def profiled_costs(graph, name: str, device: str = "cpu") -> CostTable:
     for r in rows:
         measured.setdefault(r["node_id"], {})[r["impl"]] = VariantCost(r["time_ms"], r["workspace_bytes"],
                                                                        r["output_bytes"])
-    return CostTable(graph.fingerprint, rows[0]["device"], name, "bench", datetime.now(timezone.utc), measured)
+    policy = (rows[0]["policy_forward_ms"], rows[0]["policy_recompute_ms"])
+    return CostTable(graph.fingerprint, rows[0]["device"], name, "bench", datetime.now(timezone.utc), measured,
+                     None if None in policy else policy)
 
 
 def profiled_problem(graph, name: str, variants: VariantChoice = "none", device: str = "cpu") -> Problem:

@@ -10,8 +10,10 @@ eager; eager under torch.compile (`aot_eager_decomp_partition`, bench/peers.py's
 per-block `torch.utils.checkpoint` and torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`),
 each in eager and compiled; memplan `selective-policy` plans, solved on this run's profile of the eager
 capture at each fraction of the no-recomputation peak and at the least it reaches (`least_fraction`), run by
-`runtime.apply` in eager and compiled. Peaks are `PeakMeter(allocator=True)` of a step after the first,
-times medians of interleaved rounds, both as ratios to eager's; "predicted" is the simulator's peak for the
+`runtime.apply` in eager and compiled (the compiled rows' plans solved with `compiled = true`: torch.compile
+runs a policy without selective checkpointing's dispatch modes, whose cost the eager rows' plans count).
+Peaks are `PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both
+as ratios to eager's; "predicted" is the simulator's peak for the
 plan over eager's measured peak; "grad err" the largest gradient difference from eager (compiled dropout
 draws its masks differently).
 """
@@ -30,6 +32,7 @@ from bench.peers import (COMPILE_BACKENDS, median_ms, peak_and_grads, profiled_p
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
 from tasks.solve import solve
+from tasks.solve.policy_solver import PolicyOptions
 from tasks.solve.core.simulator import default_schedule, simulate
 from tasks.solve.core.solution import SolveOptions
 
@@ -108,17 +111,18 @@ def main() -> None:
     predicted = {}
     least = least_fraction(problem, full)
     for fraction in sorted({*args.fractions, *([least] if least else [])}, reverse=True):
-        solution = solve(problem, "selective-policy", round(fraction * full))
-        if not solution.feasible:
-            continue
-        plan = solution.to_plan(problem)
-        plan.provenance.update(graph_provenance(graph))
-        label = f"memplan policy @ {fraction:.3f}"
-        applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
-        runs[label] = (applied, lambda m=applied: loss_fn(m, *batch).backward())
-        runs[label + ", compiled"] = compiled(runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph),
-                                              loss_fn, batch)
-        predicted[label] = predicted[label + ", compiled"] = (solution.predicted_peak_bytes, solution.message)
+        for under_compile in (False, True):
+            options = SolveOptions(params=PolicyOptions(compiled=under_compile))
+            solution = solve(problem, "selective-policy", round(fraction * full), options)
+            if not solution.feasible:
+                continue
+            plan = solution.to_plan(problem)
+            plan.provenance.update(graph_provenance(graph))
+            label = f"memplan policy @ {fraction:.3f}" + (", compiled" if under_compile else "")
+            applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+            runs[label] = compiled(applied, loss_fn, batch) if under_compile else \
+                (applied, lambda m=applied: loss_fn(m, *batch).backward())
+            predicted[label] = (solution.predicted_peak_bytes, solution.message)
     peak_and_grads(model, runs["eager"][1])                      # eager's first step takes one-time buffers
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
     rows = {}

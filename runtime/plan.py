@@ -20,7 +20,8 @@ from runtime.variants import DEFAULT, GraphVariants, graph_variants
 FORMAT = "memplan-plan"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
-PREDICTED_KEYS = ("peak_bytes", "constant_bytes", "compute_cost", "time_ms", "arena_bytes", "optimizer_state_bytes")
+PREDICTED_KEYS = ("peak_bytes", "constant_bytes", "compute_cost", "time_ms", "arena_bytes", "optimizer_state_bytes",
+                  "dispatch_cost")
 
 Copy = tuple[int, int]
 """A value copy: (index of the schedule step computing it, value id)."""

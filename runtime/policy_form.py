@@ -44,6 +44,11 @@ whole backward node of its forward op has run, and where that node is several op
 backward: cos, then mul) a value lives one op longer than predicted, so the measured peak can exceed the
 prediction by such a tensor. One-op backwards (GELU's, a matmul's, layer norm's) are exact.
 
+A region with a policy (a decision saving some of its nodes) runs its forward and its recomputation under
+selective checkpointing's dispatch modes, which add a cost per op no node's profile holds; `dispatch_cost`
+prices it from the profile's measurement (runtime/dispatch_cost.py). A region recomputed whole runs as plain
+`torch.utils.checkpoint` and pays none.
+
 `decisions(regions, schedule)` reads the decision back from a plan's schedule and refuses
 (PolicyFormError) one that is not `policy_schedule` of it.
 """
@@ -304,6 +309,15 @@ class Regions:
         """Saved nodes of region `name` that neither its backward nor a node it recomputes reads."""
         read = set(self.backward_reads[name]).union(*(self.inputs[n] for n in self.recomputed(name, saved)))
         return {n for n in saved if not read & set(self.outputs[n])}
+
+
+def dispatch_cost(policy_dispatch: Sequence[float], regions: Regions, saved: Mapping[str, Any]) -> float:
+    """The cost selective checkpointing's dispatch modes add to a step whose regions save `saved` (region ->
+    saved nodes): per region saving some, `policy_dispatch` = (forward, recomputation) per node times its
+    forward nodes and its `rerun` range (a recomputation passes its saved nodes through the mode too)."""
+    forward, recompute = policy_dispatch
+    return sum(forward * len(regions.members[name]) + recompute * len(regions.rerun[name])
+               for name, keep in saved.items() if keep)
 
 
 def policy_schedule(regions: Regions, saved: Mapping[str, Sequence[int] | frozenset[int]]) -> list[dict[str, Any]]:

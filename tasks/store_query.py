@@ -109,7 +109,9 @@ class CostTable(Mapping):
     """Costs of one profiling run: `table[node_id]` is the default implementation's
     `NodeCost(time_ms, workspace_bytes)`; `variants[node_id][impl]` is the `VariantCost` (with
     `output_bytes` and `exact`) of every measured implementation variant; a variant the profile found
-    unavailable on a node is not listed there.
+    unavailable on a node is not listed there. `policy_ms`: (forward, recomputation) milliseconds selective
+    checkpointing's dispatch adds per forward node of a region (runtime/dispatch_cost.py), None when the run
+    did not measure it (a graph not captured for the policy form, a profile before schema version 3).
     """
 
     fingerprint: str
@@ -118,6 +120,7 @@ class CostTable(Mapping):
     run_id: str
     created_at: datetime
     variants: Mapping[int, Mapping[str, VariantCost]]
+    policy_ms: tuple[float, float] | None = None
 
     def __getitem__(self, node_id: int) -> NodeCost:
         cost = self.variants[node_id][DEFAULT]
@@ -147,14 +150,15 @@ def load_costs(fingerprint: str, device: str | None = None, root: str | os.PathL
     con = connect(root)
     where, params = _device_filter(device)
     found = con.execute(
-        f"SELECT run_id, device, model, created_at FROM runs WHERE complete AND fingerprint = ? AND {where} "
+        f"SELECT run_id, device, model, created_at, policy_forward_ms, policy_recompute_ms FROM runs "
+        f"WHERE complete AND fingerprint = ? AND {where} "
         "ORDER BY created_at DESC, run_id DESC LIMIT 1", [fingerprint, *params]).fetchall()
     if not found:
         others = con.execute(
             "SELECT device, model, bool_or(complete), count(*) FROM runs WHERE fingerprint = ? "
             "GROUP BY device, model ORDER BY device", [fingerprint]).fetchall()
         raise ProfileNotFoundError(_missing_message(fingerprint, device, store_root(root), others))
-    run_id, run_device, model, created_at = found[0]
+    run_id, run_device, model, created_at, policy_forward, policy_recompute = found[0]
     rows = con.execute(
         "SELECT node_id, impl, time_ms, workspace_bytes, output_bytes, exact FROM profiles "
         "WHERE run_id = ? AND fingerprint = ? AND device = ? AND unavailable IS NULL",
@@ -165,7 +169,8 @@ def load_costs(fingerprint: str, device: str | None = None, root: str | os.PathL
             raise ValueError(f"Profile run {run_id} holds node {node_id} ({impl}) twice: its file is in "
                              f"{store_root(root)} more than once. Delete the copy.")
         variants[node_id][impl] = VariantCost(float(time_ms), int(workspace), int(output), exact)
-    return CostTable(fingerprint, run_device, model, run_id, created_at, variants)
+    policy = None if policy_forward is None or policy_recompute is None else (policy_forward, policy_recompute)
+    return CostTable(fingerprint, run_device, model, run_id, created_at, variants, policy)
 
 
 def _missing_message(fingerprint: str, device: str | None, root: Path, others: list[tuple]) -> str:

@@ -2,7 +2,8 @@
 
 One Parquet file holds one profiling run: one row per (operator node, implementation variant), with the
 run's metadata repeated on every row so that every file describes itself. The version is stored in the
-file's key-value metadata; it grows by one whenever a column is added (version 2: `exact`, `unavailable`).
+file's key-value metadata; it grows by one whenever a column is added (version 2: `exact`, `unavailable`;
+version 3: `policy_forward_ms`, `policy_recompute_ms`).
 Readers take every version whose files carry the `REQUIRED` columns and union the rest by name, a column an
 older file lacks reading as null.
 """
@@ -14,7 +15,7 @@ from urllib.parse import quote
 import pyarrow as pa
 
 SCHEMA_KEY = b"memplan.profile_schema"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _RUN_FIELDS = [
     pa.field("schema_version", pa.int32(), nullable=False),
@@ -39,6 +40,8 @@ _RUN_FIELDS = [
     pa.field("rounds", pa.int32()),
     pa.field("threads", pa.int32()),
     pa.field("seed", pa.int64()),
+    pa.field("policy_forward_ms", pa.float64()),      # version 3: selective checkpointing's dispatch, per node
+    pa.field("policy_recompute_ms", pa.float64()),    # version 3: ... of a region, in its forward / recomputation
 ]
 
 _ROW_FIELDS = [

@@ -21,7 +21,7 @@ from tasks.solve.acg.solver import AcgOptions, acg
 from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
 from tasks.solve.monet import MonetOptions, block_rung, monet, monet_noop
 from tasks.solve.olla import OllaOptions, olla
-from tasks.solve.policy_solver import selective_policy
+from tasks.solve.policy_solver import PolicyOptions, selective_policy
 from tasks.solve.core.options import OptionError, SolverSpec, describe_options, parse_options
 from tasks.solve.core.portfolio import CHEAP, best_known
 from tasks.solve.core.problem import Problem
@@ -43,7 +43,7 @@ SOLVERS.update({spec.name: spec for spec in (
                baselines.ModuleCheckpointOptions),
     SolverSpec("selective-policy", selective_policy,
                "per-op keep/recompute per recorded module, as selective checkpointing runs it (runtime.apply).",
-               policy_form=True),
+               PolicyOptions, policy_form=True),
     SolverSpec("remat-greedy", greedy.remat_greedy, "greedy: keep the values whose recomputation is dearest per byte."),
     SolverSpec("dtr", dtr, "Dynamic Tensor Rematerialization run offline: evict by h = cost / (bytes * staleness).",
                DtrOptions, variants=True),

@@ -7,7 +7,8 @@ Decision per region (a repeated module recorded at capture): which of its nodes 
 allocates up to the last its backward reads (`Regions.savable`; e.g. the projections torchtitan keeps).
 Candidates to recompute are ranked by predicted time per byte (the knapsack order of PyTorch's
 `_activation_checkpointing` and of torchtitan's op lists, where matmuls are dearest per byte), each
-decision `Regions.settled`. Three families are simulated and the cheapest within the budget returned:
+decision `Regions.settled`. Three families are simulated and the cheapest within the budget returned, the
+dispatch cost of the regions run with a policy counted (`runtime.policy_form.dispatch_cost`):
 - `decision_ladder`: the savable nodes of all regions dropped one at a time in that order, then the
   first k regions checkpointed whole (what `module-checkpoint` does);
 - `staircases`: regions alike (a transformer's layers) share one ranking of their node positions, by
@@ -29,12 +30,22 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
-from runtime.policy_form import FORM, Regions, policy_schedule
+from runtime.policy_form import FORM, Regions, dispatch_cost, policy_schedule
 from tasks.solve.core.problem import Problem
 from tasks.solve.core.simulator import simulate
 from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Options of `selective-policy`."""
+
+    compiled: bool = field(default=False, metadata={
+        "help": "the model trains under torch.compile, whose compiled graph runs the policy's decisions without "
+                "selective checkpointing's dispatch modes: their cost (runtime/dispatch_cost.py) is not counted."})
+
 
 PART_KINDS = 4
 """Up to this many kinds of parts per layer (a transformer layer's two norms, attention and MLP),
@@ -119,13 +130,15 @@ def _first_or_last(names: list[str]) -> list[tuple[str, ...]]:
 
 
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
-    """The cheapest candidate schedule (module docstring) whose simulated peak fits `budget`."""
+    """The cheapest candidate schedule (module docstring) whose simulated peak fits `budget`: its compute cost
+    and, for the regions it runs with a policy, the dispatch modes' (`runtime.policy_form.dispatch_cost`)."""
     start = time.perf_counter()
     regions = Regions.of_problem(problem)
     if not regions.members:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"{problem.name} records no module boundaries, which the policy form checkpoints "
                                 f"(capture it with runtime.capture, which records them)", form=FORM)
+    per_node = (0.0, 0.0) if options.params is not None and options.params.compiled else problem.policy_dispatch
     whole = ((regions, saved) for saved in [{}, *decision_ladder(problem, regions), *staircases(problem, regions)])
     best, seen = None, set()
     for over, saved in itertools.chain(whole, split_decisions(problem, regions)):
@@ -138,18 +151,21 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
         seen.add(key)
         schedule = policy_schedule(over, saved)
         sim = simulate(problem, schedule)
-        if sim.peak_bytes <= budget and (best is None or sim.compute_cost < best[1].compute_cost):
-            best = (schedule, sim, saved, over)
+        cost = sim.compute_cost + dispatch_cost(per_node, over, saved)
+        if sim.peak_bytes <= budget and (best is None or cost < best[0]):
+            best = (cost, schedule, saved, over)
     if best is None:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
                                 f"the budget", form=FORM)
-    schedule, sim, saved, over = best
-    recomputed = sim.num_computes - problem.num_nodes
+    cost, schedule, saved, over = best
+    recomputed = sum(1 for step in schedule if "compute" in step) - problem.num_nodes
     split = f", {len(over.split_modules)} of them split into their parts" if over.split_modules else ""
     split += f" ({len(over.nested_modules)} also checkpointed whole around them)" if over.nested_modules else ""
+    policies = sum(1 for keep in saved.values() if keep)
     return checked_solution(problem, "selective-policy", budget, schedule, solve_seconds=time.perf_counter() - start,
                             form=FORM, policy_split=tuple(sorted(over.split_modules)),
                             policy_nest=tuple(sorted(over.nested_modules)),
+                            dispatch_cost=dispatch_cost(per_node, over, saved),
                             message=f"{len(saved)} regions checkpointed over {len(regions.members)} layers{split}, "
-                                    f"{recomputed} nodes recomputed")
+                                    f"{policies} of them with a policy, {recomputed} nodes recomputed")

@@ -246,7 +246,8 @@ def test_refusals_of_malformed_keys_say_what_the_key_must_be(tmp_path):
     with pytest.raises(PlanError) as err:
         Plan("f", [("compute", 0)], predicted={"peak": 1})
     assert str(err.value) == ("plan predicted['peak'] = 1: allowed keys are peak_bytes, constant_bytes, compute_cost, "
-                              "time_ms, arena_bytes, optimizer_state_bytes, each a finite number or null.")
+                              "time_ms, arena_bytes, optimizer_state_bytes, dispatch_cost, each a finite number or "
+                              "null.")
     with pytest.raises(PlanError) as err:
         Plan("f", [("compute", 0)], provenance={1: "x"})
     assert str(err.value) == "plan key 'provenance' must be an object with string keys."

@@ -11,6 +11,7 @@ the node-link JSON of the public benchmarks (`Problem.from_node_link`). Memory i
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -106,6 +107,8 @@ class Problem:
     `foreach_updates`: the updates after one step run as one foreach step, all their temporaries at once (else
     one parameter after another).
     `gradient_sync`: under DistributedDataParallel, the gradients all-reduced in buckets (None: not DDP).
+    `policy_dispatch`: (forward, recomputation) cost selective checkpointing's dispatch adds per forward node of
+    a region run with a policy (the policy form, runtime/dispatch_cost.py); (0, 0) when not profiled.
     """
 
     name: str
@@ -131,6 +134,7 @@ class Problem:
     optimizer_state_bytes: int = 0
     foreach_updates: bool = False
     gradient_sync: GradientSync | None = None
+    policy_dispatch: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -278,6 +282,7 @@ class Problem:
             node_modules=tuple(graph.meta.get("node_modules") or ()),
             node_parts=tuple(graph.meta.get("node_parts") or ()),
             autograd_nodes=tuple(graph.meta.get("autograd_nodes") or ()),
+            policy_dispatch=tuple(getattr(costs, "policy_ms", None) or (0.0, 0.0)),
         )
 
     @classmethod
@@ -414,6 +419,9 @@ def _check(p: Problem) -> None:
                            f"(each must be 0 or {n}).")
     if not np.all(np.isfinite(p.cost)) or np.any(p.cost < 0) or np.any(p.workspace < 0) or np.any(p.value_bytes < 0):
         raise ProblemError(f"problem {p.name!r}: costs, workspaces and value bytes must be finite and non-negative.")
+    if len(p.policy_dispatch) != 2 or not all(math.isfinite(c) and c >= 0 for c in p.policy_dispatch):
+        raise ProblemError(f"problem {p.name!r}: policy_dispatch = {p.policy_dispatch!r} must be two finite, "
+                           f"non-negative costs (forward, recomputation).")
     if any(ph not in PHASES for ph in p.phase):
         raise ProblemError(f"problem {p.name!r}: phases must be one of {PHASES}.")
     base = nv - p.num_variant_values

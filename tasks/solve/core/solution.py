@@ -87,6 +87,7 @@ class Solution:
     form: str = "executor"          # "policy": runtime.apply runs it too (provenance["form"], runtime/policy_form.py)
     policy_split: tuple[str, ...] = ()  # the policy form's layers checkpointed by their parts (provenance["split"])
     policy_nest: tuple[str, ...] = ()   # ... and of those, the ones also checkpointed whole (provenance["nest"])
+    dispatch_cost: float = 0.0          # the policy form's dispatch modes (runtime.policy_form.dispatch_cost)
 
     @property
     def feasible(self) -> bool:
@@ -94,7 +95,7 @@ class Solution:
 
     @property
     def objective(self) -> float | None:
-        return None if self.simulation is None else self.simulation.compute_cost
+        return None if self.simulation is None else self.simulation.compute_cost + self.dispatch_cost
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -126,15 +127,17 @@ class Solution:
         }
 
     def to_plan(self, problem: Problem, *, device: str | None = None, profile_run_id: str | None = None) -> Plan:
-        """The runtime plan of this solution (docs/plan-format.md). Every prediction is the simulator's;
-        `time_ms` is the compute cost when the problem's costs are profiled milliseconds, else null."""
+        """The runtime plan of this solution (docs/plan-format.md). Every prediction is the simulator's, and
+        the policy form's `dispatch_cost`; `time_ms` is their sum when the problem's costs are profiled
+        milliseconds, else null."""
         if self.schedule is None or self.simulation is None:
             raise ValueError(f"solver {self.solver} found no schedule within {self.budget_bytes} bytes "
                              f"(status {self.status}); there is no plan to write.")
         sim = self.simulation
         predicted = {"peak_bytes": sim.peak_bytes, "constant_bytes": sim.constant_bytes,
                      "compute_cost": sim.compute_cost,
-                     "time_ms": sim.compute_cost if problem.cost_unit == "ms" else None}
+                     "time_ms": self.objective if problem.cost_unit == "ms" else None,
+                     **({"dispatch_cost": self.dispatch_cost} if self.dispatch_cost else {})}
         if self.addresses is not None:
             predicted["arena_bytes"] = sim.arena_bytes
         if problem.updates:
