@@ -9,13 +9,14 @@ attention mask; a checkpointed layer must not update a cache twice). Rows:
 eager; eager under torch.compile (`aot_eager_decomp_partition`, bench/peers.py's CPU compile); transformers'
 per-block `torch.utils.checkpoint` and torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`),
 each in eager and compiled; memplan `selective-policy` plans, solved on this run's profile of the eager
-capture at each fraction of the no-recomputation peak and at the least it reaches (`least_fraction`), run by
-`runtime.apply` in eager and compiled (the compiled rows' plans solved with `compiled = true`: torch.compile
-runs a policy without selective checkpointing's dispatch modes, whose cost the eager rows' plans count).
-Peaks are `PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both
-as ratios to eager's; "predicted" is the simulator's peak for the
-plan over eager's measured peak; "grad err" the largest gradient difference from eager (compiled dropout
-draws its masks differently).
+capture at each fraction of the no-recomputation peak, at the least it reaches (`least_fraction`) and at each
+PyTorch row's measured peak, run by `runtime.apply` in eager and compiled (the compiled rows' plans solved
+with `compiled = true`: torch.compile runs a policy without selective checkpointing's dispatch modes, whose
+cost the eager rows' plans count; at a compiled PyTorch row's peak, that row's). Peaks are
+`PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both as ratios
+to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak; "grad err" the
+largest gradient difference from eager (compiled dropout draws its masks differently). The last lines name,
+for each PyTorch row, the memplan rows of its mode that dominate it (peak and time at most its, one below).
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def least_fraction(problem, full: int, steps: int = 12) -> float | None:
     return high / full
 
 
+def dominated_by(rows: dict, times: dict, label: str, plans: list[str]) -> list[str]:
+    """The memplan rows among `plans` whose measured peak and time are both at most row `label`'s, one below."""
+    peak, time = rows[label]["peak"], times[label]
+    return [p for p in plans if rows[p]["peak"] <= peak and times[p] <= time and (rows[p]["peak"], times[p]) != (peak, time)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
@@ -108,27 +115,32 @@ def main() -> None:
     for label, (sac, step) in selective_policy_step(model, loss_fn, batch).items():
         runs[label] = (sac, step)
         runs[label + ", compiled"] = compiled(sac, loss_fn, batch)
-    predicted = {}
-    least = least_fraction(problem, full)
-    for fraction in sorted({*args.fractions, *([least] if least else [])}, reverse=True):
-        for under_compile in (False, True):
-            options = SolveOptions(params=PolicyOptions(compiled=under_compile))
-            solution = solve(problem, "selective-policy", round(fraction * full), options)
-            if not solution.feasible:
-                continue
-            plan = solution.to_plan(problem)
-            plan.provenance.update(graph_provenance(graph))
-            label = f"memplan policy @ {fraction:.3f}" + (", compiled" if under_compile else "")
-            applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
-            runs[label] = compiled(applied, loss_fn, batch) if under_compile else \
-                (applied, lambda m=applied: loss_fn(m, *batch).backward())
-            predicted[label] = (solution.predicted_peak_bytes, solution.message)
     peak_and_grads(model, runs["eager"][1])                      # eager's first step takes one-time buffers
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
     rows = {}
     for label, (m, step) in runs.items():
         peak, grads = peak_and_grads(m, step)
         rows[label] = {"peak": peak / eager_peak, "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
+    peers = [label for label in runs if not label.startswith("eager")]
+    least = least_fraction(problem, full)
+    grid = {f"@ {f:.3f}": round(f * full) for f in [*args.fractions, *([least] if least else [])]}
+    budgets = [(name, budget, under_compile) for under_compile in (False, True) for name, budget in grid.items()]
+    budgets += [(f"at {label.removesuffix(', compiled')}'s peak", round(rows[label]["peak"] * eager_peak),
+                 label.endswith(", compiled")) for label in peers]
+    predicted = {}
+    for name, budget, under_compile in budgets:
+        solution = solve(problem, "selective-policy", budget, SolveOptions(params=PolicyOptions(compiled=under_compile)))
+        if solution.feasible:
+            plan = solution.to_plan(problem)
+            plan.provenance.update(graph_provenance(graph))
+            label = f"memplan policy {name}" + (", compiled" if under_compile else "")
+            applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+            runs[label] = compiled(applied, loss_fn, batch) if under_compile else \
+                (applied, lambda m=applied: loss_fn(m, *batch).backward())
+            predicted[label] = (solution.predicted_peak_bytes, solution.message)
+            peak, grads = peak_and_grads(*runs[label])
+            rows[label] = {"peak": peak / eager_peak,
+                           "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
     times = median_ms(runs, args.rounds)
     print(f"eager: {eager_peak / 2**20:.1f} MiB, {times['eager']:.0f} ms a step; no-recomputation peak predicted "
           f"{full / 2**20:.1f} MiB; {torch.get_num_threads()} thread(s), torch {torch.__version__}")
@@ -138,6 +150,9 @@ def main() -> None:
         pred, message = predicted.get(label, (None, ""))
         print(f"| {label} | {row['peak']:.4f} | {times[label] / times['eager']:.3f} | "
               f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | {row['err']:.1e} | {message} |")
+    for label in peers:
+        same_mode = [p for p in predicted if p.endswith(", compiled") == label.endswith(", compiled")]
+        print(f"{label}: dominated by {', '.join(dominated_by(rows, times, label, same_mode)) or 'no memplan plan'}")
 
 
 if __name__ == "__main__":
