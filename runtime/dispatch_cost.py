@@ -61,12 +61,12 @@ def policy_dispatch_ms(graph: OpGraph, device: torch.device, inputs: dict[int, t
         times: dict[str, list[float]] = {"plain": [], "forward": [], "recompute": []}
         for round_ in range(repeats + 1):
             forward, recompute = create_selective_checkpoint_contexts(_recompute_all)
-            plain = replay()
+            measured = {"plain": replay()}
             with forward:
-                cached = replay()
-            with recompute:
-                rerun = replay()
-            if round_:
-                times["plain"].append(plain), times["forward"].append(cached), times["recompute"].append(rerun)
+                measured["forward"] = replay()
+            with recompute:                      # hands back what the forward mode stored (nothing: all recomputed)
+                measured["recompute"] = replay()
+            for mode, seconds in measured.items():
+                times[mode] += [seconds] if round_ else []
     base = statistics.median(times["plain"])
     return tuple(max(statistics.median(times[mode]) - base, 0.0) * 1e3 / len(nodes) for mode in ("forward", "recompute"))

@@ -158,7 +158,7 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
                                 f"the budget", form=FORM)
-    cost, schedule, saved, over = best
+    _, schedule, saved, over = best
     recomputed = sum(1 for step in schedule if "compute" in step) - problem.num_nodes
     split = f", {len(over.split_modules)} of them split into their parts" if over.split_modules else ""
     split += f" ({len(over.nested_modules)} also checkpointed whole around them)" if over.nested_modules else ""
