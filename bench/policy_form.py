@@ -14,9 +14,11 @@ PyTorch row's measured peak, run by `runtime.apply` in eager and compiled (the c
 with `compiled = true`: torch.compile runs a policy without selective checkpointing's dispatch modes, whose
 cost the eager rows' plans count; at a compiled PyTorch row's peak, that row's). Peaks are
 `PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both as ratios
-to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak; "grad err" the
-largest gradient difference from eager (compiled dropout draws its masks differently). The last lines name,
-for each PyTorch row, the memplan rows of its mode that dominate it (peak and time at most its, one below).
+to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak, "predicted time" its
+cost (dispatch included) over the profile's eager step (the eager PyTorch rows as memplan predicts them:
+`pytorch_predictions`); "grad err" the largest gradient difference from eager (compiled dropout draws its
+masks differently). The last lines name, for each PyTorch row, the memplan rows of its mode that dominate it
+(peak and time at most its, one below).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import transformers
 
 import runtime
 from bench.peers import (COMPILE_BACKENDS, median_ms, peak_and_grads, profiled_problem, selective_policy_step,
-                         smallest_fraction)
+                         smallest_fraction, torchtitan_schedule)
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
+from runtime.policy_form import Regions, dispatch_cost, policy_schedule
 from tasks.solve import solve
 from tasks.solve.policy_solver import PolicyOptions
 from tasks.solve.core.simulator import default_schedule, simulate
@@ -88,6 +91,19 @@ def least_fraction(problem, full: int, steps: int = 12) -> float | None:
     return high / full
 
 
+def pytorch_predictions(problem, graph) -> dict[str, tuple[int, float, str]]:
+    """memplan's predictions (peak, time, what it counts) of the eager PyTorch rows: per-block checkpointing is
+    every region recomputed whole; torchtitan's policy `bench.peers.torchtitan_schedule`, with the dispatch of a
+    policy in every region."""
+    regions = Regions.of_problem(problem)
+    whole = simulate(problem, policy_schedule(regions, {name: frozenset() for name in regions.members}))
+    titan = simulate(problem, torchtitan_schedule(problem, graph))
+    dispatch = dispatch_cost(problem.policy_dispatch, regions, {name: True for name in regions.members})
+    return {"checkpoint per block": (whole.peak_bytes, whole.compute_cost, "every layer whole"),
+            "selective checkpoint (torchtitan)": (titan.peak_bytes, titan.compute_cost + dispatch,
+                                                  f"its decisions, with the dispatch of {len(regions.members)} policies")}
+
+
 def dominated_by(rows: dict, times: dict, label: str, plans: list[str]) -> list[str]:
     """The memplan rows among `plans` whose measured peak and time are both at most row `label`'s, one below."""
     peak, time = rows[label]["peak"], times[label]
@@ -127,7 +143,7 @@ def main() -> None:
     budgets = [(name, budget, under_compile) for under_compile in (False, True) for name, budget in grid.items()]
     budgets += [(f"at {label.removesuffix(', compiled')}'s peak", round(rows[label]["peak"] * eager_peak),
                  label.endswith(", compiled")) for label in peers]
-    predicted = {}
+    predicted = pytorch_predictions(problem, graph)
     for name, budget, under_compile in budgets:
         solution = solve(problem, "selective-policy", budget, SolveOptions(params=PolicyOptions(compiled=under_compile)))
         if solution.feasible:
@@ -137,19 +153,20 @@ def main() -> None:
             applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
             runs[label] = compiled(applied, loss_fn, batch) if under_compile else \
                 (applied, lambda m=applied: loss_fn(m, *batch).backward())
-            predicted[label] = (solution.predicted_peak_bytes, solution.message)
+            predicted[label] = (solution.predicted_peak_bytes, solution.objective, solution.message)
             peak, grads = peak_and_grads(*runs[label])
             rows[label] = {"peak": peak / eager_peak,
                            "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
     times = median_ms(runs, args.rounds)
     print(f"eager: {eager_peak / 2**20:.1f} MiB, {times['eager']:.0f} ms a step; no-recomputation peak predicted "
           f"{full / 2**20:.1f} MiB; {torch.get_num_threads()} thread(s), torch {torch.__version__}")
-    print("| run | peak / eager | time / eager | predicted peak / eager | grad err | plan |")
-    print("|---|---|---|---|---|---|")
+    print("| run | peak / eager | time / eager | predicted peak / eager | predicted time | grad err | plan |")
+    print("|---|---|---|---|---|---|---|")
     for label, row in rows.items():
-        pred, message = predicted.get(label, (None, ""))
+        pred, cost, message = predicted.get(label, (None, None, ""))
         print(f"| {label} | {row['peak']:.4f} | {times[label] / times['eager']:.3f} | "
-              f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | {row['err']:.1e} | {message} |")
+              f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | "
+              f"{'' if cost is None else f'{cost / problem.cost.sum():.3f}'} | {row['err']:.1e} | {message} |")
     for label in peers:
         same_mode = [p for p in predicted if p.endswith(", compiled") == label.endswith(", compiled")]
         print(f"{label}: dominated by {', '.join(dominated_by(rows, times, label, same_mode)) or 'no memplan plan'}")
