@@ -13,8 +13,8 @@ capture at each fraction of the no-recomputation peak, at the least it reaches (
 PyTorch row's measured peak, run by `runtime.apply` in eager and compiled (the compiled rows' plans solved
 with `compiled = true`: torch.compile runs a policy without selective checkpointing's dispatch modes, whose
 cost the eager rows' plans count; at a compiled PyTorch row's peak, that row's). Peaks are
-`PeakMeter(allocator=True)` of a step after the first, times medians of interleaved rounds, both as ratios
-to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak, "predicted time" its
+`PeakMeter(allocator=True)` of a step after the first, times (wall and process CPU) medians of interleaved
+rounds (`step_times`), all as ratios to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak, "predicted time" its
 cost (dispatch included) over the profile's eager step (the eager PyTorch rows as memplan predicts them:
 `pytorch_predictions`); "grad err" the largest gradient difference from eager (compiled dropout draws its
 masks differently). The last lines name, for each PyTorch row, the memplan rows of its mode that dominate it
@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
+import time
 
 import torch
 import transformers
 
 import runtime
-from bench.peers import (COMPILE_BACKENDS, median_ms, peak_and_grads, profiled_problem, selective_policy_step,
+from bench.peers import (COMPILE_BACKENDS, peak_and_grads, profiled_problem, selective_policy_step,
                          smallest_fraction, torchtitan_schedule)
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
@@ -104,10 +106,27 @@ def pytorch_predictions(problem, graph) -> dict[str, tuple[int, float, str]]:
                                                   f"its decisions, with the dispatch of {len(regions.members)} policies")}
 
 
+def step_times(runs: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and process CPU milliseconds of each run's step over `rounds` interleaved rounds (the order
+    reversed every other round; a first round warms up). CPU time moves less with other jobs on the host."""
+    samples: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
+    labels = list(runs)
+    for r in range(rounds + 1):
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            model, step = runs[label]
+            model.zero_grad(set_to_none=True)
+            wall, cpu = time.perf_counter(), time.process_time()
+            step()
+            if r:
+                samples[label].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
+    return ({label: statistics.median(w for w, _ in s) for label, s in samples.items()},
+            {label: statistics.median(c for _, c in s) for label, s in samples.items()})
+
+
 def dominated_by(rows: dict, times: dict, label: str, plans: list[str]) -> list[str]:
     """The memplan rows among `plans` whose measured peak and time are both at most row `label`'s, one below."""
-    peak, time = rows[label]["peak"], times[label]
-    return [p for p in plans if rows[p]["peak"] <= peak and times[p] <= time and (rows[p]["peak"], times[p]) != (peak, time)]
+    peak, spent = rows[label]["peak"], times[label]
+    return [p for p in plans if rows[p]["peak"] <= peak and times[p] <= spent and (rows[p]["peak"], times[p]) != (peak, spent)]
 
 
 def main() -> None:
@@ -157,19 +176,23 @@ def main() -> None:
             peak, grads = peak_and_grads(*runs[label])
             rows[label] = {"peak": peak / eager_peak,
                            "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
-    times = median_ms(runs, args.rounds)
+    times, cpu_times = step_times(runs, args.rounds)
     print(f"eager: {eager_peak / 2**20:.1f} MiB, {times['eager']:.0f} ms a step; no-recomputation peak predicted "
           f"{full / 2**20:.1f} MiB; {torch.get_num_threads()} thread(s), torch {torch.__version__}")
-    print("| run | peak / eager | time / eager | predicted peak / eager | predicted time | grad err | plan |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | peak / eager | time / eager | CPU time / eager | predicted peak / eager | predicted time | grad err "
+          "| plan |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, row in rows.items():
         pred, cost, message = predicted.get(label, (None, None, ""))
         print(f"| {label} | {row['peak']:.4f} | {times[label] / times['eager']:.3f} | "
+              f"{cpu_times[label] / cpu_times['eager']:.3f} | "
               f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | "
               f"{'' if cost is None else f'{cost / problem.cost.sum():.3f}'} | {row['err']:.1e} | {message} |")
     for label in peers:
         same_mode = [p for p in predicted if p.endswith(", compiled") == label.endswith(", compiled")]
-        print(f"{label}: dominated by {', '.join(dominated_by(rows, times, label, same_mode)) or 'no memplan plan'}")
+        for clock, spent in (("wall", times), ("CPU", cpu_times)):
+            found = dominated_by(rows, spent, label, same_mode)
+            print(f"{label}, {clock} time: dominated by {', '.join(found) or 'no memplan plan'}")
 
 
 if __name__ == "__main__":
