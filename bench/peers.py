@@ -202,19 +202,31 @@ def peak_and_grads(model, step, device: str = "cpu"):
     return meter.peak_bytes, grads
 
 
-def median_ms(runs: dict, rounds: int, device: str = "cpu") -> dict[str, float]:
+def step_times(runs: dict, rounds: int, device: str = "cpu", alternate: bool = False
+               ) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and process CPU milliseconds of each `(model, step)` run over `rounds` interleaved rounds (the
+    first round warms up), from zero gradients; with `alternate`, the order reversed every other round. CPU time
+    moves less with other jobs on a shared host."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
-    times = {k: [] for k in runs}
-    for i in range(rounds + 1):                       # the first round warms up
-        for k, (model, step) in runs.items():
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+    labels = list(runs)
+    for i in range(rounds + 1):
+        for k in labels[::-1] if alternate and i % 2 else labels:
+            model, step = runs[k]
             model.zero_grad(set_to_none=True)
             sync()
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             step()
             sync()
             if i:
-                times[k].append((time.perf_counter() - start) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+                samples[k].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
+    return ({k: statistics.median(w for w, _ in v) for k, v in samples.items()},
+            {k: statistics.median(c for _, c in v) for k, v in samples.items()})
+
+
+def median_ms(runs: dict, rounds: int, device: str = "cpu") -> dict[str, float]:
+    """Median wall milliseconds of each run (`step_times`, one order every round)."""
+    return step_times(runs, rounds, device)[0]
 
 
 def profiled_costs(graph, name: str, device: str = "cpu") -> CostTable:

@@ -14,26 +14,25 @@ PyTorch row's measured peak, run by `runtime.apply` in eager and compiled (the c
 with `compiled = true`: torch.compile runs a policy without selective checkpointing's dispatch modes, whose
 cost the eager rows' plans count; at a compiled PyTorch row's peak, that row's). Peaks are
 `PeakMeter(allocator=True)` of a step after the first, times (wall and process CPU) medians of interleaved
-rounds (`step_times`), all as ratios to eager's; "predicted" is the simulator's peak for the plan over eager's measured peak, "predicted time" its
-cost (dispatch included) over the profile's eager step (the eager PyTorch rows as memplan predicts them:
-`pytorch_predictions`); "grad err" the largest gradient difference from eager (compiled dropout draws its
-masks differently). The last lines name, for each PyTorch row, the memplan rows of its mode that dominate it
-(peak and time at most its, one below).
+rounds (`bench.peers.step_times`, the order reversed every other round), all as ratios to eager's; "predicted"
+is the simulator's peak for the plan over eager's measured peak, "predicted time" its cost (dispatch included)
+over the profile's eager step (the eager PyTorch rows as memplan predicts them: `pytorch_predictions`); "grad
+err" the largest gradient difference from eager (compiled dropout draws its masks differently). The last lines
+name, for each PyTorch row, the memplan rows of its mode that dominate it (peak and time at most its, one
+below).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 import transformers
 
 import runtime
 from bench.peers import (COMPILE_BACKENDS, peak_and_grads, profiled_problem, selective_policy_step,
-                         smallest_fraction, torchtitan_schedule)
+                         smallest_fraction, step_times, torchtitan_schedule)
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
 from runtime.policy_form import Regions, dispatch_cost, policy_schedule
@@ -106,23 +105,6 @@ def pytorch_predictions(problem, graph) -> dict[str, tuple[int, float, str]]:
                                                   f"its decisions, with the dispatch of {len(regions.members)} policies")}
 
 
-def step_times(runs: dict, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Median wall and process CPU milliseconds of each run's step over `rounds` interleaved rounds (the order
-    reversed every other round; a first round warms up). CPU time moves less with other jobs on the host."""
-    samples: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
-    labels = list(runs)
-    for r in range(rounds + 1):
-        for label in labels if r % 2 == 0 else labels[::-1]:
-            model, step = runs[label]
-            model.zero_grad(set_to_none=True)
-            wall, cpu = time.perf_counter(), time.process_time()
-            step()
-            if r:
-                samples[label].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
-    return ({label: statistics.median(w for w, _ in s) for label, s in samples.items()},
-            {label: statistics.median(c for _, c in s) for label, s in samples.items()})
-
-
 def dominated_by(rows: dict, times: dict, label: str, plans: list[str]) -> list[str]:
     """The memplan rows among `plans` whose measured peak and time are both at most row `label`'s, one below."""
     peak, spent = rows[label]["peak"], times[label]
@@ -176,7 +158,7 @@ def main() -> None:
             peak, grads = peak_and_grads(*runs[label])
             rows[label] = {"peak": peak / eager_peak,
                            "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
-    times, cpu_times = step_times(runs, args.rounds)
+    times, cpu_times = step_times(runs, args.rounds, alternate=True)
     print(f"eager: {eager_peak / 2**20:.1f} MiB, {times['eager']:.0f} ms a step; no-recomputation peak predicted "
           f"{full / 2**20:.1f} MiB; {torch.get_num_threads()} thread(s), torch {torch.__version__}")
     print("| run | peak / eager | time / eager | CPU time / eager | predicted peak / eager | predicted time | grad err "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -31,12 +31,12 @@ def _recompute_all(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 
 def policy_dispatch_ms(graph: OpGraph, device: torch.device, inputs: dict[int, torch.Tensor],
-                       node_function: Callable, repeats: int = REPEATS) -> tuple[float, float] | None:
+                       functions: Sequence[Callable], repeats: int = REPEATS) -> tuple[float, float] | None:
     """(forward, recomputation) milliseconds selective checkpointing's dispatch modes add per forward node of a
     region on `device` (each at least 0): the first recorded region's forward nodes (`Regions.of_graph`)
-    replayed from `inputs` (the graph's inputs, by value id) by `node_function(graph, node_id)`, with no mode,
-    under the forward's caching mode and under the recomputation's cached mode, medians of `repeats`
-    interleaved replays each. None when the graph records no region."""
+    replayed from `inputs` (the graph's inputs, by value id) by `functions` (per node id, its callable, as the
+    profile runs it), with no mode, under the forward's caching mode and under the recomputation's cached mode,
+    medians of `repeats` interleaved replays each. None when the graph records no region."""
     regions = Regions.of_graph(graph)
     if not regions.members:
         return None
@@ -46,14 +46,14 @@ def policy_dispatch_ms(graph: OpGraph, device: torch.device, inputs: dict[int, t
     with torch.no_grad():
         for node in graph.nodes[:nodes[-1] + 1]:
             if node.phase != "backward":
-                live.update(zip(node.outputs, node_function(graph, node.id)(*(live[v] for v in node.inputs))))
-        functions = [(node_function(graph, n), graph.nodes[n].inputs, graph.nodes[n].outputs) for n in nodes]
+                live.update(zip(node.outputs, functions[node.id](*(live[v] for v in node.inputs))))
+        region = [(functions[n], graph.nodes[n].inputs, graph.nodes[n].outputs) for n in nodes]
 
         def replay() -> float:
             env = dict(live)
             sync()
             start = time.perf_counter()
-            for fn, reads, writes in functions:
+            for fn, reads, writes in region:
                 env.update(zip(writes, fn(*(env[v] for v in reads))))
             sync()
             return time.perf_counter() - start

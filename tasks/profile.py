@@ -284,7 +284,7 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
         for round_ in range(settings.rounds):
             _run_round(graph, functions, _last_reads(graph, specs), device, settings, measured, round_ == 0,
                        lambda: bar.advance(task))
-        run.update(_policy_columns(graph, device, settings, node_function))
+        run.update(_policy_columns(graph, device, settings, [impls[0].fn for impls in functions]))
     created = datetime.now(timezone.utc)
     rows = []
     for node in graph.nodes:
@@ -398,15 +398,15 @@ def _run_columns(graph, device: torch.device, settings: ProfileSettings, model: 
     }
 
 
-def _policy_columns(graph, device: torch.device, settings: ProfileSettings, node_function: NodeFunction) -> dict:
-    """The run columns `policy_forward_ms` / `policy_recompute_ms` (`runtime.dispatch_cost.policy_dispatch_ms`)
-    for a graph the policy form plans on (`meta["capture"] == "eager"`, runtime.policy.capture_eager), else
-    nulls."""
+def _policy_columns(graph, device: torch.device, settings: ProfileSettings, defaults: list[Callable]) -> dict:
+    """The run columns `policy_forward_ms` / `policy_recompute_ms` (`runtime.dispatch_cost.policy_dispatch_ms`,
+    replaying the nodes' `defaults`, the callables just profiled) for a graph the policy form plans on
+    (`meta["capture"] == "eager"`, runtime.policy.capture_eager), else nulls."""
     from runtime.dispatch_cost import policy_dispatch_ms
 
     measured = None
     if graph.meta.get("capture") == "eager":
-        measured = policy_dispatch_ms(graph, device, graph_inputs(graph, device, settings.seed), node_function)
+        measured = policy_dispatch_ms(graph, device, graph_inputs(graph, device, settings.seed), defaults)
     forward, recompute = measured or (None, None)
     return {"policy_forward_ms": forward, "policy_recompute_ms": recompute}
 

@@ -151,14 +151,14 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
         seen.add(key)
         schedule = policy_schedule(over, saved)
         sim = simulate(problem, schedule)
-        cost = sim.compute_cost + dispatch_cost(per_node, over, saved)
-        if sim.peak_bytes <= budget and (best is None or cost < best[0]):
-            best = (cost, schedule, saved, over)
+        dispatch = dispatch_cost(per_node, over, saved)
+        if sim.peak_bytes <= budget and (best is None or sim.compute_cost + dispatch < best[0]):
+            best = (sim.compute_cost + dispatch, dispatch, schedule, saved, over)
     if best is None:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
                                 f"the budget", form=FORM)
-    _, schedule, saved, over = best
+    _, dispatch, schedule, saved, over = best
     recomputed = sum(1 for step in schedule if "compute" in step) - problem.num_nodes
     split = f", {len(over.split_modules)} of them split into their parts" if over.split_modules else ""
     split += f" ({len(over.nested_modules)} also checkpointed whole around them)" if over.nested_modules else ""
@@ -166,6 +166,6 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
     return checked_solution(problem, "selective-policy", budget, schedule, solve_seconds=time.perf_counter() - start,
                             form=FORM, policy_split=tuple(sorted(over.split_modules)),
                             policy_nest=tuple(sorted(over.nested_modules)),
-                            dispatch_cost=dispatch_cost(per_node, over, saved),
+                            dispatch_cost=dispatch,
                             message=f"{len(saved)} regions checkpointed over {len(regions.members)} layers{split}, "
                                     f"{policies} of them with a policy, {recomputed} nodes recomputed")

@@ -140,4 +140,5 @@ def test_the_measurement_needs_a_recorded_region():
 
     graph = capture_eager(Net(), lambda m, x: m(x).sum(), (torch.randn(2, 4),))
     cpu = torch.device("cpu")
-    assert policy_dispatch_ms(graph, cpu, graph_inputs(graph, cpu, 0), node_function) is None
+    assert policy_dispatch_ms(graph, cpu, graph_inputs(graph, cpu, 0),
+                              [node_function(graph, n.id) for n in graph.nodes]) is None
