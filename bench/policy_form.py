@@ -1,6 +1,6 @@
 """The policy form (runtime.apply) beside PyTorch's own checkpointing, measured side by side in one run.
 
-    .venv/bin/python -m bench.policy_form [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5]
+    .venv/bin/python -m bench.policy_form [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5] [--probes 6]
 
 One model for every row: the GPT-2 of bench/peers.py with transformers' default dropout of 0.1 (6 layers,
 256 wide, seq 256, batch 4), or its Llama-style decoder (`--model llama`: RMSNorm, rotary, SwiGLU, no dropout),
@@ -12,7 +12,8 @@ each in eager and compiled; memplan `selective-policy` plans, solved on this run
 capture at each fraction of the no-recomputation peak, at the least it reaches (`least_fraction`) and at each
 PyTorch row's measured peak, run by `runtime.apply` in eager and compiled (the compiled rows' plans solved
 with `compiled = true`: torch.compile runs a policy without selective checkpointing's dispatch modes, whose
-cost the eager rows' plans count; at a compiled PyTorch row's peak, that row's). Peaks are
+cost the eager rows' plans count; at a compiled PyTorch row's peak, the cheapest plan whose compiled peak,
+measured, is within that row's: `tasks.compiled_search`, up to `--probes` plans measured). Peaks are
 `PeakMeter(allocator=True)` of a step after the first, times (wall and process CPU) medians of interleaved
 rounds (`bench.peers.step_times`, the order reversed every other round), all as ratios to eager's; "predicted"
 is the simulator's peak for the plan over eager's measured peak, "predicted time" its cost (dispatch included)
@@ -33,9 +34,11 @@ import transformers
 import runtime
 from bench.peers import (COMPILE_BACKENDS, peak_and_grads, profiled_problem, selective_policy_step,
                          smallest_fraction, step_times, torchtitan_schedule)
+from runtime.compiled_peak import compiled_peak
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
 from runtime.policy_form import Regions, dispatch_cost, policy_schedule
+from tasks.compiled_search import COMPILED, search
 from tasks.solve import solve
 from tasks.solve.policy_solver import PolicyOptions
 from tasks.solve.core.simulator import default_schedule, simulate
@@ -117,6 +120,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.7])
+    parser.add_argument("--probes", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, loss_fn, batch = MODELS[args.model]()
@@ -145,8 +149,23 @@ def main() -> None:
     budgets += [(f"at {label.removesuffix(', compiled')}'s peak", round(rows[label]["peak"] * eager_peak),
                  label.endswith(", compiled")) for label in peers]
     predicted = pytorch_predictions(problem, graph)
+
+    def measure_compiled(solution):
+        plan = solution.to_plan(problem)
+        plan.provenance.update(graph_provenance(graph))
+        return compiled_peak(plan, model, loss_fn, batch, graph=graph,
+                             backend=COMPILE_BACKENDS["aot_eager_decomp_partition"])
+
     for name, budget, under_compile in budgets:
-        solution = solve(problem, "selective-policy", budget, SolveOptions(params=PolicyOptions(compiled=under_compile)))
+        if under_compile and name.startswith("at "):
+            found = search(problem, budget, measure_compiled, probes=args.probes).best
+            solution = found.solution if found else solve(problem, "selective-policy", budget, COMPILED)
+            found_by = f"; measured search, solved at {found.solve_budget / eager_peak:.4f}" if found else \
+                "; the measured search found no plan within"
+        else:
+            solution = solve(problem, "selective-policy", budget,
+                             SolveOptions(params=PolicyOptions(compiled=under_compile)))
+            found_by = ""
         if solution.feasible:
             plan = solution.to_plan(problem)
             plan.provenance.update(graph_provenance(graph))
@@ -154,7 +173,7 @@ def main() -> None:
             applied = runtime.apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
             runs[label] = compiled(applied, loss_fn, batch) if under_compile else \
                 (applied, lambda m=applied: loss_fn(m, *batch).backward())
-            predicted[label] = (solution.predicted_peak_bytes, solution.objective, solution.message)
+            predicted[label] = (solution.predicted_peak_bytes, solution.objective, solution.message + found_by)
             peak, grads = peak_and_grads(*runs[label])
             rows[label] = {"peak": peak / eager_peak,
                            "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}

@@ -86,7 +86,7 @@ def test_pipeline_publishes_a_policy_plan_the_example_trains_with(tmp_path, harn
 
 def test_plain_loop_and_torch_compile(plain_and_compiled, folder):
     values = losses(plain_and_compiled, 6)
-    assert values[-1] < values[0]
+    assert values[2] < values[0] and values[5] < values[3]          # the compile example trains a fresh model
     assert (folder / "gpt2-policy.json").exists()
 
 

@@ -1,0 +1,108 @@
+"""The cheapest policy-form plan whose peak, measured under torch.compile, fits a budget.
+
+The simulator models eager autograd. Compiled, AOTAutograd's partitioner decides what the graphs keep: it keeps
+dropout's mask as bool where eager keeps a float one and recomputes cheap ops a policy leaves to it, so on
+bench/policy_form.py's GPT-2 a plan predicted at 0.394 of eager's peak measured 0.325 compiled, while the Llama's
+nested plans measured up to 7.5% above their prediction (docs/peers-cpu.md). Solving at the budget then either
+wastes the memory the compiler frees or exceeds the budget. `search` measures instead: it solves at a budget,
+measures that plan compiled (`measure`, e.g. `runtime.compiled_peak.compiled_peak`), and moves the budget it
+solves at, by the ratio of budget to measured peak while all its measurements lie on one side of the budget,
+then by bisection between the largest solve budget whose plan measured within the budget and the least whose
+plan measured over it. It stops when the two are within `tolerance` of the budget, when `probes` plans have
+been measured, or when no plan lies between them. A plan met again at another solve budget is not measured
+again.
+
+The answer is the cheapest measured plan within the budget. For a solver that returns the cheapest of a fixed
+candidate set within the budget (`selective-policy`), the plan's predicted peak grows with the solve budget; where
+the measured peak does too, the bisection ends at the cheapest candidate that fits measured (tests: exact on
+small cases). Where it does not, the answer is still the cheapest of the plans measured within the budget.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from tasks.solve import solve
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+from tasks.solve.core.solution import Solution, SolveOptions
+from tasks.solve.policy_solver import PolicyOptions
+
+COMPILED = SolveOptions(params=PolicyOptions(compiled=True))
+"""`selective-policy` for a model trained under torch.compile: the policy's dispatch modes are traced away."""
+
+GROWTH = 1.25
+"""Where no plan fits the solve budget, the next is this much higher."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One plan the search measured: the budget it was solved at, the solution and its measured peak."""
+
+    solve_budget: int
+    solution: Solution
+    measured_peak: int
+
+
+@dataclass(frozen=True)
+class MeasuredSearch:
+    """What `search` measured for `budget`, in order; `best` is its answer."""
+
+    budget: int
+    probes: tuple[Probe, ...]
+
+    @property
+    def best(self) -> Probe | None:
+        """The cheapest (predicted time) probe measured within the budget, the lower peak on a tie."""
+        fitting = [p for p in self.probes if p.measured_peak <= self.budget]
+        return min(fitting, key=lambda p: (p.solution.objective, p.measured_peak), default=None)
+
+
+def _identity(solution: Solution) -> str:
+    """What makes two solutions one plan: the schedule and the layers split and nested."""
+    return json.dumps([solution.schedule, solution.policy_split, solution.policy_nest])
+
+
+def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *, solver: str = "selective-policy",
+           options: SolveOptions = COMPILED, probes: int = 6, tolerance: float = 0.002) -> MeasuredSearch:
+    """The plans `solver` makes at solve budgets moved until the measured peak fits `budget` as closely as
+    `tolerance` (a fraction of it) resolves, `probes` measurements at most (module docstring)."""
+    if budget <= 0 or probes < 1 or not 0 <= tolerance < 1:
+        raise ValueError(f"search needs a positive budget, at least one probe and a tolerance in [0, 1); got "
+                         f"budget={budget}, probes={probes}, tolerance={tolerance}")
+    ceiling = simulate(problem, default_schedule(problem)).peak_bytes     # nothing recomputed above it
+    measured: dict[str, Probe] = {}
+    low: tuple[int, int | None] | None = None     # largest solve budget to go above: (budget, measured peak or
+    high: tuple[int, int] | None = None           # None where no plan fits); least one measured over the budget
+    at = budget
+    while True:
+        solution = solve(problem, solver, at, options)
+        if solution.feasible:
+            key = _identity(solution)
+            if key not in measured:
+                if len(measured) == probes:
+                    break
+                measured[key] = Probe(at, solution, int(measure(solution)))
+            peak = measured[key].measured_peak
+        else:
+            peak = None
+        if peak is not None and peak > budget:
+            high = (at, peak) if high is None or at < high[0] else high
+        elif low is None or at > low[0]:
+            low = (at, peak)
+        if high is None:                          # every plan so far within (or none): solve higher
+            if low[0] >= ceiling:
+                break
+            step = low[0] * GROWTH if low[1] is None else low[0] * budget / max(low[1], 1)
+            at = min(ceiling, max(low[0] + 1, round(step)))
+        elif low is None:                         # every plan so far over: solve lower
+            at = min(high[0] - 1, round(high[0] * budget / high[1]))
+            if at <= 0:
+                break
+        elif high[0] - low[0] <= max(1, tolerance * budget):
+            break
+        else:
+            at = (low[0] + high[0]) // 2
+    return MeasuredSearch(budget, tuple(measured.values()))

@@ -1,0 +1,91 @@
+"""`tasks.compiled_search`: the cheapest policy-form plan whose measured peak fits the budget, where the measured
+peak is not the predicted one (torch.compile's partitioner keeps less, or more, than eager autograd).
+
+With a measurement that is an exact function of the predicted peak, the answer is computed independently: the
+plan `selective-policy` returns at the largest solve budget whose plans measure within the budget. Then the
+search with torch.compile measuring, on conftest's tiny GPT-2 with dropout."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime.compiled_peak import compiled_peak
+from runtime.plan import graph_provenance
+from runtime.policy import capture_eager
+from runtime.policy_form import Regions, policy_schedule
+from tasks.compiled_search import COMPILED, search
+from tasks.solve import solve
+from tasks.solve.core.problem import Problem
+from tasks.solve.core.simulator import default_schedule, simulate
+
+from .test_policy import build
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, loss_fn, batch = build("gpt2")
+    graph = capture_eager(model, loss_fn, batch)
+    problem = Problem.from_graph(graph)
+    regions = Regions.of_graph(graph)
+    whole = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
+    return model, loss_fn, batch, graph, problem, whole
+
+
+@pytest.mark.parametrize("num, den", [(4, 5), (11, 10)], ids=["compiled-keeps-less", "compiled-keeps-more"])
+def test_the_search_returns_the_cheapest_plan_that_measures_within(gpt2, num, den):
+    *_, problem, whole = gpt2
+    budget = whole * 11 // 10
+    calls = []
+
+    def measure(solution):
+        calls.append(solution)
+        return solution.predicted_peak_bytes * num // den
+
+    result = search(problem, budget, measure, probes=100, tolerance=0)
+    largest = (den * budget + den - 1) // num            # the largest solve budget b with b * num // den <= budget
+    assert largest * num // den <= budget < (largest + 1) * num // den
+    expected = solve(problem, "selective-policy", largest, COMPILED)
+    assert result.best is not None and result.best.measured_peak <= budget
+    assert result.best.solution.objective == expected.objective
+    assert expected.predicted_peak_bytes * num // den <= budget
+    schedules = [str(s.schedule) + str(s.policy_split) + str(s.policy_nest) for s in calls]
+    assert len(set(schedules)) == len(schedules) == len(result.probes)      # no plan measured twice
+
+
+def test_the_search_stops_at_its_probes_and_refuses_bad_input(gpt2):
+    *_, problem, whole = gpt2
+    result = search(problem, whole, lambda s: s.predicted_peak_bytes // 2, probes=2)
+    assert len(result.probes) == 2
+    assert [p.solve_budget for p in result.probes] == sorted(p.solve_budget for p in result.probes)
+    assert result.best is result.probes[-1]                      # each measured within: it solved higher
+    with pytest.raises(ValueError, match="positive budget"):
+        search(problem, 0, lambda s: 0)
+    with pytest.raises(ValueError, match="probe"):
+        search(problem, whole, lambda s: 0, probes=0)
+
+
+def test_the_search_under_torch_compile(gpt2):
+    """Budget: halfway between the compiled peaks of every layer checkpointed whole and of nothing recomputed
+    (the tiny model's compiled peaks are a third above the predictions): the search finds a plan within it."""
+    model, loss_fn, batch, graph, problem, whole = gpt2
+    before = copy.deepcopy(model.state_dict())
+    generator = torch.get_rng_state()
+
+    def measure(solution):
+        plan = solution.to_plan(problem)
+        plan.provenance.update(graph_provenance(graph))
+        return compiled_peak(plan, model, loss_fn, batch, graph=graph, backend="aot_eager_decomp_partition")
+
+    ceiling = simulate(problem, default_schedule(problem)).peak_bytes
+    low, high = (measure(solve(problem, "selective-policy", b, COMPILED)) for b in (whole, ceiling))
+    assert low < high
+    result = search(problem, (low + high) // 2, measure, probes=3)
+    assert torch.equal(torch.get_rng_state(), generator)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    best = result.best
+    assert best is not None and best.measured_peak <= result.budget
+    assert measure(best.solution) == best.measured_peak                  # the measurement repeats
