@@ -75,7 +75,8 @@ def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *,
     ceiling = simulate(problem, default_schedule(problem)).peak_bytes     # nothing recomputed above it
     measured: dict[str, Probe] = {}
     low: tuple[int, int | None] | None = None     # largest solve budget to go above: (budget, measured peak or
-    high: tuple[int, int] | None = None           # None where no plan fits); least one measured over the budget
+    high: tuple[int, int] | None = None           # None where no plan fits); least one known to give a plan
+                                                  # measured over the budget, and that peak
     at = budget
     while True:
         solution = solve(problem, solver, at, options)
@@ -88,8 +89,9 @@ def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *,
             peak = measured[key].measured_peak
         else:
             peak = None
-        if peak is not None and peak > budget:
-            high = (at, peak) if high is None or at < high[0] else high
+        if peak is not None and peak > budget:        # every solve budget from its predicted peak up returns it
+            over = solution.predicted_peak_bytes
+            high = (over, peak) if high is None or over < high[0] else high
         elif low is None or at > low[0]:
             low = (at, peak)
         if high is None:                          # every plan so far within (or none): solve higher
@@ -98,7 +100,7 @@ def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *,
             step = low[0] * GROWTH if low[1] is None else low[0] * budget / max(low[1], 1)
             at = min(ceiling, max(low[0] + 1, round(step)))
         elif low is None:                         # every plan so far over: solve lower
-            at = min(high[0] - 1, round(high[0] * budget / high[1]))
+            at = min(high[0] - 1, round(high[0] * budget / high[1]))       # below the plan measured over
             if at <= 0:
                 break
         elif high[0] - low[0] <= max(1, tolerance * budget):

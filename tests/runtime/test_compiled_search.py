@@ -16,6 +16,7 @@ from runtime.compiled_peak import compiled_peak
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
 from runtime.policy_form import Regions, policy_schedule
+from tasks import compiled_search
 from tasks.compiled_search import COMPILED, search
 from tasks.solve import solve
 from tasks.solve.core.problem import Problem
@@ -34,25 +35,31 @@ def gpt2():
     return model, loss_fn, batch, graph, problem, whole
 
 
-@pytest.mark.parametrize("num, den", [(4, 5), (11, 10)], ids=["compiled-keeps-less", "compiled-keeps-more"])
-def test_the_search_returns_the_cheapest_plan_that_measures_within(gpt2, num, den):
+@pytest.mark.parametrize("num, den, extra, slack", [(4, 5, 0, 0), (11, 10, 0, 0), (1, 1, 1001, 1000)],
+                         ids=["compiled-keeps-less", "compiled-keeps-more", "a-byte-over"])
+def test_the_search_returns_the_cheapest_plan_that_measures_within(gpt2, monkeypatch, num, den, extra, slack):
+    """Measured peak = predicted * num // den + extra, the budget `slack` above a plan's predicted peak. In
+    "a-byte-over" the first plan measures one byte over the budget, 1000 bytes above the plan: the search must
+    step below the plan, not crawl down to it a few bytes at a time."""
     *_, problem, whole = gpt2
-    budget = whole * 11 // 10
-    calls = []
+    budget = solve(problem, "selective-policy", whole * 11 // 10, COMPILED).predicted_peak_bytes + slack
+    calls, solves = [], []
+    monkeypatch.setattr(compiled_search, "solve", lambda *args: solves.append(args) or solve(*args))
 
     def measure(solution):
         calls.append(solution)
-        return solution.predicted_peak_bytes * num // den
+        return solution.predicted_peak_bytes * num // den + extra
 
     result = search(problem, budget, measure, probes=100, tolerance=0)
-    largest = (den * budget + den - 1) // num            # the largest solve budget b with b * num // den <= budget
-    assert largest * num // den <= budget < (largest + 1) * num // den
+    largest = (den * (budget - extra) + den - 1) // num  # the largest solve budget b with b * num // den + extra <= budget
+    assert largest * num // den + extra <= budget < (largest + 1) * num // den + extra
     expected = solve(problem, "selective-policy", largest, COMPILED)
     assert result.best is not None and result.best.measured_peak <= budget
     assert result.best.solution.objective == expected.objective
-    assert expected.predicted_peak_bytes * num // den <= budget
+    assert expected.predicted_peak_bytes * num // den + extra <= budget
     schedules = [str(s.schedule) + str(s.policy_split) + str(s.policy_nest) for s in calls]
     assert len(set(schedules)) == len(schedules) == len(result.probes)      # no plan measured twice
+    assert len(solves) <= 64, len(solves)                                    # bisection, not a crawl
 
 
 def test_the_search_stops_at_its_probes_and_refuses_bad_input(gpt2):
