@@ -6,11 +6,11 @@ bench/policy_form.py's GPT-2 a plan predicted at 0.394 of eager's peak measured 
 nested plans measured up to 7.5% above their prediction (docs/peers-cpu.md). Solving at the budget then either
 wastes the memory the compiler frees or exceeds the budget. `search` measures instead: it solves at a budget,
 measures that plan compiled (`measure`, e.g. `runtime.compiled_peak.compiled_peak`), and moves the budget it
-solves at, by the ratio of budget to measured peak while all its measurements lie on one side of the budget,
+solves at, by the ratio of budget to measured peak while all its measurements lie on one side of the budget
+(upwards by `MIN_STEP` at least, below the predicted peak of a plan measured over),
 then by bisection between the largest solve budget whose plan measured within the budget and the least whose
-plan measured over it. It stops when the two are within `tolerance` of the budget, when `probes` plans have
-been measured, or when no plan lies between them. A plan met again at another solve budget is not measured
-again.
+plan measured over it. It stops when the two are within `tolerance` of the budget or when `probes` plans have
+been measured. A plan met again at another solve budget is not measured again.
 
 The answer is the cheapest measured plan within the budget. For a solver that returns the cheapest of a fixed
 candidate set within the budget (`selective-policy`), the plan's predicted peak grows with the solve budget; where
@@ -35,6 +35,11 @@ COMPILED = SolveOptions(params=PolicyOptions(compiled=True))
 
 GROWTH = 1.25
 """Where no plan fits the solve budget, the next is this much higher."""
+
+MIN_STEP = 0.01
+"""Upwards, the solve budget moves by at least this fraction of the budget, twice that after each step that
+returned a plan measured already (a plan measured at the budget, e.g. where the compiled peak has a floor, would
+otherwise move it a byte at a time)."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +82,14 @@ def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *,
     low: tuple[int, int | None] | None = None     # largest solve budget to go above: (budget, measured peak or
     high: tuple[int, int] | None = None           # None where no plan fits); least one known to give a plan
                                                   # measured over the budget, and that peak
-    at = budget
+    at, stride = budget, max(1, round(MIN_STEP * budget))
     while True:
         solution = solve(problem, solver, at, options)
+        repeated = False
         if solution.feasible:
             key = _identity(solution)
-            if key not in measured:
+            repeated = key in measured
+            if not repeated:
                 if len(measured) == probes:
                     break
                 measured[key] = Probe(at, solution, int(measure(solution)))
@@ -97,8 +104,10 @@ def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *,
         if high is None:                          # every plan so far within (or none): solve higher
             if low[0] >= ceiling:
                 break
+            if repeated:
+                stride *= 2
             step = low[0] * GROWTH if low[1] is None else low[0] * budget / max(low[1], 1)
-            at = min(ceiling, max(low[0] + 1, round(step)))
+            at = min(ceiling, max(low[0] + stride, round(step)))
         elif low is None:                         # every plan so far over: solve lower
             at = min(high[0] - 1, round(high[0] * budget / high[1]))       # below the plan measured over
             if at <= 0:

@@ -62,6 +62,22 @@ def test_the_search_returns_the_cheapest_plan_that_measures_within(gpt2, monkeyp
     assert len(solves) <= 64, len(solves)                                    # bisection, not a crawl
 
 
+def test_a_floor_of_measured_peaks_at_the_budget(gpt2, monkeypatch):
+    """Every plan up to a threshold T above the budget measures exactly the budget (a compiled peak's floor, as
+    on the Llama of bench/policy_form.py), those above it over: the answer is the cheapest plan up to T, found
+    in a few solves, not by raising the solve budget a byte at a time."""
+    *_, problem, whole = gpt2
+    budget = solve(problem, "selective-policy", whole, COMPILED).predicted_peak_bytes
+    threshold = solve(problem, "selective-policy", whole * 13 // 10, COMPILED).predicted_peak_bytes
+    assert threshold > budget
+    solves = []
+    monkeypatch.setattr(compiled_search, "solve", lambda *args: solves.append(args) or solve(*args))
+    measure = lambda s: budget if s.predicted_peak_bytes <= threshold else budget + 1  # noqa: E731
+    result = search(problem, budget, measure, probes=100, tolerance=0)
+    assert result.best.solution.objective == solve(problem, "selective-policy", threshold, COMPILED).objective
+    assert len(solves) <= 64, len(solves)
+
+
 def test_the_search_stops_at_its_probes_and_refuses_bad_input(gpt2):
     *_, problem, whole = gpt2
     result = search(problem, whole, lambda s: s.predicted_peak_bytes // 2, probes=2)
