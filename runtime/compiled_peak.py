@@ -26,7 +26,7 @@ def compiled_peak(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Ten
     Measure before compiling the model you train; a measurement that would run eager fails instead."""
     applied = apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
     compiled = torch.compile(applied, backend=backend)
-    device = batch[0].device if batch and isinstance(batch[0], torch.Tensor) else next(model.parameters()).device
+    device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         try:

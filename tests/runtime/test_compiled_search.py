@@ -91,8 +91,8 @@ def test_the_search_stops_at_its_probes_and_refuses_bad_input(gpt2):
 
 
 def test_the_search_under_torch_compile(gpt2):
-    """Budget: the compiled peak of every layer checkpointed whole (the tiny model's compiled peaks are a third
-    above the predictions, so solving at it gives plans over it): the search finds a plan within."""
+    """Budget: the compiled peak of every layer checkpointed whole (here a third above its prediction, so the
+    plans solved at it measure over it): the search finds a plan within, whichever way compiling moves peaks."""
     model, loss_fn, batch, graph, problem, whole = gpt2
     before = copy.deepcopy(model.state_dict())
     generator = torch.get_rng_state()
@@ -103,7 +103,6 @@ def test_the_search_under_torch_compile(gpt2):
         return compiled_peak(plan, model, loss_fn, batch, graph=graph, backend="aot_eager_decomp_partition")
 
     budget = measure(solve(problem, "selective-policy", whole, COMPILED))
-    assert budget > whole
     result = search(problem, budget, measure, probes=2)
     assert torch.equal(torch.get_rng_state(), generator)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
