@@ -104,7 +104,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 LONGEST_FIRST = ("tests/pipeline/test_training_doc.py", "tests/fleet/test_dask_runner.py", "shared-captures",
-                 "tests/pipeline/test_default_pipeline.py", "tests/pipeline/test_fit.py", "tests/fleet/test_fleet_e2e.py")
+                 "tests/pipeline/test_default_pipeline.py", "tests/pipeline/test_fit.py", "tests/fleet/test_fleet_e2e.py",
+                 "tests/runtime/test_compiled_search.py")
 """The work units of 30 s and more (each 30-100 s on 2 cores), longest first."""
 
 
