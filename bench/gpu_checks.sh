@@ -3,8 +3,12 @@
 # that writes its table under $OUT (default ./gpu-results). Run from the repository root on a CUDA host
 # with the project installed (README) or with torch, transformers and the project on PYTHONPATH:
 #
-#   bench/gpu_checks.sh [peers|exactness|stages|all]     (default: all; about 12 minutes on an H100)
+#   bench/gpu_checks.sh [real|peers|exactness|stages|all]     (default: all; about 22 minutes on an H100)
 #
+# real       GPT-2 124M and a Llama-style 1B decoder (bf16 autocast, sequence 1024) at the largest batch eager
+#            fits and at twice it: eager, per-block and torchtitan-style checkpointing, inductor with
+#            activation_memory_budget 0.5, dtr and hierarchical plans (bench/real_size.py; all of it takes about
+#            25 minutes, so it stops at 9 and lists what it left out)
 # peers      the Llama decoder, ResNet-50 and MobileNet-V2 of bench/peers.py against inductor and
 #            inductor+cudagraphs (torch.compile's reduce-overhead mode), plans replayed as CUDA graphs
 # exactness  the CUDA tests of tests/runtime (conftest's CUDA list): capture's rewrites checked on the device,
@@ -20,6 +24,10 @@ python=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
 
+if [ "$what" = real ] || [ "$what" = all ]; then
+    timeout 600 "$python" -m bench.real_size --device cuda --fractions 0.95 0.5 --deadline 540 --reserve-s 45 \
+        --json "$out/real_size.json" 2>&1 | tee "$out/real_size.txt"
+fi
 if [ "$what" = peers ] || [ "$what" = all ]; then
     timeout 420 "$python" bench/peers.py --device cuda --compile-backend inductor inductor-cudagraphs --cuda-graph \
         --solvers dtr --rounds 10 --workloads llama resnet50 mobilenet_v2 2>&1 | tee "$out/peers.txt"

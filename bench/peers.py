@@ -135,7 +135,8 @@ def no_cache_step(model, loss_fn, batch) -> dict:
 SAC_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
-            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default}
 """What torchtitan's selective activation checkpointing ("op" mode) saves: matmul and attention outputs."""
 
 
@@ -143,7 +144,8 @@ def _save_matmuls(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if func in SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _layer_sac(forward, *args, **kwargs):
+def sac_layer_forward(forward, *args, **kwargs):
+    """`forward(*args, **kwargs)` under torchtitan-style selective activation checkpointing (`SAC_SAVE`)."""
     return checkpoint(forward, *args, use_reentrant=False, **kwargs,
                       context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls))
 
@@ -159,7 +161,7 @@ def selective_policy_step(model, loss_fn, batch) -> dict:
     sac = copy.deepcopy(model)
     sac.config.use_cache = False
     for layer in marked_modules(sac).values():
-        layer.forward = functools.partial(_layer_sac, layer.forward)
+        layer.forward = functools.partial(sac_layer_forward, layer.forward)
     return {"selective checkpoint (torchtitan)": (sac, lambda: loss_fn(sac, *batch).backward())}
 
 

@@ -26,13 +26,14 @@ import platform
 import sys
 import traceback
 import types
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx, nn
 from torch._functorch.aot_autograd import aot_export_module
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 
 from runtime.fold import fold, storage_bytes, strip_prefix, view_base
 from runtime.graph import OpGraph
@@ -98,9 +99,9 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     cuda = sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
                    for t in [*batch, *model.parameters()] if t.device.type == "cuda"})
     hooks = boundary_hooks(model, record_parts) if record_modules else nullcontext()
-    with torch.random.fork_rng(devices=cuda), hooks:       # tracing must not move the generators
+    with torch.random.fork_rng(devices=cuda), hooks, _fake_tensors(model, batch) as fake_batch:
         try:
-            gm, sig = aot_export_module(_LossStep(model, loss_fn), batch, trace_joint=True, output_loss_index=0)
+            gm, sig = aot_export_module(_LossStep(model, loss_fn), fake_batch, trace_joint=True, output_loss_index=0)
         except AssertionError as exc:                      # its output-name bookkeeping (torch 2.14)
             if "gradients_to_parameters" not in str(exc):
                 raise
@@ -131,6 +132,19 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
     graph.program.batch_signature = batch_signature(model, batch)
     return graph
+
+
+@contextmanager
+def _fake_tensors(model: nn.Module, batch: tuple):
+    """The model's parameters and buffers swapped for fake tensors (shapes, dtypes and devices, no storage) for
+    the block, and the batch as fake tensors: tracing allocates nothing. (`aot_export_module` traces the
+    joint graph again on the tensors it is given; on real ones that ran the whole step, as much memory as
+    eager's step: a step that needs planning to fit could not be captured on its device.) Tied parameters
+    stay tied: one fake per tensor."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with _reparametrize_module(model, {name: mode.from_tensor(t) for name, t in state}):
+        yield tuple(mode.from_tensor(t) for t in batch)
 
 
 def _caller(exc: BaseException) -> str:

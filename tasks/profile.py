@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from runtime.variants import DEFAULT
+from tasks.profile_values import LiveValues
 from tasks.store import new_run_id, write_run
 from tasks.store_schema import SCHEMA_VERSION
 
@@ -60,10 +61,13 @@ class ProfileSettings:
     seed: int = 0       # seed of the random graph inputs
     rounds: int = 3     # passes over the graph: a burst of load on a shared host hits one pass, not all samples
     threads: int | None = None  # torch CPU threads while profiling (None: leave torch's setting)
+    value_bytes: int | None = None  # graph values kept between nodes (tasks.profile_values; None: `value_bound`)
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"Profile setting threads must be >= 1 or None, got {self.threads}.")
+        if self.value_bytes is not None and self.value_bytes < 0:
+            raise ValueError(f"Profile setting value_bytes must be >= 0 or None, got {self.value_bytes}.")
         if self.warmup < 0 or self.repeats < 1 or self.rounds < 1:
             raise ValueError(f"Profile settings need warmup >= 0, repeats >= 1 and rounds >= 1, got "
                              f"warmup={self.warmup}, repeats={self.repeats}, rounds={self.rounds}.")
@@ -161,16 +165,24 @@ def _time_calls(fn: Callable, args: list, device: torch.device, settings: Profil
     return times
 
 
-def _last_reads(graph, specs: list) -> dict[int, int]:
-    """Value id -> id of the last node reading it, in its default implementation or a variant in `specs`."""
-    last = {}
+def _reads(graph, specs: list) -> dict[int, list[int]]:
+    """Value id -> ids of the nodes reading it in node order, in their default implementations or a variant in
+    `specs`."""
+    reads: dict[int, list[int]] = {}
     for node in graph.nodes:
-        for v in node.inputs:
-            last[v] = node.id
-        for spec in specs[node.id]:
-            for v in spec.inputs:
-                last[v] = node.id
-    return last
+        for v in {*node.inputs, *(v for spec in specs[node.id] for v in spec.inputs)}:
+            reads.setdefault(v, []).append(node.id)
+    return reads
+
+
+def value_bound(graph, device: torch.device, settings: ProfileSettings) -> int | None:
+    """The bytes of graph values a round keeps between nodes: `settings.value_bytes`; unset, on a GPU the free
+    memory less 1.25x the largest inputs and outputs of a node (that node runs beside the kept values), and no
+    bound on a CPU."""
+    if settings.value_bytes is not None or device.type != "cuda":
+        return settings.value_bytes
+    largest = max(sum(graph.values[v].bytes for v in {*node.inputs, *node.outputs}) for node in graph.nodes)
+    return max(0, torch.cuda.mem_get_info(device)[0] - int(1.25 * largest))
 
 
 @contextmanager
@@ -281,8 +293,9 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
     with torch.no_grad(), _threads(settings.threads), _progress(progress) as bar:
         run = _run_columns(graph, device, settings, model)
         task = bar.add_task(f"profiling {model} on {run['device']}", total=settings.rounds * len(graph.nodes))
+        reads, bound = _reads(graph, specs), value_bound(graph, device, settings)
         for round_ in range(settings.rounds):
-            _run_round(graph, functions, _last_reads(graph, specs), device, settings, measured, round_ == 0,
+            _run_round(graph, functions, reads, bound, device, settings, measured, round_ == 0,
                        lambda: bar.advance(task))
         run.update(_policy_columns(graph, device, settings, [impls[0].fn for impls in functions]))
     created = datetime.now(timezone.utc)
@@ -307,18 +320,22 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
     return rows
 
 
-def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int], device: torch.device,
-               settings: ProfileSettings, measured: Measurements, meter: bool, advance: Callable) -> None:
+def _run_round(graph, functions: list[list[Implementation]], reads: dict[int, list[int]], bound: int | None,
+               device: torch.device, settings: ProfileSettings, measured: Measurements, meter: bool,
+               advance: Callable) -> None:
     """One pass over the graph in node order: time every available implementation of every node, append its
     samples to `measured.times`, and when `meter` set `measured.memory` from one metered call; compare each
     variant's outputs with the default's (`measured.exact`). The default's outputs feed the later nodes, a
     variant's variant values (e.g. a mask) the later variants; a value is dropped after its last reader
-    (`last`). An in-place variant runs on a copy of the inputs it overwrites, made before its calls (so its
-    output allocates nothing and the inputs stay intact for the other variants). A variant that fails is
-    marked unavailable (`_drop`)."""
+    (`reads`), or earlier beyond `bound` bytes, to be read as a stand-in (tasks.profile_values). An in-place
+    variant runs on a copy of the inputs it overwrites, made before its calls (so its output allocates nothing
+    and the inputs stay intact for the other variants). A variant that fails is marked unavailable (`_drop`)."""
     from runtime.meter import PeakMeter
 
-    live = graph_inputs(graph, device, settings.seed)
+    compared = {v for implementations in functions if len(implementations) > 1 for impl in implementations
+                for v in impl.inputs}                   # a variant's outputs are compared with its default's
+    droppable = {v.id for v in graph.values if v.producer is not None} - compared
+    live = LiveValues(graph_inputs(graph, device, settings.seed), reads, bound, droppable, settings.seed)
     for node, implementations in zip(graph.nodes, functions):
         for impl in implementations:
             key = node.id, impl.name
@@ -366,8 +383,9 @@ def _run_round(graph, functions: list[list[Implementation]], last: dict[int, int
                 live.update((v, t) for v, t in produced.items() if v >= len(graph.values))
             del args, outputs
         for v in {v for impl in implementations for v in (*impl.inputs, *impl.outputs)}:
-            if last.get(v, -1) <= node.id:
-                live.pop(v, None)
+            if reads.get(v, [-1])[-1] <= node.id:
+                live.pop(v)
+        live.shrink(node.id)
         advance()
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import runtime
 from runtime.graph import Node, OpGraph, Value
+from runtime.meter import PeakMeter
 from runtime.variants import graph_variants
 from tasks.profile import ProfileSettings, measure_graph, profile_graph
 from tasks.solve.core.problem import Problem
@@ -152,6 +153,29 @@ def test_threads_setting_is_applied_recorded_and_restored(cnn_graph):
         torch.set_num_threads(before)
 
 
+def test_a_bound_on_kept_values_profiles_the_same_memory_in_less():
+    """A round that may keep no computed value between nodes (a step larger than its device: tasks.profile_values)
+    reads stand-ins of the values it dropped: its memory columns, variants' exactness and availability are the
+    unbounded round's, and the round itself peaks lower (a tanh MLP: few of its nodes have variants, whose
+    inputs stay)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Linear(256, 10))
+    batch = (torch.randn(512, 256), torch.zeros(512, dtype=torch.long))
+    graph = runtime.capture(net, lambda m, x, y: nn.functional.cross_entropy(m(x), y), batch)
+
+    def profiled(bound):
+        settings = ProfileSettings(warmup=0, repeats=1, rounds=1, threads=1, value_bytes=bound)
+        with PeakMeter("cpu") as meter:             # tensors' storages (the allocator's meter profiles nodes)
+            rows = measure_graph(graph, "cpu", settings, model="mlp", progress=False)
+        return {(r["node_id"], r["impl"]): (r["output_bytes"], r["workspace_bytes"], r.get("exact"),
+                                            r.get("unavailable")) for r in rows}, meter.peak_bytes
+
+    unbounded, unbounded_peak = profiled(None)
+    bounded, bounded_peak = profiled(0)
+    assert bounded == unbounded
+    assert bounded_peak < 0.7 * unbounded_peak
+
+
 def test_bad_input_gives_clear_errors(cnn_graph):
     with pytest.raises(ValueError, match="repeats >= 1"):
         ProfileSettings(repeats=0)
@@ -159,6 +183,8 @@ def test_bad_input_gives_clear_errors(cnn_graph):
         ProfileSettings(rounds=0)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         ProfileSettings(threads=0)
+    with pytest.raises(ValueError, match="value_bytes must be >= 0"):
+        ProfileSettings(value_bytes=-1)
     graph, functions = _hand_built_graph(4)
     with pytest.raises(RuntimeError, match=r"Node 0 \(colsum\) returned 2 tensors but the graph lists 1"):
         measure_graph(graph, node_function=lambda g, i: lambda x: (x, x), progress=False)
