@@ -7,15 +7,15 @@ model's own `loss.backward()` runs the step (the policy form, runtime/policy.py)
 those longer lifetimes: `Problem.from_graph` makes the last op of each Node read what its earlier ops read
 from outside the Node (`runtime.policy_form.held_reads`).
 
-`label_backward` learns the Nodes from one eager step of a copy of the model: a dispatch mode records each
-backward ATen call with `torch._C._current_autograd_node()`, and the calls are aligned with the graph's
-backward ops by their names (views left out on both sides; `match_nodes`). Random state is restored
-afterwards; the model is not touched.
+`label_backward` learns the Nodes from one eager step of the model on fake tensors (`runtime.capture.fake_tensors`:
+it allocates nothing, so a step larger than its device is labelled there too): a dispatch mode records each
+backward ATen call with `torch._C._current_autograd_node()` (not the fake tensors' own `prim` queries), and the
+calls are aligned with the graph's backward ops by their names (views left out on both sides; `match_nodes`).
+Random state is restored afterwards; the model is not touched.
 """
 
 from __future__ import annotations
 
-import copy
 import difflib
 from typing import Any, Callable, Sequence
 
@@ -23,12 +23,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runtime.capture import fake_tensors
 from runtime.graph import OpGraph
 from runtime.ops import allocating_calls, is_view, op_name
 
 
 class _BackwardCalls(TorchDispatchMode):
-    """Records (op name, autograd Node) of each non-view call made while a Node runs."""
+    """Records (op name, autograd Node) of each non-view ATen call made while a Node runs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,7 +38,7 @@ class _BackwardCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         node = torch._C._current_autograd_node()
-        if node is not None and not is_view(func) and "AccumulateGrad" not in node.name():
+        if node is not None and func.namespace != "prim" and not is_view(func) and "AccumulateGrad" not in node.name():
             self._nodes.append(node)
             self.calls.append((op_name(func), id(node)))
         return func(*args, **(kwargs or {}))
@@ -64,10 +65,9 @@ def match_nodes(graph_ops: Sequence[tuple[str, int]], calls: Sequence[tuple[str,
 def label_backward(graph: OpGraph, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> None:
     """Set `graph.meta["autograd_nodes"]`: per operator node, a number shared by the consecutive backward
     nodes one autograd Node runs, None elsewhere (module docstring)."""
-    replica = copy.deepcopy(model)
     devices = sorted({t.device.index or 0 for t in (*batch, *model.parameters()) if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        loss = loss_fn(replica, *batch)
+    with torch.random.fork_rng(devices=devices), fake_tensors(model, batch) as fake_batch:
+        loss = loss_fn(model, *fake_batch)
         with _BackwardCalls() as recorder:
             loss.backward()
     node_of = match_nodes(_graph_backward_ops(graph), recorder.calls)

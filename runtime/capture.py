@@ -99,7 +99,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     cuda = sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
                    for t in [*batch, *model.parameters()] if t.device.type == "cuda"})
     hooks = boundary_hooks(model, record_parts) if record_modules else nullcontext()
-    with torch.random.fork_rng(devices=cuda), hooks, _fake_tensors(model, batch) as fake_batch:
+    with torch.random.fork_rng(devices=cuda), hooks, fake_tensors(model, batch) as fake_batch:
         try:
             gm, sig = aot_export_module(_LossStep(model, loss_fn), fake_batch, trace_joint=True, output_loss_index=0)
         except AssertionError as exc:                      # its output-name bookkeeping (torch 2.14)
@@ -135,9 +135,9 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
 
 
 @contextmanager
-def _fake_tensors(model: nn.Module, batch: tuple):
+def fake_tensors(model: nn.Module, batch: tuple):
     """The model's parameters and buffers swapped for fake tensors (shapes, dtypes and devices, no storage) for
-    the block, and the batch as fake tensors: tracing allocates nothing. (`aot_export_module` traces the
+    the block, and the batch as fake tensors (the block's value): tracing allocates nothing. (`aot_export_module` traces the
     joint graph again on the tensors it is given; on real ones that ran the whole step, as much memory as
     eager's step: a step that needs planning to fit could not be captured on its device.) Tied parameters
     stay tied: one fake per tensor."""

@@ -17,6 +17,7 @@ from runtime.capture import CaptureError
 from runtime.executor import replayed_random_nodes
 from runtime.graph import OpGraph
 from runtime.meter import PeakMeter
+from runtime.policy import capture_eager
 
 VIEW_TARGETS = {"aten.t.default", "aten.view.default", "aten.alias.default", "aten._unsafe_view.default",
                 "aten.expand.default", "aten.permute.default", "aten.transpose.int", "aten.slice.Tensor"}
@@ -88,7 +89,8 @@ def test_capture_is_deterministic_and_leaves_the_model_alone(captured):
 
 def test_capture_allocates_nothing_so_a_step_larger_than_the_device_is_captured(captured):
     """Capture traces on fake tensors: it allocates under a twentieth of what eager's step allocates (the
-    allocator's peak), and captures the same graph. (`aot_export_module` traces the joint graph again on the
+    allocator's peak), and captures the same graph; so does the policy form's capture, whose eager step that
+    labels the backward's autograd Nodes runs on fake tensors too. (`aot_export_module` traces the joint graph again on the
     tensors it is given, and on real ones that ran the whole step: eager's memory, so a step that needed a plan
     to fit its GPU could not be captured there.)"""
     model, loss_fn, batch, graph = captured("gpt2")
@@ -98,6 +100,12 @@ def test_capture_allocates_nothing_so_a_step_larger_than_the_device_is_captured(
     with PeakMeter("cpu", allocator=True) as tracing:
         again = runtime.capture(model, loss_fn, batch)
     assert again.to_json() == graph.to_json()
+    assert tracing.peak_bytes < eager.peak_bytes / 20
+    with PeakMeter("cpu", allocator=True) as tracing:       # the policy form's capture labels autograd's Nodes
+        eager_graph = capture_eager(model, loss_fn, batch)   # on a fake step too
+    labels = eager_graph.meta["autograd_nodes"]
+    backward = [n.id for n in eager_graph.nodes if n.phase == "backward"]
+    assert sum(labels[n] is not None for n in backward) > len(backward) / 2
     assert tracing.peak_bytes < eager.peak_bytes / 20
 
 
