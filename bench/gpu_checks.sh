@@ -8,7 +8,9 @@
 # real       GPT-2 124M and a Llama-style 1B decoder (bf16 autocast, sequence 1024) at the largest batch eager
 #            fits and at twice it: eager, per-block and torchtitan-style checkpointing, inductor with
 #            activation_memory_budget 0.5, dtr and hierarchical plans (bench/real_size.py; all of it takes about
-#            25 minutes, so it stops at 9 and lists what it left out)
+#            25 minutes, so it stops at 9 and lists what it left out; $REAL_ARGS adds options: the next run
+#            should take REAL_ARGS="--batch 56 --batches twice --models gpt2-124m", then the Llama, as
+#            docs/peers-gpu.md says)
 # peers      the Llama decoder, ResNet-50 and MobileNet-V2 of bench/peers.py against inductor and
 #            inductor+cudagraphs (torch.compile's reduce-overhead mode), plans replayed as CUDA graphs
 # exactness  the CUDA tests of tests/runtime (conftest's CUDA list): capture's rewrites checked on the device,
@@ -25,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/device.txt"
 
 if [ "$what" = real ] || [ "$what" = all ]; then
-    timeout 600 "$python" -m bench.real_size --device cuda --fractions 0.95 0.5 --deadline 540 --reserve-s 45 \
+    timeout 600 "$python" -m bench.real_size --device cuda --fractions 0.95 0.5 --deadline 540 --reserve-s 45 ${REAL_ARGS:-} \
         --json "$out/real_size.json" 2>&1 | tee "$out/real_size.txt"
 fi
 if [ "$what" = peers ] || [ "$what" = all ]; then

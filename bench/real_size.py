@@ -3,7 +3,8 @@ batch eager fits on the card and at twice that batch (the GPU issue, item 1).
 
     python3 -m bench.real_size --device cuda [--models gpt2-124m llama-1b] [--solvers dtr hierarchical]
                                [--fractions 0.9 0.5] [--compile-budgets 0.5] [--rounds 5] [--deadline 480]
-                               [--json results.json] [--scale real|tiny] [--capacity-mib N]
+                               [--batch N] [--batches first twice] [--json results.json]
+                               [--scale real|tiny] [--capacity-mib N]
 
 Models (random weights, built on the device from a config): GPT-2 124M (`transformers.GPT2Config()`'s
 defaults: 12 layers, 768 wide, transformers' dropout of 0.1) and a Llama-style decoder of 1.24B parameters
@@ -14,8 +15,8 @@ script's own check; `--capacity-mib` then stands for the card).
 
 The batch: eager's step peak is measured at batch 1 and 2 and extrapolated (it is affine in the batch) to
 the card's free memory less `--headroom-mib`; the step then runs at that batch, 8% smaller after each
-out-of-memory, until it fits. That is the largest batch eager fits; the second batch is twice it, where
-eager does not fit.
+out-of-memory, until it fits. That is the largest batch eager fits (`--batch` gives it instead); the second
+batch is twice it, where eager does not fit (`--batches` picks either).
 
 Per model and batch, every point runs on the same model (one copy of the weights; the PyTorch points switch
 it as a user does) and each is measured on its own: a first step (compiles), a measured step (the caching
@@ -337,6 +338,9 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds; later points are left out")
     ap.add_argument("--reserve-s", type=float, default=20.0)
     ap.add_argument("--compile-s", type=float, default=90.0, help="seconds a compiled point is assumed to take")
+    ap.add_argument("--batch", type=int, help="eager's batch (default: the largest that fits, sought)")
+    ap.add_argument("--batches", nargs="+", choices=["first", "twice"], default=["first", "twice"],
+                    help="measure at eager's batch, at twice it, or both")
     ap.add_argument("--json")
     args = ap.parse_args()
     clock = Clock(args.deadline)
@@ -347,32 +351,48 @@ def main() -> None:
     results, fits = [], {}
     for twice in (False, True):                       # both models at eager's batch first, then at twice it
         for name in args.models:
+            label = f"{name}{' at twice the batch' if twice else ''}"
+            if ("twice" if twice else "first") not in args.batches and (twice or name in fits):
+                continue
             if clock.left() < args.reserve_s * 2 or (twice and name not in fits):
-                print(f"{name}{' at twice the batch' if twice else ''}: left out (deadline)")
+                print(f"{label}: left out (deadline)")
                 continue
             model, vocab = build(name, args.scale, args.device)
             release(args.device)
             if not twice:
-                capacity = args.capacity_mib * MIB if args.capacity_mib else \
-                    torch.cuda.mem_get_info(args.device)[0] - args.headroom_mib * MIB
-                size, fit_bytes = largest_eager_batch(model, vocab, SEQ[args.scale], args.device, capacity)
-                fits[name] = {"batch": size, "fit_bytes": fit_bytes, "capacity": capacity}
+                fits[name] = eager_fit(model, vocab, args)
                 print(f"{name} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters): eager fits "
-                      f"batch {size} ({fit_bytes / MIB:.0f} MiB of {capacity / MIB:.0f})", flush=True)
+                      f"batch {fits[name]['batch']} ({fits[name]['fit_bytes'] / MIB:.0f} MiB of "
+                      f"{fits[name]['capacity'] / MIB:.0f})", flush=True)
             fit = fits[name]
-            sec = section(name, model, vocab, SEQ[args.scale], fit["batch"] * (2 if twice else 1), fit["fit_bytes"],
-                          args, clock, "checkpoint per block" if twice else "eager")
-            if not twice:
-                fit |= {"eager_ms": sec.points[0].ms, "eager_peak": sec.points[0].peak}
-            console.print(table(sec, fit.get("eager_ms"), fit.get("eager_peak"), where))
-            if sec.skipped:
-                console.print("left out: " + "; ".join(sec.skipped))
-            results.append({"where": where, **fit, **asdict(sec)})
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
+            if ("twice" if twice else "first") in args.batches:
+                sec = section(name, model, vocab, SEQ[args.scale], fit["batch"] * (2 if twice else 1),
+                              fit["fit_bytes"], args, clock, "checkpoint per block" if twice else "eager")
+                if not twice:
+                    fit |= {"eager_ms": sec.points[0].ms, "eager_peak": sec.points[0].peak}
+                console.print(table(sec, fit.get("eager_ms"), fit.get("eager_peak", fit["fit_bytes"]), where))
+                if sec.skipped:
+                    console.print("left out: " + "; ".join(sec.skipped))
+                results.append({"where": where, **fit, **asdict(sec)})
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(results, f, indent=1)
             del model
             release(args.device)
+
+
+def eager_fit(model, vocab: int, args) -> dict:
+    """The batch eager fits (`--batch`, or the largest on the card: `largest_eager_batch`), its step peak and the
+    capacity it was sought in."""
+    capacity = args.capacity_mib * MIB if args.capacity_mib else \
+        torch.cuda.mem_get_info(args.device)[0] - args.headroom_mib * MIB
+    if args.batch is None:
+        size, fit_bytes = largest_eager_batch(model, vocab, SEQ[args.scale], args.device, capacity)
+    else:
+        size, fit_bytes = args.batch, peak_at(model, vocab, SEQ[args.scale], args.batch, args.device)
+        if fit_bytes is None:
+            raise SystemExit(f"--batch {args.batch}: eager runs out of memory at that batch on {args.device}")
+    return {"batch": size, "fit_bytes": fit_bytes, "capacity": capacity}
 
 if __name__ == "__main__":
     main()
