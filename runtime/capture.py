@@ -137,10 +137,10 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
 @contextmanager
 def fake_tensors(model: nn.Module, batch: tuple):
     """The model's parameters and buffers swapped for fake tensors (shapes, dtypes and devices, no storage) for
-    the block, and the batch as fake tensors (the block's value): tracing allocates nothing. (`aot_export_module` traces the
-    joint graph again on the tensors it is given; on real ones that ran the whole step, as much memory as
-    eager's step: a step that needs planning to fit could not be captured on its device.) Tied parameters
-    stay tied: one fake per tensor."""
+    the block, and the batch as fake tensors (the block's value): tracing allocates nothing.
+    (`aot_export_module` traces the joint graph again on the tensors it is given; on real ones that ran the
+    whole step, as much memory as eager's step: a step that needs planning to fit could not be captured on its
+    device.) Tied parameters stay tied: one fake per tensor."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     with _reparametrize_module(model, {name: mode.from_tensor(t) for name, t in state}):

@@ -2,7 +2,9 @@
 
 Every node runs alone (`runtime.node_function`) on its real inputs: graph inputs are random tensors of
 the graph's shapes and dtypes, every other input is the value its producer computed in this run, so
-integer tensors (pooling indices, labels) are valid. The graph is run `rounds` times in node order; in
+integer tensors (pooling indices, labels) are valid; on a GPU, the values kept between nodes are bounded by
+its free memory, and a value dropped beyond the bound is read as a stand-in of its layout
+(tasks/profile_values.py). The graph is run `rounds` times in node order; in
 each round every node gets `warmup` untimed calls and `repeats` timed calls (CUDA events on GPU,
 `time.perf_counter` on CPU); time_ms is the median of all timed calls, with their minimum and
 interquartile range. In the first round one more call runs under `runtime.meter.PeakMeter(allocator=True)`:

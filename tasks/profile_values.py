@@ -3,8 +3,8 @@
 A round runs the graph in node order and feeds every node the values its producers computed. Kept until
 their last reads, those values reach the step's no-recomputation peak, eager's: a step that needs a plan to
 fit its device could not be profiled there (GPT-2 124M at twice the batch eager fits on an H100). With a
-bound, once the kept bytes exceed it the values read farthest ahead are dropped (Belady's rule: the choice
-that drops fewest values), and a node that reads a dropped value gets a stand-in of the same layout (storage
+bound, once the kept bytes exceed it the values read farthest ahead are dropped (Belady's rule, which makes
+the fewest stand-ins), and a node that reads a dropped value gets a stand-in of the same layout (storage
 size, shape, strides, offset and dtype), filled as `tasks.profile.graph_inputs` fills the graph's inputs:
 floating N(0, 1), integers 0 (a valid index), booleans True. Kernel times and allocations depend on
 layouts, not values, so the columns keep their meaning; only a node reading stand-ins computes other
@@ -48,7 +48,7 @@ class Layout:
         return flat.as_strided(self.shape, self.stride, self.offset)
 
 
-def storage_bytes(tensors) -> int:
+def _kept_bytes(tensors) -> int:
     """Bytes of the distinct storages of `tensors`."""
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
@@ -92,7 +92,7 @@ class LiveValues:
         bound (each value its own storage: the bytes a drop frees are its storage's)."""
         if self._bound is None:
             return
-        kept = storage_bytes(self._kept.values())
+        kept = _kept_bytes(self._kept.values())
         if kept <= self._bound:
             return
 
