@@ -23,7 +23,7 @@ class Outcome:
     validation); `message` says why for the last two, and for a published `max_overhead` cell what its measured
     walk validated (flows/refine.py). `overhead_vs_no_recompute`: the measured overhead the limit is about,
     against the no-recomputation plan timed in the same rounds. `arena_peak_bytes`: the measured peak in arena mode,
-    for plans with addresses. `reference`: the step validation compared the plan with (eager, or where eager
+    for plans with addresses; `compiled_peak_bytes`: under torch.compile, for policy plans solved compiled. `reference`: the step validation compared the plan with (eager, or where eager
     does not fit `device_memory` the first that does, down to the host's: tasks/fitting_reference.py). `form`:
     how the plan runs, "executor" (`runtime.load`) or "policy" (`runtime.apply`, `LOADERS`)."""
 
@@ -44,6 +44,7 @@ class Outcome:
     overhead_vs_no_recompute: float | None = None
     overhead_vs_no_recompute_interval: list[float] | None = None
     arena_peak_bytes: int | None = None
+    compiled_peak_bytes: int | None = None
     plan_id: str | None = None
     least_feasible_bytes: int | None = None
     reference: str | None = None
@@ -72,6 +73,7 @@ class Outcome:
                         overhead_vs_no_recompute=validated.overhead_vs_no_recompute,
                         overhead_vs_no_recompute_interval=validated.overhead_vs_no_recompute_interval,
                         arena_peak_bytes=validated.arena_peak_bytes, reference=validated.reference,
+                        compiled_peak_bytes=validated.compiled_peak_bytes,
                         predicted_overhead=solved.objective / solved.checkpoint_all_cost - 1)
         if published is None:
             return cls(**common, **measured, status="rejected")

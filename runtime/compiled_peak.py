@@ -17,14 +17,18 @@ from runtime.policy import apply
 
 
 def compiled_peak(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple, *,
-                  graph: OpGraph | None = None, backend: str | Callable[..., Any] = "inductor") -> int:
+                  graph: OpGraph | None = None, backend: str | Callable[..., Any] = "inductor",
+                  optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> int:
     """Peak bytes of a training step (`loss_fn(model, *batch).backward()`) of a copy of `model` under `plan`
-    (`runtime.apply`) and `torch.compile(backend=backend)`, the step after the one that compiles, as
+    (`runtime.apply`, with `optimizer(copy)` inside the step when given: a plan that updates there) and
+    `torch.compile(backend=backend)`, the step after the one that compiles, as
     `PeakMeter(allocator=True)` measures it. `model` and the random generators are left as they were. Each call
     compiles a fresh copy, and Dynamo counts every copy's policy as a recompilation of the same code, so it then
     drops torch.compile's caches (`torch.compiler.reset`): functions compiled before recompile at their next call.
     Measure before compiling the model you train; a measurement that would run eager fails instead."""
-    applied = apply(plan, copy.deepcopy(model), loss_fn, batch, graph=graph)
+    replica = copy.deepcopy(model)
+    update = None if optimizer is None else optimizer(replica)
+    applied = apply(plan, replica, loss_fn, batch, graph=graph, optimizer=update)
     compiled = torch.compile(applied, backend=backend)
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \

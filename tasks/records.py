@@ -148,6 +148,7 @@ class Validated(Record):
     no_recompute_step_ms: float | None = None       # with a no-recomputation plan timed in the same rounds:
     overhead_vs_no_recompute: float | None = None   # the plan's overhead against it (median of per-round ratios)
     overhead_vs_no_recompute_interval: list[float] | None = None
+    compiled_peak_bytes: int | None = None          # a compiled policy plan's peak under torch.compile
 
     def limited_overhead(self) -> float:
         """The overhead a `max_overhead` limit is judged on: against the no-recomputation plan where it was

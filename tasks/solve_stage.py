@@ -159,7 +159,11 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
 
 
 def _annotate(plan: Plan, budget: Budget, settings: PlanSettings) -> None:
-    """Record the cell's overhead limit, optimizer inside the step, DDP buckets and form in the plan's provenance."""
+    """Record the cell's overhead limit, optimizer inside the step, DDP buckets, form and whether the model trains
+    compiled (`selective-policy`'s `compiled` option, which validation checks under torch.compile) in the plan's
+    provenance."""
+    if settings.params.get("compiled") is True:
+        plan.provenance["compiled"] = True
     if budget.max_overhead is not None:
         plan.provenance["max_overhead"] = budget.max_overhead
     if settings.optimizer != "none":

@@ -37,7 +37,10 @@ What counts:
   `runtime.apply` on a fresh copy of the model (on `capture_eager`'s graph) and then `loss_fn(model,
   *batch).backward()`, under the same meter, against the same reference and tolerances, and in the same
   timing rounds as the cell's other plans; its measured peak must also be within `peak_rtol` of its
-  predicted peak (`prediction_problem`);
+  predicted peak (`prediction_problem`). One solved with `compiled = true` (provenance `compiled`), whose model
+  trains under torch.compile, is also measured compiled (`runtime.compiled_peak`, `settings.compile_backend`):
+  the compiler's partitioner decides what a compiled step keeps, so that peak too must be within the budget and
+  the device memory limit (`compiled_problem`);
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   the reference the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -133,6 +136,16 @@ def prediction_problem(measured_bytes: int, predicted_bytes: int | None, peak_rt
     return None
 
 
+def compiled_problem(measured_bytes: int, budget_bytes: int, peak_rtol: float, backend: str) -> str | None:
+    """Why a compiled policy plan's peak under torch.compile (`backend`) breaks its budget, or None."""
+    reason = peak_problem(measured_bytes, budget_bytes, peak_rtol)
+    if reason is None:
+        return None
+    return (f"under torch.compile (backend {backend!r}) the {reason}: the compiler's partitioner keeps other tensors "
+            f"than the plan predicts (docs/training.md, torch.compile); plan with the measured search "
+            f"(tasks.compiled_search) or at a lower budget")
+
+
 def validate_plan(
     plan: Plan, spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
@@ -211,11 +224,25 @@ def validate_plans(
     for other in {plan_id(p): p for p in no_recompute or () if p is not None}.values():
         baselines[plan_id(other)] = _first_run(other, base, loss_fn, batch, device, seed, graph, runs).index
     against = [None if p is None else baselines[plan_id(p)] for p in no_recompute or [None] * len(plans)]
+    compiled = [_compiled_peak(run.plan, base, loss_fn, batch, eager_graph, settings) for run in measured]
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
     resident = None if limit is None else limit.module_resident_bytes(base, batch)
-    return [_verdict(run, expected, times, reference, settings, tolerance, limit, resident, baseline)
-            for run, baseline in zip(measured, against)]
+    return [_verdict(run, expected, times, reference, settings, tolerance, limit, resident, baseline, peak)
+            for run, baseline, peak in zip(measured, against, compiled)]
+
+
+def _compiled_peak(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
+                   graph: OpGraph | None, settings: ValidateConfig) -> int | None:
+    """The peak under torch.compile of a policy plan solved compiled (provenance `compiled`; with the optimizer it
+    updates inside the step), else None."""
+    if plan.form != POLICY or not plan.provenance.get("compiled"):
+        return None
+    from runtime.compiled_peak import compiled_peak
+
+    name = plan.provenance.get("optimizer_in_step")
+    return compiled_peak(plan, base, loss_fn, batch, graph=graph, backend=settings.compile_backend,
+                         optimizer=None if name is None else functools.partial(optimizer_named, name))
 
 
 def _baseline(reference: Referenced, base: nn.Module, loss_fn: Callable[..., torch.Tensor],
@@ -306,11 +333,12 @@ class _PlanRun:
 
 def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], reference: Referenced,
              settings: ValidateConfig, tolerance: tuple[float, float], limit: MemoryLimit | None,
-             resident: int | None, no_recompute: int | None = None) -> Validated:
+             resident: int | None, no_recompute: int | None = None, compiled_peak: int | None = None) -> Validated:
     """The `Validated` record of one plan's run: its state against the reference's (parameters instead of
     gradients for a plan updating inside the step), its peak against its budget and the device memory limit,
     its step times against its baseline's in the same rounds, and against those of the run `no_recompute`
-    (its no-recomputation plan) where given."""
+    (its no-recomputation plan) where given; `compiled_peak`, its peak under torch.compile, against the budget and
+    the limit too."""
     plan = run.plan
     compared_kinds = ("loss", "param", "buffer") if run.baseline else ("loss", "grad", "buffer")
     expected = {k: v for k, v in cell_state.items() if k.split(":")[0] in compared_kinds}
@@ -318,7 +346,7 @@ def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], referen
     interval = median_interval(ratios)
     rtol, atol = tolerance
     problems, worst, compared = compare_tensors(expected, run.state, rtol, atol)
-    optional = {}                                  # arena mode's and the no-recomputation plan's
+    optional = {}                                  # arena mode's, the no-recomputation plan's, the compiled peak
     if run.arena is not None:
         mismatches, arena_worst, _ = compare_tensors(expected, run.arena.state, rtol, atol)
         problems += [f"arena mode: {m}" for m in mismatches]
@@ -343,6 +371,14 @@ def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], referen
     if limit is not None and run.peak_bytes + resident > limit.limit_bytes:
         problems.append(f"measured peak {run.peak_bytes:,} B plus {resident:,} B resident exceeds the device memory "
                         f"limit {limit.limit_bytes:,} B")
+    if compiled_peak is not None:
+        optional["compiled_peak_bytes"] = int(compiled_peak)
+        if budget is not None and (reason := compiled_problem(compiled_peak, int(budget), settings.peak_rtol,
+                                                              settings.compile_backend)):
+            problems.append(reason)
+        if limit is not None and compiled_peak + resident > limit.limit_bytes:
+            problems.append(f"under torch.compile the measured peak {compiled_peak:,} B plus {resident:,} B resident "
+                            f"exceeds the device memory limit {limit.limit_bytes:,} B")
     return Validated(
         plan_id=plan_id(plan),
         passed=not problems,

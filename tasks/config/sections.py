@@ -380,6 +380,9 @@ class ValidateConfig(Section):
         ge=0,
         description="Measured peak (tensor bytes allocated during the step) may exceed the budget by this fraction.",
     )
+    compile_backend: str = Field("inductor", min_length=1, max_length=100, description=(
+        "torch.compile's backend for the compiled check of a policy plan solved with `options = { compiled = true "
+        "}`: its peak under torch.compile must be within the budget too (docs/training.md, torch.compile)."))
 
 
 class PublishConfig(Section):

@@ -313,6 +313,89 @@ def test_a_policy_plan_is_validated_the_way_it_runs(tmp_path, monkeypatch):
     assert not any(r.startswith(("loss", "grad:")) for r in validation.reasons), validation.reasons
 
 
+def _scratch_backend(extra_bytes: int) -> str:
+    """A torch.compile backend name: aot_eager, whose compiled forward also holds `extra_bytes` of scratch while it
+    runs (a compiler that keeps more than another)."""
+    from torch._dynamo import list_backends, register_backend
+    from torch._dynamo.backends.debugging import aot_eager
+
+    name = f"memplan_test_scratch_{extra_bytes}"
+    if name not in list_backends(exclude_tags=()):
+        def backend(gm, example_inputs, **kwargs):
+            compiled = aot_eager(gm, example_inputs, **kwargs)
+
+            def run(*args):
+                scratch = torch.empty(extra_bytes, dtype=torch.uint8)
+                out = compiled(*args)
+                del scratch
+                return out
+            return run
+
+        register_backend(backend, name=name)
+    return name
+
+
+def test_a_compiled_policy_plan_is_validated_under_torch_compile_too(tmp_path, monkeypatch):
+    """A policy plan solved with `compiled = true` (provenance `compiled`) is measured under torch.compile as well:
+    validation records that peak (the same bytes `runtime.compiled_peak` measures) and passes the plan where it is
+    within the budget; a compiler that holds more (a backend with scratch as large as the budget) fails the same
+    plan, naming the compiled check, while its eager peak still passes."""
+    from runtime.compiled_peak import compiled_peak
+    from runtime.plan import graph_provenance
+    from tasks.config import ModelConfig, ValidateConfig
+    from tasks.models import build_batch, build_loss, build_model
+    from tasks.solve import solve
+    from tasks.solve.core.problem import Problem
+    from tasks.solve.core.simulator import default_schedule, simulate
+    from tasks.trace import capture_model
+    from tasks.validate import validate_alone
+
+    (tmp_path / "blocknet.py").write_text(BLOCKNET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ModelConfig.model_validate({"name": "blocknet", "factory": "blocknet:BlockNet",
+                                       "inputs": [{"shape": [64]}, {"shape": [], "dtype": "int64", "high": 8}]})
+    graph = capture_model(spec, 128, "cpu", 0, "policy")
+    problem = Problem.from_graph(graph)
+    solution = solve(problem, "selective-policy", int(0.7 * simulate(problem, default_schedule(problem)).peak_bytes))
+    plan = solution.to_plan(problem)
+    plan.provenance.update(graph_provenance(graph))
+    plan.provenance["compiled"] = True
+    batch = build_batch(spec, 128, seed=0, device="cpu")
+    compiled = compiled_peak(plan, build_model(spec, seed=0), build_loss(spec), batch, graph=graph, backend="aot_eager")
+    plan.provenance["budget_bytes"] = max(plan.provenance["budget_bytes"], compiled)
+    settings = ValidateConfig(steps=1, max_steps=1, warmup=0, compile_backend="aot_eager")
+    within = validate_alone(plan, spec, 128, "cpu", 0, settings, graph=graph)
+    assert within.passed, within.reasons
+    assert within.compiled_peak_bytes == compiled
+    padded = settings.model_copy(update={"compile_backend": _scratch_backend(plan.provenance["budget_bytes"])})
+    over = validate_alone(plan, spec, 128, "cpu", 0, padded, graph=graph)
+    budget = plan.provenance["budget_bytes"]
+    assert over.compiled_peak_bytes > 1.05 * budget >= over.measured_peak_bytes
+    assert [r for r in over.reasons if not r.startswith("under torch.compile (backend 'memplan_test_scratch")] == []
+    assert "plan with the measured search (tasks.compiled_search)" in over.reasons[0]
+
+
+def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
+    """`options = { compiled = true }` is recorded in the plan's provenance, which validation reads."""
+    from runtime.plan import Plan
+    from tasks.config import Budget, ModelConfig, PlanSettings
+    from tasks.profile import ProfileSettings, profile_graph
+    from tasks.solve_stage import solve_case
+    from tasks.trace import capture_model
+
+    (tmp_path / "blocknet.py").write_text(BLOCKNET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ModelConfig.model_validate({"name": "blocknet", "factory": "blocknet:BlockNet",
+                                       "inputs": [{"shape": [64]}, {"shape": [], "dtype": "int64", "high": 8}]})
+    graph = capture_model(spec, 128, "cpu", 0, "policy")
+    graph.save(tmp_path / "graph.json")
+    profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    for params, marked in (({"compiled": True}, True), ({}, False)):
+        solve_case(tmp_path / "graph.json", "selective-policy", Budget(fraction=0.7),
+                   PlanSettings(form="policy", params=params), "cpu", str(tmp_path), str(tmp_path / "plan.json"))
+        assert Plan.load(tmp_path / "plan.json").provenance.get("compiled", False) is marked
+
+
 def test_the_prediction_bounds_a_policy_plans_measured_peak():
     from tasks.validate import prediction_problem
 

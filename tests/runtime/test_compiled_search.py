@@ -110,3 +110,23 @@ def test_the_search_under_torch_compile(gpt2):
     best = result.best
     assert best is not None and best.measured_peak <= budget
     assert measure(best.solution) == best.measured_peak                  # the measurement repeats
+
+
+def test_a_plan_updating_inside_the_step_is_measured_with_its_optimizer(gpt2):
+    """With `optimizer=`, the copy under the plan updates its parameters inside the compiled step (the optimizer
+    is made over the copy): the model measured is left as it was, and the measurement repeats."""
+    model, loss_fn, batch, graph, problem, whole = gpt2
+    before = copy.deepcopy(model.state_dict())
+    plan = solve(problem, "selective-policy", whole, COMPILED).to_plan(problem)
+    plan.provenance.update(graph_provenance(graph))
+    made = []
+
+    def adamw(replica):
+        made.append(torch.optim.AdamW(replica.parameters(), lr=0.01))
+        return made[-1]
+
+    peak = compiled_peak(plan, model, loss_fn, batch, graph=graph, backend="aot_eager", optimizer=adamw)
+    assert peak == compiled_peak(plan, model, loss_fn, batch, graph=graph, backend="aot_eager", optimizer=adamw)
+    assert all(made[0].state[p]["step"] == 2 for p in made[0].param_groups[0]["params"])    # two steps, each updated
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
