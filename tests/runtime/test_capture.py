@@ -90,9 +90,9 @@ def test_capture_is_deterministic_and_leaves_the_model_alone(captured):
 def test_capture_allocates_nothing_so_a_step_larger_than_the_device_is_captured(captured):
     """Capture traces on fake tensors: it allocates under a twentieth of what eager's step allocates (the
     allocator's peak), and captures the same graph; so does the policy form's capture, whose eager step that
-    labels the backward's autograd Nodes runs on fake tensors too. (`aot_export_module` traces the joint graph again on the
-    tensors it is given, and on real ones that ran the whole step: eager's memory, so a step that needed a plan
-    to fit its GPU could not be captured there.)"""
+    labels the backward's autograd Nodes runs on fake tensors too. (`aot_export_module` traces the joint graph
+    again on the tensors it is given, and on real ones that ran the whole step: eager's memory, so a step that
+    needed a plan to fit its GPU could not be captured there.)"""
     model, loss_fn, batch, graph = captured("gpt2")
     with PeakMeter("cpu", allocator=True) as eager:
         loss_fn(model, *batch).backward()
