@@ -101,7 +101,6 @@ PLANNED_LOSS = functools.partial(autocast_loss, causal_lm, torch.bfloat16)
 @dataclass
 class Point:
     label: str
-    kind: str                                   # "pytorch" or "memplan"
     peak: int | None = None                     # bytes; None: out of memory
     ms: float | None = None
     max_abs: float | None = None
@@ -147,10 +146,11 @@ def release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_point(point: Point, model, step, device: str, rounds: int, reference: list[torch.Tensor] | None
-              ) -> list[torch.Tensor] | None:
-    """Fill `point`'s peak, time and gradient error from a warm step, a measured step and `rounds` timed
-    steps; its gradients (on the CPU), or None when it ran out of memory."""
+def run_point(point: Point, model, step, device: str, rounds: int, reference: list[torch.Tensor] | None,
+              keep: bool = False) -> list[torch.Tensor] | None:
+    """Fill `point`'s peak, time and gradient error against `reference` from a warm step, a measured step and
+    `rounds` timed steps; with `keep`, return its gradients (on the CPU; None when it ran out of memory). The
+    gradients are copied off the device only when compared or kept."""
     try:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
@@ -159,7 +159,7 @@ def run_point(point: Point, model, step, device: str, rounds: int, reference: li
         torch.manual_seed(1)
         with PeakMeter(device, allocator=True) as meter:
             step()
-        grads = [p.grad.detach().float().cpu() for p in model.parameters()]
+        grads = [p.grad.detach().float().cpu() for p in model.parameters()] if keep or reference is not None else None
         times = []
         for _ in range(rounds):
             model.zero_grad(set_to_none=True)
@@ -180,7 +180,7 @@ def run_point(point: Point, model, step, device: str, rounds: int, reference: li
         norm = sum(float(r.pow(2).sum(dtype=torch.float64)) for r in reference)
         point.max_abs = max(float((g - r).abs().max()) for g, r in zip(grads, reference))
         point.rel_l2 = math.sqrt(diff / norm) if norm else 0.0
-    return grads
+    return grads if keep else None
 
 
 @contextlib.contextmanager
@@ -219,7 +219,7 @@ def switched(model, loss, batch, context):
 def peak_at(model, vocab: int, seq: int, batch_size: int, device: str) -> int | None:
     """Eager's step peak at `batch_size` (the second step's), or None if it runs out of memory."""
     batch = (torch.randint(0, vocab, (batch_size, seq), device=device),)
-    point = Point("eager", "pytorch")
+    point = Point("eager")
     run_point(point, model, lambda: user_loss(model, *batch).backward(), device, 0, None)
     return point.peak
 
@@ -250,15 +250,15 @@ def section(name: str, model, vocab: int, seq: int, batch_size: int, fit_bytes: 
     def measure(point: Point, step) -> None:
         nonlocal reference
         out.points.append(point)
-        grads = run_point(point, model, step, device, args.rounds, reference)
+        grads = run_point(point, model, step, device, args.rounds, reference, keep=point.label == reference_label)
         if point.label == reference_label:
             reference = grads
         measured = "" if point.peak is None else f"peak {point.peak / MIB:.0f} MiB, {point.ms:.1f} ms "
         print(f"  {point.label}: {measured}{point.note}", flush=True)
 
-    measure(Point("eager", "pytorch"), lambda: user_loss(model, *batch).backward())
-    measure(Point("checkpoint per block", "pytorch"), switched(model, user_loss, batch, per_block_checkpointing))
-    measure(Point("selective checkpoint (torchtitan)", "pytorch"), switched(model, user_loss, batch, torchtitan_sac))
+    measure(Point("eager"), lambda: user_loss(model, *batch).backward())
+    measure(Point("checkpoint per block"), switched(model, user_loss, batch, per_block_checkpointing))
+    measure(Point("selective checkpoint (torchtitan)"), switched(model, user_loss, batch, torchtitan_sac))
 
     start = time.perf_counter()
     graph = runtime.capture(model, PLANNED_LOSS, batch)
@@ -280,11 +280,11 @@ def section(name: str, model, vocab: int, seq: int, batch_size: int, fit_bytes: 
             sol = solve(problem, solver_name, int(fraction * fit_bytes), options)
             plan_s = time.perf_counter() - start
             if not sol.feasible:
-                out.points.append(Point(label, "memplan", plan_s=plan_s, note="no plan at this budget"))
+                out.points.append(Point(label, plan_s=plan_s, note="no plan at this budget"))
                 print(f"  {label}: infeasible ({plan_s:.1f} s)", flush=True)
                 continue
             step = runtime.load(sol.to_plan(problem), model, PLANNED_LOSS, graph=graph)
-            measure(Point(label, "memplan", predicted_peak=sol.predicted_peak_bytes, predicted_ms=sol.objective,
+            measure(Point(label, predicted_peak=sol.predicted_peak_bytes, predicted_ms=sol.objective,
                           plan_s=plan_s), lambda: step(*batch))
 
     def compiled() -> None:
@@ -295,7 +295,7 @@ def section(name: str, model, vocab: int, seq: int, batch_size: int, fit_bytes: 
                 continue
             fn = torch.compile(model, backend=budget_backend(budget, "inductor"))
             start = time.perf_counter()
-            measure(Point(label, "pytorch"), lambda: user_loss(fn, *batch).backward())
+            measure(Point(label), lambda: user_loss(fn, *batch).backward())
             out.points[-1].plan_s = time.perf_counter() - start      # compiling, measuring and timing
             torch.compiler.reset()
             release(device)
