@@ -106,6 +106,13 @@ class OpGraph:
         """Nodes that may draw random numbers, as recorded at capture (`runtime.facts`)."""
         return list(self._fact("random_nodes"))
 
+    def recorded_random_nodes(self) -> list[int]:
+        """`random_nodes` where the graph records them, else those of its captured program (none for a graph loaded
+        from JSON that predates the fact): one answer for a captured graph and the same graph loaded again."""
+        if "random_nodes" in self.meta:
+            return self.random_nodes()
+        return sorted(getattr(self.program, "random_devices", None) or {})
+
     def in_place_nodes(self, device: str) -> set[int]:
         """Nodes whose default implementation arena mode writes in place on `device`, as recorded at capture."""
         return set(self._fact("in_place")[backend(device)])

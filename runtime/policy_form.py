@@ -99,12 +99,11 @@ class Regions:
         `Problem.from_graph` does (`held_reads`), with the recorded modules in `split` split into their parts
         (`Regions.split`) and those in `nest` nested (`Regions.nest`)."""
         n = len(graph.nodes)
-        random = getattr(graph.program, "random_devices", {}) or {}
         reads = held_reads([x.phase for x in graph.nodes], [x.inputs for x in graph.nodes],
                            [x.outputs for x in graph.nodes], graph.meta.get("autograd_nodes") or [None] * n)
         return cls(tuple(range(n)), tuple(reads), tuple(x.outputs for x in graph.nodes),
                    frozenset(x.id for x in graph.nodes if x.phase == "backward"),
-                   tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(int(k) for k in random),
+                   tuple(graph.meta.get("node_modules") or (None,) * n), frozenset(graph.recorded_random_nodes()),
                    frozenset(x.id for x in graph.nodes if sum(graph.values[v].bytes for v in x.outputs) > 0),
                    tuple(graph.meta.get("autograd_nodes") or ()),
                    tuple(graph.meta.get("node_parts") or (None,) * n)).split(split).nest(nest)

@@ -72,10 +72,12 @@ def test_olla_order_and_addresses_train_like_eager(captured, helpers, name):
 def test_random_nodes_of_a_graph_loaded_from_json_are_the_captured_ones(captured):
     from runtime.graph import OpGraph
     from runtime.ops import random_nodes
+    from runtime.policy_form import Regions
 
     *_, graph = captured("gpt2")
     loaded = OpGraph.from_json(graph.to_json())
     assert random_nodes(loaded) == sorted(graph.program.random_devices) != []
     assert loaded.random_nodes() == random_nodes(loaded)
-    assert Problem.from_graph(loaded, random_nodes=random_nodes(loaded)).random_nodes == \
-        Problem.from_graph(graph).random_nodes
+    assert Problem.from_graph(loaded).random_nodes == Problem.from_graph(graph).random_nodes == \
+        tuple(random_nodes(loaded))
+    assert Regions.of_graph(loaded) == Regions.of_graph(graph)       # the policy form reads a plan the same way

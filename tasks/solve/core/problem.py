@@ -230,7 +230,7 @@ class Problem:
         profile store (a `tasks.store_query.CostTable`, whose `.variants[node][impl]` prices the variants).
         Without `costs`, every node costs 1 and each workspace is the variant's analytic one (0 for the
         default). `variants` is a `runtime.variants.GraphVariants` of the graph (None: no variants);
-        `random_nodes` (None: those of the captured program, none for a graph loaded from JSON). With
+        `random_nodes` (None: those the graph recorded at capture, `OpGraph.recorded_random_nodes`). With
         costs, a variant the profile did not measure is left out (it has no price)."""
         n = len(graph.nodes)
         if costs is None:
@@ -257,8 +257,8 @@ class Problem:
                                   (float(measured[s.name].time_ms), int(measured[s.name].workspace_bytes))),
                         s.inputs, s.outputs, s.overwrites)
                 for s in specs if costs is None or s.name in measured))
-        if random_nodes is None:                 # a captured graph knows them; pass them for a loaded one
-            random_nodes = getattr(graph.program, "random_devices", {})
+        if random_nodes is None:
+            random_nodes = graph.recorded_random_nodes()
         return cls(
             name=str(graph.meta.get("model", "graph")),
             cost=cost,
