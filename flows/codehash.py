@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runtime", "tasks", "flows")
 
 STAGE_MODULES = {"profile": ("tasks.profile", "tasks.trace"), "reference": ("tasks.reference",),
-                 "solve": ("tasks.solve_stage",), "validate": ("tasks.validate",)}
+                 "solve": ("tasks.solve_stage",), "validate": ("tasks.validate",),
+                 "compiled_search": ("tasks.compiled_cell",)}
 """The modules each cached stage runs (flows/steps.py keys each stage by their closure)."""
 
 _PARSING = threading.Lock()

@@ -1,6 +1,7 @@
 """The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
-batch size) -> solve (mapped over the matrix) -> validate (and, for `max_overhead` cells, the walk along the
-search's ladder by measured overhead: flows/refine.py) -> publish, plus the run's artifacts. Plans in the
+batch size) -> solve (mapped over the matrix) -> for compiled policy cells, the measured search by peaks under
+torch.compile (tasks/compiled_cell.py) -> validate (and, for `max_overhead` cells, the walk along the search's
+ladder by measured overhead: flows/refine.py) -> publish, plus the run's artifacts. Plans in the
 policy form are solved on the step as eager PyTorch runs it (`runtime.policy.capture_eager`), which the trace
 and profile stages capture and measure too for their models; the others on the executor's graph. `run_plan`
 is the entry point the CLI and tests use."""
@@ -19,8 +20,8 @@ from prefect import flow, unmapped
 from flows.preflight import check_locations
 from flows.refine import PlanToValidate, Validate, measured_choices
 from flows.report import Outcome, create_artifacts
-from flows.steps import (forget_captured, profile_step, publish_step, reference_step, solve_step, trace_step,
-                         validate_step)
+from flows.steps import (compiled_search_step, forget_captured, profile_step, publish_step, reference_step, solve_step,
+                         trace_step, validate_step)
 from tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
                           graph_forms, load_config)
 from tasks.memory_limit import memory_limit
@@ -89,6 +90,7 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
                 solved = runner.map(solve_step.with_options(**rerun), cells)
             solutions = [future.result() for future in solved]   # no solver competes with the timed steps
             solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
+            solutions = compiled_searches(cases, solutions, cells, config, device, rerun)
             floors = least_known_budgets(cases, solutions)
             validate = functools.partial(validate_groups, config=config, device=device, references=references,
                                          rerun=rerun, runner=runner)
@@ -148,6 +150,26 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
     if not solved.feasible or Path(solved.plan_path).exists():
         return solved
     return solve_step.with_options(refresh_cache=True)(**cell)
+
+
+def compiled_searches(cases: list[Case], solutions: list[Solved], cells: dict[str, Any], config: PipelineConfig,
+                      device: str, rerun: dict[str, Any]) -> list[Solved]:
+    """The solutions with each compiled policy cell's replaced by its measured search's (`compiled_search_step`,
+    tasks/compiled_cell.py): a `selective-policy` plan in the policy form with `options = { compiled = true }` at a
+    budget in bytes or as a fraction (a `max_overhead` cell walks its ladder instead), unless `[validate]
+    compile_probes = 0`. One cell after another in this process, before any validation: each measures peaks. A
+    cached search whose plan file is gone (a cleaned cache folder) searches again."""
+    searched = list(solutions)
+    for i, (case, solved) in enumerate(zip(cases, solutions)):
+        settings = cells["settings"][i]
+        if (settings.form == "policy" and settings.params.get("compiled") is True and case.budget.max_overhead is None
+                and config.validation.compile_probes > 0):
+            arguments = (solved, cells["traced"][i], cells["profile"][i], settings, case.model, case.batch_size, device,
+                         config.seed, config.validation, config.store, config.cache_dir, case.alias)
+            searched[i] = compiled_search_step.with_options(**rerun)(*arguments)
+            if searched[i].feasible and not Path(searched[i].plan_path).exists():
+                searched[i] = compiled_search_step.with_options(refresh_cache=True)(*arguments)
+    return searched
 
 
 References = dict[tuple[str, int], Referenced]
@@ -253,7 +275,8 @@ def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation
                   floor: KnownFloor | None, eager_peak: int, walk: str = "") -> Outcome:
     """Publish one cell's plan when its `validation` passed; `floor` is the least budget the run knows feasible
     for the cell's model and batch size, `eager_peak` eager PyTorch's measured peak there, `walk` what the
-    measured walk of a `max_overhead` cell validated (flows/refine.py)."""
+    measured walk of a `max_overhead` cell validated (flows/refine.py); a published compiled cell's message says what
+    its measured search measured (tasks/compiled_cell.py)."""
     if validation is None:                                  # no schedule: nothing was validated
         return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
                           least_feasible_bytes=None if floor is None else floor.bytes, eager_peak_bytes=eager_peak)
@@ -261,7 +284,7 @@ def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation
         return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
     published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,
                              case.batch_size, case.budget.label)
-    return Outcome.of(case, solved, validation, published, message=walk)
+    return Outcome.of(case, solved, validation, published, message=walk or solved.measured_search)
 
 
 def infeasible_message(case: Case, solved: Solved, floor: KnownFloor | None = None) -> str:

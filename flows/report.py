@@ -21,8 +21,9 @@ class Outcome:
     """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget on this
     device; `least_feasible_bytes` is the least budget the run knows is feasible) or rejected (failed
     validation); `message` says why for the last two, and for a published `max_overhead` cell what its measured
-    walk validated (flows/refine.py). `overhead_vs_no_recompute`: the measured overhead the limit is about,
-    against the no-recomputation plan timed in the same rounds. `arena_peak_bytes`: the measured peak in arena mode,
+    walk validated (flows/refine.py), for a published compiled cell what its measured search measured
+    (tasks/compiled_cell.py). `overhead_vs_no_recompute`: the measured overhead the limit is about, against the
+    no-recomputation plan timed in the same rounds. `arena_peak_bytes`: the measured peak in arena mode,
     for plans with addresses; `compiled_peak_bytes`: under torch.compile, for policy plans solved compiled.
     `reference`: the step validation compared the plan with (eager, or where eager does not fit `device_memory`
     the first that does, down to the host's: tasks/fitting_reference.py). `form`: how the plan runs, "executor"

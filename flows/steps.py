@@ -156,6 +156,33 @@ def solve_step(traced: Traced, profile: Profiled, solver: str, budget: Budget, s
     return solve_case(_existing(traced.path, "trace"), solver, budget, settings, profile.device, store, plan_path)
 
 
+# -- measured search of compiled cells ---------------------------------------------------------------
+
+
+def _compiled_search_key(context: Any, p: Mapping[str, Any]) -> str:
+    return content_key("compiled-search", p["traced"].fingerprint, p["profile"].run_id, p["solved"].plan_id,
+                       p["solved"].budget_bytes, p["settings"], p["model"].content_hash(p["batch_size"]), p["device"],
+                       p["seed"], p["validate"].compile_backend, p["validate"].compile_probes, _torch_version(),
+                       code_hash("compiled_search"))
+
+
+@task(name="compiled-search", cache_key_fn=_compiled_search_key, task_run_name="compiled search {alias}",
+      **PERSISTED, **HOOKS)
+def compiled_search_step(solved: Solved, traced: Traced, profile: Profiled, settings: PlanSettings, model: ModelConfig,
+                         batch_size: int, device: str, seed: int, validate: ValidateConfig, store: str, cache_dir: str,
+                         alias: str) -> Solved:
+    """The measured search of a compiled policy cell (tasks/compiled_cell.py): `solved` replaced by the cheapest plan
+    whose peak under torch.compile, measured, fits its budget; the plan lands in `cache_dir/solutions/`."""
+    from tasks.compiled_cell import search_cell
+
+    key = _compiled_search_key(None, dict(traced=traced, profile=profile, solved=solved, settings=settings,
+                                          model=model, batch_size=batch_size, device=device, seed=seed,
+                                          validate=validate))
+    plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-compiled-{key[16:32]}.json")
+    return search_cell(_existing(traced.path, "trace"), solved, settings, model, batch_size, device, profile.device,
+                       seed, store, validate, plan_path)
+
+
 # -- validate ----------------------------------------------------------------------------------------
 
 

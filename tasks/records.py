@@ -93,7 +93,8 @@ class Solved(Record):
     """A solver's answer for one matrix cell, with the numbers the report needs. A `max_overhead` cell also
     carries its `candidates` (the ladder, most memory first, the predicted choice among them) and the
     no-recomputation plan its measured overhead is taken against (`no_recompute_path`, none in the policy
-    form, whose no-recomputation step is eager PyTorch's)."""
+    form, whose no-recomputation step is eager PyTorch's). A compiled policy cell's `measured_search` says what its
+    search by peaks under torch.compile measured and chose (tasks/compiled_cell.py; empty where none ran)."""
 
     solver: str
     status: str
@@ -117,6 +118,7 @@ class Solved(Record):
     candidates: list[Candidate] = []
     no_recompute_path: str | None = None
     no_recompute_id: str | None = None
+    measured_search: str = ""
 
 
 class Validated(Record):

@@ -101,10 +101,9 @@ def in_place_steps(loaded: LoadedProblem, schedule: list) -> np.ndarray | None:
     return np.array([s.get("compute") in nodes and "impl" not in s for s in steps], dtype=bool)
 
 
-def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: PlanSettings, device: str, store: str,
-               plan_path: str) -> Solved:
-    """Solve one cell of the pipeline matrix with the plan's `settings` against the graph's newest complete
-    profile on `device`; when the solver finds a schedule, write its plan to `plan_path`."""
+def load_cell_problem(graph_path: str | Path, settings: PlanSettings, device: str, store: str) -> LoadedProblem:
+    """The problem a cell with the plan's `settings` is solved on: the graph priced by its newest complete profile on
+    `device`, with the optimizer inside the step and DDP's buckets where the settings ask for them."""
     loaded = load_problem(graph_path, device=device, store=store, variants=settings.variants)
     if settings.optimizer != "none":
         foreach = backend(device) == "CUDA"            # torch.optim's default kernels there
@@ -112,6 +111,14 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
                                                  foreach, each_alone=settings.form == "policy"))
     if settings.ddp_bucket_mb is not None:
         loaded = replace(loaded, problem=under_ddp(loaded.problem, loaded.graph.gradient_updates(), settings.ddp_bucket_mb))
+    return loaded
+
+
+def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: PlanSettings, device: str, store: str,
+               plan_path: str) -> Solved:
+    """Solve one cell of the pipeline matrix with the plan's `settings` against the graph's newest complete
+    profile on `device`; when the solver finds a schedule, write its plan to `plan_path`."""
+    loaded = load_cell_problem(graph_path, settings, device, store)
     options = settings.solve_options()
     candidates, baseline = [], None
     if budget.max_overhead is not None:
@@ -125,7 +132,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
     smallest = None
     if solution.feasible:
         plan = plan_of(loaded, solution, device)
-        _annotate(plan, budget, settings)
+        annotate(plan, budget, settings)
         plan.save(plan_path)
         if budget.max_overhead is not None:
             candidates, baseline = write_ladder(loaded, ladder, eager, budget, settings, device, plan_path, plan)
@@ -158,7 +165,7 @@ def solve_case(graph_path: str | Path, solver: str, budget: Budget, settings: Pl
     )
 
 
-def _annotate(plan: Plan, budget: Budget, settings: PlanSettings) -> None:
+def annotate(plan: Plan, budget: Budget, settings: PlanSettings) -> None:
     """Record the cell's overhead limit, optimizer inside the step, DDP buckets, form and whether the model trains
     compiled (`selective-policy`'s `compiled` option, which validation checks under torch.compile) in the plan's
     provenance."""
@@ -183,7 +190,7 @@ def write_ladder(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budge
     if settings.form == "policy":
         return candidates, None
     baseline = plan_of(loaded, solve(loaded.problem, "checkpoint-all", eager.peak_bytes), device)
-    _annotate(baseline, Budget(fraction=1.0), settings)
+    annotate(baseline, Budget(fraction=1.0), settings)
     baseline.save(no_recompute_path(plan_path))
     return candidates, baseline
 
@@ -201,7 +208,7 @@ def _candidates(loaded: LoadedProblem, ladder: Ladder, eager: Simulation, budget
         else:
             plan = plan_of(loaded, place_addresses(loaded, solution, settings.solve_options(), settings.addresses),
                            device)
-            _annotate(plan, budget, settings)
+            annotate(plan, budget, settings)
             path = rung_path(plan_path, index)
             plan.save(path)
         candidates.append(Candidate(plan_path=path, plan_id=plan_id(plan), budget_bytes=solution.budget_bytes,

@@ -383,6 +383,10 @@ class ValidateConfig(Section):
     compile_backend: str = Field("inductor", min_length=1, max_length=100, description=(
         "torch.compile's backend for the compiled check of a policy plan solved with `options = { compiled = true "
         "}`: its peak under torch.compile must be within the budget too (docs/training.md, torch.compile)."))
+    compile_probes: int = Field(6, ge=0, le=64, description=(
+        "Plans of such a cell (a budget in bytes or as a fraction) measured under torch.compile by the measured search "
+        "(tasks/compiled_cell.py), which publishes the cheapest whose compiled peak fits the budget; 0: solve at the "
+        "budget and only check."))
 
 
 class PublishConfig(Section):

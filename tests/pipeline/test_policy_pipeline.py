@@ -63,8 +63,10 @@ repeats = 1
 steps = 1
 max_steps = 1
 warmup = 0
+compile_backend = "aot_eager"
 '''
-"""A pipeline.toml on BlockNet with one profiling call and one timed step: `top` level keys and `plans` tables."""
+"""A pipeline.toml on BlockNet with one profiling call and one timed step (plans solved compiled measured under
+aot_eager): `top` level keys and `plans` tables."""
 
 PLANS = '''
 [[plans]]
@@ -74,6 +76,11 @@ budgets = [0.7, 0.1]
 [[plans]]
 solver = "checkpoint-all"
 budgets = [1.0]
+
+[[plans]]
+solver = "selective-policy"
+budgets = [0.75]
+options = { compiled = true }
 '''
 
 LINEAR = {"name": "linear", "factory": "torch.nn:Linear", "kwargs": {"in_features": 4, "out_features": 3},
@@ -188,7 +195,8 @@ def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
     assert {o["alias"]: (o["form"], o["status"]) for o in outcomes} == {
         "blocknet-b128-selective-policy-70pct": ("policy", "published"),
         "blocknet-b128-selective-policy-10pct": ("policy", "infeasible"),
-        "blocknet-b128-checkpoint-all-100pct": ("executor", "published")}
+        "blocknet-b128-checkpoint-all-100pct": ("executor", "published"),
+        "blocknet-b128-selective-policy-75pct": ("policy", "published")}
     policy = Plan.load(folder / "plans" / "blocknet-b128-selective-policy-70pct.json")
     executor = Plan.load(folder / "plans" / "blocknet-b128-checkpoint-all-100pct.json")
     assert (policy.provenance["form"], policy.provenance["capture"]) == ("policy", "eager")
@@ -203,6 +211,21 @@ def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
     assert rows["blocknet-b128-checkpoint-all-100pct"]["form"] == "executor"
     row = rows["blocknet-b128-selective-policy-70pct"]
     assert row["measured_peak_bytes"] <= 1.05 * row["budget_bytes"] and row["predicted_peak_bytes"] <= row["budget_bytes"]
+
+
+def test_a_compiled_cell_is_published_by_its_measured_search(project):
+    """The pipeline runs the measured search for a cell solved compiled, between solve and validation: the published
+    plan is the search's, its compiled peak (validation's, measured again) within the budget."""
+    from runtime.plan import Plan
+
+    folder, outcomes = project
+    outcome = next(o for o in outcomes if o["alias"] == "blocknet-b128-selective-policy-75pct")
+    plan = Plan.load(folder / "plans" / "blocknet-b128-selective-policy-75pct.json")
+    search = plan.provenance["compiled_search"]
+    assert outcome["compiled_peak_bytes"] == search["compiled_peak_bytes"] <= outcome["budget_bytes"]
+    assert search["backend"] == "aot_eager" and 1 <= search["plans_measured"] <= 6
+    assert plan.provenance["budget_bytes"] == outcome["budget_bytes"] and plan.provenance["compiled"] is True
+    assert outcome["message"].startswith("measured search under torch.compile (backend 'aot_eager'")
 
 
 def test_an_infeasible_policy_cell_cites_the_least_budget_its_own_solver_reaches(project):
@@ -314,24 +337,23 @@ def test_a_policy_plan_is_validated_the_way_it_runs(tmp_path, monkeypatch):
 
 
 def _scratch_backend(extra_bytes: int) -> str:
-    """A torch.compile backend name: aot_eager, whose compiled forward also holds `extra_bytes` of scratch while it
-    runs (a compiler that keeps more than another)."""
+    """A torch.compile backend name: aot_eager, whose compiled forward and backward each also hold `extra_bytes` of
+    scratch while they run (a compiler that keeps more than another)."""
     from torch._dynamo import list_backends, register_backend
-    from torch._dynamo.backends.debugging import aot_eager
+    from torch._dynamo.backends.common import aot_autograd
+
+    def holding(gm, example_inputs):
+        def run(args):
+            scratch = torch.empty(extra_bytes, dtype=torch.uint8)
+            out = torch.fx.Interpreter(gm).boxed_run(args)       # aot_eager's boxed_nop, which frees inputs early
+            del scratch
+            return out
+        run._boxed_call = True
+        return run
 
     name = f"memplan_test_scratch_{extra_bytes}"
     if name not in list_backends(exclude_tags=()):
-        def backend(gm, example_inputs, **kwargs):
-            compiled = aot_eager(gm, example_inputs, **kwargs)
-
-            def run(*args):
-                scratch = torch.empty(extra_bytes, dtype=torch.uint8)
-                out = compiled(*args)
-                del scratch
-                return out
-            return run
-
-        register_backend(backend, name=name)
+        register_backend(aot_autograd(fw_compiler=holding, bw_compiler=holding), name=name)
     return name
 
 
@@ -394,6 +416,64 @@ def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
         solve_case(tmp_path / "graph.json", "selective-policy", Budget(fraction=0.7),
                    PlanSettings(form="policy", params=params), "cpu", str(tmp_path), str(tmp_path / "plan.json"))
         assert Plan.load(tmp_path / "plan.json").provenance.get("compiled", False) is marked
+
+
+def test_a_compiled_cell_is_planned_by_its_measured_compiled_peak(tmp_path, monkeypatch):
+    """A compiled cell's measured search (tasks/compiled_cell.py) answers to the compiler the model trains with.
+    Under a compiler that holds scratch while the forward runs, the plan solved at the budget measures over it; the
+    search's plan measures within it (measured again here), recomputes more, records what the search measured, and
+    passes validation under that compiler, where its eager peak is judged by its prediction."""
+    from runtime.compiled_peak import compiled_peak
+    from runtime.graph import OpGraph
+    from runtime.plan import Plan, graph_provenance
+    from runtime.policy_form import Regions, policy_schedule
+    from tasks.compiled_cell import search_cell
+    from tasks.compiled_search import COMPILED
+    from tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
+    from tasks.models import build_batch, build_loss, build_model
+    from tasks.profile import ProfileSettings, profile_graph
+    from tasks.solve import solve
+    from tasks.solve.core.problem import Problem
+    from tasks.solve.core.simulator import simulate
+    from tasks.solve_stage import solve_case
+    from tasks.trace import capture_model
+    from tasks.validate import validate_alone
+
+    (tmp_path / "blocknet.py").write_text(BLOCKNET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ModelConfig.model_validate({"name": "blocknet", "factory": "blocknet:BlockNet",
+                                       "inputs": [{"shape": [64]}, {"shape": [], "dtype": "int64", "high": 8}]})
+    graph = capture_model(spec, 128, "cpu", 0, "policy")
+    graph.save(tmp_path / "graph.json")
+    profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    settings = PlanSettings(form="policy", params={"compiled": True})
+    solved = solve_case(tmp_path / "graph.json", "selective-policy", Budget(fraction=0.9), settings, "cpu",
+                        str(tmp_path), str(tmp_path / "at-budget.json"))
+    at_budget, budget = Plan.load(tmp_path / "at-budget.json"), solved.budget_bytes
+    model, loss_fn, batch = build_model(spec, seed=0), build_loss(spec), build_batch(spec, 128, seed=0, device="cpu")
+    problem = Problem.from_graph(OpGraph.load(tmp_path / "graph.json"))
+    regions = Regions.of_graph(graph)
+    whole = simulate(problem, policy_schedule(regions, {r: frozenset() for r in regions.members})).peak_bytes
+    least = solve(problem, "selective-policy", whole, COMPILED).to_plan(problem)
+    least.provenance.update(graph_provenance(graph))
+    peaks = [compiled_peak(p, model, loss_fn, batch, graph=graph, backend="aot_eager") for p in (at_budget, least)]
+    assert peaks[1] < peaks[0], peaks                   # the graph leaves the search room to go down
+    scratch = _scratch_backend(max(0, budget - (peaks[0] + peaks[1]) // 2))
+    assert compiled_peak(at_budget, model, loss_fn, batch, graph=graph, backend=scratch) > budget
+
+    validate = ValidateConfig(steps=1, max_steps=1, warmup=0, compile_backend=scratch, compile_probes=8)
+    searched = search_cell(tmp_path / "graph.json", solved, settings, spec, 128, "cpu", "cpu", 0, str(tmp_path),
+                           validate, str(tmp_path / "searched.json"))
+    plan = Plan.load(searched.plan_path)
+    measured = compiled_peak(plan, model, loss_fn, batch, graph=graph, backend=scratch)
+    assert measured <= budget and measured == plan.provenance["compiled_search"]["compiled_peak_bytes"]
+    assert searched.feasible and searched.plan_id != solved.plan_id and searched.budget_bytes == budget
+    assert plan.provenance["budget_bytes"] == budget and plan.provenance["compiled"] is True
+    assert searched.measured_search.startswith("measured search under torch.compile")
+    assert f"{measured:,} B" in searched.measured_search
+    validation = validate_alone(plan, spec, 128, "cpu", 0, validate, graph=graph)
+    assert validation.passed, validation.reasons
+    assert validation.compiled_peak_bytes == measured
 
 
 def test_the_prediction_bounds_a_policy_plans_measured_peak():

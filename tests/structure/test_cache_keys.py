@@ -18,6 +18,8 @@ DEPENDENCIES = {
     "reference": ["tasks/reference.py", "tasks/models.py", "tasks/records.py", "runtime/exact.py", "runtime/meter.py"],
     "validate": ["tasks/validate.py", "tasks/reference.py", "tasks/models.py", "tasks/config/schema.py", "runtime/executor.py",
                  "runtime/arena.py", "runtime/capture.py", "runtime/cuda_graph.py"],
+    "compiled_search": ["tasks/compiled_cell.py", "tasks/compiled_search.py", "tasks/solve_stage.py",
+                        "tasks/solve/policy_solver.py", "runtime/compiled_peak.py", "runtime/policy.py", "tasks/models.py"],
 }
 
 
