@@ -206,9 +206,18 @@ def peak_and_grads(model, step, device: str = "cpu"):
 
 def step_times(runs: dict, rounds: int, device: str = "cpu", alternate: bool = False
                ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median wall and process CPU milliseconds of each `(model, step)` run over `rounds` interleaved rounds (the
-    first round warms up), from zero gradients; with `alternate`, the order reversed every other round. CPU time
-    moves less with other jobs on a shared host."""
+    """Median wall and process CPU milliseconds of each `(model, step)` run over `rounds` interleaved rounds
+    (`step_samples`). CPU time moves less with other jobs on a shared host."""
+    samples = step_samples(runs, rounds, device, alternate)
+    return ({k: statistics.median(w for w, _ in v) for k, v in samples.items()},
+            {k: statistics.median(c for _, c in v) for k, v in samples.items()})
+
+
+def step_samples(runs: dict, rounds: int, device: str = "cpu", alternate: bool = False
+                 ) -> dict[str, list[tuple[float, float]]]:
+    """Wall and process CPU milliseconds of each `(model, step)` run in each of `rounds` interleaved rounds (the
+    first round warms up and is not kept), from zero gradients; with `alternate`, the order reversed every other
+    round."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
     labels = list(runs)
@@ -222,8 +231,7 @@ def step_times(runs: dict, rounds: int, device: str = "cpu", alternate: bool = F
             sync()
             if i:
                 samples[k].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
-    return ({k: statistics.median(w for w, _ in v) for k, v in samples.items()},
-            {k: statistics.median(c for _, c in v) for k, v in samples.items()})
+    return samples
 
 
 def median_ms(runs: dict, rounds: int, device: str = "cpu") -> dict[str, float]:

@@ -1,6 +1,7 @@
 """The policy form (runtime.apply) beside PyTorch's own checkpointing, measured side by side in one run.
 
     .venv/bin/python -m bench.policy_form [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5] [--probes 6]
+        [--peers 'selective checkpoint (torchtitan)' ...] [--no-least]
 
 One model for every row: the GPT-2 of bench/peers.py with transformers' default dropout of 0.1 (6 layers,
 256 wide, seq 256, batch 4), or its Llama-style decoder (`--model llama`: RMSNorm, rotary, SwiGLU, no dropout),
@@ -20,20 +21,22 @@ is the simulator's peak for the plan over eager's measured peak, "predicted time
 over the profile's eager step (the eager PyTorch rows as memplan predicts them: `pytorch_predictions`); "grad
 err" the largest gradient difference from eager (compiled dropout draws its masks differently). The last lines
 name, for each PyTorch row, the memplan rows of its mode that dominate it (peak and time at most its, one
-below).
+below), and for each memplan row of its mode at most at its peak, the median over rounds of the two steps' time
+ratio in the same round, with its 95% interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 import transformers
 
 import runtime
 from bench.peers import (COMPILE_BACKENDS, peak_and_grads, profiled_problem, selective_policy_step,
-                         smallest_fraction, step_times, torchtitan_schedule)
+                         smallest_fraction, step_samples, torchtitan_schedule)
 from runtime.compiled_peak import compiled_peak
 from runtime.plan import graph_provenance
 from runtime.policy import capture_eager
@@ -43,6 +46,7 @@ from tasks.solve import solve
 from tasks.solve.policy_solver import PolicyOptions
 from tasks.solve.core.simulator import default_schedule, simulate
 from tasks.solve.core.solution import SolveOptions
+from tasks.step_timing import median_interval
 
 
 def gpt2():
@@ -114,6 +118,14 @@ def dominated_by(rows: dict, times: dict, label: str, plans: list[str]) -> list[
     return [p for p in plans if rows[p]["peak"] <= peak and times[p] <= spent and (rows[p]["peak"], times[p]) != (peak, spent)]
 
 
+def paired_ratio(samples: dict, plan: str, label: str, clock: int) -> tuple[float, tuple[float, float] | None]:
+    """The median over rounds of `plan`'s step time over row `label`'s in the same round (`clock` 0: wall, 1: process
+    CPU), and that median's distribution-free 95% interval (`tasks.step_timing.median_interval`): a round that the
+    host slows slows both."""
+    ratios = [a[clock] / b[clock] for a, b in zip(samples[plan], samples[label])]
+    return statistics.median(ratios), median_interval(ratios)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
@@ -121,6 +133,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.7])
     parser.add_argument("--probes", type=int, default=6)
+    parser.add_argument("--peers", nargs="*", default=None, help="the PyTorch rows to plan at and time (e.g. "
+                        "'selective checkpoint (torchtitan)'), with eager; default: all four. Fewer rows time more "
+                        "rounds in the same time.")
+    parser.add_argument("--no-least", action="store_true", help="skip the plan at the least peak memplan reaches")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, loss_fn, batch = MODELS[args.model]()
@@ -136,6 +152,11 @@ def main() -> None:
     for label, (sac, step) in selective_policy_step(model, loss_fn, batch).items():
         runs[label] = (sac, step)
         runs[label + ", compiled"] = compiled(sac, loss_fn, batch)
+    if args.peers is not None:
+        unknown = set(args.peers) - set(runs) - {"eager", "eager, compiled"}
+        if unknown:
+            parser.error(f"--peers: unknown rows {sorted(unknown)}; rows: {sorted(set(runs) - {'eager'})}")
+        runs = {k: v for k, v in runs.items() if k == "eager" or k in args.peers}
     peak_and_grads(model, runs["eager"][1])                      # eager's first step takes one-time buffers
     eager_peak, eager_grads = peak_and_grads(model, runs["eager"][1])
     rows = {}
@@ -143,7 +164,7 @@ def main() -> None:
         peak, grads = peak_and_grads(m, step)
         rows[label] = {"peak": peak / eager_peak, "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
     peers = [label for label in runs if not label.startswith("eager")]
-    least = least_fraction(problem, full)
+    least = None if args.no_least else least_fraction(problem, full)
     grid = {f"@ {f:.3f}": round(f * full) for f in [*args.fractions, *([least] if least else [])]}
     budgets = [(name, budget, under_compile) for under_compile in (False, True) for name, budget in grid.items()]
     budgets += [(f"at {label.removesuffix(', compiled')}'s peak", round(rows[label]["peak"] * eager_peak),
@@ -177,7 +198,9 @@ def main() -> None:
             peak, grads = peak_and_grads(*runs[label])
             rows[label] = {"peak": peak / eager_peak,
                            "err": max(float((a - b).abs().max()) for a, b in zip(eager_grads, grads))}
-    times, cpu_times = step_times(runs, args.rounds, alternate=True)
+    samples = step_samples(runs, args.rounds, alternate=True)
+    times = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
+    cpu_times = {k: statistics.median(c for _, c in v) for k, v in samples.items()}
     print(f"eager: {eager_peak / 2**20:.1f} MiB, {times['eager']:.0f} ms a step; no-recomputation peak predicted "
           f"{full / 2**20:.1f} MiB; {torch.get_num_threads()} thread(s), torch {torch.__version__}")
     print("| run | peak / eager | time / eager | CPU time / eager | predicted peak / eager | predicted time | grad err "
@@ -190,10 +213,16 @@ def main() -> None:
               f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | "
               f"{'' if cost is None else f'{cost / problem.cost.sum():.3f}'} | {row['err']:.1e} | {message} |")
     for label in peers:
-        same_mode = [p for p in predicted if p.endswith(", compiled") == label.endswith(", compiled")]
+        same_mode = [p for p in predicted if p.endswith(", compiled") == label.endswith(", compiled") and p in rows]
         for clock, spent in (("wall", times), ("CPU", cpu_times)):
             found = dominated_by(rows, spent, label, same_mode)
             print(f"{label}, {clock} time: dominated by {', '.join(found) or 'no memplan plan'}")
+        for plan in (p for p in same_mode if rows[p]["peak"] <= rows[label]["peak"]):
+            paired = [paired_ratio(samples, plan, label, clock) for clock in (0, 1)]
+            print(f"  {plan}: peak {rows[plan]['peak'] / rows[label]['peak']:.4f}x, time per round "
+                  + ", ".join(f"{clock} {m:.3f}x" + ("" if span is None else f" [{span[0]:.3f}, {span[1]:.3f}]")
+                              for clock, (m, span) in zip(("wall", "CPU"), paired))
+                  + f" of {label}'s (95% interval of the median)")
 
 
 if __name__ == "__main__":
