@@ -213,7 +213,7 @@ def main() -> None:
               f"{'' if pred is None else f'{pred / eager_peak:.4f}'} | "
               f"{'' if cost is None else f'{cost / problem.cost.sum():.3f}'} | {row['err']:.1e} | {message} |")
     for label in peers:
-        same_mode = [p for p in predicted if p.endswith(", compiled") == label.endswith(", compiled") and p in rows]
+        same_mode = [p for p in rows if p.startswith("memplan") and p.endswith(", compiled") == label.endswith(", compiled")]
         for clock, spent in (("wall", times), ("CPU", cpu_times)):
             found = dominated_by(rows, spent, label, same_mode)
             print(f"{label}, {clock} time: dominated by {', '.join(found) or 'no memplan plan'}")

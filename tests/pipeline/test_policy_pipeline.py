@@ -420,9 +420,9 @@ def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
 
 def test_a_compiled_cell_is_planned_by_its_measured_compiled_peak(tmp_path, monkeypatch):
     """A compiled cell's measured search (tasks/compiled_cell.py) answers to the compiler the model trains with.
-    Under a compiler that holds scratch while the forward runs, the plan solved at the budget measures over it; the
-    search's plan measures within it (measured again here), recomputes more, records what the search measured, and
-    passes validation under that compiler, where its eager peak is judged by its prediction."""
+    Under a compiler that holds scratch while the forward and the backward run, the plan solved at the budget
+    measures over it; the search's plan measures within it (measured again here), records what the search measured,
+    and passes validation under that compiler, where its eager peak is judged by its prediction."""
     from runtime.compiled_peak import compiled_peak
     from runtime.graph import OpGraph
     from runtime.plan import Plan, graph_provenance
