@@ -397,12 +397,11 @@ def test_a_compiled_policy_plan_is_validated_under_torch_compile_too(tmp_path, m
     assert "plan with the measured search (tasks.compiled_search)" in over.reasons[0]
 
 
-def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
-    """`options = { compiled = true }` is recorded in the plan's provenance, which validation reads."""
-    from runtime.plan import Plan
-    from tasks.config import Budget, ModelConfig, PlanSettings
+def profiled_blocknet(tmp_path, monkeypatch):
+    """BlockNet's spec and its graph captured for the policy form at batch 128, saved as tmp_path/graph.json and
+    profiled once into the store at tmp_path."""
+    from tasks.config import ModelConfig
     from tasks.profile import ProfileSettings, profile_graph
-    from tasks.solve_stage import solve_case
     from tasks.trace import capture_model
 
     (tmp_path / "blocknet.py").write_text(BLOCKNET)
@@ -412,6 +411,16 @@ def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
     graph = capture_model(spec, 128, "cpu", 0, "policy")
     graph.save(tmp_path / "graph.json")
     profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    return spec, graph
+
+
+def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
+    """`options = { compiled = true }` is recorded in the plan's provenance, which validation reads."""
+    from runtime.plan import Plan
+    from tasks.config import Budget, PlanSettings
+    from tasks.solve_stage import solve_case
+
+    spec, graph = profiled_blocknet(tmp_path, monkeypatch)
     for params, marked in (({"compiled": True}, True), ({}, False)):
         solve_case(tmp_path / "graph.json", "selective-policy", Budget(fraction=0.7),
                    PlanSettings(form="policy", params=params), "cpu", str(tmp_path), str(tmp_path / "plan.json"))
@@ -429,23 +438,15 @@ def test_a_compiled_cell_is_planned_by_its_measured_compiled_peak(tmp_path, monk
     from runtime.policy_form import Regions, policy_schedule
     from tasks.compiled_cell import search_cell
     from tasks.compiled_search import COMPILED
-    from tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
+    from tasks.config import Budget, PlanSettings, ValidateConfig
     from tasks.models import build_batch, build_loss, build_model
-    from tasks.profile import ProfileSettings, profile_graph
     from tasks.solve import solve
     from tasks.solve.core.problem import Problem
     from tasks.solve.core.simulator import simulate
     from tasks.solve_stage import solve_case
-    from tasks.trace import capture_model
     from tasks.validate import validate_alone
 
-    (tmp_path / "blocknet.py").write_text(BLOCKNET)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    spec = ModelConfig.model_validate({"name": "blocknet", "factory": "blocknet:BlockNet",
-                                       "inputs": [{"shape": [64]}, {"shape": [], "dtype": "int64", "high": 8}]})
-    graph = capture_model(spec, 128, "cpu", 0, "policy")
-    graph.save(tmp_path / "graph.json")
-    profile_graph(graph, "cpu", ProfileSettings(warmup=0, repeats=1, rounds=1), root=tmp_path, progress=False)
+    spec, graph = profiled_blocknet(tmp_path, monkeypatch)
     settings = PlanSettings(form="policy", params={"compiled": True})
     solved = solve_case(tmp_path / "graph.json", "selective-policy", Budget(fraction=0.9), settings, "cpu",
                         str(tmp_path), str(tmp_path / "at-budget.json"))
