@@ -24,6 +24,11 @@ dispatch cost of the regions run with a policy counted (`runtime.policy_form.dis
   whole around their parts' checkpoints, which keeps one input per layer through the forward and one
   part's recomputation in the backward, at a third forward of the parts before the last) (the plan records
   the split layers in `provenance.split`, the nested ones in `provenance.nest`).
+
+From the cheapest of them, `improved` searches locally for the memory the families leave unused (their decisions
+move in coarse steps, so the cheapest may peak well below the budget): it takes the first neighbouring decision
+that fits and costs less (a region no longer checkpointed, or one more of its nodes kept) until none does, so the
+answer is a local optimum of those moves.
 """
 
 from __future__ import annotations
@@ -129,6 +134,48 @@ def _first_or_last(names: list[str]) -> list[tuple[str, ...]]:
                               for ends in (tuple(names[:k]), tuple(names[len(names) - k:]))))
 
 
+def movable(regions: Regions, name: str) -> bool:
+    """Whether `improved` may change a region's decision: not a nested module nor a part of one, whose parts are
+    all checkpointed whole."""
+    return name not in regions.nested_modules and regions.nested_of(name) is None
+
+
+def priced(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]], per_node: tuple[float, float]
+           ) -> tuple[float, float, list, int]:
+    """A decision's cost (compute and the dispatch of its policies), dispatch cost, schedule and simulated peak."""
+    schedule = policy_schedule(regions, saved)
+    sim = simulate(problem, schedule)
+    dispatch = dispatch_cost(per_node, regions, saved)
+    return sim.compute_cost + dispatch, dispatch, schedule, sim.peak_bytes
+
+
+def improved(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]], budget: int,
+             per_node: tuple[float, float], deadline: float | None = None
+             ) -> tuple[dict[str, frozenset[int]], tuple[float, float, list, int]]:
+    """A local search from a decision within `budget`, for the memory the candidate families leave unused: it moves
+    to the first neighbour that fits the budget and costs less (`priced`), until no neighbour does (or `deadline`,
+    a `time.perf_counter` value, passes). Neighbours: a checkpointed region no longer checkpointed; then one more
+    savable node kept in a checkpointed region (`Regions.settled`), dearest recomputation per byte first. Regions of
+    nested modules keep their decision (`movable`). Returns the decision and its `priced` tuple."""
+    current = priced(problem, regions, saved, per_node)
+    while deadline is None or time.perf_counter() < deadline:
+        keep_more = sorted(((-float(problem.cost[n]) / max(int(problem.node_bytes[n]), 1), name, n)
+                            for name, keep in saved.items() if movable(regions, name)
+                            for n in regions.savable[name] if n not in keep))
+        neighbours = itertools.chain(
+            ({r: keep for r, keep in saved.items() if r != name} for name in saved if movable(regions, name)),
+            ({**saved, name: more} for _, name, n in keep_more
+             if (more := regions.settled(name, saved[name] | {n})) != saved[name]))
+        for neighbour in neighbours:
+            candidate = priced(problem, regions, neighbour, per_node)
+            if candidate[3] <= budget and candidate[0] < current[0]:
+                saved, current = neighbour, candidate
+                break
+        else:
+            break
+    return saved, current
+
+
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """The cheapest candidate schedule (module docstring) whose simulated peak fits `budget`: its compute cost
     and, for the regions it runs with a policy, the dispatch modes' (`runtime.policy_form.dispatch_cost`)."""
@@ -158,7 +205,9 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
                                 f"the budget", form=FORM)
-    _, dispatch, schedule, saved, over = best
+    over, saved = best[4], best[3]
+    deadline = None if options.time_limit is None else start + options.time_limit
+    saved, (cost, dispatch, schedule, _) = improved(problem, over, saved, budget, per_node, deadline)
     recomputed = sum(1 for step in schedule if "compute" in step) - problem.num_nodes
     split = f", {len(over.split_modules)} of them split into their parts" if over.split_modules else ""
     split += f" ({len(over.nested_modules)} also checkpointed whole around them)" if over.nested_modules else ""

@@ -250,6 +250,41 @@ def test_the_solver_reaches_the_least_of_whole_split_and_nested_layers():
     assert decisions(Regions.of_graph(graph, solution.policy_split, solution.policy_nest), solution.schedule)
 
 
+@pytest.mark.parametrize("fraction", [0.6, 0.75, 0.9])
+def test_no_single_change_to_the_solvers_decision_fits_and_costs_less(fraction):
+    """selective-policy ends at a local optimum: with uneven node costs and a dispatch price, no neighbour of its
+    decision (a checkpointed region not checkpointed, or any one more savable node of a region kept), each
+    simulated and priced here, fits the budget at a lower cost; and its decision fits."""
+    import dataclasses
+
+    import numpy as np
+
+    from runtime.policy_form import dispatch_cost
+
+    _, _, _, graph, unit, _ = setup("gpt2")
+    problem = dataclasses.replace(unit, cost=np.array([1.0 + (n * 7919) % 13 for n in range(unit.num_nodes)]),
+                                  policy_dispatch=(0.2, 0.1))
+    budget = int(fraction * simulate(problem, default_schedule(problem)).peak_bytes)
+    solution = solve(problem, "selective-policy", budget)
+    assert solution.feasible and solution.predicted_peak_bytes <= budget
+    regions = Regions.of_graph(graph, solution.policy_split, solution.policy_nest)
+    saved = decisions(regions, solution.schedule)
+
+    def cost(decision):
+        return simulate(problem, policy_schedule(regions, decision)).compute_cost + \
+            dispatch_cost(problem.policy_dispatch, regions, decision)
+
+    assert cost(saved) == pytest.approx(solution.objective)
+    nested = {r for r in regions.members if r in regions.nested_modules or regions.nested_of(r) is not None}
+    neighbours = [{r: keep for r, keep in saved.items() if r != name} for name in saved if name not in nested]
+    neighbours += [{**saved, name: regions.settled(name, keep | {n})} for name, keep in saved.items()
+                   if name not in nested for n in regions.savable[name] if n not in keep]
+    assert len(neighbours) > len(saved)
+    for neighbour in neighbours:
+        peak = simulate(problem, policy_schedule(regions, neighbour)).peak_bytes
+        assert peak > budget or cost(neighbour) >= solution.objective - 1e-9, neighbour
+
+
 def test_a_split_naming_no_recorded_layer_is_refused():
     model, loss_fn, batch, graph, problem, plan = split_plan("mlp")
     for bad, match in ((["blocks.7"], "cannot split \\['blocks.7'\\] into parts"), ("blocks.0", "must be a list")):
