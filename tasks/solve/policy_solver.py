@@ -177,8 +177,9 @@ def improved(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]
 
 
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
-    """The cheapest candidate schedule (module docstring) whose simulated peak fits `budget`: its compute cost
-    and, for the regions it runs with a policy, the dispatch modes' (`runtime.policy_form.dispatch_cost`)."""
+    """The cheapest candidate schedule (module docstring) whose simulated peak fits `budget`, by its compute cost
+    and, for the regions it runs with a policy, the dispatch modes' (`runtime.policy_form.dispatch_cost`), then
+    `improved` by the local search within the budget (and `time_limit`)."""
     start = time.perf_counter()
     regions = Regions.of_problem(problem)
     if not regions.members:
