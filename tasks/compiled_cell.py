@@ -4,30 +4,28 @@ true }` and a budget in bytes or as a fraction, whose model trains under torch.c
 The simulator models eager autograd; compiled, AOTAutograd's partitioner decides what the graphs keep, so a plan
 solved at the budget may peak above it compiled, or far below it and recompute more than it needs
 (tasks/compiled_search.py). After the solve stage, `search_cell` runs `tasks.compiled_search.search` on the cell's
-problem: each plan it solves is measured under `torch.compile` (`runtime.compiled_peak`, `[validate]
-compile_backend`, with the optimizer inside the step where the plan runs it), on the model built as validation
-builds it, up to `[validate] compile_probes` plans. The cheapest plan measured within the budget replaces the
-solve stage's; its provenance keeps the cell's budget (`budget_bytes`, which validation checks the compiled peak
-against) and what the search measured (`compiled_search`). Its eager peak may be above the budget: validation
-checks it against its prediction instead (tasks/validate.py). Where no plan measured within, the cell keeps the
-solve stage's answer and says what the search measured.
+problem: each plan it solves is measured under `torch.compile` as validation measures it
+(`tasks.validate.compiled_plan_peak`: `[validate] compile_backend`, the optimizer inside the step where the plan
+runs it), on the model built as validation builds it, up to `[validate] compile_probes` plans. The cheapest plan
+measured within the budget replaces the solve stage's; its provenance keeps the cell's budget (`budget_bytes`,
+which validation checks the compiled peak against) and what the search measured (`compiled_search`). Its eager peak
+may be above the budget: validation checks it against its prediction instead (tasks/validate.py). Where no plan
+measured within, the cell keeps the solve stage's answer and says what the search measured.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
-from runtime.compiled_peak import compiled_peak
 from runtime.plan import Plan, plan_id
 from tasks.compiled_search import MeasuredSearch, search
 from tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
 from tasks.models import build_batch, build_loss, build_model
 from tasks.problems import LoadedProblem
 from tasks.records import Solved
-from tasks.reference import optimizer_named
 from tasks.solve.core.solution import Solution
 from tasks.solve_stage import annotate, load_cell_problem, plan_of
+from tasks.validate import compiled_plan_peak
 
 
 def search_cell(graph_path: str | Path, solved: Solved, settings: PlanSettings, spec: ModelConfig, batch_size: int,
@@ -39,12 +37,11 @@ def search_cell(graph_path: str | Path, solved: Solved, settings: PlanSettings, 
     loaded = load_cell_problem(graph_path, settings, profile_device, store)
     base = build_model(spec, seed).to(device)
     loss_fn, batch = build_loss(spec), build_batch(spec, batch_size, seed, device)
-    optimizer = None if settings.optimizer == "none" else functools.partial(optimizer_named, settings.optimizer)
     budget = solved.budget_bytes
 
     def measure(solution: Solution) -> int:
-        return compiled_peak(_plan(loaded, solution, settings, profile_device, budget), base, loss_fn, batch,
-                             graph=loaded.graph, backend=validate.compile_backend, optimizer=optimizer)
+        return compiled_plan_peak(_plan(loaded, solution, settings, profile_device, budget), base, loss_fn, batch,
+                                  loaded.graph, validate)
 
     found = search(loaded.problem, budget, measure, solver=solved.solver, options=settings.solve_options(),
                    probes=validate.compile_probes)

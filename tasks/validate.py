@@ -225,7 +225,7 @@ def validate_plans(
     for other in {plan_id(p): p for p in no_recompute or () if p is not None}.values():
         baselines[plan_id(other)] = _first_run(other, base, loss_fn, batch, device, seed, graph, runs).index
     against = [None if p is None else baselines[plan_id(p)] for p in no_recompute or [None] * len(plans)]
-    compiled = [_compiled_peak(run.plan, base, loss_fn, batch, eager_graph, settings) for run in measured]
+    compiled = [compiled_plan_peak(run.plan, base, loss_fn, batch, eager_graph, settings) for run in measured]
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
     resident = None if limit is None else limit.module_resident_bytes(base, batch)
@@ -233,8 +233,8 @@ def validate_plans(
             for run, baseline, peak in zip(measured, against, compiled)]
 
 
-def _compiled_peak(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
-                   graph: OpGraph | None, settings: ValidateConfig) -> int | None:
+def compiled_plan_peak(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor],
+                       batch: tuple[torch.Tensor, ...], graph: OpGraph | None, settings: ValidateConfig) -> int | None:
     """The peak under torch.compile of a policy plan solved compiled (provenance `compiled`; with the optimizer it
     updates inside the step), else None."""
     if plan.form != POLICY or not plan.provenance.get("compiled"):
