@@ -197,16 +197,14 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
         if key in seen:
             continue
         seen.add(key)
-        schedule = policy_schedule(over, saved)
-        sim = simulate(problem, schedule)
-        dispatch = dispatch_cost(per_node, over, saved)
-        if sim.peak_bytes <= budget and (best is None or sim.compute_cost + dispatch < best[0]):
-            best = (sim.compute_cost + dispatch, dispatch, schedule, saved, over)
+        cost, _, _, peak = priced(problem, over, saved, per_node)
+        if peak <= budget and (best is None or cost < best[0]):
+            best = (cost, saved, over)
     if best is None:
         return Solution("selective-policy", budget, "no_solution", solve_seconds=time.perf_counter() - start,
                         message=f"no selective-checkpointing decision over {len(regions.members)} regions fits "
                                 f"the budget", form=FORM)
-    over, saved = best[4], best[3]
+    _, saved, over = best
     deadline = None if options.time_limit is None else start + options.time_limit
     saved, (cost, dispatch, schedule, _) = improved(problem, over, saved, budget, per_node, deadline)
     recomputed = sum(1 for step in schedule if "compute" in step) - problem.num_nodes
