@@ -1,6 +1,6 @@
 """The policy form (runtime.apply) beside PyTorch's own checkpointing, measured side by side in one run.
 
-    .venv/bin/python -m bench.policy_form [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5] [--probes 6]
+    .venv/bin/python -m bench.policy_form [--model gpt2|llama] [--rounds 5] [--threads 1] [--fractions 0.7 0.5] [--probes 6] [--spread 6]
         [--peers 'selective checkpoint (torchtitan)' ...] [--no-least]
 
 One model for every row: the GPT-2 of bench/peers.py with transformers' default dropout of 0.1 (6 layers,
@@ -14,15 +14,15 @@ capture at each fraction of the no-recomputation peak, at the least it reaches (
 PyTorch row's measured peak, run by `runtime.apply` in eager and compiled (the compiled rows' plans solved
 with `compiled = true`: torch.compile runs a policy without selective checkpointing's dispatch modes, whose
 cost the eager rows' plans count; at a compiled PyTorch row's peak, the cheapest plan whose compiled peak,
-measured, is within that row's: `tasks.compiled_search`, up to `--probes` plans measured). Peaks are
-`PeakMeter(allocator=True)` of a step after the first, times (wall and process CPU) medians of interleaved
-rounds (`bench.peers.step_times`, the order reversed every other round), all as ratios to eager's; "predicted"
-is the simulator's peak for the plan over eager's measured peak, "predicted time" its cost (dispatch included)
-over the profile's eager step (the eager PyTorch rows as memplan predicts them: `pytorch_predictions`); "grad
-err" the largest gradient difference from eager (compiled dropout draws its masks differently). The last lines
-name, for each PyTorch row, the memplan rows of its mode that dominate it (peak and time at most its, one
-below), and for each memplan row of its mode at most at its peak, the median over rounds of the two steps' time
-ratio in the same round, with its 95% interval.
+measured, is within that row's: `tasks.compiled_search`, up to `--probes` plans measured and `--spread` more
+solved above them). Peaks are `PeakMeter(allocator=True)` of a step after the first, times (wall and process CPU)
+medians of interleaved rounds (`bench.peers.step_times`, the order reversed every other round), all as ratios to
+eager's; "predicted" is the simulator's peak for the plan over eager's measured peak, "predicted time" its cost
+(dispatch included) over the profile's eager step (the eager PyTorch rows as memplan predicts them:
+`pytorch_predictions`); "grad err" the largest gradient difference from eager (compiled dropout draws its masks
+differently). The last lines name, for each PyTorch row, the memplan rows of its mode that dominate it (peak and
+time at most its, one below), and for each memplan row of its mode at most at its peak, the median over rounds of
+the two steps' time ratio in the same round, with its 95% interval.
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.7])
     parser.add_argument("--probes", type=int, default=6)
+    parser.add_argument("--spread", type=int, default=6)
     parser.add_argument("--peers", nargs="*", default=None, help="the PyTorch rows to plan at and time (e.g. "
                         "'selective checkpoint (torchtitan)'), with eager; default: all four. Fewer rows time more "
                         "rounds in the same time.")
@@ -179,7 +180,7 @@ def main() -> None:
 
     for name, budget, under_compile in budgets:
         if under_compile and name.startswith("at "):
-            found = search(problem, budget, measure_compiled, probes=args.probes).best
+            found = search(problem, budget, measure_compiled, probes=args.probes, spread=args.spread).best
             solution = found.solution if found else solve(problem, "selective-policy", budget, COMPILED)
             found_by = f"; measured search, solved at {found.solve_budget / eager_peak:.4f}" if found else \
                 "; the measured search found no plan within"

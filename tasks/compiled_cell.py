@@ -6,11 +6,12 @@ solved at the budget may peak above it compiled, or far below it and recompute m
 (tasks/compiled_search.py). After the solve stage, `search_cell` runs `tasks.compiled_search.search` on the cell's
 problem: each plan it solves is measured under `torch.compile` as validation measures it
 (`tasks.validate.compiled_plan_peak`: `[validate] compile_backend`, the optimizer inside the step where the plan
-runs it), on the model built as validation builds it, up to `[validate] compile_probes` plans. The cheapest plan
-measured within the budget replaces the solve stage's; its provenance keeps the cell's budget (`budget_bytes`,
-which validation checks the compiled peak against) and what the search measured (`compiled_search`). Its eager peak
-may be above the budget: validation checks it against its prediction instead (tasks/validate.py). Where no plan
-measured within, the cell keeps the solve stage's answer and says what the search measured.
+runs it), on the model built as validation builds it, up to `[validate] compile_probes` plans and `compile_spread`
+more solved above them. The cheapest plan measured within the budget replaces the solve stage's; its provenance
+keeps the cell's budget (`budget_bytes`, which validation checks the compiled peak against) and what the search
+measured (`compiled_search`). Its eager peak may be above the budget: validation checks it against its prediction
+instead (tasks/validate.py). Where no plan measured within, the cell keeps the solve stage's answer and says what
+the search measured.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def search_cell(graph_path: str | Path, solved: Solved, settings: PlanSettings, 
                                   loaded.graph, validate)
 
     found = search(loaded.problem, budget, measure, solver=solved.solver, options=settings.solve_options(),
-                   probes=validate.compile_probes)
+                   probes=validate.compile_probes, spread=validate.compile_spread)
     best = found.best
     summary = _summary(found, validate)
     if best is None:

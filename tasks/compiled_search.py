@@ -16,6 +16,13 @@ The answer is the cheapest measured plan within the budget. For a solver that re
 candidate set within the budget (`selective-policy`), the plan's predicted peak grows with the solve budget; where
 the measured peak does too, the bisection ends at the cheapest candidate that fits measured (tests: exact on
 small cases). Where it does not, the answer is still the cheapest of the plans measured within the budget.
+
+The compiled peak does not grow with the solve budget everywhere: on bench/policy_form.py's GPT-2, at torchtitan's
+compiled peak (0.396 of eager's), the plans solved at 0.46 and 0.52 of eager's peak measured 0.399 and 0.432 while
+those solved at 0.55 and 0.58 measured 0.382 and 0.395, at 7% less compiled time than the best plan solved below
+them that fits (docs/peers-cpu.md). So after the bisection, `spread` more plans are measured, solved at budgets
+spaced evenly above the least solve budget whose plan measured over, up to `REACH` times the budget: a plan found
+there is cheaper than every plan below it.
 """
 
 from __future__ import annotations
@@ -40,6 +47,12 @@ MIN_STEP = 0.01
 """Upwards, the solve budget moves by at least this fraction of the budget, twice that after each step that
 returned a plan measured already (a plan measured at the budget, e.g. where the compiled peak has a floor, would
 otherwise move it a byte at a time)."""
+
+
+REACH = 1.6
+"""The spread probes solve at budgets up to this many times the budget: compiled peaks measured as low as 0.66 of
+their eager prediction (bench/policy_form.py's GPT-2, dropout's masks kept as bool: docs/peers-cpu.md), so a plan
+predicted above 1/0.66 times the budget is not expected to fit."""
 
 
 @dataclass(frozen=True)
@@ -71,12 +84,14 @@ def _identity(solution: Solution) -> str:
 
 
 def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *, solver: str = "selective-policy",
-           options: SolveOptions = COMPILED, probes: int = 6, tolerance: float = 0.002) -> MeasuredSearch:
+           options: SolveOptions = COMPILED, probes: int = 6, spread: int = 0, tolerance: float = 0.002
+           ) -> MeasuredSearch:
     """The plans `solver` makes at solve budgets moved until the measured peak fits `budget` as closely as
-    `tolerance` (a fraction of it) resolves, `probes` measurements at most (module docstring)."""
-    if budget <= 0 or probes < 1 or not 0 <= tolerance < 1:
-        raise ValueError(f"search needs a positive budget, at least one probe and a tolerance in [0, 1); got "
-                         f"budget={budget}, probes={probes}, tolerance={tolerance}")
+    `tolerance` (a fraction of it) resolves, `probes` measurements at most, then up to `spread` plans solved above
+    them (module docstring)."""
+    if budget <= 0 or probes < 1 or spread < 0 or not 0 <= tolerance < 1:
+        raise ValueError(f"search needs a positive budget, at least one probe, no negative spread and a tolerance in "
+                         f"[0, 1); got budget={budget}, probes={probes}, spread={spread}, tolerance={tolerance}")
     ceiling = simulate(problem, default_schedule(problem)).peak_bytes     # nothing recomputed above it
     measured: dict[str, Probe] = {}
     low: tuple[int, int | None] | None = None     # largest solve budget to go above: (budget, measured peak or
@@ -116,4 +131,17 @@ def search(problem: Problem, budget: int, measure: Callable[[Solution], int], *,
             break
         else:
             at = (low[0] + high[0]) // 2
+    if high is not None:
+        _spread(problem, measure, solver, options, measured, high[0], min(ceiling, round(REACH * budget)), spread)
     return MeasuredSearch(budget, tuple(measured.values()))
+
+
+def _spread(problem: Problem, measure: Callable[[Solution], int], solver: str, options: SolveOptions,
+            measured: dict[str, Probe], above: int, reach: int, count: int) -> None:
+    """Measures the plans solved at `count` solve budgets spaced evenly in (above, reach], those not measured yet,
+    into `measured`."""
+    for i in range(1, count + 1 if reach > above else 1):
+        at = above + (reach - above) * i // count
+        solution = solve(problem, solver, at, options)
+        if solution.feasible and _identity(solution) not in measured:
+            measured[_identity(solution)] = Probe(at, solution, int(measure(solution)))

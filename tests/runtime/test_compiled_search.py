@@ -78,6 +78,29 @@ def test_a_floor_of_measured_peaks_at_the_budget(gpt2, monkeypatch):
     assert len(solves) <= 64, len(solves)
 
 
+def test_the_spread_finds_a_cheaper_plan_above_plans_that_measure_over(gpt2):
+    """Compiled peaks that do not grow with the solve budget (bench/policy_form.py's GPT-2): plans predicted within
+    the budget measure within, those up to a quarter above it over, those from a quarter to a half above within
+    again, higher ones over. The bisection alone ends at the first kind; the spread probes find the third, which
+    is cheaper, measuring `spread` plans more at most."""
+    *_, problem, whole = gpt2
+    budget = solve(problem, "selective-policy", whole, COMPILED).predicted_peak_bytes
+
+    def measure(solution):
+        ratio = solution.predicted_peak_bytes / budget
+        return budget if ratio <= 1 or 1.25 < ratio <= 1.5 else budget + 1
+
+    alone = search(problem, budget, measure, probes=100, tolerance=0)
+    spread = search(problem, budget, measure, probes=100, spread=6, tolerance=0)
+    assert alone.best.solution.predicted_peak_bytes <= budget
+    assert 1.25 * budget < spread.best.solution.predicted_peak_bytes <= 1.5 * budget
+    assert spread.best.solution.objective < alone.best.solution.objective
+    assert spread.best.measured_peak <= budget
+    first = [(p.solve_budget, p.measured_peak) for p in spread.probes[:len(alone.probes)]]
+    assert first == [(p.solve_budget, p.measured_peak) for p in alone.probes]     # then the spread
+    assert len(alone.probes) < len(spread.probes) <= len(alone.probes) + 6
+
+
 def test_the_search_stops_at_its_probes_and_refuses_bad_input(gpt2):
     *_, problem, whole = gpt2
     result = search(problem, whole, lambda s: s.predicted_peak_bytes // 2, probes=2)
@@ -88,6 +111,8 @@ def test_the_search_stops_at_its_probes_and_refuses_bad_input(gpt2):
         search(problem, 0, lambda s: 0)
     with pytest.raises(ValueError, match="probe"):
         search(problem, whole, lambda s: 0, probes=0)
+    with pytest.raises(ValueError, match="spread"):
+        search(problem, whole, lambda s: 0, spread=-1)
 
 
 def test_the_search_under_torch_compile(gpt2):
