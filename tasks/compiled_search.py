@@ -21,8 +21,8 @@ The compiled peak does not grow with the solve budget everywhere: on bench/polic
 compiled peak (0.396 of eager's), the plans solved at 0.46 and 0.52 of eager's peak measured 0.399 and 0.432 while
 those solved at 0.55 and 0.58 measured 0.382 and 0.395, at 7% less compiled time than the best plan solved below
 them that fits (docs/peers-cpu.md). So after the bisection, `spread` more plans are measured, solved at budgets
-spaced evenly above the least solve budget whose plan measured over, up to `REACH` times the budget: a plan found
-there is cheaper than every plan below it.
+spaced evenly above the least solve budget whose plan measured over, up to `REACH` times the budget: solved at a
+higher budget, a plan found there costs at most what the plans solved below it cost.
 """
 
 from __future__ import annotations

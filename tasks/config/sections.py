@@ -388,9 +388,9 @@ class ValidateConfig(Section):
         "(tasks/compiled_cell.py), which publishes the cheapest whose compiled peak fits the budget; 0: solve at the "
         "budget and only check."))
     compile_spread: int = Field(6, ge=0, le=64, description=(
-        "Then up to this many plans of such a cell solved at budgets spread above the search's, measured the same "
-        "way: compiled peaks do not grow with the solve budget everywhere, and a plan found there is cheaper "
-        "(tasks/compiled_search.py); 0: none."))
+        "Then up to this many plans of such a cell solved at budgets spread evenly above the search's, up to 1.6 "
+        "times the budget, measured the same way: compiled peaks do not grow with the solve budget everywhere, and a "
+        "plan found there costs at most what those below it cost (tasks/compiled_search.py); 0: none."))
 
 
 class PublishConfig(Section):
