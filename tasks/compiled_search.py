@@ -143,5 +143,6 @@ def _spread(problem: Problem, measure: Callable[[Solution], int], solver: str, o
     for i in range(1, count + 1 if reach > above else 1):
         at = above + (reach - above) * i // count
         solution = solve(problem, solver, at, options)
-        if solution.feasible and _identity(solution) not in measured:
-            measured[_identity(solution)] = Probe(at, solution, int(measure(solution)))
+        key = _identity(solution) if solution.feasible else None
+        if key is not None and key not in measured:
+            measured[key] = Probe(at, solution, int(measure(solution)))
