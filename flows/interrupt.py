@@ -44,8 +44,8 @@ def _alive(stamp: str) -> bool:
         return False
 
 
-def reap_orphans() -> int:
-    """End the processes left by memplan runs that no longer exist; return how many."""
+def reap_orphans() -> list[int]:
+    """End the processes left by memplan runs that no longer exist; return their pids."""
     import psutil
 
     reaped = []
@@ -57,7 +57,7 @@ def reap_orphans() -> int:
         if owner and not _alive(owner):
             reaped.append(process)
     _end(reaped)
-    return len(reaped)
+    return [process.pid for process in reaped]
 
 
 def _end(processes) -> None:
