@@ -140,7 +140,9 @@ def _spread(problem: Problem, measure: Callable[[Solution], int], solver: str, o
             measured: dict[str, Probe], above: int, reach: int, count: int) -> None:
     """Measures the plans solved at `count` solve budgets spaced evenly in (above, reach], those not measured yet,
     into `measured`."""
-    for i in range(1, count + 1 if reach > above else 1):
+    if reach <= above:
+        return
+    for i in range(1, count + 1):
         at = above + (reach - above) * i // count
         solution = solve(problem, solver, at, options)
         key = _identity(solution) if solution.feasible else None
