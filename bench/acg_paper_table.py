@@ -35,14 +35,14 @@ import torchvision  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-import runtime  # noqa: E402
-from runtime.meter import PeakMeter  # noqa: E402
-from runtime.plan import Plan  # noqa: E402
-from tasks.solve import solve  # noqa: E402
-from tasks.solve.acg.forward import forward_graph  # noqa: E402
-from tasks.solve.core.problem import Problem  # noqa: E402
-from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve.core.solution import SolveOptions  # noqa: E402
+from memplan import runtime  # noqa: E402
+from memplan.runtime.meter import PeakMeter  # noqa: E402
+from memplan.runtime.plan import Plan  # noqa: E402
+from memplan.tasks.solve import solve  # noqa: E402
+from memplan.tasks.solve.acg.forward import forward_graph  # noqa: E402
+from memplan.tasks.solve.core.problem import Problem  # noqa: E402
+from memplan.tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from memplan.tasks.solve.core.solution import SolveOptions  # noqa: E402
 
 # model: (batch, input size, regular MB, ACG MB, cut-off, time overhead), Table 2 of the paper
 PAPER = {

@@ -38,16 +38,16 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import runtime  # noqa: E402
+from memplan import runtime  # noqa: E402
 from bench.peers import profiled_costs  # noqa: E402
-from runtime.meter import PeakMeter  # noqa: E402
-from runtime.plan import graph_provenance  # noqa: E402
-from tasks.config import load_config  # noqa: E402
-from tasks.models import build_batch, build_loss, build_model  # noqa: E402
-from tasks.solve.core.ddp import under_ddp  # noqa: E402
-from tasks.solve.core.problem import Problem  # noqa: E402
-from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve_stage import least_memory_within  # noqa: E402
+from memplan.runtime.meter import PeakMeter  # noqa: E402
+from memplan.runtime.plan import graph_provenance  # noqa: E402
+from memplan.tasks.config import load_config  # noqa: E402
+from memplan.tasks.models import build_batch, build_loss, build_model  # noqa: E402
+from memplan.tasks.solve.core.ddp import under_ddp  # noqa: E402
+from memplan.tasks.solve.core.problem import Problem  # noqa: E402
+from memplan.tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from memplan.tasks.solve_stage import least_memory_within  # noqa: E402
 
 MiB = 2**20
 

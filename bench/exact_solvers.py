@@ -41,18 +41,18 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from tasks.solve import solve  # noqa: E402
-from tasks.solve.core.benchmarks import benchmark_graphs  # noqa: E402
-from tasks.solve.core.problem import Problem  # noqa: E402
-from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve.core.solution import Solution, SolveOptions  # noqa: E402
+from memplan.tasks.solve import solve  # noqa: E402
+from memplan.tasks.solve.core.benchmarks import benchmark_graphs  # noqa: E402
+from memplan.tasks.solve.core.problem import Problem  # noqa: E402
+from memplan.tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from memplan.tasks.solve.core.solution import Solution, SolveOptions  # noqa: E402
 
 CHEAP = ("remat-greedy", "ap-greedy", "acg")
 
 
 def load(graph: str) -> Problem:
     if graph.startswith("opgraph:"):
-        from runtime.graph import OpGraph
+        from memplan.runtime.graph import OpGraph
 
         name = graph.split(":", 1)[1]
         path = ROOT / ".cache" / f"opgraph_{name}.json"

@@ -26,12 +26,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from runtime.meter import PeakMeter
-from tasks.config import load_config
-from tasks.fitting_reference import EAGER, NESTED_CHECKPOINT, PER_BLOCK_CHECKPOINT, checkpoint_blocks, \
+from memplan.runtime.meter import PeakMeter
+from memplan.tasks.config import load_config
+from memplan.tasks.fitting_reference import EAGER, NESTED_CHECKPOINT, PER_BLOCK_CHECKPOINT, checkpoint_blocks, \
     checkpoint_nested, training_step
-from tasks.memory_limit import MemoryLimit
-from tasks.models import build_batch, build_loss, build_model
+from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.models import build_batch, build_loss, build_model
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def rounding_table(base, loss_fn, batch) -> Table:
     """The fp32 step's loss and gradients against fp64's, and the share of `HOST_RTOL`/`HOST_ATOL` they use."""
     import torch
 
-    from tasks.fitting_reference import HOST_ATOL, HOST_RTOL
+    from memplan.tasks.fitting_reference import HOST_ATOL, HOST_RTOL
 
     states = []
     for dtype in (torch.float32, torch.float64):

@@ -45,23 +45,23 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-import runtime
-from runtime.graph import OpGraph
-from runtime.plan import Plan
-from tasks.config import Budget, ModelConfig, PipelineConfig, PlanConfig, PlanSettings, load_config
-from tasks.models import build_batch, build_loss, build_model, resolve_device
-from tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
-from tasks.problems import load_problem
-from tasks.profile import ProfileSettings, profile_graph
-from tasks.records import Referenced, Solved, Validated
-from tasks.reference import measure_reference
-from tasks.solve import solve
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import min_budget_lower_bound
-from tasks.solve_stage import bisect_budget, solve_case
-from tasks.trace import trace
-from tasks.step_timing import median_interval, paired_step_times
-from tasks.validate import validate_plans
+from memplan import runtime
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.plan import Plan
+from memplan.tasks.config import Budget, ModelConfig, PipelineConfig, PlanConfig, PlanSettings, load_config
+from memplan.tasks.models import build_batch, build_loss, build_model, resolve_device
+from memplan.tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
+from memplan.tasks.problems import load_problem
+from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.tasks.records import Referenced, Solved, Validated
+from memplan.tasks.reference import measure_reference
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import min_budget_lower_bound
+from memplan.tasks.solve_stage import bisect_budget, solve_case
+from memplan.tasks.trace import trace
+from memplan.tasks.step_timing import median_interval, paired_step_times
+from memplan.tasks.validate import validate_plans
 
 PEAK_RATIO_LIMIT = 1.05
 

@@ -40,13 +40,13 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import runtime  # noqa: E402
+from memplan import runtime  # noqa: E402
 from peers import compiled_step, median_ms, peak_and_grads, profiled_costs, workload  # noqa: E402
-from runtime.variants import RULES, graph_variants  # noqa: E402
-from tasks.solve import solve  # noqa: E402
-from tasks.solve.core.problem import Problem  # noqa: E402
-from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound  # noqa: E402
+from memplan.runtime.variants import RULES, graph_variants  # noqa: E402
+from memplan.tasks.solve import solve  # noqa: E402
+from memplan.tasks.solve.core.problem import Problem  # noqa: E402
+from memplan.tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from memplan.tasks.solve.core.solution import SolveOptions, min_budget_lower_bound  # noqa: E402
 
 FRACTIONS = (0.7, 0.5, 0.4)
 
@@ -168,7 +168,7 @@ def solve_curve(seconds: float, fraction: float, image: int, batch_size: int, co
 
 def build_table(workloads: list[str], image: int, batch_size: int, console: Console) -> None:
     """Build time and size of MONeT's whole-graph program per workload, without and with variants."""
-    from tasks.solve.monet.model import build_model
+    from memplan.tasks.solve.monet.model import build_model
 
     table = Table("workload", "solver", "nodes", "rows", "columns (integer)", "nonzeros", "build s",
                   title="MONeT's program on the whole operator graph at 0.7x peak (best of 3 builds)")

@@ -32,14 +32,14 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-import runtime
-from runtime.arena import ArenaFallbackWarning, in_place_nodes
-from runtime.meter import PeakMeter
-from runtime.plan import Plan
-from tasks.solve.olla import olla_addresses
-from tasks.solve.olla.lifetime import lifetime_order
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+from memplan.runtime.arena import ArenaFallbackWarning, in_place_nodes
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve.olla import olla_addresses
+from memplan.tasks.solve.olla.lifetime import lifetime_order
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 PAPER_CAP_S = 300.0
 

@@ -56,20 +56,20 @@ from rich.table import Table
 from torch._dynamo.backends.debugging import aot_eager_decomp_partition
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
 
-import runtime
-from runtime.executor import replayed_random_nodes
-from runtime.meter import PeakMeter
-from runtime.modules import marked_modules
-from runtime.policy_form import Regions
-from runtime.variants import graph_variants
-from tasks.config import VariantChoice, parse_option_text
-from tasks.problems import VARIANT_RULES
-from tasks.profile import ProfileSettings, measure_graph
-from tasks.solve import SOLVERS as REGISTERED, parse_options, solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
-from tasks.store_query import CostTable, VariantCost
+from memplan import runtime
+from memplan.runtime.executor import replayed_random_nodes
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.modules import marked_modules
+from memplan.runtime.policy_form import Regions
+from memplan.runtime.variants import graph_variants
+from memplan.tasks.config import VariantChoice, parse_option_text
+from memplan.tasks.problems import VARIANT_RULES
+from memplan.tasks.profile import ProfileSettings, measure_graph
+from memplan.tasks.solve import SOLVERS as REGISTERED, parse_options, solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.tasks.store_query import CostTable, VariantCost
 
 SOLVERS = ("hierarchical", "module-checkpoint", "ap-greedy", "acg", "linearized-greedy")
 FRACTIONS = (0.9, 0.7, 0.5)

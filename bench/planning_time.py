@@ -22,12 +22,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import runtime
-from tasks.solve import solve
-from tasks.solve.hierarchical import solver as hierarchical_solver
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan import runtime
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.hierarchical import solver as hierarchical_solver
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 OURS = ("hierarchical", "dtr")
 RIVALS = ("module-checkpoint", "ap-greedy", "linearized-greedy", "acg", "remat-greedy")

@@ -34,19 +34,19 @@ import statistics
 import torch
 import transformers
 
-import runtime
+from memplan import runtime
 from bench.peers import (COMPILE_BACKENDS, peak_and_grads, profiled_problem, selective_policy_step,
                          smallest_fraction, step_samples, torchtitan_schedule)
-from runtime.compiled_peak import compiled_peak
-from runtime.plan import graph_provenance
-from runtime.policy import capture_eager
-from runtime.policy_form import Regions, dispatch_cost, policy_schedule
-from tasks.compiled_search import COMPILED, search
-from tasks.solve import solve
-from tasks.solve.policy_solver import PolicyOptions
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
-from tasks.step_timing import median_interval
+from memplan.runtime.compiled_peak import compiled_peak
+from memplan.runtime.plan import graph_provenance
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import Regions, dispatch_cost, policy_schedule
+from memplan.tasks.compiled_search import COMPILED, search
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.policy_solver import PolicyOptions
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
+from memplan.tasks.step_timing import median_interval
 
 
 def gpt2():

@@ -60,7 +60,7 @@ max_steps = {steps}
 
 def run(folder: Path, activation: str, fractions: list[float], steps: int, optimizer: str) -> list[dict]:
     """The pipeline's outcomes; `optimizer` "none": the optimizer after the step, else that one inside it."""
-    from flows.plan import PipelineFailed, run_plan
+    from memplan.flows.plan import PipelineFailed, run_plan
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "pipeline.toml"

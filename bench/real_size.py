@@ -49,13 +49,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import runtime
+from memplan import runtime
 from bench.peers import budget_backend, profiled_problem, sac_layer_forward, solver_options
-from runtime.meter import PeakMeter
-from runtime.modules import marked_modules
-from tasks.models import autocast_loss, causal_lm
-from tasks.solve import solve
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.modules import marked_modules
+from memplan.tasks.models import autocast_loss, causal_lm
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 SEQ = {"real": 1024, "tiny": 64}
 MIB = 2 ** 20

@@ -18,7 +18,7 @@ import torchvision
 from rich.console import Console
 from rich.table import Table
 
-import runtime
+from memplan import runtime
 
 
 def cross_entropy(model, x, y):

@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from tasks.solve import SOLVERS, solve  # noqa: E402
-from tasks.solve.core.benchmarks import benchmark_graphs  # noqa: E402
-from tasks.solve.core.problem import Problem  # noqa: E402
-from tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
-from tasks.solve.core.solution import Solution, SolveOptions  # noqa: E402
+from memplan.tasks.solve import SOLVERS, solve  # noqa: E402
+from memplan.tasks.solve.core.benchmarks import benchmark_graphs  # noqa: E402
+from memplan.tasks.solve.core.problem import Problem  # noqa: E402
+from memplan.tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402
+from memplan.tasks.solve.core.solution import Solution, SolveOptions  # noqa: E402
 
 ABLATION = {
     "paper, no warm start": {"formulation": "paper", "warm_start": "none"},

@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from runtime.plan import Plan
-from tasks.config import expand_matrix, parse_config
-from tasks.models import resolve_device
-from tasks.profile import ProfileSettings, profile_graph
-from tasks.publish import publish
-from tasks.reference import measure_reference
-from tasks.solve_stage import solve_case
-from tasks.trace import trace
-from tasks.validate import validate_plan
+from memplan.runtime.plan import Plan
+from memplan.tasks.config import expand_matrix, parse_config
+from memplan.tasks.models import resolve_device
+from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.tasks.publish import publish
+from memplan.tasks.reference import measure_reference
+from memplan.tasks.solve_stage import solve_case
+from memplan.tasks.trace import trace
+from memplan.tasks.validate import validate_plan
 
 MIB = 2 ** 20
 

@@ -102,8 +102,8 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    from flows.plan import PipelineFailed, run_plan
-    from tasks.config import expand_matrix, load_config
+    from memplan.flows.plan import PipelineFailed, run_plan
+    from memplan.tasks.config import expand_matrix, load_config
 
     def run(config: Path) -> tuple[list[dict], float]:
         start = time.perf_counter()

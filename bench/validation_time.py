@@ -34,13 +34,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from runtime.plan import Plan
-from tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
-from tasks.profile import ProfileSettings, profile_graph
-from tasks.reference import measure_reference
-from tasks.solve_stage import solve_case
-from tasks.trace import trace
-from tasks.validate import validate_plan, validate_plans
+from memplan.runtime.plan import Plan
+from memplan.tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
+from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.tasks.reference import measure_reference
+from memplan.tasks.solve_stage import solve_case
+from memplan.tasks.trace import trace
+from memplan.tasks.validate import validate_plan, validate_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [("dtr", Budget(max_overhead=0.05)), ("dtr", Budget(max_overhead=0.25)),

@@ -46,10 +46,10 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-import runtime
-from runtime.variants import graph_variants
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import InvalidSchedule, simulate
+from memplan import runtime
+from memplan.runtime.variants import graph_variants
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import InvalidSchedule, simulate
 from variants_arena import measure  # bench/ is the script folder: the same eager/plan step meter
 
 

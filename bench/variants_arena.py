@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-import runtime
-from runtime.arena import in_place_nodes
-from runtime.meter import PeakMeter
-from runtime.variants import graph_variants
-from tasks.solve.core.addresses import greedy_addresses
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from memplan import runtime
+from memplan.runtime.arena import in_place_nodes
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.variants import graph_variants
+from memplan.tasks.solve.core.addresses import greedy_addresses
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
 
 
 def build(name: str, batch: int, size: int):

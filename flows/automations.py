@@ -14,7 +14,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from tasks.config import DeployConfig, MemplanError
+from memplan.tasks.config import DeployConfig, MemplanError
 
 FINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
                 "prefect.flow-run.Crashed")

@@ -12,7 +12,7 @@ import pkgutil
 
 import typer
 
-import flows.commands
+import memplan.flows.commands
 
 app = typer.Typer(
     name="memplan",
@@ -22,13 +22,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for _module in sorted(pkgutil.iter_modules(flows.commands.__path__), key=lambda m: m.name):
-    importlib.import_module(f"flows.commands.{_module.name}").register(app)
+for _module in sorted(pkgutil.iter_modules(memplan.flows.commands.__path__), key=lambda m: m.name):
+    importlib.import_module(f"memplan.flows.commands.{_module.name}").register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point
     """`memplan`: the app, stopped promptly by Ctrl-C, SIGTERM or SIGHUP in any command (flows/interrupt.py)."""
-    from flows.interrupt import run_cli
+    from memplan.flows.interrupt import run_cli
 
     run_cli(app)
 

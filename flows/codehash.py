@@ -1,7 +1,7 @@
 """Cache keys hash what a stage runs: the sources of its module's import closure within the project.
 
-`import_closure(("tasks.solve_stage",))` follows every import statement of the project's packages (top-level
-and inside functions) and every string literal naming a project module (`importlib.import_module`, the
+`import_closure(("memplan.tasks.solve_stage",))` follows every import statement of the project's packages
+(top-level and inside functions) and every string literal naming a project module (`importlib.import_module`, the
 lazy exports of `runtime/__init__.py`), so an edit to any file a stage can execute changes its key and
 no stale profile, solution or validation is served (tests/structure/test_cache_keys.py).
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runtime", "tasks", "flows")
 
-STAGE_MODULES = {"profile": ("tasks.profile", "tasks.trace"), "reference": ("tasks.reference",),
-                 "solve": ("tasks.solve_stage",), "validate": ("tasks.validate",),
-                 "compiled_search": ("tasks.compiled_cell",)}
+STAGE_MODULES = {"profile": ("memplan.tasks.profile", "memplan.tasks.trace"),
+                 "reference": ("memplan.tasks.reference",), "solve": ("memplan.tasks.solve_stage",),
+                 "validate": ("memplan.tasks.validate",), "compiled_search": ("memplan.tasks.compiled_cell",)}
 """The modules each cached stage runs (flows/steps.py keys each stage by their closure)."""
 
 _PARSING = threading.Lock()
@@ -28,10 +28,14 @@ _PARSING = threading.Lock()
 
 
 def module_file(module: str, root: Path) -> Path | None:
-    """The source file of project module `module` under `root` (a package's `__init__.py`), or None."""
-    if module.split(".")[0] not in PACKAGES:
+    """The source file of project module `module` under `root` (a package's `__init__.py`), or None.
+
+    `memplan` is `memplan/`; its sub-packages `memplan.runtime`, `memplan.tasks` and `memplan.flows` are the
+    checkout's top-level folders (pyproject's package-dir)."""
+    parts = module.split(".")
+    if parts[0] != "memplan":
         return None
-    base = root.joinpath(*module.split("."))
+    base = root.joinpath(*parts[1:]) if len(parts) > 1 and parts[1] in PACKAGES else root.joinpath(*parts)
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
@@ -54,7 +58,7 @@ def _named_modules(path: Path, module: str, mtime_ns: int) -> frozenset[str]:
                 package = module.split(".")[: len(module.split(".")) - node.level + (path.name == "__init__.py")]
                 base = ".".join(package + ([base] if base else []))
             names |= {base} | {f"{base}.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(".")[0] in PACKAGES:
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(".")[0] == "memplan":
             names.add(node.value)
     return frozenset(".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2))
 

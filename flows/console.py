@@ -50,13 +50,13 @@ def errors() -> Console:
 
 def known_errors() -> tuple[type[BaseException], ...]:
     """Failures with a message meant for the user (config, model, device, graph, plan, profile, solve)."""
-    from runtime.graph import GraphFormatError
-    from runtime.plan import PlanError
-    from tasks.config import MemplanError
+    from memplan.runtime.graph import GraphFormatError
+    from memplan.runtime.plan import PlanError
+    from memplan.tasks.config import MemplanError
 
     found: list[type[BaseException]] = [MemplanError, PlanError, GraphFormatError]
-    for module, name in (("tasks.store", "ProfileNotFoundError"), ("tasks.solve.core.problem", "ProblemError"),
-                         ("tasks.solve.core.simulator", "InvalidSchedule"), ("runtime.capture", "CaptureError")):
+    for module, name in (("memplan.tasks.store", "ProfileNotFoundError"), ("memplan.tasks.solve.core.problem", "ProblemError"),
+                         ("memplan.tasks.solve.core.simulator", "InvalidSchedule"), ("memplan.runtime.capture", "CaptureError")):
         if module in sys.modules:  # only errors of modules that ran can have been raised
             found.append(getattr(sys.modules[module], name))
     return tuple(found)
@@ -79,7 +79,7 @@ def prepare(config_path: Path, debug: bool = False) -> None:
     a patient ephemeral server, no analytics, warnings-only logs; unless `debug`, nothing of Prefect's
     on the terminal below CRITICAL (a failed stage's traceback stays in the Prefect logs of the run, and
     memplan prints its message once)."""
-    from tasks.models import allow_imports_from
+    from memplan.tasks.models import allow_imports_from
 
     allow_imports_from(Path(config_path).parent)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

@@ -14,12 +14,12 @@ from typing import Any
 from prefect import flow
 from pydantic import BaseModel
 
-from flows.report import artifact_key
-from tasks.config import MAX_OVERHEAD, PipelineConfig, load_config
-from tasks.fit_search import Dimension, FitError, FitSearch, at_size, search_fit, sequence_inputs
-from tasks.fitting_reference import NoFittingReference
-from tasks.memory_limit import memory_limit
-from tasks.records import Validated
+from memplan.flows.report import artifact_key
+from memplan.tasks.config import MAX_OVERHEAD, PipelineConfig, load_config
+from memplan.tasks.fit_search import Dimension, FitError, FitSearch, at_size, search_fit, sequence_inputs
+from memplan.tasks.fitting_reference import NoFittingReference
+from memplan.tasks.memory_limit import memory_limit
+from memplan.tasks.records import Validated
 
 MIB = 2**20
 MAX_SIZE = 1 << 20
@@ -44,7 +44,7 @@ class FitAnswer(BaseModel):
     def verdict(self) -> str:
         """'validated against <reference>' with the measured overhead's verdict against the limit, or why not."""
         if self.validated:
-            from flows.report import limit_verdict
+            from memplan.flows.report import limit_verdict
 
             limited = limit_verdict(self.validation.limited_overhead(), self.validation.limited_interval(),
                                     self.search.max_overhead)
@@ -58,7 +58,7 @@ def check_fit_settings(config: PipelineConfig, model: str | None, max_overhead: 
                        ) -> tuple[str, int | None]:
     """The model's name and the batch size of a sequence search (None for a batch search), once the settings
     are known good (before anything is traced)."""
-    from tasks.solve import SOLVERS
+    from memplan.tasks.solve import SOLVERS
 
     names = [m.name for m in config.models]
     if model is None:
@@ -101,8 +101,8 @@ def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_o
              config: PipelineConfig | None = None) -> dict[str, Any]:
     """Search, validate memplan's answer by measured overhead (flows/fit_refine.py) and leave the table and plot
     as artifacts; returns `FitAnswer` as JSON."""
-    from flows.fit_refine import validate_answer
-    from tasks.models import allow_imports_from, resolve_device
+    from memplan.flows.fit_refine import validate_answer
+    from memplan.tasks.models import allow_imports_from, resolve_device
 
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
@@ -134,8 +134,8 @@ def run_fit(config_path: str | Path = "pipeline.toml", model: str | None = None,
     `flows.plan.run_plan`). `device_memory` (a size, bytes or "device") overrides the file's."""
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_RESULTS_DEFAULT_SERIALIZER, temporary_settings
 
-    from tasks.config import ConfigError, parse_device_memory_text
-    from tasks.models import allow_imports_from, check_model, resolve_device
+    from memplan.tasks.config import ConfigError, parse_device_memory_text
+    from memplan.tasks.models import allow_imports_from, check_model, resolve_device
 
     config = load_config(config_path)
     if device_memory is not None:
@@ -174,7 +174,7 @@ def fit_rows(search: FitSearch) -> list[dict[str, Any]]:
 def measured_text(answer: FitAnswer, size: int) -> str:
     """The validated plan's measured overhead at the answer's `size` (against its no-recomputation plan, where it
     was timed beside it), with its interval; "-" at other sizes."""
-    from flows.report import overhead_text
+    from memplan.flows.report import overhead_text
 
     validation = answer.validation
     if size != answer.search.memplan_largest or validation is None:

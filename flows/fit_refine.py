@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tasks.config import ModelConfig, ValidateConfig
-from tasks.fit_search import SizePoint
-from tasks.memory_limit import MemoryLimit
-from tasks.overhead_refine import Rung, predicted_choice, refine
-from tasks.records import Candidate, Validated
+from memplan.tasks.config import ModelConfig, ValidateConfig
+from memplan.tasks.fit_search import SizePoint
+from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.overhead_refine import Rung, predicted_choice, refine
+from memplan.tasks.records import Candidate, Validated
 
 Validate = Callable[[list[str]], list[Validated]]
 """Validates plan files in shared rounds, each beside the answer's no-recomputation plan."""
@@ -64,7 +64,7 @@ def walk_answer(point: SizePoint, limit_bytes: int, max_overhead: float, validat
 def walk_line(ladder: list[Candidate], records: dict[int, Validated], index: int, within: bool) -> str:
     """What the walk validated (each rung's predicted step peak, resident bytes not included, and its predicted and
     measured overhead) and what it chose."""
-    from flows.report import overhead_text
+    from memplan.flows.report import overhead_text
 
     seen = "; ".join(f"step peak {ladder[i].predicted_peak_bytes / 2**20:.2f} MiB, predicted {ladder[i].predicted_overhead:+.1%} "
                      f"measured {overhead_text(v.limited_overhead(), v.limited_interval()) if v.passed else 'failed'}"
@@ -81,9 +81,9 @@ def validate_answer(point: SizePoint, spec: ModelConfig, batch_size: int, device
                     settings: ValidateConfig, limit: MemoryLimit, max_overhead: float) -> MeasuredAnswer:
     """`walk_answer` with real validations: the reference step measured once under `limit` (in a temporary
     folder), each group of rungs validated against it in shared rounds beside the no-recomputation plan."""
-    from runtime.plan import Plan
-    from tasks.reference import measure_reference
-    from tasks.validate import validate_plans
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.reference import measure_reference
+    from memplan.tasks.validate import validate_plans
 
     baseline = None if point.no_recompute_path is None else Plan.load(point.no_recompute_path)
     with tempfile.TemporaryDirectory(prefix="memplan-fit-reference-") as folder:

@@ -33,7 +33,7 @@ class Locations:
 
     def say(self, store: bool = True, plans: bool = True) -> None:
         """One line on stderr naming the folders read."""
-        from flows.console import errors
+        from memplan.flows.console import errors
 
         parts = ([f"profile store {self.store} ({self.store_from})"] if store else []) + \
                 ([f"plans {self.plans} ({self.plans_from})"] if plans else [])
@@ -42,14 +42,14 @@ class Locations:
 
 def _store(location: str | Path) -> Path | str:
     """A store location: a URL as given, a folder as an absolute path."""
-    from tasks.store import is_url
+    from memplan.tasks.store import is_url
 
     return str(location) if is_url(location) else Path(location).expanduser().resolve()
 
 
 def _given(path: Path | str, option: str) -> Path | str:
-    from tasks.config import ConfigError
-    from tasks.store import is_url
+    from memplan.tasks.config import ConfigError
+    from memplan.tasks.store import is_url
 
     if is_url(path):
         return str(path)
@@ -62,7 +62,7 @@ def _given(path: Path | str, option: str) -> Path | str:
 
 def locate(config: Path | None = None, store: str | Path | None = None, plans: Path | None = None) -> Locations:
     """The store and plans folders, following the order of this module's docstring."""
-    from tasks.store import ENV_VAR, store_root
+    from memplan.tasks.store import ENV_VAR, store_root
 
     found = {}
     if store is not None:
@@ -70,7 +70,7 @@ def locate(config: Path | None = None, store: str | Path | None = None, plans: P
     if plans is not None:
         found["plans"] = (plans.resolve(), "given")
     if len(found) < 2 and (config is not None or DEFAULT_CONFIG.is_file()):
-        from tasks.config import load_config
+        from memplan.tasks.config import load_config
 
         path = config if config is not None else DEFAULT_CONFIG
         loaded = load_config(path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from runtime.plan import Plan
-from tasks.config import ConfigError, ModelConfig, PipelineConfig
+from memplan.runtime.plan import Plan
+from memplan.tasks.config import ConfigError, ModelConfig, PipelineConfig
 
 
 def model_for_plan(config: PipelineConfig, plan: Plan, model: str | None, batch: int | None) -> tuple[ModelConfig, int]:

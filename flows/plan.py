@@ -17,17 +17,17 @@ from typing import Any, Iterator
 
 from prefect import flow, unmapped
 
-from flows.preflight import check_locations
-from flows.refine import PlanToValidate, Validate, measured_choices
-from flows.report import Outcome, create_artifacts
-from flows.steps import (compiled_search_step, forget_captured, profile_step, publish_step, reference_step, solve_step,
+from memplan.flows.preflight import check_locations
+from memplan.flows.refine import PlanToValidate, Validate, measured_choices
+from memplan.flows.report import Outcome, create_artifacts
+from memplan.flows.steps import (compiled_search_step, forget_captured, profile_step, publish_step, reference_step, solve_step,
                          trace_step, validate_step)
-from tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
+from memplan.tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
                           graph_forms, load_config)
-from tasks.memory_limit import memory_limit
-from tasks.models import allow_imports_from, check_model, resolve_device
-from tasks.records import EAGER, Referenced, Solved, Traced, Validated
-from tasks.store import check_store
+from memplan.tasks.memory_limit import memory_limit
+from memplan.tasks.models import allow_imports_from, check_model, resolve_device
+from memplan.tasks.records import EAGER, Referenced, Solved, Traced, Validated
+from memplan.tasks.store import check_store
 
 
 class PipelineFailed(MemplanError):

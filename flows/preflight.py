@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tasks.config import MemplanError, PipelineConfig
-from tasks.store import is_url
+from memplan.tasks.config import MemplanError, PipelineConfig
+from memplan.tasks.store import is_url
 
 API_TIMEOUT_S = 5.0
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from tasks.config import Case, ModelConfig
-from tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
-from tasks.records import Candidate, Solved, Validated
+from memplan.tasks.config import Case, ModelConfig
+from memplan.tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
+from memplan.tasks.records import Candidate, Solved, Validated
 
 Cell = tuple[str, int]
 

@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.config import Case
-from tasks.records import Published, Solved, Validated
-from tasks.solve.core.optimizer import OPTIMIZERS
+from memplan.tasks.config import Case
+from memplan.tasks.records import Published, Solved, Validated
+from memplan.tasks.solve.core.optimizer import OPTIMIZERS
 
 MIB = 2**20
 

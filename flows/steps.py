@@ -20,12 +20,12 @@ from typing import Any, Mapping
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows import captures
-from flows.codehash import code_hash
-from flows.progress import stage_finished, stage_started
-from tasks.config import Budget, MemplanError, ModelConfig, PlanForm, PlanSettings, ProfileConfig, ValidateConfig
-from tasks.memory_limit import MemoryLimit
-from tasks.records import Profiled, Published, Referenced, Solved, Traced, Validated
+from memplan.flows import captures
+from memplan.flows.codehash import code_hash
+from memplan.flows.progress import stage_finished, stage_started
+from memplan.tasks.config import Budget, MemplanError, ModelConfig, PlanForm, PlanSettings, ProfileConfig, ValidateConfig
+from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.records import Profiled, Published, Referenced, Solved, Traced, Validated
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
 HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
@@ -66,7 +66,7 @@ def trace_step(model: ModelConfig, batch_size: int, device: str, seed: int, cach
                form: PlanForm = "executor") -> Traced:
     """Capture the model's training step for plans in `form` (tasks/trace.py), every run (never cached: the
     fingerprint it yields keys every later stage); the graph JSON lands in `cache_dir/graphs/`."""
-    from tasks.trace import trace
+    from memplan.tasks.trace import trace
 
     traced, graph = trace(model, batch_size, device, seed, cache_dir, form)
     captures.keep(traced.fingerprint, graph, form)
@@ -87,8 +87,8 @@ def _profile_key(context: Any, p: Mapping[str, Any]) -> str:
 def profile_step(model: ModelConfig, traced: Traced, device: str, seed: int, settings: ProfileConfig,
                  store: str) -> Profiled:
     """Measure every operator node of the traced graph on `device` and write the run to the store."""
-    from tasks.profile import ProfileSettings, profile_graph
-    from tasks.trace import capture_model
+    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.trace import capture_model
 
     graph = captures.get(traced.fingerprint, traced.form) or capture_model(model, traced.batch_size, device, seed,
                                                                            traced.form)
@@ -120,7 +120,7 @@ def reference_step(model: ModelConfig, batch_size: int, device: str, seed: int, 
     loss, gradients and buffers every plan of the cell must reproduce (with `optimizer`, the parameters after
     its update too; in `cache_dir/references/`, safetensors), the step's peak (which budgets such as
     "50% eager" are fractions of) and its step time."""
-    from tasks.reference import measure_reference
+    from memplan.tasks.reference import measure_reference
 
     key = _reference_key(None, dict(model=model, batch_size=batch_size, device=device, seed=seed, limit=limit,
                                     optimizer=optimizer))
@@ -151,7 +151,7 @@ def solve_step(traced: Traced, profile: Profiled, solver: str, budget: Budget, s
     key = _solve_key(None, dict(traced=traced, profile=profile, solver=solver, budget=budget, settings=settings,
                                 device=device))
     plan_path = str(Path(cache_dir) / "solutions" / f"{alias}-{key[6:22]}.json")
-    from tasks.solve_stage import solve_case
+    from memplan.tasks.solve_stage import solve_case
 
     return solve_case(_existing(traced.path, "trace"), solver, budget, settings, profile.device, store, plan_path)
 
@@ -173,7 +173,7 @@ def compiled_search_step(solved: Solved, traced: Traced, profile: Profiled, sett
                          alias: str) -> Solved:
     """The measured search of a compiled policy cell (tasks/compiled_cell.py): `solved` replaced by the cheapest plan
     whose peak under torch.compile, measured, fits its budget; the plan lands in `cache_dir/solutions/`."""
-    from tasks.compiled_cell import search_cell
+    from memplan.tasks.compiled_cell import search_cell
 
     key = _compiled_search_key(None, dict(traced=traced, profile=profile, solved=solved, settings=settings,
                                           model=model, batch_size=batch_size, device=device, seed=seed,
@@ -209,8 +209,8 @@ def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig
     resident bytes must fit it. `no_recompute_paths` (aligned with `plan_paths`, content addresses
     `no_recompute_ids`): each plan's no-recomputation plan, timed in the same rounds, which a `max_overhead`
     plan's overhead is measured against."""
-    from runtime.plan import Plan
-    from tasks.validate import validate_plans
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.validate import validate_plans
 
     plans = [Plan.load(path) for path in plan_paths]
     graphs = {plan.form: captures.get(plan.fingerprint, plan.form) for plan in plans}
@@ -238,8 +238,8 @@ def publish_step(plan_path: str, validation: Validated, plans_dir: str, alias: s
                  batch_size: int, budget: str) -> Published:
     """Publish the validated plan at `plan_path` into `plans_dir` (idempotent, so never cached; refused
     when the file is not the plan `validation` ran)."""
-    from runtime.plan import Plan
-    from tasks.publish import publish
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.publish import publish
 
     return publish(Plan.load(plan_path), validation, plans_dir, alias=alias, model=model, batch_size=batch_size,
                    budget=budget)

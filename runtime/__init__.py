@@ -1,6 +1,6 @@
 """memplan runtime: capture a training step, load and execute memory plans, measure memory.
 
-Exports are lazy (module `__getattr__`), so `import runtime.graph` or `runtime.plan` never imports torch.
+Exports are lazy (module `__getattr__`), so `import memplan.runtime.graph` or `memplan.runtime.plan` never imports torch.
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "OpGraph": "runtime.graph",
-    "Plan": "runtime.plan",
-    "default_plan": "runtime.plan",
-    "capture": "runtime.capture",
-    "node_function": "runtime.node_functions",
-    "variant_function": "runtime.node_functions",
-    "load": "runtime.executor",
-    "apply": "runtime.policy",
-    "ArenaFallbackWarning": "runtime.arena",
+    "OpGraph": "memplan.runtime.graph",
+    "Plan": "memplan.runtime.plan",
+    "default_plan": "memplan.runtime.plan",
+    "capture": "memplan.runtime.capture",
+    "node_function": "memplan.runtime.node_functions",
+    "variant_function": "memplan.runtime.node_functions",
+    "load": "memplan.runtime.executor",
+    "apply": "memplan.runtime.policy",
+    "ArenaFallbackWarning": "memplan.runtime.arena",
 }
 
 __all__ = sorted(_EXPORTS)

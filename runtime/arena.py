@@ -26,11 +26,11 @@ from functools import cache
 import torch
 from torch import fx
 
-from runtime.graph import OpGraph, backend
-from runtime.ops import op_of
-from runtime.plan import Plan
-from runtime.variant_ops import head_node
-from runtime.variants import DEFAULT, GraphVariants
+from memplan.runtime.graph import OpGraph, backend
+from memplan.runtime.ops import op_of
+from memplan.runtime.plan import Plan
+from memplan.runtime.variant_ops import head_node
+from memplan.runtime.variants import DEFAULT, GraphVariants
 
 
 class ArenaFallbackWarning(UserWarning):

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime.capture import fake_tensors
-from runtime.graph import OpGraph
-from runtime.ops import allocating_calls, is_view, op_name
+from memplan.runtime.capture import fake_tensors
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.ops import allocating_calls, is_view, op_name
 
 
 class _BackwardCalls(TorchDispatchMode):

@@ -35,12 +35,12 @@ from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from runtime.fold import fold, storage_bytes, strip_prefix, view_base
-from runtime.graph import OpGraph
-from runtime.program import CaptureError
-from runtime.modules import boundary_hooks, strip_boundaries
-from runtime.rewrite_check import exact_instances
-from runtime.rewrites import PASSES, Rewriter
+from memplan.runtime.fold import fold, storage_bytes, strip_prefix, view_base
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.program import CaptureError
+from memplan.runtime.modules import boundary_hooks, strip_boundaries
+from memplan.runtime.rewrite_check import exact_instances
+from memplan.runtime.rewrites import PASSES, Rewriter
 
 class _LossStep(nn.Module):
     """`loss_fn(model, *batch)` as a module returning a 1-tuple, the form `aot_export_module` needs."""

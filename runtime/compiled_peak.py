@@ -10,10 +10,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from runtime.graph import OpGraph
-from runtime.meter import PeakMeter
-from runtime.plan import Plan
-from runtime.policy import apply
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan
+from memplan.runtime.policy import apply
 
 
 def compiled_peak(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple, *,

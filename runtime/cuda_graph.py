@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from runtime.grads import accumulate_grad, stealable
+from memplan.runtime.grads import accumulate_grad, stealable
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}

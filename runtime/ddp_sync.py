@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from runtime.graph import OpGraph
-from runtime.plan import Plan
-from runtime.schedule import gradient_buckets
-from runtime.variants import GraphVariants
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.plan import Plan
+from memplan.runtime.schedule import gradient_buckets
+from memplan.runtime.variants import GraphVariants
 
 
 class GradientSync:

@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from runtime.graph import OpGraph
-from runtime.policy_form import Regions
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.policy_form import Regions
 
 REPEATS = 9
 """Interleaved replays of the region per mode; the first of each is a warm-up."""

@@ -30,20 +30,20 @@ import torch
 from torch import fx, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from runtime.arena import ArenaFallbackWarning, ArenaReport, emit_out_call, keep_alive, new_arena, plan_arena
-from runtime.capture import batch_signature, capture
-from runtime.cuda_graph import GraphedStep
-from runtime.ddp_sync import GradientSync
-from runtime.grads import accumulate_grad
-from runtime.graph import OpGraph
-from runtime.optim_step import (InStepOptimizer, check_optimizer, check_slice_bytes, refuse_accumulation,
+from memplan.runtime.arena import ArenaFallbackWarning, ArenaReport, emit_out_call, keep_alive, new_arena, plan_arena
+from memplan.runtime.capture import batch_signature, capture
+from memplan.runtime.cuda_graph import GraphedStep
+from memplan.runtime.ddp_sync import GradientSync
+from memplan.runtime.grads import accumulate_grad
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.optim_step import (InStepOptimizer, check_optimizer, check_slice_bytes, refuse_accumulation,
                                 refuse_global_clipping, update_points)
-from runtime.plan import Plan
-from runtime.program import Program
-from runtime.schedule import UPDATE_SLICE_BYTES
-from runtime.variant_ops import head_node
-from runtime.variant_rules import emit_variant
-from runtime.variants import GraphVariants
+from memplan.runtime.plan import Plan
+from memplan.runtime.program import Program
+from memplan.runtime.schedule import UPDATE_SLICE_BYTES
+from memplan.runtime.variant_ops import head_node
+from memplan.runtime.variant_rules import emit_variant
+from memplan.runtime.variants import GraphVariants
 
 
 def _rng_state(device: str) -> torch.Tensor:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.arena import in_place_nodes
-from runtime.graph import BACKENDS, OpGraph
-from runtime.ops import random_nodes
+from memplan.runtime.arena import in_place_nodes
+from memplan.runtime.graph import BACKENDS, OpGraph
+from memplan.runtime.ops import random_nodes
 
 
 def graph_facts(graph: OpGraph) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from runtime.facts import graph_facts
-from runtime.graph import Node, OpGraph, Value
-from runtime.modules import META_KEY, PART_KEY
-from runtime.program import CaptureError, Program
+from memplan.runtime.facts import graph_facts
+from memplan.runtime.graph import Node, OpGraph, Value
+from memplan.runtime.modules import META_KEY, PART_KEY
+from memplan.runtime.program import CaptureError, Program
 
 # Ops whose schema declares a fresh result but whose kernel returns a view of the input.
 _VIEW_LIKE = {torch.ops.aten._unsafe_view.default}

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.fused_loss import scratch_ahead
+from memplan.runtime.fused_loss import scratch_ahead
 
 aten = torch.ops.aten
 

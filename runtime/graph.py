@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from runtime.jsonio import read_json, sha256_hex, write_json_atomic
+from memplan.runtime.jsonio import read_json, sha256_hex, write_json_atomic
 
 FORMAT = "memplan-graph"
 VERSION = 1

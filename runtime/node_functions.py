@@ -8,10 +8,10 @@ from typing import Callable
 
 from torch import fx
 
-from runtime.graph import OpGraph
-from runtime.program import CaptureError, Program
-from runtime.variant_rules import emit_variant
-from runtime.variants import graph_variants
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.program import CaptureError, Program
+from memplan.runtime.variant_rules import emit_variant
+from memplan.runtime.variants import graph_variants
 
 
 def _program(graph: OpGraph) -> Program:

@@ -7,8 +7,8 @@ from typing import Any, Iterator
 
 import torch
 
-from runtime import dropout, fused_gelu, fused_loss, modules  # noqa: F401  (register the memplan:: ops)
-from runtime.graph import OpGraph
+from memplan.runtime import dropout, fused_gelu, fused_loss, modules  # noqa: F401  (register the memplan:: ops)
+from memplan.runtime.graph import OpGraph
 
 
 def op_of(target: str) -> torch._ops.OpOverload | None:

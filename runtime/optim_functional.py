@@ -36,7 +36,7 @@ from torch.optim.adam import adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.optim.sgd import sgd
 
-from runtime.schedule import update_slices
+from memplan.runtime.schedule import update_slices
 
 States = Sequence[dict]
 

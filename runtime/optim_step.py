@@ -28,12 +28,12 @@ from typing import Mapping, NamedTuple, Sequence
 import torch
 from torch import optim
 
-from runtime.grads import accumulate_grad
-from runtime.graph import OpGraph
-from runtime.optim_functional import FUNCTIONAL, single_tensor, update_in_slices
-from runtime.plan import Plan
-from runtime.schedule import UPDATE_SLICE_BYTES, update_steps
-from runtime.variants import GraphVariants
+from memplan.runtime.grads import accumulate_grad
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.optim_functional import FUNCTIONAL, single_tensor, update_in_slices
+from memplan.runtime.plan import Plan
+from memplan.runtime.schedule import UPDATE_SLICE_BYTES, update_steps
+from memplan.runtime.variants import GraphVariants
 
 PER_PARAMETER = (optim.SGD, optim.Adam, optim.AdamW, optim.Adamax, optim.NAdam, optim.RAdam, optim.Adagrad,
                  optim.Adadelta, optim.RMSprop, optim.ASGD, optim.Rprop, optim.Adafactor)

@@ -12,10 +12,10 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any, Iterable, Mapping, NamedTuple
 
-from runtime.graph import OpGraph
-from runtime.jsonio import read_json, sha256_hex, write_json_atomic
-from runtime.schedule import Absence, walk
-from runtime.variants import DEFAULT, GraphVariants, graph_variants
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.jsonio import read_json, sha256_hex, write_json_atomic
+from memplan.runtime.schedule import Absence, walk
+from memplan.runtime.variants import DEFAULT, GraphVariants, graph_variants
 
 FORMAT = "memplan-plan"
 VERSION = 2

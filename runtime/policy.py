@@ -36,14 +36,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from runtime.autograd_nodes import label_backward
-from runtime.capture import capture
-from runtime.graph import OpGraph
-from runtime.modules import META_KEY, PART_KEY, marked_modules, module_parts
-from runtime.ops import allocating_calls, is_view, op_name
-from runtime.optim_step import check_optimizer, step_in_backward
-from runtime.plan import Plan
-from runtime.policy_form import PolicyFormError, Regions, decisions
+from memplan.runtime.autograd_nodes import label_backward
+from memplan.runtime.capture import capture
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.modules import META_KEY, PART_KEY, marked_modules, module_parts
+from memplan.runtime.ops import allocating_calls, is_view, op_name
+from memplan.runtime.optim_step import check_optimizer, step_in_backward
+from memplan.runtime.plan import Plan
+from memplan.runtime.policy_form import PolicyFormError, Regions, decisions
 
 LOOKAHEAD = 3
 _WRAPPED = "_memplan_policy"

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-from runtime.rewrites import Instance, Rewriter
+from memplan.runtime.rewrites import Instance, Rewriter
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

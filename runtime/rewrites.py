@@ -22,7 +22,7 @@ from typing import Any, Callable, Collection, Union
 import torch
 from torch import fx
 
-from runtime import dropout, fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops rewritten into)
+from memplan.runtime import dropout, fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops rewritten into)
 
 Ref = Union[fx.Node, tuple]
 """A value of the rewritten graph: a node, or (multi-output node, index)."""

@@ -11,9 +11,9 @@ from typing import Callable, Mapping
 import torch
 from torch import fx
 
-from runtime.graph import OpGraph
-from runtime.variant_kernels import VariantError
-from runtime.variant_spec import GraphVariants, VariantSpec
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.variant_kernels import VariantError
+from memplan.runtime.variant_spec import GraphVariants, VariantSpec
 
 __all__ = ["VariantError", "VariantStep", "aten", "head_node", "schema_arg"]
 

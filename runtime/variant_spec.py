@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from runtime.graph import OpGraph, Value
+from memplan.runtime.graph import OpGraph, Value
 
 DEFAULT = "default"
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}

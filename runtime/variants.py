@@ -23,9 +23,9 @@ A convolution's backward split into weight- and input-gradient nodes (MONeT appe
 
 from __future__ import annotations
 
-from runtime.graph import OpGraph
-from runtime.variant_rules import RULES
-from runtime.variant_spec import DEFAULT, Builder, GraphVariants, VariantSpec
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.variant_rules import RULES
+from memplan.runtime.variant_spec import DEFAULT, Builder, GraphVariants, VariantSpec
 
 __all__ = ["BIT_IDENTICAL_RULES", "DEFAULT", "GraphVariants", "RULES", "VariantSpec", "graph_variants"]
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.plan import Plan, plan_id
-from tasks.compiled_search import MeasuredSearch, search
-from tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
-from tasks.models import build_batch, build_loss, build_model
-from tasks.problems import LoadedProblem
-from tasks.records import Solved
-from tasks.solve.core.solution import Solution
-from tasks.solve_stage import annotate, load_cell_problem, plan_of
-from tasks.validate import compiled_plan_peak
+from memplan.runtime.plan import Plan, plan_id
+from memplan.tasks.compiled_search import MeasuredSearch, search
+from memplan.tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
+from memplan.tasks.models import build_batch, build_loss, build_model
+from memplan.tasks.problems import LoadedProblem
+from memplan.tasks.records import Solved
+from memplan.tasks.solve.core.solution import Solution
+from memplan.tasks.solve_stage import annotate, load_cell_problem, plan_of
+from memplan.tasks.validate import compiled_plan_peak
 
 
 def search_cell(graph_path: str | Path, solved: Solved, settings: PlanSettings, spec: ModelConfig, batch_size: int,

@@ -31,11 +31,11 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions
-from tasks.solve.policy_solver import PolicyOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions
+from memplan.tasks.solve.policy_solver import PolicyOptions
 
 COMPILED = SolveOptions(params=PolicyOptions(compiled=True))
 """`selective-policy` for a model trained under torch.compile: the policy's dispatch modes are traced away."""

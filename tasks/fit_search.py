@@ -20,10 +20,10 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tasks.config import MemplanError, ModelConfig, PipelineConfig
-from tasks.memory_limit import MemoryLimit
-from tasks.overhead_refine import no_recompute_path
-from tasks.records import Candidate
+from memplan.tasks.config import MemplanError, ModelConfig, PipelineConfig
+from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.overhead_refine import no_recompute_path
+from memplan.tasks.records import Candidate
 
 PER_BLOCK = "module-checkpoint"
 Dimension = Literal["batch", "sequence"]
@@ -116,14 +116,14 @@ def evaluate_size(spec: ModelConfig, batch_size: int, size: int, label: str, con
                   limit: MemoryLimit, solver: str, max_overhead: float) -> SizePoint:
     """Trace, profile and solve `spec` at `batch_size` (`size`: the size searched); memplan's plan lands under
     `<cache_dir>/fit/`, named after the model, `label` (`b64`, or `b2-s512` for a sequence length) and solver."""
-    from tasks.config import Budget, PlanSettings
-    from tasks.problems import load_problem
-    from tasks.profile import ProfileSettings, profile_graph
-    from tasks.solve import solve
-    from tasks.solve.core.simulator import default_schedule, simulate
-    from tasks.solve.core.solution import SolveOptions
-    from tasks.solve_stage import overhead_ladder, plan_of, write_ladder
-    from tasks.trace import trace
+    from memplan.tasks.config import Budget, PlanSettings
+    from memplan.tasks.problems import load_problem
+    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.solve import solve
+    from memplan.tasks.solve.core.simulator import default_schedule, simulate
+    from memplan.tasks.solve.core.solution import SolveOptions
+    from memplan.tasks.solve_stage import overhead_ladder, plan_of, write_ladder
+    from memplan.tasks.trace import trace
 
     traced, graph = trace(spec, batch_size, device, config.seed, config.cache_dir)
     run = profile_graph(graph, device, ProfileSettings(config.profile.warmup, config.profile.repeats, config.seed),

@@ -44,11 +44,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.meter import PeakMeter
-from runtime.modules import marked_modules
-from tasks.config import MemplanError
-from tasks.memory_limit import MemoryLimit
-from tasks.records import EAGER
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.modules import marked_modules
+from memplan.tasks.config import MemplanError
+from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.records import EAGER
 
 PER_BLOCK_CHECKPOINT = "per-block checkpoint"
 NESTED_CHECKPOINT = "nested checkpoint"

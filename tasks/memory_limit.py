@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from runtime.graph import OpGraph
-from tasks.config import MemplanError, PipelineConfig
-from tasks.solve.core.optimizer import OPTIMIZERS
+from memplan.runtime.graph import OpGraph
+from memplan.tasks.config import MemplanError, PipelineConfig
+from memplan.tasks.solve.core.optimizer import OPTIMIZERS
 
 
 class MemoryLimit(BaseModel):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.config import IMPORT_PATH, NAMED_LOSSES, MemplanError, ModelConfig
+from memplan.tasks.config import IMPORT_PATH, NAMED_LOSSES, MemplanError, ModelConfig
 
 
 class ModelError(MemplanError):

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from runtime.plan import Plan, PlanError
-from runtime.policy_form import FORM as POLICY
-from tasks.records import Candidate, Solved
+from memplan.runtime.plan import Plan, PlanError
+from memplan.runtime.policy_form import FORM as POLICY
+from memplan.tasks.records import Candidate, Solved
 
 MARGIN = 0.5
 """Rungs predicted at most this fraction of the limit above it (0.10 -> up to +15%) are tried when a plan with

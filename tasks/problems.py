@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.graph import OpGraph
-from runtime.variants import graph_variants
-from tasks.config import VARIANT_RULES, VariantChoice
-from tasks.solve.core.problem import Problem, ProblemError
-from tasks.store_query import CostTable, load_costs
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.variants import graph_variants
+from memplan.tasks.config import VARIANT_RULES, VariantChoice
+from memplan.tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.store_query import CostTable, load_costs
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from runtime.variants import DEFAULT
-from tasks.profile_values import LiveValues
-from tasks.store import new_run_id, write_run
-from tasks.store_schema import SCHEMA_VERSION
+from memplan.runtime.variants import DEFAULT
+from memplan.tasks.profile_values import LiveValues
+from memplan.tasks.store import new_run_id, write_run
+from memplan.tasks.store_schema import SCHEMA_VERSION
 
 DEVICE_KEY_VAR = "MEMPLAN_DEVICE_KEY"
 NodeFunction = Callable[[Any, int], Callable[..., tuple]]
@@ -272,13 +272,13 @@ def measure_graph(graph, device: str | torch.device = "cpu", settings: ProfileSe
     (a graph built by hand), only the default implementations are measured. `model` names the model in the
     store (default: the graph's `meta["model"]`).
     """
-    from runtime.variants import GraphVariants, graph_variants
+    from memplan.runtime.variants import GraphVariants, graph_variants
 
     defaults_only = node_function is not None and variant_function is None
     if node_function is None:
-        from runtime import node_function
+        from memplan.runtime import node_function
     if variant_function is None:
-        from runtime import variant_function
+        from memplan.runtime import variant_function
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -332,7 +332,7 @@ def _run_round(graph, functions: list[list[Implementation]], reads: dict[int, li
     (`reads`), or earlier beyond `bound` bytes, to be read as a stand-in (tasks.profile_values). An in-place
     variant runs on a copy of the inputs it overwrites, made before its calls (so its output allocates nothing
     and the inputs stay intact for the other variants). A variant that fails is marked unavailable (`_drop`)."""
-    from runtime.meter import PeakMeter
+    from memplan.runtime.meter import PeakMeter
 
     compared = {v for implementations in functions if len(implementations) > 1 for impl in implementations
                 for v in impl.inputs}                   # a variant's outputs are compared with its default's
@@ -422,7 +422,7 @@ def _policy_columns(graph, device: torch.device, settings: ProfileSettings, defa
     """The run columns `policy_forward_ms` / `policy_recompute_ms` (`runtime.dispatch_cost.policy_dispatch_ms`,
     replaying the nodes' `defaults`, the callables just profiled) for a graph the policy form plans on
     (`meta["capture"] == "eager"`, runtime.policy.capture_eager), else nulls."""
-    from runtime.dispatch_cost import policy_dispatch_ms
+    from memplan.runtime.dispatch_cost import policy_dispatch_ms
 
     measured = None
     if graph.meta.get("capture") == "eager":

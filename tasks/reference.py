@@ -24,13 +24,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from runtime.exact import exact_fp32
-from tasks.config import MemplanError, ModelConfig
-from tasks.fitting_reference import LOSS_REDUCTIONS, reference_step
-from tasks.memory_limit import MemoryLimit
-from tasks.models import build_batch, build_loss, build_model
-from tasks.records import Referenced
-from tasks.solve.core.optimizer import OPTIMIZERS
+from memplan.runtime.exact import exact_fp32
+from memplan.tasks.config import MemplanError, ModelConfig
+from memplan.tasks.fitting_reference import LOSS_REDUCTIONS, reference_step
+from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.models import build_batch, build_loss, build_model
+from memplan.tasks.records import Referenced
+from memplan.tasks.solve.core.optimizer import OPTIMIZERS
 
 State = dict[str, torch.Tensor | None]
 Step = Callable[[], torch.Tensor]
@@ -62,7 +62,7 @@ def first_steps(model: nn.Module, step: Step, device: str, seed: int, params: bo
     """The state after one step (in IEEE fp32) from the fresh `model` (`step_state`; with `params` the
     parameters after it), and the measured peak of a second step. With `update` (an optimizer over `model`) the
     state also holds the parameters after that optimizer's step from the first step's gradients."""
-    from runtime.meter import PeakMeter
+    from memplan.runtime.meter import PeakMeter
 
     torch.manual_seed(seed)
     with exact_fp32(device):

@@ -13,20 +13,20 @@ from typing import Callable, Literal
 
 import numpy as np
 
-from runtime.graph import backend
-from runtime.plan import Plan, graph_provenance, plan_id
-from tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
-from tasks.problems import LoadedProblem, load_problem
-from tasks.overhead_refine import Rung, no_recompute_path, rung_path, written_rungs
-from tasks.records import Candidate, Solved
-from tasks.solve import SOLVERS, solve
-from tasks.solve.core.addresses import greedy_addresses
-from tasks.solve.core.ddp import under_ddp
-from tasks.solve.core.optimizer import in_step
-from tasks.solve.olla import olla_addresses
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import Simulation, default_schedule, normalize_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, min_budget_lower_bound
+from memplan.runtime.graph import backend
+from memplan.runtime.plan import Plan, graph_provenance, plan_id
+from memplan.tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
+from memplan.tasks.problems import LoadedProblem, load_problem
+from memplan.tasks.overhead_refine import Rung, no_recompute_path, rung_path, written_rungs
+from memplan.tasks.records import Candidate, Solved
+from memplan.tasks.solve import SOLVERS, solve
+from memplan.tasks.solve.core.addresses import greedy_addresses
+from memplan.tasks.solve.core.ddp import under_ddp
+from memplan.tasks.solve.core.optimizer import in_step
+from memplan.tasks.solve.olla import olla_addresses
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import Simulation, default_schedule, normalize_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, min_budget_lower_bound
 
 PROBES = ("ap-greedy", "linearized-greedy")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.store_schema import (
+from memplan.tasks.store_schema import (
     REQUIRED,
     SCHEMA,
     SCHEMA_KEY,
@@ -146,7 +146,7 @@ def locate(root: str | os.PathLike | None = None) -> StoreLocation:
 
 def check_store(root: str | os.PathLike | None = None) -> None:
     """Refuse, in seconds, a store whose bucket cannot be read (`tasks.store_access.check_location`)."""
-    from tasks.store_access import check_location
+    from memplan.tasks.store_access import check_location
 
     check_location(locate(root))
 
@@ -334,7 +334,7 @@ def read_runs(root: str | os.PathLike | None = None) -> tuple[list[Path | str], 
     rows as one Arrow table (columns unioned by name; the empty `SCHEMA` table when there are none).
     Other files are skipped with a `ProfileStoreWarning` naming them. This is the store's one reading path:
     `connect` hands its table to DuckDB."""
-    from tasks.store_access import check_location
+    from memplan.tasks.store_access import check_location
 
     where = locate(root)
     check_location(where)                 # a missing bucket is an error, not an empty store

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from tasks.config import MemplanError
+from memplan.tasks.config import MemplanError
 
 CONNECT_TIMEOUT_S = 3.0
 REQUEST_TIMEOUT_S = 5.0

@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import pyarrow as pa
 
-from runtime.variants import DEFAULT
-from tasks.store import ENV_VAR, ProfileNotFoundError, locate, read_runs, read_tables, store_root, union_tables
-from tasks.store_schema import RUN_COLUMNS
+from memplan.runtime.variants import DEFAULT
+from memplan.tasks.store import ENV_VAR, ProfileNotFoundError, locate, read_runs, read_tables, store_root, union_tables
+from memplan.tasks.store_schema import RUN_COLUMNS
 
 
 _GROUP = ("run_id", "fingerprint", "device")

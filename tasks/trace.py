@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from runtime.graph import OpGraph
-from tasks.config import MemplanError, ModelConfig, PlanForm
-from tasks.records import Traced
+from memplan.runtime.graph import OpGraph
+from memplan.tasks.config import MemplanError, ModelConfig, PlanForm
+from memplan.tasks.records import Traced
 
 
 def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str,
@@ -36,10 +36,10 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, fo
     (`runtime.capture(..., verify=True)`): the selection lands in `meta["rewrites"]` and from there in every
     plan made for the graph. For the policy form, as eager PyTorch runs it (`runtime.policy.capture_eager`);
     a step that records no repeated module, which the policy form checkpoints, is refused."""
-    import runtime
-    from runtime.capture import CaptureError
-    from runtime.policy import capture_eager
-    from tasks.models import ModelError, build_batch, build_loss, build_model, check_batch_fits
+    from memplan import runtime
+    from memplan.runtime.capture import CaptureError
+    from memplan.runtime.policy import capture_eager
+    from memplan.tasks.models import ModelError, build_batch, build_loss, build_model, check_batch_fits
 
     check_batch_fits(spec, batch_size, device)
     model = build_model(spec, seed).to(device)
@@ -66,8 +66,8 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, fo
 
 def _check_regions(graph: OpGraph, spec: ModelConfig, batch_size: int) -> None:
     """Refuse, before profiling, a policy-form graph without the repeated modules its plans checkpoint."""
-    from runtime.policy_form import Regions
-    from tasks.models import ModelError
+    from memplan.runtime.policy_form import Regions
+    from memplan.tasks.models import ModelError
 
     if not Regions.of_graph(graph).members:
         raise ModelError(

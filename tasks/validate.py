@@ -59,17 +59,17 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from runtime.arena import ArenaFallbackWarning
-from runtime.graph import OpGraph
-from runtime.plan import Plan, plan_id
-from runtime.policy_form import FORM as POLICY
-from tasks.config import MemplanError, ModelConfig, ValidateConfig
-from tasks.fitting_reference import LOSS_REDUCTIONS, rebuilt_step, training_step
-from tasks.memory_limit import MemoryLimit
-from tasks.models import build_batch, build_loss, build_model
-from tasks.records import Referenced, Validated
-from tasks.reference import State, Step, first_steps, optimizer_named, reference_state
-from tasks.step_timing import median_interval, paired_step_times
+from memplan.runtime.arena import ArenaFallbackWarning
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.plan import Plan, plan_id
+from memplan.runtime.policy_form import FORM as POLICY
+from memplan.tasks.config import MemplanError, ModelConfig, ValidateConfig
+from memplan.tasks.fitting_reference import LOSS_REDUCTIONS, rebuilt_step, training_step
+from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.models import build_batch, build_loss, build_model
+from memplan.tasks.records import Referenced, Validated
+from memplan.tasks.reference import State, Step, first_steps, optimizer_named, reference_state
+from memplan.tasks.step_timing import median_interval, paired_step_times
 
 
 class ValidationFailed(MemplanError):
@@ -169,7 +169,7 @@ def validate_alone(
     import tempfile
     from pathlib import Path
 
-    from tasks.reference import measure_reference
+    from memplan.tasks.reference import measure_reference
 
     with tempfile.TemporaryDirectory(prefix="memplan-reference-") as folder:
         reference = measure_reference(spec, batch_size, device, seed, Path(folder) / "reference.safetensors",
@@ -212,11 +212,11 @@ def validate_plans(
         graph, eager_graph = None, graph                      # capture_eager's graph: the policy plans'
     executor = [plan for plan in plans if plan.form != POLICY]
     if graph is None and len({p.fingerprint for p in executor}) == 1 and len({str(p.rewrites) for p in executor}) == 1:
-        from runtime.capture import capture
+        from memplan.runtime.capture import capture
 
         graph = capture(copy.deepcopy(base), loss_fn, batch, rewrites=executor[0].rewrites)   # once, not once per plan
     if eager_graph is None and len(executor) < len(plans):
-        from runtime.policy import capture_eager
+        from memplan.runtime.policy import capture_eager
 
         eager_graph = capture_eager(copy.deepcopy(base), loss_fn, batch)
     measured = [_first_run(plan, base, loss_fn, batch, device, seed, eager_graph if plan.form == POLICY else graph,
@@ -239,7 +239,7 @@ def compiled_plan_peak(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch
     updates inside the step), else None."""
     if plan.form != POLICY or not plan.provenance.get("compiled"):
         return None
-    from runtime.compiled_peak import compiled_peak
+    from memplan.runtime.compiled_peak import compiled_peak
 
     name = plan.provenance.get("optimizer_in_step")
     return compiled_peak(plan, base, loss_fn, batch, graph=graph, backend=settings.compile_backend,
@@ -271,7 +271,7 @@ def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor]
     form, `runtime.apply` on `graph`, capture_eager's, then the model's own backward), take its state
     after one step and its peak (and, for a plan with addresses, those of its arena run, before any timed step
     moves its buffers); appends its timed runs to `runs`."""
-    import runtime
+    from memplan import runtime
 
     plan_model = copy.deepcopy(base)
     optimizer = plan.provenance.get("optimizer_in_step")

@@ -19,11 +19,11 @@ from typing import Annotated, Any
 
 import typer
 
-from flows.automations import ensure_automations, pool_tag
-from tasks.config import DeployConfig, MemplanError
-from tasks.publish import DEVICE_CLASS_VAR
+from memplan.flows.automations import ensure_automations, pool_tag
+from memplan.tasks.config import DeployConfig, MemplanError
+from memplan.tasks.publish import DEVICE_CLASS_VAR
 
-ENTRYPOINTS = {"profile": "flows.profile:profile_flow", "plan": "flows.plan:plan_flow", "fit": "flows.fit:fit_flow"}
+ENTRYPOINTS = {"profile": "memplan.flows.profile:profile_flow", "plan": "memplan.flows.plan:plan_flow", "fit": "memplan.flows.fit:fit_flow"}
 
 
 class DeployError(MemplanError):
@@ -207,12 +207,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Create the fleet's Prefect deployments (profile, plan and fit flows per device class) and automations
         from \\[deploy]."""
-        from flows.console import console, exit_on_error
+        from memplan.flows.console import console, exit_on_error
 
         with exit_on_error():
             from rich.table import Table
 
-            from tasks.config import ConfigError, load_config
+            from memplan.tasks.config import ConfigError, load_config
 
             loaded = load_config(config)
             if loaded.deploy is None:

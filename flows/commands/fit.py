@@ -32,12 +32,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The largest batch (or --sequence length) that fits the device memory limit: eager PyTorch, per-block
         checkpointing, and memplan within --max-overhead (validated). docs/fit.md."""
-        from flows.console import console, exit_on_error, prepare
-        from flows.fit import size_name
+        from memplan.flows.console import console, exit_on_error, prepare
+        from memplan.flows.fit import size_name
 
         prepare(config, debug)
         with exit_on_error():
-            from flows.fit import run_fit
+            from memplan.flows.fit import run_fit
 
             answer = run_fit(config, model, max_overhead, solver, max_size, device_memory,
                              "sequence" if sequence else "batch", batch)
@@ -58,7 +58,7 @@ def fit_table(answer):
     """The sizes evaluated as a rich table: predicted peaks (resident included), overhead, what fits."""
     from rich.table import Table
 
-    from flows.fit import fit_rows, measured_text, size_name
+    from memplan.flows.fit import fit_rows, measured_text, size_name
 
     search = answer.search
     table = Table(size_name(search), "eager peak MiB", "per-block checkpoint peak MiB", "memplan peak MiB",

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from flows.commands.query import Format, FormatOption, OutputOption, StoreOption, check_output, emit, reporting_store_warnings
+from memplan.flows.commands.query import Format, FormatOption, OutputOption, StoreOption, check_output, emit, reporting_store_warnings
 
 NEWEST_SQL = """
 SELECT device, model, run_id, host, created_at FROM runs WHERE complete
@@ -23,7 +23,7 @@ def fleet_status(config, store: str | None = None, now: datetime | None = None) 
     """One row per (device class of `config.deploy`, model of `config.models`): class, device key, model,
     newest complete run (id, host, time), its age and the allowed age in seconds, and status
     ok | late | missing."""
-    from tasks.store_query import connect
+    from memplan.tasks.store_query import connect
 
     now = now or datetime.now(timezone.utc)
     newest = {row[:2]: row[2:] for row in connect(store or config.store).execute(NEWEST_SQL).fetchall()}
@@ -47,8 +47,8 @@ def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[t
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from flows.commands.deploy import ENTRYPOINTS, api_url
-    from tasks.config import ConfigError
+    from memplan.flows.commands.deploy import ENTRYPOINTS, api_url
+    from memplan.tasks.config import ConfigError
 
     names = [c.name for c in deploy.classes]
     unknown = sorted(set(classes or []) - set(names))
@@ -93,11 +93,11 @@ def register(app: typer.Typer) -> None:
         """Per device class and model: the newest profile run, its age, late or missing (exit status 1)."""
         import pyarrow as pa
 
-        from flows.console import exit_on_error
+        from memplan.flows.console import exit_on_error
 
         check_output(fmt, output)
         with exit_on_error():
-            from tasks.config import ConfigError, load_config
+            from memplan.tasks.config import ConfigError, load_config
 
             loaded = load_config(config)
             if loaded.deploy is None:
@@ -123,8 +123,8 @@ def register(app: typer.Typer) -> None:
         ) -> None:
             from rich.table import Table
 
-            from flows.console import console, exit_on_error
-            from tasks.config import ConfigError, load_config
+            from memplan.flows.console import console, exit_on_error
+            from memplan.tasks.config import ConfigError, load_config
 
             with exit_on_error():
                 loaded = load_config(config)

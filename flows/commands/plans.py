@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.locations import ConfigOption, locate
+from memplan.flows.locations import ConfigOption, locate
 
 DirOption = Annotated[Optional[Path], typer.Option(
     "--dir", help="Folder of published plans \\[default: publish.dir of ./pipeline.toml, else ./plans].",
@@ -38,10 +38,10 @@ def register(app: typer.Typer) -> None:
         job on that class loads)."""
         from rich.table import Column, Table
 
-        from flows.commands.query import reporting_store_warnings
-        from flows.console import console, exit_on_error
-        from flows.report import loading_hint
-        from tasks.publish import read_index
+        from memplan.flows.commands.query import reporting_store_warnings
+        from memplan.flows.console import console, exit_on_error
+        from memplan.flows.report import loading_hint
+        from memplan.tasks.publish import read_index
 
         with exit_on_error():
             plans_dir = _plans_dir(config, plans_dir)
@@ -77,11 +77,11 @@ def register(app: typer.Typer) -> None:
         """A plan's provenance, predictions, schedule summary, index row and how a training job runs it."""
         from rich.table import Table
 
-        from flows.commands.query import reporting_store_warnings
-        from flows.console import console, exit_on_error
-        from flows.report import run_with
-        from runtime.plan import Plan
-        from tasks.publish import plan_id, read_index, resolve
+        from memplan.flows.commands.query import reporting_store_warnings
+        from memplan.flows.console import console, exit_on_error
+        from memplan.flows.report import run_with
+        from memplan.runtime.plan import Plan
+        from memplan.tasks.publish import plan_id, read_index, resolve
 
         with exit_on_error():
             plans_dir = _plans_dir(config, plans_dir)

@@ -15,15 +15,15 @@ def register(app: typer.Typer) -> None:
         reuse: Annotated[bool, typer.Option(help="Keep a cached profile of an unchanged graph instead of measuring again.")] = False,
     ) -> None:
         """Measure every operator of every model in pipeline.toml into the profile store."""
-        from flows.console import console, exit_on_error, prepare
+        from memplan.flows.console import console, exit_on_error, prepare
 
         prepare(config)
         with exit_on_error():
             from rich.table import Table
 
-            from flows.profile import run_profile
-            from flows.progress import stage_progress
-            from tasks.config import load_config
+            from memplan.flows.profile import run_profile
+            from memplan.flows.progress import stage_progress
+            from memplan.tasks.config import load_config
 
             loaded = load_config(config)
             with stage_progress(2 * len(loaded.model_batches()), "starting Prefect"):

@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.locations import ConfigOption, locate
-from flows.commands.query import Format, FormatOption, OutputOption, StoreOption, check_output, emit, reporting_store_warnings
+from memplan.flows.locations import ConfigOption, locate
+from memplan.flows.commands.query import Format, FormatOption, OutputOption, StoreOption, check_output, emit, reporting_store_warnings
 
 LIST_SQL = """
 SELECT run_id, device, model, strftime(created_at, '%Y-%m-%d %H:%M:%S') AS created_at, rows, complete,
@@ -33,8 +33,8 @@ def register(app: typer.Typer) -> None:
         config: ConfigOption = None,
     ) -> None:
         """Show the runs (device, model, when, rows, completeness), newest first."""
-        from flows.console import exit_on_error
-        from tasks.store_query import connect
+        from memplan.flows.console import exit_on_error
+        from memplan.tasks.store_query import connect
 
         check_output(fmt, output)
         with exit_on_error():

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.commands.validate import BatchOption, ConfigOption, ModelOption, PlanArgument
+from memplan.flows.commands.validate import BatchOption, ConfigOption, ModelOption, PlanArgument
 
 
 def register(app: typer.Typer) -> None:
@@ -20,15 +20,15 @@ def register(app: typer.Typer) -> None:
         alias: Annotated[Optional[str], typer.Option(help="Readable name \\[default: <model>-b<batch>-<solver>-<budget>B].")] = None,
     ) -> None:
         """Validate a plan on the configured device and publish it if it passes (idempotent)."""
-        from flows.console import console, exit_on_error, prepare
+        from memplan.flows.console import console, exit_on_error, prepare
 
         prepare(config)
         with exit_on_error():
-            from flows.commands.validate import run_validation, validation_table
-            from runtime.plan import Plan
-            from tasks.config import load_config
-            from tasks.publish import check_alias
-            from tasks.publish import publish as publish_plan
+            from memplan.flows.commands.validate import run_validation, validation_table
+            from memplan.runtime.plan import Plan
+            from memplan.tasks.config import load_config
+            from memplan.tasks.publish import check_alias
+            from memplan.tasks.publish import publish as publish_plan
 
             if alias is not None:
                 check_alias(alias)                       # before the validation's minutes of work

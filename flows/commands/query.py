@@ -20,7 +20,7 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
-from flows.locations import ConfigOption, locate
+from memplan.flows.locations import ConfigOption, locate
 
 
 class Format(str, Enum):
@@ -51,8 +51,8 @@ def _err(message: str) -> None:
 @contextmanager
 def reporting_store_warnings() -> Iterator[None]:
     """Print the warnings about skipped files (profile store, plans index) on stderr, one line each."""
-    from tasks.publish import PlansIndexWarning
-    from tasks.store import ProfileStoreWarning
+    from memplan.tasks.publish import PlansIndexWarning
+    from memplan.tasks.store import ProfileStoreWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileStoreWarning)
@@ -125,7 +125,7 @@ def emit(table, fmt: Format, output: Path | None = None, title: str | None = Non
         from rich.table import Table
         from rich.text import Text
 
-        from flows.console import console
+        from memplan.flows.console import console
 
         view = Table(title=None if title is None else Text(title))
         for name in table.column_names:            # data is Text, never markup: "[red]" prints as typed
@@ -167,10 +167,10 @@ def register(app: typer.Typer) -> None:
         """
         import duckdb
 
-        from flows.console import exit_on_error
-        from tasks.config import MemplanError
-        from tasks.publish import INDEX_SCHEMA, index_files
-        from tasks.store_query import query as run_query
+        from memplan.flows.console import exit_on_error
+        from memplan.tasks.config import MemplanError
+        from memplan.tasks.publish import INDEX_SCHEMA, index_files
+        from memplan.tasks.store_query import query as run_query
 
         check_output(fmt, output)
         with exit_on_error():

@@ -18,15 +18,15 @@ def register(app: typer.Typer) -> None:
         debug: Annotated[bool, typer.Option(help="Show Prefect's logs and tracebacks of failed stages.")] = False,
     ) -> None:
         """Trace, profile, solve, validate and publish every plan that pipeline.toml declares."""
-        from flows.console import errors, exit_on_error, prepare
-        from flows.interrupt import MESSAGE, stopping_cleanly
+        from memplan.flows.console import errors, exit_on_error, prepare
+        from memplan.flows.interrupt import MESSAGE, stopping_cleanly
 
         prepare(config, debug)
         try:
             with exit_on_error():
-                from tasks.config import load_config
+                from memplan.tasks.config import load_config
 
-                from flows.preflight import check_writable_folder
+                from memplan.flows.preflight import check_writable_folder
 
                 loaded = load_config(config)
                 check_writable_folder("cache_dir", loaded.cache_dir)       # where the run's stderr log goes
@@ -39,11 +39,11 @@ def register(app: typer.Typer) -> None:
 
 def _run(config: Path, refresh: bool, loaded) -> None:
     """Run the plan flow and print its outcome table."""
-    from flows.console import console
-    from flows.plan import PipelineFailed, run_plan
-    from flows.progress import stage_progress
-    from flows.report import loading_hint
-    from tasks.config import expand_matrix, graph_forms
+    from memplan.flows.console import console
+    from memplan.flows.plan import PipelineFailed, run_plan
+    from memplan.flows.progress import stage_progress
+    from memplan.flows.report import loading_hint
+    from memplan.tasks.config import expand_matrix, graph_forms
 
     cases = expand_matrix(loaded)
     graphs = sum(len(graph_forms(m.name, b, cases)) for m, b in loaded.model_batches())
@@ -68,7 +68,7 @@ def outcome_table(outcomes: list[dict[str, Any]]):
     """The outcomes of a run as a rich table."""
     from rich.table import Column, Table
 
-    from flows.report import Outcome, overhead_text, status_text
+    from memplan.flows.report import Outcome, overhead_text, status_text
 
     mib = 2**20
     width = max((len(o["alias"]) for o in outcomes), default=4)

@@ -7,14 +7,14 @@ from typing import Annotated, Optional, get_args
 
 import typer
 
-from flows.commands.query import StoreOption
-from flows.locations import ConfigOption, locate
-from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
+from memplan.flows.commands.query import StoreOption
+from memplan.flows.locations import ConfigOption, locate
+from memplan.tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S
 
 
 def solvers_help() -> str:
     """The registry as help text: each solver, its summary and its options."""
-    from tasks.solve import SOLVERS, describe_options
+    from memplan.tasks.solve import SOLVERS, describe_options
 
     lines = ["Solvers and their options (--option KEY=VALUE):", ""]
     for spec in SOLVERS.values():
@@ -57,15 +57,15 @@ def register(app: typer.Typer) -> None:
         import json
         import logging
 
-        from flows.console import console, errors, exit_on_error, stdout_for_results_only
+        from memplan.flows.console import console, errors, exit_on_error, stdout_for_results_only
 
         with exit_on_error(), stdout_for_results_only(json_output):
-            from tasks.config import Addresses, parse_budget_text, parse_option_text
-            from tasks.problems import VARIANT_RULES, load_problem
-            from tasks.solve import SOLVERS, OptionError, parse_options
-            from tasks.solve.core.milp import BACKENDS
-            from tasks.solve.core.solution import Gap, SolveOptions, Threads, TimeLimit, check_solve_value
-            from tasks.solve_stage import plan_of, solve_loaded
+            from memplan.tasks.config import Addresses, parse_budget_text, parse_option_text
+            from memplan.tasks.problems import VARIANT_RULES, load_problem
+            from memplan.tasks.solve import SOLVERS, OptionError, parse_options
+            from memplan.tasks.solve.core.milp import BACKENDS
+            from memplan.tasks.solve.core.solution import Gap, SolveOptions, Threads, TimeLimit, check_solve_value
+            from memplan.tasks.solve_stage import plan_of, solve_loaded
 
             if solver not in SOLVERS:
                 raise typer.BadParameter(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}.",

@@ -16,16 +16,16 @@ def register(app: typer.Typer) -> None:
         batch: Annotated[Optional[int], typer.Option(help="Only this batch size.")] = None,
     ) -> None:
         """Capture each (model, batch size) as an operator graph JSON under cache_dir/graphs."""
-        from flows.console import console, exit_on_error, prepare
+        from memplan.flows.console import console, exit_on_error, prepare
 
         prepare(config)
         with exit_on_error():
             from rich.progress import Progress
             from rich.table import Table
 
-            from tasks.config import ConfigError, load_config
-            from tasks.models import resolve_device
-            from tasks.trace import trace as trace_model
+            from memplan.tasks.config import ConfigError, load_config
+            from memplan.tasks.models import resolve_device
+            from memplan.tasks.trace import trace as trace_model
 
             loaded = load_config(config)
             device = resolve_device(loaded.device)

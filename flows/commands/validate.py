@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 if TYPE_CHECKING:
-    from runtime.graph import OpGraph
-    from runtime.plan import Plan
-    from tasks.config import ModelConfig
-    from tasks.records import Validated
+    from memplan.runtime.graph import OpGraph
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.config import ModelConfig
+    from memplan.tasks.records import Validated
 
 PlanArgument = Annotated[Path, typer.Argument(help="A plan JSON file.")]
 ConfigOption = Annotated[Path, typer.Option("--config", help="The pipeline file declaring the plan's model.")]
@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
     def validate(plan: PlanArgument, config: ConfigOption = Path("pipeline.toml"), model: ModelOption = None,
                  batch: BatchOption = None) -> None:
         """Check a plan: same loss, gradients and buffers as eager PyTorch, measured peak within budget."""
-        from flows.console import console, exit_on_error, prepare
+        from memplan.flows.console import console, exit_on_error, prepare
 
         prepare(config)
         with exit_on_error():
@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
             validation = done.validation
             console().print(validation_table(done))
             if not validation.passed:
-                from tasks.validate import ValidationFailed
+                from memplan.tasks.validate import ValidationFailed
 
                 raise ValidationFailed(validation.explain(str(plan)))
 
@@ -59,13 +59,13 @@ def run_validation(plan_path: Path, config_path: Path, model: str | None, batch:
     plan is timed beside its no-recomputation plan (`no_recompute_for`), where there is one."""
     from rich.status import Status
 
-    from flows.lookup import model_for_plan
-    from runtime.plan import Plan
-    from runtime.policy_form import FORM as POLICY
-    from tasks.config import load_config
-    from tasks.memory_limit import memory_limit
-    from tasks.models import resolve_device
-    from tasks.validate import validate_alone
+    from memplan.flows.lookup import model_for_plan
+    from memplan.runtime.plan import Plan
+    from memplan.runtime.policy_form import FORM as POLICY
+    from memplan.tasks.config import load_config
+    from memplan.tasks.memory_limit import memory_limit
+    from memplan.tasks.models import resolve_device
+    from memplan.tasks.validate import validate_alone
 
     plan = Plan.load(plan_path)
     config = load_config(config_path)
@@ -87,11 +87,11 @@ def no_recompute_for(plan_path: Path, plan: Plan, spec: ModelConfig, batch_size:
     the step or DDP buckets, the eager-order plan (`runtime.plan.default_plan`: every node once, in order, as the
     executor runs the solve stage's no-recomputation plan) of its graph captured here with its rewrites, which
     validation then reuses. The others' no-recomputation step needs the solve stage's problem (its profile)."""
-    from runtime.capture import capture
-    from runtime.plan import default_plan
-    from runtime.policy_form import FORM as POLICY
-    from tasks.models import build_batch, build_loss, build_model
-    from tasks.overhead_refine import no_recompute_beside
+    from memplan.runtime.capture import capture
+    from memplan.runtime.plan import default_plan
+    from memplan.runtime.policy_form import FORM as POLICY
+    from memplan.tasks.models import build_batch, build_loss, build_model
+    from memplan.tasks.overhead_refine import no_recompute_beside
 
     baseline, why = no_recompute_beside(plan_path, plan)
     if baseline is not None:
@@ -111,7 +111,7 @@ def validation_table(done: CommandValidation):
     overhead against the no-recomputation plan and the limit's verdict, or why it has none."""
     from rich.table import Table
 
-    from flows.report import limit_verdict, overhead_text
+    from memplan.flows.report import limit_verdict, overhead_text
 
     validation, mib = done.validation, 2**20
     table = Table("check", "plan", "reference", title=f"validation on {validation.device} ({validation.device_name})")

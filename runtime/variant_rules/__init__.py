@@ -11,19 +11,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from runtime.variant_rules.attention_math import MATH
-from runtime.variant_rules.conv_native import NATIVE
-from runtime.variant_rules.norm_output import OUTPUT
-from runtime.variant_rules.pool_compact import COMPACT
-from runtime.variant_rules.relu_inplace import INPLACE
-from runtime.variant_rules.tanh_sigmoid import SIGMOID
-from runtime.variant_rules.zero_mask import BITMASK, MASK
-from runtime.variant_spec import GraphVariants, Rule, VariantSpec
+from memplan.runtime.variant_rules.attention_math import MATH
+from memplan.runtime.variant_rules.conv_native import NATIVE
+from memplan.runtime.variant_rules.norm_output import OUTPUT
+from memplan.runtime.variant_rules.pool_compact import COMPACT
+from memplan.runtime.variant_rules.relu_inplace import INPLACE
+from memplan.runtime.variant_rules.tanh_sigmoid import SIGMOID
+from memplan.runtime.variant_rules.zero_mask import BITMASK, MASK
+from memplan.runtime.variant_spec import GraphVariants, Rule, VariantSpec
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.graph import OpGraph
+    from memplan.runtime.graph import OpGraph
 
 RULES: dict[str, Rule] = {rule.name: rule for rule in (MASK, OUTPUT, COMPACT, MATH, BITMASK, INPLACE, SIGMOID,
                                                           NATIVE)}
@@ -36,7 +36,7 @@ def emit_variant(g: fx.Graph, graph: OpGraph, variants: GraphVariants, spec: Var
     copies or replaces the FX nodes of the node's captured group, filling `env` (captured FX node -> its
     copy), so later readers find the node's graph values as for a default step; returns the FX nodes of
     the variant values it allocates, by value id. The executor and `runtime.node_functions` share it."""
-    from runtime.variant_ops import VariantError, VariantStep
+    from memplan.runtime.variant_ops import VariantError, VariantStep
 
     rule = RULES.get(spec.rule)
     if rule is None:

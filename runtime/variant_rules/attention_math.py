@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
+from memplan.runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.variant_ops import VariantStep
+    from memplan.runtime.variant_ops import VariantStep
 
 
 # -- offer (torch-free: what the variants read, allocate and overwrite) ------------------------------
@@ -65,8 +65,8 @@ def _emit(step: VariantStep) -> dict[int, fx.Node]:
     """Rule `math` (module docstring): attention by the math backend instead of the fused flash kernel."""
     import operator
 
-    from runtime.variant_kernels import attention_math_backward, attention_math_forward
-    from runtime.variant_ops import VariantError, aten, schema_arg
+    from memplan.runtime.variant_kernels import attention_math_backward, attention_math_forward
+    from memplan.runtime.variant_ops import VariantError, aten, schema_arg
 
     head = step.head
     if schema_arg(head, 3 if "backward" not in head.target.name() else 6) != 0:

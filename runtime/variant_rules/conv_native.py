@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.variant_spec import Builder, Rule, VariantSpec
+from memplan.runtime.variant_spec import Builder, Rule, VariantSpec
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.variant_ops import VariantStep
+    from memplan.runtime.variant_ops import VariantStep
 
 _WEIGHT_GRADIENT = "aten.convolution_backward.default"
 
@@ -47,8 +47,8 @@ def _offer(b: Builder) -> None:
 
 def _emit(step: VariantStep) -> dict[int, fx.Node]:
     """Rule `native` (module docstring): the captured weight-gradient call with oneDNN off."""
-    from runtime.variant_kernels import convolution_backward_native
-    from runtime.variant_ops import VariantError, aten, schema_arg
+    from memplan.runtime.variant_kernels import convolution_backward_native
+    from memplan.runtime.variant_ops import VariantError, aten, schema_arg
 
     head = step.head
     if head.target is not aten.convolution_backward.default or schema_arg(head, 10)[0]:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.graph import OpGraph
-from runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.variant_ops import VariantStep
+    from memplan.runtime.variant_ops import VariantStep
 
 
 # -- offer (torch-free: what the variants read, allocate and overwrite) ------------------------------
@@ -67,8 +67,8 @@ def _offer(b: Builder) -> None:
 
 def _emit(step: VariantStep) -> dict[int, fx.Node]:
     """Rule `output` (module docstring): the normalization backward reads the forward's output, not its input."""
-    from runtime.variant_kernels import batch_norm_backward_from_output, layer_norm_backward_from_output
-    from runtime.variant_ops import VariantError, aten, head_node, schema_arg
+    from memplan.runtime.variant_kernels import batch_norm_backward_from_output, layer_norm_backward_from_output
+    from memplan.runtime.variant_ops import VariantError, aten, head_node, schema_arg
 
     head, graph = step.head, step.graph
     if head.target is aten.native_batch_norm_backward.default:

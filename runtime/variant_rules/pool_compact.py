@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.graph import OpGraph
-from runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.variant_ops import VariantStep
+    from memplan.runtime.variant_ops import VariantStep
 
 
 # -- offer (torch-free: what the variants read, allocate and overwrite) ------------------------------
@@ -57,7 +57,7 @@ def _pair(v, n: int = 2) -> list[int]:
 
 def _pool_args(head: fx.Node) -> tuple[list[int], list[int], list[int], list[int]]:
     """kernel, stride, padding, dilation of a max_pool2d_with_indices(_backward) call, as pairs."""
-    from runtime.variant_ops import aten, schema_arg
+    from memplan.runtime.variant_ops import aten, schema_arg
 
     offset = 1 if head.target is aten.max_pool2d_with_indices.default else 2
     kernel = _pair(schema_arg(head, offset))
@@ -67,8 +67,8 @@ def _pool_args(head: fx.Node) -> tuple[list[int], list[int], list[int], list[int
 
 def _emit(step: VariantStep) -> dict[int, fx.Node]:
     """Rule `compact` (module docstring): max-pool indices kept as uint8 window positions."""
-    from runtime.variant_kernels import max_pool_backward_from_windows, window_positions
-    from runtime.variant_ops import VariantError, aten, schema_arg
+    from memplan.runtime.variant_kernels import max_pool_backward_from_windows, window_positions
+    from memplan.runtime.variant_ops import VariantError, aten, schema_arg
 
     head, graph = step.head, step.graph
     kernel, stride, padding, dilation = _pool_args(head)

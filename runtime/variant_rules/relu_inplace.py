@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.variant_spec import Builder, Rule, VariantSpec, readers
+from memplan.runtime.variant_spec import Builder, Rule, VariantSpec, readers
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.variant_ops import VariantStep
+    from memplan.runtime.variant_ops import VariantStep
 
 
 # -- offer (torch-free: what the variants read, allocate and overwrite) ------------------------------
@@ -56,9 +56,9 @@ def _emit(step: VariantStep) -> dict[int, fx.Node]:
     """Rule `inplace` (module docstring): `relu_(x)` in place of `relu(x)`; `mask-inplace` / `bitmask-inplace`
     first compute the mask of rule `mask` (`le(x, 0)`) / `bitmask` (`pack_zero_bits`) from x, so the step holds
     x (then the output in its storage) and the mask, as the simulator charges."""
-    from runtime.variant_kernels import pack_zero_bits
-    from runtime.variant_ops import VariantError, aten
-    from runtime.variant_rules.zero_mask import bit_order
+    from memplan.runtime.variant_kernels import pack_zero_bits
+    from memplan.runtime.variant_ops import VariantError, aten
+    from memplan.runtime.variant_rules.zero_mask import bit_order
 
     head, spec = step.head, step.spec
     if head.target is not aten.relu.default:

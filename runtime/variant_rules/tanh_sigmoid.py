@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.variant_spec import Builder, Rule, VariantSpec
+from memplan.runtime.variant_spec import Builder, Rule, VariantSpec
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.variant_ops import VariantStep
+    from memplan.runtime.variant_ops import VariantStep
 
 
 # -- offer (torch-free: what the variants read, allocate and overwrite) ------------------------------
@@ -35,8 +35,8 @@ def _emit(step: VariantStep) -> dict[int, fx.Node]:
     import torch
     from torch import fx
 
-    from runtime.fused_gelu import gelu_tanh_inner_by_sigmoid, tanh_by_sigmoid
-    from runtime.variant_ops import VariantError, aten
+    from memplan.runtime.fused_gelu import gelu_tanh_inner_by_sigmoid, tanh_by_sigmoid
+    from memplan.runtime.variant_ops import VariantError, aten
 
     head = step.head
     code = {aten.tanh.default: tanh_by_sigmoid,

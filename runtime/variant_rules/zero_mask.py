@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.graph import OpGraph
-from runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
 
 if TYPE_CHECKING:
     from torch import fx
 
-    from runtime.variant_ops import VariantStep
+    from memplan.runtime.variant_ops import VariantStep
 
 
 # -- offer (torch-free: what the variants read, allocate and overwrite) ------------------------------
@@ -101,7 +101,7 @@ def _mask(step: VariantStep) -> dict[int, fx.Node]:
     Forward hardtanh: `mask = le(x, min)`, then `logical_or_(mask, ge(x, max))` (one bool temporary,
     the spec's workspace). Backward: `masked_fill(grad, mask, 0.0)` instead of the threshold/hardtanh backward
     (`where(mask, 0.0, grad)` would also allocate the scalar as a 0-dim tensor the simulator does not charge)."""
-    from runtime.variant_ops import VariantError, aten, schema_arg
+    from memplan.runtime.variant_ops import VariantError, aten, schema_arg
 
     target = step.head.target
     if target in (aten.relu.default, aten.hardtanh.default):
@@ -128,7 +128,7 @@ def _mask_input(step: VariantStep) -> int:
 
 def _check_backward(step: VariantStep) -> None:
     """The backward's constants must be the ones its forward's mask was computed with."""
-    from runtime.variant_ops import VariantError, aten, head_node, schema_arg
+    from memplan.runtime.variant_ops import VariantError, aten, head_node, schema_arg
 
     head = step.head
     if head.target is aten.threshold_backward.default:
@@ -166,8 +166,8 @@ def _mask_view(step: VariantStep, mask: fx.Node) -> fx.Node:
 def _bitmask(step: VariantStep) -> dict[int, fx.Node]:
     """Rule `bitmask` (module docstring): rule `mask` with the mask packed 1 bit per element
     (`pack_zero_bits` / `unpack_zero_bits`); the backward then runs the same `masked_fill`."""
-    from runtime.variant_kernels import masked_fill_holding, pack_zero_bits, unpack_zero_bits
-    from runtime.variant_ops import VariantError, aten, head_node, schema_arg
+    from memplan.runtime.variant_kernels import masked_fill_holding, pack_zero_bits, unpack_zero_bits
+    from memplan.runtime.variant_ops import VariantError, aten, head_node, schema_arg
 
     target = step.head.target
     forward = step.head if target in (aten.relu.default, aten.hardtanh.default) else \
@@ -193,8 +193,8 @@ def _bitmask(step: VariantStep) -> dict[int, fx.Node]:
 
 def bit_order(step: VariantStep, forward: fx.Node) -> list[int]:
     """The memory order of the input of ReLU / hardtanh `forward`, in which its bit mask is packed."""
-    from runtime.variant_kernels import dense_order
-    from runtime.variant_ops import VariantError
+    from memplan.runtime.variant_kernels import dense_order
+    from memplan.runtime.variant_ops import VariantError
 
     x = forward.args[0].meta["val"]
     order = dense_order(list(x.shape), list(x.stride()))

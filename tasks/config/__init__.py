@@ -11,21 +11,21 @@
 
 from __future__ import annotations
 
-from tasks.config.errors import ConfigError, MemplanError
-from tasks.config.values import (
+from memplan.tasks.config.errors import ConfigError, MemplanError
+from memplan.tasks.config.values import (
     Budget, DEVICE, DTYPES, IMPORT_PATH, MAX_BUDGET_BYTES, MAX_OVERHEAD, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_device_memory, parse_device_memory_text,
     parse_max_overhead,
     parse_option_text,
 )
-from tasks.config.sections import (
+from memplan.tasks.config.sections import (
     Addresses, InputSpec, ModelConfig, PlanConfig, PlanForm, PlanSettings, ProfileConfig, PublishConfig, Section, ValidateConfig,
     VARIANT_RULES,
     VariantChoice,
 )
-from tasks.config.fleet import Cron, DeployConfig, DeviceClassConfig
-from tasks.config.schema import PipelineConfig, RunConfig, load_config, parse_config, registered_solvers
-from tasks.config.matrix import Case, expand_matrix, graph_forms
+from memplan.tasks.config.fleet import Cron, DeployConfig, DeviceClassConfig
+from memplan.tasks.config.schema import PipelineConfig, RunConfig, load_config, parse_config, registered_solvers
+from memplan.tasks.config.matrix import Case, expand_matrix, graph_forms
 
 __all__ = [
     'Addresses', 'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from tasks.config.sections import Section
+from memplan.tasks.config.sections import Section
 
 def _cron(expression: str) -> str:
     """`expression` when Prefect's public cron schedule takes it (and it has the five usual fields)."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tasks.config.errors import ConfigError
-from tasks.config.schema import PipelineConfig
-from tasks.config.sections import ModelConfig, PlanConfig, PlanForm
-from tasks.config.values import Budget
+from memplan.tasks.config.errors import ConfigError
+from memplan.tasks.config.schema import PipelineConfig
+from memplan.tasks.config.sections import ModelConfig, PlanConfig, PlanForm
+from memplan.tasks.config.values import Budget
 
 @dataclass(frozen=True)
 class Case:

@@ -9,11 +9,11 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
-from tasks.config.errors import ConfigError
-from tasks.config.fleet import DeployConfig
-from tasks.config.sections import ModelConfig, PlanConfig, ProfileConfig, PublishConfig, Section, ValidateConfig
-from tasks.config.values import DEVICE, parse_device_memory
-from tasks.solve.core.optimizer import OPTIMIZERS
+from memplan.tasks.config.errors import ConfigError
+from memplan.tasks.config.fleet import DeployConfig
+from memplan.tasks.config.sections import ModelConfig, PlanConfig, ProfileConfig, PublishConfig, Section, ValidateConfig
+from memplan.tasks.config.values import DEVICE, parse_device_memory
+from memplan.tasks.solve.core.optimizer import OPTIMIZERS
 
 class RunConfig(Section):
     """How the `plan` flow runs its solve and validate cells."""
@@ -109,7 +109,7 @@ class PipelineConfig(Section):
 
 def registered_solvers() -> list[str]:
     """Names in the solver registry `tasks.solve.SOLVERS`."""
-    from tasks.solve import SOLVERS
+    from memplan.tasks.solve import SOLVERS
 
     return sorted(SOLVERS)
 

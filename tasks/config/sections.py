@@ -10,11 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from runtime.variants import BIT_IDENTICAL_RULES
-from tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
+from memplan.runtime.variants import BIT_IDENTICAL_RULES
+from memplan.tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_max_overhead)
-from tasks.solve.core.optimizer import OPTIMIZERS
-from tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, SolveOptions, TimeLimit
+from memplan.tasks.solve.core.optimizer import OPTIMIZERS
+from memplan.tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, SolveOptions, TimeLimit
 
 class Section(BaseModel):
     """A TOML table: unknown keys are refused with the list of allowed keys."""
@@ -288,7 +288,7 @@ class PlanConfig(Section):
             return self
         form = "sets form = \"policy\"" if self.form else "is in the policy form (its solver's default)"
         if not _solver_runs_policies(self.solver):
-            from tasks.solve import SOLVERS
+            from memplan.tasks.solve import SOLVERS
 
             able = ", ".join(repr(n) for n, s in SOLVERS.items() if s.policy_form) or "none registered"
             raise ValueError(f"plan of solver {self.solver!r} {form}, but {self.solver!r} makes schedules selective "
@@ -338,7 +338,7 @@ class PlanConfig(Section):
         registered = (info.context or {}).get("solvers")
         if solver is None or (registered is not None and solver not in registered):
             return options
-        from tasks.solve import SOLVERS, parse_options
+        from memplan.tasks.solve import SOLVERS, parse_options
 
         if solver in SOLVERS:
             parse_options(SOLVERS[solver], options, where="")
@@ -355,7 +355,7 @@ class PlanConfig(Section):
 
 def _solver_runs_policies(solver: str) -> bool:
     """Whether registered solver `solver` makes policy-form schedules (False for a name not registered)."""
-    from tasks.solve import SOLVERS
+    from memplan.tasks.solve import SOLVERS
 
     spec = SOLVERS.get(solver)
     return spec is not None and spec.policy_form

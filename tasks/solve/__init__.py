@@ -14,18 +14,18 @@ checked example (tests/solve/test_example_solver.py runs it through `memplan sol
 
 from __future__ import annotations
 
-from tasks.solve import baselines, checkmate, greedy
-from tasks.solve.dtr import DtrOptions, dtr
-from tasks.solve.moccasin import MoccasinOptions, moccasin
-from tasks.solve.acg.solver import AcgOptions, acg
-from tasks.solve.hierarchical import HierarchicalOptions, hierarchical
-from tasks.solve.monet import MonetOptions, block_rung, monet, monet_noop
-from tasks.solve.olla import OllaOptions, olla
-from tasks.solve.policy_solver import PolicyOptions, selective_policy
-from tasks.solve.core.options import OptionError, SolverSpec, describe_options, parse_options
-from tasks.solve.core.portfolio import CHEAP, best_known
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.solution import Solution, SolveOptions
+from memplan.tasks.solve import baselines, checkmate, greedy
+from memplan.tasks.solve.dtr import DtrOptions, dtr
+from memplan.tasks.solve.moccasin import MoccasinOptions, moccasin
+from memplan.tasks.solve.acg.solver import AcgOptions, acg
+from memplan.tasks.solve.hierarchical import HierarchicalOptions, hierarchical
+from memplan.tasks.solve.monet import MonetOptions, block_rung, monet, monet_noop
+from memplan.tasks.solve.olla import OllaOptions, olla
+from memplan.tasks.solve.policy_solver import PolicyOptions, selective_policy
+from memplan.tasks.solve.core.options import OptionError, SolverSpec, describe_options, parse_options
+from memplan.tasks.solve.core.portfolio import CHEAP, best_known
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.solution import Solution, SolveOptions
 
 SOLVERS: dict[str, SolverSpec] = {}
 """Every solver by name. A solver calling others (warm starts, blocks) gets them as `peers` here."""

@@ -1,6 +1,6 @@
-"""`python -m tasks.solve > docs/solvers.md`: the solver catalogue, generated from the registry."""
+"""`python -m memplan.tasks.solve > docs/solvers.md`: the solver catalogue, generated from the registry."""
 
-from tasks.solve import CHEAP, SOLVERS, describe_options
+from memplan.tasks.solve import CHEAP, SOLVERS, describe_options
 
 PAPERS = (
     ('`checkmate`',
@@ -128,7 +128,7 @@ def catalogue() -> str:
     """docs/solvers.md: the papers and what each solver does, the variants and addresses they plan, and every
     registered solver's summary and options."""
     lines = ["# Solvers", "",
-             "Generated from the registry (`tasks.solve.SOLVERS`) by `python -m tasks.solve > docs/solvers.md`;",
+             "Generated from the registry (`tasks.solve.SOLVERS`) by `python -m memplan.tasks.solve > docs/solvers.md`;",
              "a test keeps this file equal to the registry. Options go in `[[plans]] options = { ... }` of",
              "pipeline.toml or `memplan solve --option KEY=VALUE` (values as in TOML). Every solver also takes",
              "the shared `backend`, `time_limit_s` and `gap` (docs/config.md).", "",

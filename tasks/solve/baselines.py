@@ -18,10 +18,10 @@ import networkx as nx
 import numpy as np
 from pydantic import Field
 
-from tasks.solve.core.checkpoints import forward_nodes, schedule_from_checkpoints
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.tasks.solve.core.checkpoints import forward_nodes, schedule_from_checkpoints
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 GREEDY_STEPS = 48
 

@@ -13,14 +13,14 @@ from typing import Literal
 
 import numpy as np
 
-from tasks.solve.core.remat_milp import (CheckmateLayout, assignment_from_schedule, build_model, schedule_from_solution,
+from memplan.tasks.solve.core.remat_milp import (CheckmateLayout, assignment_from_schedule, build_model, schedule_from_solution,
                                          expand_ranges)
-from tasks.solve.core.checkpoints import recompute_closure
-from tasks.solve.core.coarsen import solve_coarsened
-from tasks.solve.core.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from memplan.tasks.solve.core.checkpoints import recompute_closure
+from memplan.tasks.solve.core.coarsen import solve_coarsened
+from memplan.tasks.solve.core.milp import MilpModel, MilpOptions, Progress, relative_gap, solve_lp_sweep, solve_milp
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
 

@@ -48,13 +48,13 @@ from typing import Callable, Literal
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.core.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
-from tasks.solve.core.milp import Progress
-from tasks.solve.core.orders import keeps_random_order, memory_order, update_order
-from tasks.solve.core.peak_insertion import peak_insertion_schedule
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from memplan.tasks.solve.core.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
+from memplan.tasks.solve.core.milp import Progress
+from memplan.tasks.solve.core.orders import keeps_random_order, memory_order, update_order
+from memplan.tasks.solve.core.peak_insertion import peak_insertion_schedule
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 Heuristic = Literal["eq", "local", "lookahead"]
 Staleness = Literal["last-access", "next-use"]

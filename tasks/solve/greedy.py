@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from tasks.solve.core.checkpoints import schedule_from_checkpoints
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import Simulation, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.tasks.solve.core.checkpoints import schedule_from_checkpoints
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import Simulation, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 
 def _excess(sim: Simulation, budget: int) -> float:

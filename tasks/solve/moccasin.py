@@ -38,13 +38,13 @@ from typing import Literal
 
 import numpy as np
 
-from tasks.solve.core.coarsen import solve_coarsened
-from tasks.solve.core.milp import Progress
-from tasks.solve.core.orders import memory_order
-from tasks.solve.core.peak_insertion import peak_insertion_schedule
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from memplan.tasks.solve.core.coarsen import solve_coarsened
+from memplan.tasks.solve.core.milp import Progress
+from memplan.tasks.solve.core.orders import memory_order
+from memplan.tasks.solve.core.peak_insertion import peak_insertion_schedule
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
 

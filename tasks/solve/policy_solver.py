@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from runtime.policy_form import FORM, Regions, dispatch_cost, policy_schedule
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.runtime.policy_form import FORM, Regions, dispatch_cost, policy_schedule
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 @dataclass(frozen=True)
 class PolicyOptions:

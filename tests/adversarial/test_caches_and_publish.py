@@ -22,8 +22,8 @@ def test_editing_a_factory_s_source_changes_every_cache_key(tmp_path, monkeypatc
     the profile key (the first cached stage, keyed on the traced fingerprint) changes. (The edit changes the
     file's size: Python's bytecode cache, keyed on a source's mtime in seconds and its size, would serve the
     first version of a same-size edit made within the same second.)"""
-    from flows.steps import _profile_key, trace_step
-    from tasks.config import load_config
+    from memplan.flows.steps import _profile_key, trace_step
+    from memplan.tasks.config import load_config
 
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = load_config(tiny_pipeline(tmp_path, factory="netmod:net"))
@@ -41,7 +41,7 @@ def test_editing_a_factory_s_source_changes_every_cache_key(tmp_path, monkeypatc
 
 
 def test_cached_paths_resolve_from_the_pipeline_file_s_folder(tmp_path, monkeypatch):
-    from tasks.config import load_config
+    from memplan.tasks.config import load_config
 
     tiny_pipeline(tmp_path)
     (tmp_path / "sub").mkdir()
@@ -52,10 +52,10 @@ def test_cached_paths_resolve_from_the_pipeline_file_s_folder(tmp_path, monkeypa
 
 
 def test_a_plan_that_cannot_be_indexed_publishes_nothing(tmp_path):
-    from runtime.plan import Plan
-    from runtime.plan import plan_id
-    from tasks.publish import PublishError, publish
-    from tasks.records import Validated
+    from memplan.runtime.plan import Plan
+    from memplan.runtime.plan import plan_id
+    from memplan.tasks.publish import PublishError, publish
+    from memplan.tasks.records import Validated
 
     plan = Plan("f" * 64, [{"compute": 0}], predicted={"peak_bytes": 10**30},
                 provenance={"solver": "checkmate", "budget_bytes": 10**30})
@@ -75,8 +75,8 @@ def test_a_deleted_solutions_folder_is_rebuilt_by_the_next_run(tmp_path, harness
 
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from tasks.publish import read_index
+    from memplan.flows.cli import app
+    from memplan.tasks.publish import read_index
 
     config = tiny_pipeline(tmp_path)
     runner = CliRunner()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from memplan.flows.cli import app
 
 from .conftest import tiny_pipeline
 
@@ -37,8 +37,8 @@ def test_unreadable_pipeline_files(tmp_path):
 def test_a_binary_plan_file(tmp_path):
     import torch
 
-    import runtime
-    from runtime.plan import PlanError
+    from memplan import runtime
+    from memplan.runtime.plan import PlanError
 
     plan = tmp_path / "plan.json"
     plan.write_bytes(bytes(range(256)))
@@ -76,7 +76,7 @@ def test_an_error_inside_a_stage_prints_memplan_s_message_once(tmp_path, harness
     what a user sees)."""
     (tmp_path / "boom.py").write_text("def make(**kwargs):\n    raise RuntimeError('out of memory in the factory')\n")
     config = tiny_pipeline(tmp_path, factory="boom:make")
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "memplan.flows.cli", "run", str(config)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": harness}, cwd=tmp_path,
                          timeout=300)
     output = run.stdout + run.stderr
@@ -117,7 +117,7 @@ def test_bad_models_and_locations_fail_before_any_stage_in_a_few_lines(tmp_path,
 
 def test_an_unreachable_prefect_api_is_named_before_any_stage(tmp_path):
     config = _pipeline(tmp_path, MSE)
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "memplan.flows.cli", "run", str(config)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": "http://127.0.0.1:9/api"},
                          cwd=tmp_path, timeout=120)
     assert run.returncode == 1 and "PREFECT_API_URL = 'http://127.0.0.1:9/api' does not answer" in run.stderr
@@ -136,7 +136,7 @@ def _plan_file(tmp_path: Path) -> Path:
     """The default plan of a captured linear layer, saved as a plan file."""
     import torch
 
-    import runtime
+    from memplan import runtime
 
     graph = runtime.capture(torch.nn.Linear(4, 3), lambda m, x, y: torch.nn.functional.mse_loss(m(x), y),
                             (torch.randn(2, 4), torch.randn(2, 3)))
@@ -146,7 +146,7 @@ def _plan_file(tmp_path: Path) -> Path:
 
 
 def test_edited_plan_numbers_and_bad_aliases_are_refused_in_one_line(tmp_path):
-    from runtime.jsonio import sha256_hex
+    from memplan.runtime.jsonio import sha256_hex
 
     make_plan_file = _plan_file(tmp_path)
     plan = json.loads(make_plan_file.read_text())

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import runtime
-from runtime.jsonio import sha256_hex
-from runtime.plan import Plan, PlanError
-from tasks.config import ConfigError, load_config, parse_config
+from memplan import runtime
+from memplan.runtime.jsonio import sha256_hex
+from memplan.runtime.plan import Plan, PlanError
+from memplan.tasks.config import ConfigError, load_config, parse_config
 
 from .conftest import TINY_PIPELINE
 

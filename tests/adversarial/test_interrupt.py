@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.interrupt import MESSAGE, OWNER, reap_orphans
+from memplan.flows.interrupt import MESSAGE, OWNER, reap_orphans
 
 from .conftest import tiny_pipeline
 
@@ -25,7 +25,7 @@ def _start_run(folder: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     returns the run and its process tree at that moment."""
     tiny_pipeline(folder, factory="torch.nn:Linear")
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(folder / "prefect-home")}
-    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run"], cwd=folder, env=env, start_new_session=True,
+    run = subprocess.Popen([sys.executable, "-m", "memplan.flows.cli", "run"], cwd=folder, env=env, start_new_session=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and run.poll() is None:
@@ -98,7 +98,7 @@ def test_sighup_ends_a_run_and_its_prefect_server(tmp_path):
 
 
 def _resnet50() -> str:
-    from tasks.solve.core.benchmarks import benchmark_graphs
+    from memplan.tasks.solve.core.benchmarks import benchmark_graphs
 
     return str(next(p for p in benchmark_graphs() if p.name == "ResNet50_256_224_224_3_train.json"))
 
@@ -133,7 +133,7 @@ def test_every_long_command_stops_within_seconds(tmp_path, command, library, ban
     (tmp_path / "store").mkdir()
     args = [*command, "--store", str(tmp_path / "store")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    started = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path, env=env,
+    started = subprocess.Popen([sys.executable, "-m", "memplan.flows.cli", *args], cwd=tmp_path, env=env,
                                start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _in_native_code(started, library)
     sent = time.monotonic()

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks.publish import INDEX_SCHEMA
-from tasks.store import ENV_VAR, write_run
+from memplan.flows.cli import app
+from memplan.tasks.publish import INDEX_SCHEMA
+from memplan.tasks.store import ENV_VAR, write_run
 
 from .conftest import index_row, profile_rows, tiny_pipeline
 

@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from flows.plan import cell_runner, check_task_runner
-from tasks.config import ConfigError, parse_config
+from memplan.flows.plan import cell_runner, check_task_runner
+from memplan.tasks.config import ConfigError, parse_config
 
 from .conftest import free_port
 

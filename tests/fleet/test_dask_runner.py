@@ -94,7 +94,7 @@ def _run(config: Path, api: str) -> None:
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(config.parent)]), "OMP_NUM_THREADS": "1",
            "PREFECT_API_URL": api}
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--debug", str(config)], cwd=config.parent, env=env,
+    done = subprocess.run([sys.executable, "-m", "memplan.flows.cli", "run", "--debug", str(config)], cwd=config.parent, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
 
@@ -102,8 +102,8 @@ def _run(config: Path, api: str) -> None:
 def _published(plans: Path) -> dict[str, tuple[str, int]]:
     """Per cell: the content address of the plan file its alias names (a hash of the schedule and the rest
     of the plan, without its creation time) and the peak its validation measured, from the plans index."""
-    from runtime.plan import Plan
-    from tasks.publish import plan_id, read_index
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.publish import plan_id, read_index
 
     rows = {r["alias"]: r for r in read_index(plans)}
     assert sorted(rows) == sorted(ALIASES), rows

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.commands.deploy import DeployError, api_url, desired_deployments
-from flows.commands.fleet import fleet_status
-from tasks.config import ConfigError, parse_config
-from tasks.store import write_run
+from memplan.flows.commands.deploy import DeployError, api_url, desired_deployments
+from memplan.flows.commands.fleet import fleet_status
+from memplan.tasks.config import ConfigError, parse_config
+from memplan.tasks.store import write_run
 
 from .conftest import T0, free_port
 
@@ -78,7 +78,7 @@ def test_deployments_per_class_and_flow():
     assert sorted(wanted) == [("fit", "a100"), ("fit", "h100"), ("plan", "a100"), ("plan", "h100"),
                               ("profile", "a100"), ("profile", "h100")]
     fit = wanted["fit", "h100"]
-    assert (fit["entrypoint"], fit["schedules"], fit["work_queue_name"]) == ("flows.fit:fit_flow", [], "h100")
+    assert (fit["entrypoint"], fit["schedules"], fit["work_queue_name"]) == ("memplan.flows.fit:fit_flow", [], "h100")
     assert fit["parameters"] == {"config_path": "/mnt/shared/memplan/fleet.toml", "model": "gpt2-tiny",
                                  "max_overhead": 0.1}
     assert wanted["fit", "a100"]["schedules"] == [("0 6 * * 1", "Europe/Paris")]
@@ -86,7 +86,7 @@ def test_deployments_per_class_and_flow():
     assert profile["parameters"] == {"config_path": "/mnt/shared/memplan/fleet.toml", "reuse": True}
     assert (profile["work_pool_name"], profile["work_queue_name"], profile["path"]) == (
         "gpu-fleet", "h100", "/mnt/shared/memplan")
-    assert profile["entrypoint"] == "flows.profile:profile_flow" and profile["schedules"] == [("0 3 * * *", "UTC")]
+    assert profile["entrypoint"] == "memplan.flows.profile:profile_flow" and profile["schedules"] == [("0 3 * * *", "UTC")]
     assert wanted["plan", "h100"]["schedules"] == [("0 5 * * *", "UTC")] and wanted["plan", "a100"]["schedules"] == []
     assert wanted["profile", "a100"]["schedules"] == [("0 3 * * *", "Europe/Paris")]
     assert wanted["plan", "a100"]["job_variables"] == {"env": {

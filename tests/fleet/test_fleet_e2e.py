@@ -88,8 +88,8 @@ def project(tmp_path):
 def _deploy(config: Path, api: str) -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.commands.deploy import deploy
-    from tasks.config import load_config
+    from memplan.flows.commands.deploy import deploy
+    from memplan.tasks.config import load_config
 
     with temporary_settings({PREFECT_API_URL: api}):
         return dict(deploy(config, load_config(config).deploy))
@@ -100,7 +100,7 @@ def test_two_hosts_profile_on_schedule_into_one_store(prefect_server, project, t
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.cli import app
+    from memplan.flows.cli import app
 
     api, config = prefect_server, project / "pipeline.toml"
     first = _deploy(config, api)

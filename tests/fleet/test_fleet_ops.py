@@ -86,7 +86,7 @@ def _memplan(api: str, *args: str):
     """`memplan ARGS` with PREFECT_API_URL pointing at `api`, as on an operator's shell."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.cli import app
+    from memplan.flows.cli import app
 
     with temporary_settings({PREFECT_API_URL: api}):
         return CliRunner().invoke(app, list(args), terminal_width=200)
@@ -130,7 +130,7 @@ def test_dry_run_changes_nothing_and_pause_stops_a_class(server, project):
         deployment = client.read_deployment_by_name(f"profile/{CLASS}")
         assert deployment.job_variables["env"]["MEMPLAN_DEVICE_CLASS"] == CLASS
         fit = client.read_deployment_by_name(f"fit/{CLASS}")           # on demand: no schedule
-        assert fit.entrypoint == "flows.fit:fit_flow" and not fit.schedules
+        assert fit.entrypoint == "memplan.flows.fit:fit_flow" and not fit.schedules
         paused = _memplan(server, "fleet", "pause", str(config), "--class", CLASS)
         assert paused.exit_code == 0 and client.read_deployment(deployment.id).paused, paused.output
         assert client.read_deployment(fit.id).paused
@@ -144,8 +144,8 @@ def test_one_run_at_a_time_per_host_and_a_dead_hosts_run_is_crashed_and_rerun(se
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.store import locate
-    from tasks.store_query import query
+    from memplan.tasks.store import locate
+    from memplan.tasks.store_query import query
 
     assert _deploy(server, project / "pipeline.toml").exit_code == 0
     marker = project / "stalled.pid"

@@ -13,10 +13,10 @@ import sys
 import torch
 from torch import nn
 
-import runtime
-from tasks.profile import ProfileSettings, profile_graph
-from tasks.store import locate
-from tasks.store_query import query
+from memplan import runtime
+from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.tasks.store import locate
+from memplan.tasks.store_query import query
 
 from .conftest import REPO
 
@@ -27,8 +27,8 @@ PROFILER = rf"""
 import sys, time
 import torch
 from torch import nn
-import runtime
-from tasks.profile import ProfileSettings, profile_graph
+from memplan import runtime
+from memplan.tasks.profile import ProfileSettings, profile_graph
 
 torch.manual_seed(0)
 graph = runtime.capture({NET}, lambda m, x, y: nn.functional.cross_entropy(m(x), y),

@@ -7,10 +7,10 @@ import json
 
 from typer.testing import CliRunner
 
-from flows.cli import app
-from runtime.plan import Plan, plan_id
-from tasks.publish import DEVICE_CLASS_VAR, publish
-from tasks.records import Validated
+from memplan.flows.cli import app
+from memplan.runtime.plan import Plan, plan_id
+from memplan.tasks.publish import DEVICE_CLASS_VAR, publish
+from memplan.tasks.records import Validated
 
 VALIDATION = dict(passed=True, reasons=[], device="cuda", device_name="NVIDIA A100-SXM4-80GB MIG 1g.10gb",
                   budget_bytes=200, predicted_peak_bytes=196, measured_peak_bytes=190, eager_peak_bytes=260,

@@ -107,9 +107,9 @@ def test_scheduler_creates_and_a_worker_completes_a_cron_profile_run(scheduling_
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.cli import app
-    from flows.commands.deploy import deploy
-    from tasks.config import load_config
+    from memplan.flows.cli import app
+    from memplan.flows.commands.deploy import deploy
+    from memplan.tasks.config import load_config
 
     api, project = scheduling_server, tmp_path / "project"
     project.mkdir()

@@ -11,8 +11,8 @@ from datetime import datetime, timezone
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks.store import write_run
+from memplan.flows.cli import app
+from memplan.tasks.store import write_run
 
 from .conftest import free_port
 
@@ -66,7 +66,7 @@ def _missing(s3_store: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize("command", ["profile", "run"])
 def test_a_missing_bucket_fails_before_any_stage_naming_the_bucket(command, s3_store, s3_server, tmp_path):
-    import flows.plan, flows.profile  # noqa: F401  (imported: the time measured is the command's own)
+    import memplan.flows.plan, memplan.flows.profile  # noqa: F401  (imported: the time measured is the command's own)
 
     bucket, store = _missing(s3_store)
     config = _project(tmp_path, store)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import InvalidSchedule, default_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import InvalidSchedule, default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.config import MAX_BUDGET_BYTES, Budget, parse_budget, parse_budget_text, parse_option_text
+from memplan.tasks.config import MAX_BUDGET_BYTES, Budget, parse_budget, parse_budget_text, parse_option_text
 
 
 @pytest.mark.parametrize("text, nbytes", [

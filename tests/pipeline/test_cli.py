@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from memplan.flows.cli import app
 
 runner = CliRunner(env={"COLUMNS": "250"})
 GOOD = textwrap.dedent('''
@@ -33,7 +33,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_help_lists_the_commands_without_importing_torch():
-    code = "import sys; from flows.cli import app; print('torch' in sys.modules, 'prefect' in sys.modules)"
+    code = "import sys; from memplan.flows.cli import app; print('torch' in sys.modules, 'prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
     result = runner.invoke(app, ["--help"])
@@ -106,7 +106,7 @@ def test_missing_gpu_exits_1(tmp_path, command):
 
 
 def test_plans_list_and_show(tmp_path, make_plan, make_validation):
-    from tasks.publish import plan_id, publish
+    from memplan.tasks.publish import plan_id, publish
 
     plan = make_plan()
     publish(plan, make_validation(plan), tmp_path, alias="toy-b4-checkmate-200B", model="toy", batch_size=4, budget="200B")
@@ -135,7 +135,7 @@ def test_trace_command_writes_the_graph(tmp_path):
     result = runner.invoke(app, ["trace", str(write(tmp_path, GOOD))])
     assert result.exit_code == 0, result.output
     (graph,) = (tmp_path / ".cache" / "memplan" / "graphs").glob("mlp-b8-*.json")
-    from runtime.graph import OpGraph
+    from memplan.runtime.graph import OpGraph
 
     assert OpGraph.load(graph).fingerprint[:16] in result.output
 
@@ -145,7 +145,7 @@ def test_a_corrupt_index_file_is_skipped_with_a_warning_and_rewritten_by_the_nex
     import os
     import stat
 
-    from tasks.publish import plan_id, publish
+    from memplan.tasks.publish import plan_id, publish
 
     plan, args = make_plan(), dict(alias="toy-b4-checkmate-200B", model="toy", batch_size=4, budget="200B")
     publish(plan, make_validation(plan), tmp_path, **args)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from memplan.flows.cli import app
 
 runner = CliRunner(env={"COLUMNS": "250"})
 MIB = 2**20
@@ -78,8 +78,8 @@ def parquet_files(folder: Path) -> list[Path]:
 
 
 def test_run_prints_the_table_and_publishes_the_plan(first_run):
-    from runtime.plan import Plan
-    from tasks.publish import plan_id, read_index
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.publish import plan_id, read_index
 
     folder, _, result = first_run
     assert result.exit_code == 0, result.output
@@ -102,7 +102,7 @@ def test_refresh_re_runs_the_cached_stages(first_run):
     """A plain second run serves the profile and the solution from Prefect's cache (tests/pipeline/test_flows.py);
     `--refresh` measures the model again (a second profile run in the store), solves on that profile and
     publishes the new plan under the same alias."""
-    from runtime.plan import Plan
+    from memplan.runtime.plan import Plan
 
     folder, config, _ = first_run
     alias, solutions = "mlp-b1024-checkpoint-all-100pct", folder / ".cache" / "memplan" / "solutions"
@@ -118,7 +118,7 @@ def test_refresh_re_runs_the_cached_stages(first_run):
 
 
 def test_a_plan_failing_validation_exits_1_and_publishes_nothing(tmp_path, harness, quiet_prefect):
-    from tasks.publish import read_index
+    from memplan.tasks.publish import read_index
 
     config = write_project(tmp_path, "drift", "drift:drifting_loss")
     result = runner.invoke(app, ["run", str(config)])
@@ -134,7 +134,7 @@ def test_a_plan_failing_validation_exits_1_and_publishes_nothing(tmp_path, harne
 def test_a_budget_this_device_cannot_meet_is_reported_and_does_not_fail_the_run(tmp_path, harness, quiet_prefect):
     """A second budget of 1000 bytes is below what the step must hold: the cell is infeasible, its row gives
     the least budget known to fit, the 100% plan is published, and the run exits 0 (docs/config.md)."""
-    from tasks.publish import read_index
+    from memplan.tasks.publish import read_index
 
     config = write_project(tmp_path, "mlp", "cross_entropy")
     config.write_text(config.read_text().replace("budgets = [1.0]", "budgets = [1.0, 1000]"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from memplan.flows.cli import app
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -59,10 +59,10 @@ inputs = [{ shape = [8] }, { shape = [], dtype = "int64", high = 4 }]
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A project folder and, as `memplan run` would publish it, the eager-order plan of its model."""
-    import runtime
-    from runtime.plan import default_plan
-    from tasks.config import load_config
-    from tasks.models import allow_imports_from, build_batch, build_loss, build_model
+    from memplan import runtime
+    from memplan.runtime.plan import default_plan
+    from memplan.tasks.config import load_config
+    from memplan.tasks.models import allow_imports_from, build_batch, build_loss, build_model
 
     folder = tmp_path_factory.mktemp("cli")
     (folder / "clinet.py").write_text(TINYNET)
@@ -92,7 +92,7 @@ def test_validate_passes_a_published_plan(project):
 
 def over_budget_copy(folder: Path) -> Path:
     """The published plan re-saved (valid checksum) with a budget of 1 byte."""
-    from runtime.plan import Plan
+    from memplan.runtime.plan import Plan
 
     plan = Plan.load(plan_file(folder))
     plan.provenance["budget_bytes"] = 1
@@ -102,7 +102,7 @@ def over_budget_copy(folder: Path) -> Path:
 
 
 def test_validate_and_publish_refuse_a_plan_over_its_budget(project):
-    from tasks.publish import read_index
+    from memplan.tasks.publish import read_index
 
     folder, _ = project
     path = over_budget_copy(folder)
@@ -117,8 +117,8 @@ def test_validate_and_publish_refuse_a_plan_over_its_budget(project):
 
 
 def test_publish_validates_then_publishes_once(project):
-    from runtime.plan import Plan
-    from tasks.publish import plan_id, read_index
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.publish import plan_id, read_index
 
     folder, _ = project
     plan = Plan.load(plan_file(folder))
@@ -147,7 +147,7 @@ def test_a_tampered_plan_file_is_refused_by_validate(project):
 def max_overhead_copy(folder: Path, name: str, limit: float, sibling: bool) -> Path:
     """The published plan as a `max_overhead` cell's plan `name` (limit `limit`), with the cell's
     no-recomputation plan beside it as the solve stage writes it when `sibling`."""
-    from runtime.plan import Plan
+    from memplan.runtime.plan import Plan
 
     plan = Plan.load(plan_file(folder))
     if sibling:
@@ -159,7 +159,7 @@ def max_overhead_copy(folder: Path, name: str, limit: float, sibling: bool) -> P
 
 
 def test_validate_and_publish_measure_a_max_overhead_plan_against_its_no_recompute_plan(project):
-    from tasks.publish import read_index
+    from memplan.tasks.publish import read_index
 
     folder, _ = project
     path = max_overhead_copy(folder, "cell", 10.0, sibling=True)        # the same schedule: +1000% is never reached
@@ -188,9 +188,9 @@ def test_without_its_no_recompute_plan_validate_builds_the_eager_order_plan_of_i
 def test_a_plan_whose_no_recompute_step_is_not_built_here_is_not_judged(project, make_validation):
     from rich.console import Console
 
-    from flows.commands.validate import CommandValidation, no_recompute_for, validation_table
-    from runtime.plan import Plan
-    from tasks.config import load_config
+    from memplan.flows.commands.validate import CommandValidation, no_recompute_for, validation_table
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.config import load_config
 
     folder, _ = project
     plan = Plan.load(max_overhead_copy(folder, "in-step", 0.1, sibling=False))

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve.core.solution import SolveOptions
 
-from tasks.config import (
+from memplan.tasks.config import (
     Budget,
     ConfigError,
     expand_matrix,
@@ -203,7 +203,7 @@ def test_every_key_is_documented():
     """docs/config.md has a table row for every key of every section of the schema."""
     from pathlib import Path
 
-    from tasks.config import InputSpec, ModelConfig, PipelineConfig, PlanConfig, ProfileConfig, PublishConfig, ValidateConfig
+    from memplan.tasks.config import InputSpec, ModelConfig, PipelineConfig, PlanConfig, ProfileConfig, PublishConfig, ValidateConfig
 
     doc = (Path(__file__).parents[2] / "docs" / "config.md").read_text()
     for section in (PipelineConfig, ModelConfig, InputSpec, ProfileConfig, PlanConfig, ValidateConfig, PublishConfig):
@@ -212,7 +212,7 @@ def test_every_key_is_documented():
 
 
 def test_max_overhead_gives_one_plan_per_limit_with_a_readable_alias(config_data):
-    from tasks.config import Budget, expand_matrix, parse_config
+    from memplan.tasks.config import Budget, expand_matrix, parse_config
 
     config_data["plans"] = [{"solver": "checkmate", "max_overhead": [0.05, 0.25], "models": ["mlp"]},
                             {"solver": "chen-sqrt-n", "max_overhead": 0.1, "models": ["mlp"]}]

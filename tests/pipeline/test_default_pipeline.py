@@ -15,7 +15,7 @@ LIMITS = ("ovh5pct", "ovh25pct")
 
 
 def test_the_default_file_declares_what_the_readme_says():
-    from tasks.config import expand_matrix, load_config
+    from memplan.tasks.config import expand_matrix, load_config
 
     cases = expand_matrix(load_config(ROOT / "pipeline.toml"))
     cells = {(c.model.name, c.batch_size, c.plan.solver, c.budget.label) for c in cases}
@@ -33,7 +33,7 @@ def default_run(tmp_path_factory, harness) -> tuple[Path, list[dict]]:
     """`memplan run` on a copy of the default pipeline.toml (its caches, store and plans in a folder of their
     own), timed for `steps` rounds only: the rounds past it (up to max_steps) only narrow the overhead's
     interval, which tests/pipeline/test_validate.py checks on a fake clock. Returns (folder, outcomes)."""
-    from flows.plan import run_plan
+    from memplan.flows.plan import run_plan
 
     folder = tmp_path_factory.mktemp("default-pipeline")
     text = (ROOT / "pipeline.toml").read_text()
@@ -52,9 +52,9 @@ def test_the_default_pipeline_runs_end_to_end(default_run):
     that the prediction does not count; docs/plan-format.md.)"""
     import torch
 
-    from runtime.plan import Plan
-    from tasks.overhead_refine import MARGIN
-    from tasks.publish import read_index
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.overhead_refine import MARGIN
+    from memplan.tasks.publish import read_index
 
     tmp_path, outcomes = default_run
     assert len(outcomes) == 12 and all(o["status"] == "published" for o in outcomes), outcomes
@@ -89,10 +89,10 @@ def test_every_default_plan_exists_on_a_device_with_twice_the_scratch(default_ru
     workspace is doubled and every convolution's grows by 16 MiB more (the issue's host: convolutions
     taking 9.5 MB of scratch put a "93%" budget below the floor). The graphs and profiles are the default
     run's."""
-    from runtime.graph import OpGraph
-    from tasks.config import expand_matrix, load_config
-    from tasks.problems import load_problem
-    from tasks.solve_stage import solve_loaded
+    from memplan.runtime.graph import OpGraph
+    from memplan.tasks.config import expand_matrix, load_config
+    from memplan.tasks.problems import load_problem
+    from memplan.tasks.solve_stage import solve_loaded
 
     folder, _ = default_run
     config = load_config(folder / "pipeline.toml")

@@ -58,7 +58,7 @@ warmup = 0
 @pytest.fixture
 def example(monkeypatch):
     """example_solver.py registered as `example-variants`: the one registry line."""
-    from tasks.solve import SOLVERS, SolverSpec
+    from memplan.tasks.solve import SOLVERS, SolverSpec
 
     spec = importlib.util.spec_from_file_location("example_solver", Path(__file__).with_name("example_solver.py"))
     module = importlib.util.module_from_spec(spec)
@@ -71,7 +71,7 @@ def example(monkeypatch):
 
 
 def _eager_and_plan_grads(plan, folder: Path):
-    import runtime
+    from memplan import runtime
 
     sys.path.insert(0, str(folder))
     try:
@@ -92,9 +92,9 @@ def _eager_and_plan_grads(plan, folder: Path):
 def test_a_new_solver_runs_through_run_solve_and_load(tmp_path, example, harness):
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from flows.plan import run_plan
-    from runtime.plan import Plan
+    from memplan.flows.cli import app
+    from memplan.flows.plan import run_plan
+    from memplan.runtime.plan import Plan
 
     (tmp_path / "widenet.py").write_text(MODEL)
     (tmp_path / "pipeline.toml").write_text(PIPELINE)

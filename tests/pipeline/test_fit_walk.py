@@ -3,9 +3,9 @@ small cases, with validations given (no timing)."""
 
 from __future__ import annotations
 
-from flows.fit_refine import walk_answer
-from tasks.fit_search import SizePoint
-from tasks.records import Candidate, Validated
+from memplan.flows.fit_refine import walk_answer
+from memplan.tasks.fit_search import SizePoint
+from memplan.tasks.records import Candidate, Validated
 
 LIMIT = 0.10
 # most memory first: rung0 and rung1 are predicted within nothing but eager's cost, rung3 is the predicted

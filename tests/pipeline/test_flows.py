@@ -91,7 +91,7 @@ def write_project(folder: Path, checkmate_budgets: str = '["90%"]', extra_models
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, harness):
     """A pipeline run once: its folder and the outcomes of the first run."""
-    from flows.plan import run_plan
+    from memplan.flows.plan import run_plan
 
     folder = tmp_path_factory.mktemp("project")
     return folder, run_plan(write_project(folder))
@@ -103,7 +103,7 @@ def snapshot(folder: Path) -> dict[str, tuple]:
 
 
 def test_every_cell_is_validated_and_published(project):
-    from tasks.publish import read_index
+    from memplan.tasks.publish import read_index
 
     folder, outcomes = project
     assert [o["alias"] for o in outcomes] == ["mlp-b256-checkmate-90pct", "mlp-b256-chen-sqrt-n-95pct"]
@@ -121,9 +121,9 @@ def test_every_cell_is_validated_and_published(project):
 
 def test_a_published_plan_trains_like_eager_pytorch(project):
     """The README's snippet: load a published plan and train three SGD steps."""
-    import runtime
-    from tasks.config import load_config
-    from tasks.models import build_batch, build_loss, build_model
+    from memplan import runtime
+    from memplan.tasks.config import load_config
+    from memplan.tasks.models import build_batch, build_loss, build_model
 
     folder, _ = project
     spec = load_config(folder / "pipeline.toml", solvers=["checkmate", "chen-sqrt-n"]).models[0]
@@ -146,7 +146,7 @@ def test_a_published_plan_trains_like_eager_pytorch(project):
 
 
 def test_second_run_reuses_every_stage_and_changes_nothing(project):
-    from flows.plan import run_plan
+    from memplan.flows.plan import run_plan
 
     folder, outcomes = project
     watched = [folder / "plans", folder / "profiles_db", folder / ".cache" / "memplan" / "graphs",
@@ -187,8 +187,8 @@ def test_run_leaves_a_plans_table_and_a_plot(project):
 
 
 def test_failures_are_explained_and_only_valid_plans_are_published(tmp_path, harness):
-    from flows.plan import PipelineFailed, run_plan
-    from tasks.publish import read_index
+    from memplan.flows.plan import PipelineFailed, run_plan
+    from memplan.tasks.publish import read_index
 
     config = write_project(tmp_path, checkmate_budgets='["90%", 1000]', extra_models=DRIFT_MODEL,
                            checkmate_models='["mlp", "drift"]')
@@ -214,7 +214,7 @@ def test_failures_are_explained_and_only_valid_plans_are_published(tmp_path, har
 
 
 def test_profile_flow_measures_a_new_run_each_time(project):
-    from flows.profile import run_profile
+    from memplan.flows.profile import run_profile
 
     folder, _ = project
     before = len(list((folder / "profiles_db").rglob("*.parquet")))

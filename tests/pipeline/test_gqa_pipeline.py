@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from memplan.flows.cli import app
 
 PIPELINE = '''
 device = "cpu"
@@ -47,10 +47,10 @@ def quiet_prefect():
 
 
 def test_a_grouped_query_attention_decoder_publishes_its_plans(tmp_path, harness, quiet_prefect):
-    from runtime.graph import OpGraph
-    from runtime.plan import Plan
-    from tasks.publish import read_index
-    from tasks.store_query import connect
+    from memplan.runtime.graph import OpGraph
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.publish import read_index
+    from memplan.tasks.store_query import connect
 
     config = tmp_path / "pipeline.toml"
     config.write_text(PIPELINE)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.meter import DeviceMemoryExceeded, PeakMeter
-from tasks.fitting_reference import (EAGER, HOST, HOST_ATOL, HOST_RTOL, NESTED_CHECKPOINT, NoFittingReference,
+from memplan.runtime.meter import DeviceMemoryExceeded, PeakMeter
+from memplan.tasks.fitting_reference import (EAGER, HOST, HOST_ATOL, HOST_RTOL, NESTED_CHECKPOINT, NoFittingReference,
                                      checkpoint_blocks, checkpoint_nested, reference_step, training_step)
-from tasks.memory_limit import MemoryLimit
+from memplan.tasks.memory_limit import MemoryLimit
 from tests.pipeline.fit_blocks import bn_convnet, wide_blocks
 
 BLOCKS = Path(__file__).with_name("fit_blocks.py")
@@ -118,7 +118,7 @@ def test_the_host_is_the_last_reference_and_can_be_refused():
 def test_a_host_reference_for_a_gpu_runs_on_the_cpu_with_the_cross_device_tolerance(monkeypatch):
     """Perturbs the device: the model and batch are on the CPU, the reference is asked for `cuda:0`, and a meter
     stub refuses every in-device reference as a GPU's limit would."""
-    import tasks.fitting_reference as fitting
+    import memplan.tasks.fitting_reference as fitting
 
     class Refusing:
         def __init__(self, *args, **kwargs):
@@ -138,7 +138,7 @@ def test_a_host_reference_for_a_gpu_runs_on_the_cpu_with_the_cross_device_tolera
 
 
 def test_host_reference_must_be_a_boolean():
-    from tasks.config import ConfigError, parse_config
+    from memplan.tasks.config import ConfigError, parse_config
 
     data = {"models": [{"name": "m", "factory": "torch.nn:Linear", "kwargs": {"in_features": 4, "out_features": 3},
                         "loss": "mse", "inputs": [{"shape": [4]}, {"shape": [3]}]}],
@@ -151,8 +151,8 @@ def test_host_reference_must_be_a_boolean():
 
 @pytest.mark.parametrize("host", [True, False])
 def test_a_batchnorm_step_no_device_reference_fits_is_validated_on_the_host_and_published(tmp_path, harness, host):
-    from flows.plan import run_plan
-    from runtime.plan import Plan
+    from memplan.flows.plan import run_plan
+    from memplan.runtime.plan import Plan
 
     model, batch = convnet_and_batch()
     resident = UNLIMITED.module_resident_bytes(model, batch)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.report import limit_verdict
-from tasks.overhead_refine import no_recompute_beside, no_recompute_path
+from memplan.flows.report import limit_verdict
+from memplan.tasks.overhead_refine import no_recompute_beside, no_recompute_path
 
 
 def test_the_no_recompute_plan_lies_beside_the_cell_plan_and_its_rungs(tmp_path):
@@ -17,7 +17,7 @@ def test_the_no_recompute_plan_lies_beside_the_cell_plan_and_its_rungs(tmp_path)
 
 def eager_order(plan):
     """`plan` (the toy plan, which recomputes node 1) with every node computed once, in order."""
-    from runtime.plan import Plan
+    from memplan.runtime.plan import Plan
 
     return Plan(plan.fingerprint, [{"compute": n} for n in range(4)], provenance=dict(plan.provenance))
 

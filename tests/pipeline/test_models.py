@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.config import parse_config
-from tasks.models import DeviceError, ModelError, build_batch, build_loss, build_model, resolve_device
+from memplan.tasks.config import parse_config
+from memplan.tasks.models import DeviceError, ModelError, build_batch, build_loss, build_model, resolve_device
 
 
 def model_spec(**entry):
@@ -54,7 +54,7 @@ def test_causal_lm_of_a_transformers_lm_is_its_labels_loss_and_capture_fuses_it_
     the forward with the cache on, or eager attention without it with an all-ones mask: either skips
     transformers' untraceable packed-sequence check), holds no copy of the keys and values and fuses the
     LM head with the loss."""
-    from tasks.trace import capture_model
+    from memplan.tasks.trace import capture_model
 
     spec = model_spec(
         transformers="gpt2",
@@ -154,14 +154,14 @@ def test_missing_gpu_is_a_clear_error():
     ],
 )
 def test_check_model_fails_fast_without_building(entry, fragment):
-    from tasks.models import check_model
+    from memplan.tasks.models import check_model
 
     with pytest.raises(ModelError, match=fragment):
         check_model(model_spec(**entry))
 
 
 def test_check_model_accepts_each_source_kind():
-    from tasks.models import check_model
+    from memplan.tasks.models import check_model
 
     for entry in ({"torchvision": "resnet18"}, {"transformers": "gpt2"}, {"factory": "torch.nn:Linear"}):
         check_model(model_spec(**entry))

@@ -50,16 +50,16 @@ def mlp(width=256, depth=6):
 def walked(tmp_path_factory, harness):
     """One run with a profile that underprices the forward pass; the Solved record and the walk's input and
     result, recorded on their way through the flow."""
-    import flows.refine
-    import tasks.solve_stage
-    from flows.plan import run_plan
+    from memplan.flows import refine as refine_module
+    from memplan.tasks import solve_stage
+    from memplan.flows.plan import run_plan
 
     folder = tmp_path_factory.mktemp("walk")
     (folder / "walknet.py").write_text(WALKNET)
     (folder / "pipeline.toml").write_text(PIPELINE)
     seen: dict[str, list] = {"solved": [], "walks": []}
-    real_load, real_solve, real_refine = (tasks.solve_stage.load_problem, tasks.solve_stage.solve_case,
-                                          flows.refine.refine)
+    real_load, real_solve, real_refine = (solve_stage.load_problem, solve_stage.solve_case,
+                                          refine_module.refine)
 
     def underpriced(*args, **kwargs):
         loaded = real_load(*args, **kwargs)
@@ -78,16 +78,16 @@ def walked(tmp_path_factory, harness):
         return result
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tasks.solve_stage, "load_problem", underpriced)
-        patch.setattr(tasks.solve_stage, "solve_case", solve_case)
-        patch.setattr(flows.refine, "refine", refine)
+        patch.setattr(solve_stage, "load_problem", underpriced)
+        patch.setattr(solve_stage, "solve_case", solve_case)
+        patch.setattr(refine_module, "refine", refine)
         outcomes = run_plan(folder / "pipeline.toml")
     seen["folder"] = folder
     return outcomes, seen
 
 
 def test_the_overhead_is_measured_against_the_no_recomputation_plan_and_reported(walked):
-    from tasks.publish import read_index
+    from memplan.tasks.publish import read_index
 
     outcomes, seen = walked
     outcome, = outcomes
@@ -107,7 +107,7 @@ def test_the_walk_publishes_the_least_memory_rung_measured_within_the_limit(walk
     measured is within the limit and to less memory (within the margin) once something is, validates at most
     `EXTRA_VALIDATIONS` rungs more, and the run publishes the least-memory rung it measured within the limit
     (else the least measured overhead), reporting the overhead the walk judged."""
-    from tasks.overhead_refine import EXTRA_VALIDATIONS, MARGIN, predicted_choice
+    from memplan.tasks.overhead_refine import EXTRA_VALIDATIONS, MARGIN, predicted_choice
 
     outcomes, seen = walked
     outcome, = outcomes
@@ -141,11 +141,11 @@ def test_a_policy_form_cell_writes_its_rungs_in_that_form_and_no_separate_no_rec
     import torch
     from torch import nn
 
-    from runtime.plan import Plan
-    from runtime.policy import capture_eager
-    from tasks.config import Budget, PlanSettings
-    from tasks.profile import ProfileSettings, profile_graph
-    from tasks.solve_stage import solve_case
+    from memplan.runtime.plan import Plan
+    from memplan.runtime.policy import capture_eager
+    from memplan.tasks.config import Budget, PlanSettings
+    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.solve_stage import solve_case
 
     class Net(nn.Module):
         def __init__(self):

@@ -32,8 +32,8 @@ def project(tmp_path_factory, harness):
 
 
 def test_the_plan_is_solved_with_the_updates_validated_and_published(project):
-    from runtime.plan import Plan
-    from tasks.publish import read_index
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.publish import read_index
 
     folder, outcomes = project
     assert {o["alias"]: (o["form"], o["status"]) for o in outcomes} == {ALIAS: ("policy", "published")}
@@ -55,9 +55,9 @@ def test_the_plan_is_solved_with_the_updates_validated_and_published(project):
 def test_the_published_plan_updates_like_eager_adamw_in_a_plain_loop(project):
     """Three steps of loss.backward() under runtime.apply(..., optimizer=opt), no optimizer.step(): eager's
     parameters and AdamW state, bit for bit (one shared dropout draw per step)."""
-    import runtime
-    from tasks.config import load_config
-    from tasks.models import build_batch
+    from memplan import runtime
+    from memplan.tasks.config import load_config
+    from memplan.tasks.models import build_batch
 
     folder, _ = project
     model = built_model(folder)
@@ -86,7 +86,7 @@ def test_the_published_plan_updates_like_eager_adamw_in_a_plain_loop(project):
 def test_plans_show_says_to_pass_the_optimizer(project):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from memplan.flows.cli import app
 
     folder, _ = project
     shown = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["plans", "show", ALIAS, "--dir", str(folder / "plans")])
@@ -100,8 +100,8 @@ def loss_fn(model, x, y):
 
 
 def built_model(folder):
-    from tasks.config import load_config
-    from tasks.models import build_model
+    from memplan.tasks.config import load_config
+    from memplan.tasks.models import build_model
 
     sys.path.insert(0, str(folder))
     try:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks.config import ConfigError, expand_matrix, parse_config
+from memplan.tasks.config import ConfigError, expand_matrix, parse_config
 
 BLOCKNET = '''
 import torch.nn.functional as F
@@ -102,7 +102,7 @@ def test_selective_policy_takes_the_policy_form_unless_told_otherwise():
 
 
 def test_a_model_is_traced_for_the_forms_of_its_plans():
-    from tasks.config import graph_forms
+    from memplan.tasks.config import graph_forms
 
     data = {"models": [LINEAR, LINEAR | {"name": "other"}], "plans": [
         {"solver": "selective-policy", "budgets": [0.8], "models": ["linear"]},
@@ -122,8 +122,8 @@ def test_a_solver_that_cannot_make_policies_is_refused_with_the_ones_that_can():
 
 
 def test_the_capability_is_declared_by_the_solver_not_its_name(monkeypatch):
-    from tasks.solve import SOLVERS, SolverSpec
-    from tasks.solve.policy_solver import selective_policy
+    from memplan.tasks.solve import SOLVERS, SolverSpec
+    from memplan.tasks.solve.policy_solver import selective_policy
 
     monkeypatch.setitem(SOLVERS, "my-policy", SolverSpec("my-policy", selective_policy, "a copy.", policy_form=True))
     assert config(solver="my-policy").plans[0].plan_form == "policy"
@@ -158,9 +158,9 @@ def test_an_unknown_form_lists_the_forms():
 
 
 def test_a_model_without_repeated_modules_is_refused_at_its_trace():
-    from tasks.config import ModelConfig
-    from tasks.models import ModelError
-    from tasks.trace import capture_model
+    from memplan.tasks.config import ModelConfig
+    from memplan.tasks.models import ModelError
+    from memplan.tasks.trace import capture_model
 
     spec = ModelConfig.model_validate(LINEAR)
     assert capture_model(spec, 8, "cpu", 0).meta.get("capture") is None      # the executor form needs none
@@ -172,7 +172,7 @@ def test_a_model_without_repeated_modules_is_refused_at_its_trace():
 def run_blocknet(tmp_path_factory, name: str, plans: str, top: str = ""):
     """`BLOCKNET_PIPELINE` with `plans` and `top` run once on BlockNet in a fresh folder: the folder and the
     run's outcomes."""
-    from flows.plan import run_plan
+    from memplan.flows.plan import run_plan
 
     folder = tmp_path_factory.mktemp(name)
     (folder / "blocknet.py").write_text(BLOCKNET)
@@ -187,9 +187,9 @@ def project(tmp_path_factory, harness):
 
 
 def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
-    from runtime.graph import OpGraph
-    from runtime.plan import Plan
-    from tasks.publish import read_index
+    from memplan.runtime.graph import OpGraph
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.publish import read_index
 
     folder, outcomes = project
     assert {o["alias"]: (o["form"], o["status"]) for o in outcomes} == {
@@ -216,7 +216,7 @@ def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
 def test_a_compiled_cell_is_published_by_its_measured_search(project):
     """The pipeline runs the measured search for a cell solved compiled, between solve and validation: the published
     plan is the search's, its compiled peak (validation's, measured again) within the budget."""
-    from runtime.plan import Plan
+    from memplan.runtime.plan import Plan
 
     folder, outcomes = project
     outcome = next(o for o in outcomes if o["alias"] == "blocknet-b128-selective-policy-75pct")
@@ -231,8 +231,8 @@ def test_a_compiled_cell_is_published_by_its_measured_search(project):
 def test_an_infeasible_policy_cell_cites_the_least_budget_its_own_solver_reaches(project):
     """The floor of a policy cell is found with selective-policy on the eager graph, not with the executor
     form's greedy probes (or executor plans' peaks) on another graph: solving there at it succeeds, below fails."""
-    from tasks.problems import load_problem
-    from tasks.solve import solve
+    from memplan.tasks.problems import load_problem
+    from memplan.tasks.solve import solve
 
     folder, outcomes = project
     infeasible = next(o for o in outcomes if o["alias"] == "blocknet-b128-selective-policy-10pct")
@@ -245,7 +245,7 @@ def test_an_infeasible_policy_cell_cites_the_least_budget_its_own_solver_reaches
 
 
 def test_the_profile_flow_profiles_the_eager_graph_too(project):
-    from flows.profile import run_profile
+    from memplan.flows.profile import run_profile
 
     folder, _ = project
     runs = run_profile(folder / "pipeline.toml", reuse=True)                # the plan flow's profiles, cached
@@ -254,15 +254,15 @@ def test_the_profile_flow_profiles_the_eager_graph_too(project):
 
 
 def policy_fingerprint(folder: Path) -> str:
-    from runtime.plan import Plan
+    from memplan.runtime.plan import Plan
 
     return Plan.load(folder / "plans" / "blocknet-b128-selective-policy-70pct.json").fingerprint
 
 
 def test_the_published_policy_plan_trains_like_eager_pytorch_in_a_plain_loop(project):
-    import runtime
-    from tasks.config import load_config
-    from tasks.models import build_batch, build_model
+    from memplan import runtime
+    from memplan.tasks.config import load_config
+    from memplan.tasks.models import build_batch, build_model
 
     folder, _ = project
     sys.path.insert(0, str(folder))
@@ -288,7 +288,7 @@ def test_the_published_policy_plan_trains_like_eager_pytorch_in_a_plain_loop(pro
 
 
 def test_the_report_says_how_to_run_each_form(project):
-    from flows.report import Outcome, loading_hint, markdown_table
+    from memplan.flows.report import Outcome, loading_hint, markdown_table
 
     _, outcomes = project
     table = markdown_table([Outcome(**o) for o in outcomes])
@@ -313,13 +313,13 @@ def test_a_policy_plan_is_validated_the_way_it_runs(tmp_path, monkeypatch):
     """Under runtime.apply a checkpointed block's recomputation updates its BatchNorm statistics a second time
     (the executor form would not): validation runs the plan that way, so it finds the gradients equal and
     the buffers not."""
-    from runtime.plan import graph_provenance
-    from tasks.config import ModelConfig, ValidateConfig
-    from tasks.solve import solve
-    from tasks.solve.core.problem import Problem
-    from tasks.solve.core.simulator import default_schedule, simulate
-    from tasks.trace import capture_model
-    from tasks.validate import validate_alone
+    from memplan.runtime.plan import graph_provenance
+    from memplan.tasks.config import ModelConfig, ValidateConfig
+    from memplan.tasks.solve import solve
+    from memplan.tasks.solve.core.problem import Problem
+    from memplan.tasks.solve.core.simulator import default_schedule, simulate
+    from memplan.tasks.trace import capture_model
+    from memplan.tasks.validate import validate_alone
 
     (tmp_path / "bnnet.py").write_text(BN_BLOCKS)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -362,15 +362,15 @@ def test_a_compiled_policy_plan_is_validated_under_torch_compile_too(tmp_path, m
     validation records that peak (the same bytes `runtime.compiled_peak` measures) and passes the plan where it is
     within the budget; a compiler that holds more (a backend with scratch as large as the budget) fails the same
     plan, naming the compiled check, while its eager peak still passes."""
-    from runtime.compiled_peak import compiled_peak
-    from runtime.plan import graph_provenance
-    from tasks.config import ModelConfig, ValidateConfig
-    from tasks.models import build_batch, build_loss, build_model
-    from tasks.solve import solve
-    from tasks.solve.core.problem import Problem
-    from tasks.solve.core.simulator import default_schedule, simulate
-    from tasks.trace import capture_model
-    from tasks.validate import validate_alone
+    from memplan.runtime.compiled_peak import compiled_peak
+    from memplan.runtime.plan import graph_provenance
+    from memplan.tasks.config import ModelConfig, ValidateConfig
+    from memplan.tasks.models import build_batch, build_loss, build_model
+    from memplan.tasks.solve import solve
+    from memplan.tasks.solve.core.problem import Problem
+    from memplan.tasks.solve.core.simulator import default_schedule, simulate
+    from memplan.tasks.trace import capture_model
+    from memplan.tasks.validate import validate_alone
 
     (tmp_path / "blocknet.py").write_text(BLOCKNET)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -400,9 +400,9 @@ def test_a_compiled_policy_plan_is_validated_under_torch_compile_too(tmp_path, m
 def profiled_blocknet(tmp_path, monkeypatch):
     """BlockNet's spec and its graph captured for the policy form at batch 128, saved as tmp_path/graph.json and
     profiled once into the store at tmp_path."""
-    from tasks.config import ModelConfig
-    from tasks.profile import ProfileSettings, profile_graph
-    from tasks.trace import capture_model
+    from memplan.tasks.config import ModelConfig
+    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.trace import capture_model
 
     (tmp_path / "blocknet.py").write_text(BLOCKNET)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -416,9 +416,9 @@ def profiled_blocknet(tmp_path, monkeypatch):
 
 def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
     """`options = { compiled = true }` is recorded in the plan's provenance, which validation reads."""
-    from runtime.plan import Plan
-    from tasks.config import Budget, PlanSettings
-    from tasks.solve_stage import solve_case
+    from memplan.runtime.plan import Plan
+    from memplan.tasks.config import Budget, PlanSettings
+    from memplan.tasks.solve_stage import solve_case
 
     spec, graph = profiled_blocknet(tmp_path, monkeypatch)
     for params, marked in (({"compiled": True}, True), ({}, False)):
@@ -432,19 +432,19 @@ def test_a_compiled_cell_is_planned_by_its_measured_compiled_peak(tmp_path, monk
     Under a compiler that holds scratch while the forward and the backward run, the plan solved at the budget
     measures over it; the search's plan measures within it (measured again here), records what the search measured,
     and passes validation under that compiler, where its eager peak is judged by its prediction."""
-    from runtime.compiled_peak import compiled_peak
-    from runtime.graph import OpGraph
-    from runtime.plan import Plan, graph_provenance
-    from runtime.policy_form import Regions, policy_schedule
-    from tasks.compiled_cell import search_cell
-    from tasks.compiled_search import COMPILED
-    from tasks.config import Budget, PlanSettings, ValidateConfig
-    from tasks.models import build_batch, build_loss, build_model
-    from tasks.solve import solve
-    from tasks.solve.core.problem import Problem
-    from tasks.solve.core.simulator import simulate
-    from tasks.solve_stage import solve_case
-    from tasks.validate import validate_alone
+    from memplan.runtime.compiled_peak import compiled_peak
+    from memplan.runtime.graph import OpGraph
+    from memplan.runtime.plan import Plan, graph_provenance
+    from memplan.runtime.policy_form import Regions, policy_schedule
+    from memplan.tasks.compiled_cell import search_cell
+    from memplan.tasks.compiled_search import COMPILED
+    from memplan.tasks.config import Budget, PlanSettings, ValidateConfig
+    from memplan.tasks.models import build_batch, build_loss, build_model
+    from memplan.tasks.solve import solve
+    from memplan.tasks.solve.core.problem import Problem
+    from memplan.tasks.solve.core.simulator import simulate
+    from memplan.tasks.solve_stage import solve_case
+    from memplan.tasks.validate import validate_alone
 
     spec, graph = profiled_blocknet(tmp_path, monkeypatch)
     settings = PlanSettings(form="policy", params={"compiled": True})
@@ -478,7 +478,7 @@ def test_a_compiled_cell_is_planned_by_its_measured_compiled_peak(tmp_path, monk
 
 
 def test_the_prediction_bounds_a_policy_plans_measured_peak():
-    from tasks.validate import prediction_problem
+    from memplan.tasks.validate import prediction_problem
 
     assert prediction_problem(1050, 1000, 0.05) is None
     assert prediction_problem(1051, 1000, 0.05) == (

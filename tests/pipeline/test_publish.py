@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tasks.publish import PublishError, plan_id, publish, read_index, resolve
+from memplan.tasks.publish import PublishError, plan_id, publish, read_index, resolve
 
 
 def snapshot(folder):
@@ -27,7 +27,7 @@ def test_plan_id_ignores_creation_time_but_not_content(make_plan):
 
 
 def test_publish_writes_plan_alias_and_index_row(tmp_path, make_plan, make_validation):
-    from runtime.plan import Plan
+    from memplan.runtime.plan import Plan
 
     plan = make_plan()
     done = publish_toy(tmp_path, plan, make_validation(plan))
@@ -148,7 +148,7 @@ def test_index_rows_written_before_the_overhead_columns_still_load(tmp_path, mak
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.publish import INDEX_SCHEMA
+    from memplan.tasks.publish import INDEX_SCHEMA
 
     plan = make_plan()
     publish_toy(tmp_path, plan, make_validation(plan))
@@ -166,7 +166,7 @@ def test_plans_list_and_query_show_the_overhead_against_no_recomputation(tmp_pat
                                                                          monkeypatch):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from memplan.flows.cli import app
 
     monkeypatch.setenv("COLUMNS", "300")
     plan = make_plan()

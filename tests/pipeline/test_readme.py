@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-import runtime
-from runtime.plan import Plan
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tasks.config import Budget, ConfigError, MemplanError, ModelConfig, ValidateConfig, parse_budget, parse_config
+from memplan.tasks.config import Budget, ConfigError, MemplanError, ModelConfig, ValidateConfig, parse_budget, parse_config
 
 
 def _net():
@@ -30,7 +30,7 @@ def spec():
 
 @pytest.fixture(scope="module")
 def reference(spec, tmp_path_factory):
-    from tasks.reference import measure_reference
+    from memplan.tasks.reference import measure_reference
 
     return measure_reference(spec, 16, "cpu", 0, tmp_path_factory.mktemp("reference") / "net.safetensors")
 
@@ -38,9 +38,9 @@ def reference(spec, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plans(spec):
     """The checkpoint-all plan of the net's graph, within a generous budget and within 1 byte."""
-    import runtime
-    from runtime.plan import default_plan
-    from tasks.models import build_batch, build_loss, build_model
+    from memplan import runtime
+    from memplan.runtime.plan import default_plan
+    from memplan.tasks.models import build_batch, build_loss, build_model
 
     plan = default_plan(runtime.capture(build_model(spec, 0), build_loss(spec), build_batch(spec, 16, 0, "cpu")))
     return [replace(plan, provenance=dict(plan.provenance, budget_bytes=budget)) for budget in (10**9, 1)]
@@ -52,8 +52,8 @@ SETTINGS = ValidateConfig(steps=1, max_steps=1, warmup=0)
 def test_the_reference_holds_eager_state_after_one_step_in_a_safetensors_file(spec, reference):
     from safetensors import safe_open
 
-    from tasks.models import build_batch, build_loss, build_model
-    from tasks.reference import reference_state, step_state
+    from memplan.tasks.models import build_batch, build_loss, build_model
+    from memplan.tasks.reference import reference_state, step_state
 
     model = build_model(spec, 0)
     loss = build_loss(spec)(model, *build_batch(spec, 16, 0, "cpu"))
@@ -72,7 +72,7 @@ def test_the_reference_holds_eager_state_after_one_step_in_a_safetensors_file(sp
 
 def test_absent_gradients_come_back_as_none_in_report_order(reference, tmp_path):
     """A gradient that does not exist is not stored; reading the file gives it back as None, the loss first."""
-    from tasks.reference import reference_state, write_state
+    from memplan.tasks.reference import reference_state, write_state
 
     state = {"buffer:b": torch.arange(3), "grad:w": None, "loss": torch.tensor(2.0), "grad:a": torch.ones(2)}
     stored = reference.model_copy(update={"path": str(write_state(tmp_path / "s.safetensors", state)),
@@ -84,7 +84,7 @@ def test_absent_gradients_come_back_as_none_in_report_order(reference, tmp_path)
 
 def test_a_plan_checked_against_the_reference_keeps_its_verdicts(spec, reference, plans):
     """The plan that reproduces eager passes; the same plan within 1 byte fails on its peak alone."""
-    from tasks.validate import peak_problem, validate_plan
+    from memplan.tasks.validate import peak_problem, validate_plan
 
     fits, over = (validate_plan(p, spec, 16, "cpu", 0, SETTINGS, reference) for p in plans)
     assert fits.passed and fits.reasons == [] and fits.max_abs_error == 0.0 and fits.tensors_compared == 10
@@ -94,8 +94,8 @@ def test_a_plan_checked_against_the_reference_keeps_its_verdicts(spec, reference
 
 def test_a_reference_whose_gradient_differs_fails_the_plan_naming_the_gradient(spec, reference, plans, tmp_path):
     """Equivalently, a plan whose gradient differs from eager's by more than the tolerance fails."""
-    from tasks.reference import reference_state, write_state
-    from tasks.validate import validate_plan
+    from memplan.tasks.reference import reference_state, write_state
+    from memplan.tasks.validate import validate_plan
 
     state = reference_state(reference, "cpu")
     state["grad:3.weight"] = state["grad:3.weight"] + 1e-3
@@ -106,7 +106,7 @@ def test_a_reference_whose_gradient_differs_fails_the_plan_naming_the_gradient(s
 
 
 def test_plans_validated_together_get_the_verdicts_they_get_alone(spec, reference, plans):
-    from tasks.validate import validate_plan, validate_plans
+    from memplan.tasks.validate import validate_plan, validate_plans
 
     together = validate_plans(plans, spec, 16, "cpu", 0, ValidateConfig(steps=2, max_steps=2, warmup=0), reference)
     alone = [validate_plan(p, spec, 16, "cpu", 0, SETTINGS, reference) for p in plans]
@@ -116,14 +116,14 @@ def test_plans_validated_together_get_the_verdicts_they_get_alone(spec, referenc
 
 
 def test_a_reference_of_another_cell_is_refused(spec, reference, plans):
-    from tasks.validate import validate_plan
+    from memplan.tasks.validate import validate_plan
 
     with pytest.raises(MemplanError, match="is of model net at batch 16 on cpu with seed 0, not of net at batch 8"):
         validate_plan(plans[0], spec, 8, "cpu", 0, SETTINGS, reference)
 
 
 def test_a_missing_reference_file_says_how_to_rebuild_it(spec, reference, plans):
-    from tasks.validate import validate_plan
+    from memplan.tasks.validate import validate_plan
 
     gone = reference.model_copy(update={"path": "/nonexistent/net.safetensors"})
     with pytest.raises(MemplanError, match="re-run with `memplan run --refresh`"):
@@ -132,13 +132,13 @@ def test_a_missing_reference_file_says_how_to_rebuild_it(spec, reference, plans)
 
 def _in_step_plan(spec, optimizer: str):
     """A plan of the net with `optimizer` inside the step (no recomputation), as the solve stage records it."""
-    import runtime
-    from runtime.plan import graph_provenance
-    from tasks.models import build_batch, build_loss, build_model
-    from tasks.solve.core.optimizer import in_step
-    from tasks.solve.core.problem import Problem
-    from tasks.solve.core.simulator import default_schedule
-    from tasks.solve.core.solution import checked_solution
+    from memplan import runtime
+    from memplan.runtime.plan import graph_provenance
+    from memplan.tasks.models import build_batch, build_loss, build_model
+    from memplan.tasks.solve.core.optimizer import in_step
+    from memplan.tasks.solve.core.problem import Problem
+    from memplan.tasks.solve.core.simulator import default_schedule
+    from memplan.tasks.solve.core.solution import checked_solution
 
     graph = runtime.capture(build_model(spec, 0), build_loss(spec), build_batch(spec, 16, 0, "cpu"))
     problem = in_step(Problem.from_graph(graph), graph.gradient_updates(), optimizer)
@@ -151,8 +151,8 @@ def test_a_cell_mixing_the_optimizer_inside_and_outside_the_step_is_validated_ag
         spec, plans, tmp_path):
     """The reference measured with the optimizer also holds its parameters after the update: the plan updating
     inside the step is compared on parameters, the other on gradients, both against that one reference."""
-    from tasks.reference import measure_reference, reference_state
-    from tasks.validate import validate_plans
+    from memplan.tasks.reference import measure_reference, reference_state
+    from memplan.tasks.validate import validate_plans
 
     reference = measure_reference(spec, 16, "cpu", 0, tmp_path / "r.safetensors", optimizer="sgd-momentum")
     state = reference_state(reference, "cpu")
@@ -166,7 +166,7 @@ def test_a_cell_mixing_the_optimizer_inside_and_outside_the_step_is_validated_ag
 
 
 def test_a_plan_updating_inside_the_step_needs_a_reference_with_that_optimizer(spec, reference):
-    from tasks.validate import validate_plan
+    from memplan.tasks.validate import validate_plan
 
     with pytest.raises(MemplanError, match=r"optimizer \['adamw'\] inside the step need a reference with that"):
         validate_plan(_in_step_plan(spec, "adamw"), spec, 16, "cpu", 0, SETTINGS, reference)
@@ -236,25 +236,25 @@ def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_p
     eager's measured peak in bytes; one validation of the cell's two plans, timed together (an overhead
     search validates only the plan it returns: the solve stage cannot even import the validation), then
     the measured walk's validations of the max_overhead plan's rungs (tasks/overhead_refine.py), alone."""
-    import tasks.reference
-    import tasks.validate
-    from flows.codehash import ROOT, import_closure
-    from flows.plan import run_plan
-    from flows.report import Outcome, markdown_table
+    from memplan.tasks import reference
+    from memplan.tasks import validate as validate_module
+    from memplan.flows.codehash import ROOT, import_closure
+    from memplan.flows.plan import run_plan
+    from memplan.flows.report import Outcome, markdown_table
     from tests.pipeline.test_flows import TINYNET
 
     references, validations = [], []
-    measure, validate = tasks.reference.measure_reference, tasks.validate.validate_plans
-    monkeypatch.setattr(tasks.reference, "measure_reference",
+    measure, validate = reference.measure_reference, validate_module.validate_plans
+    monkeypatch.setattr(reference, "measure_reference",
                         lambda *a, **k: references.append(a[:2]) or measure(*a, **k))
-    monkeypatch.setattr(tasks.validate, "validate_plans", lambda *a, **k: validations.append(a[0]) or validate(*a, **k))
+    monkeypatch.setattr(validate_module, "validate_plans", lambda *a, **k: validations.append(a[0]) or validate(*a, **k))
     (tmp_path / "tinynet.py").write_text(TINYNET)
     (tmp_path / "pipeline.toml").write_text(PIPELINE)
     outcomes = run_plan(tmp_path / "pipeline.toml")
     assert [(spec.name, batch) for spec, batch in references] == [("mlp", 256)]
     assert [o["alias"] for o in outcomes] == ["mlp-b256-chen-sqrt-n-100pct-eager", "mlp-b256-ap-greedy-ovh25pct"]
     assert all(o["status"] == "published" for o in outcomes), outcomes
-    from tasks.overhead_refine import EXTRA_VALIDATIONS
+    from memplan.tasks.overhead_refine import EXTRA_VALIDATIONS
 
     first, *walked = [[p.provenance.get("max_overhead") for p in plans] for plans in validations]
     assert first == [None, 0.25] and walked == [[0.25]] * len(walked) and len(walked) <= EXTRA_VALIDATIONS
@@ -262,15 +262,15 @@ def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_p
     assert outcomes[0]["budget_bytes"] == eager_peak and outcomes[1]["eager_peak_bytes"] == eager_peak
     assert len(list((tmp_path / ".cache" / "memplan" / "references").glob("*.safetensors"))) == 1
     assert f"| {eager_peak / 2**20:.1f} (100% of eager) |" in markdown_table([Outcome(**o) for o in outcomes])
-    assert ROOT / "tasks" / "validate.py" not in import_closure(("tasks.solve_stage",))
+    assert ROOT / "tasks" / "validate.py" not in import_closure(("memplan.tasks.solve_stage",))
     assert run_plan(tmp_path / "pipeline.toml") == outcomes and len(references) == 1 and len(validations) == 1 + len(walked)
 
 
 def test_a_fraction_of_eager_is_refused_where_eager_does_not_fit_the_device(config_data, reference):
     """Under a device memory limit eager PyTorch may not fit: the reference is then another step, whose peak is
     no measure of eager's, and a budget given as a fraction of eager's peak is refused before solving."""
-    from flows.plan import check_eager_budgets
-    from tasks.config import expand_matrix
+    from memplan.flows.plan import check_eager_budgets
+    from memplan.tasks.config import expand_matrix
 
     config_data["plans"][0]["budgets"] = ["70%", "50% eager"]
     cases = expand_matrix(parse_config(config_data, solvers=["checkmate", "chen-sqrt-n"]))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flows.report import Outcome, artifact_key, markdown_table, memory_overhead_plot
-from flows.steps import content_key
+from memplan.flows.report import Outcome, artifact_key, markdown_table, memory_overhead_plot
+from memplan.flows.steps import content_key
 
 PUBLISHED = Outcome("m-b8-checkmate-90pct", "m", 8, "checkmate", "90pct", "published", budget_bytes=90 * 2**20,
                     checkpoint_all_peak_bytes=100 * 2**20, predicted_peak_bytes=80 * 2**20,
@@ -24,7 +24,7 @@ def test_markdown_table_has_one_row_per_cell_with_mib_and_percentages():
 def test_a_budget_shows_its_fraction_of_eager_only_where_eager_was_measured():
     from dataclasses import replace
 
-    from flows.report import budget_text
+    from memplan.flows.report import budget_text
 
     assert budget_text(replace(PUBLISHED, budget_bytes=38 * 2**20, eager_peak_bytes=76 * 2**20)) == "38.0 (50% of eager)"
     assert budget_text(REJECTED) == "90.0"
@@ -59,7 +59,7 @@ def test_artifact_keys_are_lowercase_dashes():
 
 
 def test_content_key_depends_on_every_part_and_nothing_else():
-    from tasks.config import Budget
+    from memplan.tasks.config import Budget
 
     key = content_key("solve", "fp", {"gap": 0.01, "backend": "highs"}, Budget(fraction=0.9))
     assert key == content_key("solve", "fp", {"backend": "highs", "gap": 0.01}, Budget(fraction=0.9))
@@ -70,15 +70,15 @@ def test_content_key_depends_on_every_part_and_nothing_else():
 
 def _solved(fields: dict) -> "Solved":
     """An infeasible cell's `Solved` record with `fields`."""
-    from tasks.records import Solved
+    from memplan.tasks.records import Solved
 
     return Solved(solver="checkmate", feasible=False, checkpoint_all_cost=1.0, predicted_peak_bytes=None, arena_bytes=None,
                   objective=None, gap=None, solve_seconds=0.0, backend=None, plan_path=None, plan_id=None, profile_run_id=None, **fields)
 
 
 def test_no_plan_messages_say_what_to_change():
-    from flows.plan import KnownFloor, infeasible_message
-    from tasks.config import Budget, Case, parse_config
+    from memplan.flows.plan import KnownFloor, infeasible_message
+    from memplan.tasks.config import Budget, Case, parse_config
 
     config = parse_config({"models": [{"name": "m", "factory": "torch.nn:Linear", "inputs": [{"shape": [4]}]}],
                            "plans": [{"solver": "checkmate", "budgets": [0.5], "time_limit_s": 2}]}, solvers=["checkmate"])
@@ -103,14 +103,14 @@ def _measured(ratios: list[float]) -> tuple[float, list[float]]:
     """The overhead and its 95% interval from per-round plan/eager time ratios, as tasks.validate computes them."""
     import statistics
 
-    from tasks.step_timing import median_interval
+    from memplan.tasks.step_timing import median_interval
 
     low, high = median_interval(ratios)
     return statistics.median(ratios) - 1, [low - 1, high - 1]
 
 
 def test_an_overhead_is_printed_only_when_its_interval_is_narrower_than_itself_and_the_noise_limit():
-    from flows.report import overhead_text
+    from memplan.flows.report import overhead_text
 
     quiet = _measured([1.10, 1.12, 1.11, 1.13, 1.09, 1.12, 1.11, 1.10])
     assert overhead_text(*quiet) == "+11% ±2%"
@@ -124,7 +124,7 @@ def test_an_overhead_is_printed_only_when_its_interval_is_narrower_than_itself_a
 
 
 def test_an_infeasible_cell_shows_the_least_budget_known_to_fit():
-    from flows.report import status_text
+    from memplan.flows.report import status_text
 
     cell = Outcome("m-b8-acg-93pct", "m", 8, "acg", "93pct", "infeasible", least_feasible_bytes=95 * 2**20,
                    message="m-b8-acg-93pct: solver acg found no schedule")

@@ -73,7 +73,7 @@ FAST = "\n[profile]\nwarmup = 0\nrepeats = 1\n\n[validate]\nsteps = 1\nmax_steps
 
 
 def test_pipeline_publishes_a_policy_plan_the_example_trains_with(tmp_path, harness):
-    from flows.plan import run_plan
+    from memplan.flows.plan import run_plan
 
     toml = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)[0]      # the first: a whole pipeline.toml
     (tmp_path / "pipeline.toml").write_text(toml + FAST)
@@ -126,7 +126,7 @@ def test_optimizer_in_step_in_the_policy_form(tmp_path):
 
 def test_the_policy_forms_pipeline_settings_for_the_optimizer_parse():
     """The doc's toml fragment for the optimizer inside the step in the policy form, completed with a model."""
-    from tasks.config import expand_matrix, parse_config
+    from memplan.tasks.config import expand_matrix, parse_config
 
     fragment = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)[1]
     model = ('[[models]]\nname = "linear"\nfactory = "torch.nn:Linear"\n'

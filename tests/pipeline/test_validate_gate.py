@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.records import Validated
-from tasks.validate import compare_tensors, peak_problem
+from memplan.tasks.records import Validated
+from memplan.tasks.validate import compare_tensors, peak_problem
 
 RTOL, ATOL = 1e-4, 1e-5                        # the defaults of [validate]
 
@@ -82,7 +82,7 @@ def mlp_spec():
     import sys
     import types
 
-    from tasks.config import ModelConfig
+    from memplan.tasks.config import ModelConfig
 
     module = types.ModuleType("tests_validate_gate_models")
     module.mlp = _mlp
@@ -94,9 +94,9 @@ def mlp_spec():
 
 @pytest.fixture(scope="module")
 def mlp_plan(mlp_spec):
-    import runtime
-    from runtime.plan import default_plan
-    from tasks.models import build_batch, build_loss, build_model
+    from memplan import runtime
+    from memplan.runtime.plan import default_plan
+    from memplan.tasks.models import build_batch, build_loss, build_model
 
     graph = runtime.capture(build_model(mlp_spec, 0), build_loss(mlp_spec), build_batch(mlp_spec, 32, 0, "cpu"))
     return default_plan(graph)
@@ -104,7 +104,7 @@ def mlp_plan(mlp_spec):
 
 @pytest.fixture(scope="module")
 def mlp_reference(mlp_spec, tmp_path_factory):
-    from tasks.reference import measure_reference
+    from memplan.tasks.reference import measure_reference
 
     return measure_reference(mlp_spec, 32, "cpu", 0, tmp_path_factory.mktemp("reference") / "mlp.safetensors")
 
@@ -112,8 +112,8 @@ def mlp_reference(mlp_spec, tmp_path_factory):
 def _validate(plan, spec, budget, reference, **settings):
     from dataclasses import replace
 
-    from tasks.config import ValidateConfig
-    from tasks.validate import validate_plan
+    from memplan.tasks.config import ValidateConfig
+    from memplan.tasks.validate import validate_plan
 
     plan = replace(plan, provenance=dict(plan.provenance, budget_bytes=budget) if budget else {})
     return validate_plan(plan, spec, 32, "cpu", 0, ValidateConfig(steps=1, max_steps=1, warmup=0, **settings),
@@ -124,16 +124,15 @@ def test_a_plan_over_its_budget_fails_with_the_tolerances_in_their_places(mlp_sp
                                                                           monkeypatch):
     """Budget 1 B: the plan reproduces eager exactly, so the peak is the one reason it fails; the
     comparison receives rtol and atol from the settings in their own places."""
-    import tasks.validate
-
+    from memplan.tasks import validate
     seen = []
-    real = tasks.validate.compare_tensors
+    real = validate.compare_tensors
 
     def spy(expected, actual, rtol, atol):
         seen.append((rtol, atol))
         return real(expected, actual, rtol, atol)
 
-    monkeypatch.setattr(tasks.validate, "compare_tensors", spy)
+    monkeypatch.setattr(validate, "compare_tensors", spy)
     over = _validate(mlp_plan, mlp_spec, 1, mlp_reference, rtol=0.25, atol=0.5)
     assert seen == [(0.25, 0.5)]
     assert over.tensors_compared == 5 and over.max_abs_error == 0.0           # loss and 4 gradients

@@ -14,8 +14,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from flows.commands import profiles, query
-from tasks.store import write_run
+from memplan.flows.commands import profiles, query
+from memplan.tasks.store import write_run
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_command_modules_import_no_heavy_library():
 def test_query_reads_the_plans_index_next_to_the_profiles(cli, filled, tmp_path):
     from datetime import datetime, timezone
 
-    from tasks.publish import INDEX_SCHEMA
+    from memplan.tasks.publish import INDEX_SCHEMA
 
     plans = tmp_path / "plans"
     empty = cli("query", "select count(*) as n, count(solver) as s from plans", "--plans", str(plans), "-f", "csv")

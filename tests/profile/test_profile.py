@@ -10,13 +10,13 @@ import torch
 from scipy.stats import spearmanr
 from torch import nn
 
-import runtime
-from runtime.graph import Node, OpGraph, Value
-from runtime.meter import PeakMeter
-from runtime.variants import graph_variants
-from tasks.profile import ProfileSettings, measure_graph, profile_graph
-from tasks.solve.core.problem import Problem
-from tasks.store_query import connect, load_costs
+from memplan import runtime
+from memplan.runtime.graph import Node, OpGraph, Value
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.variants import graph_variants
+from memplan.tasks.profile import ProfileSettings, measure_graph, profile_graph
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.store_query import connect, load_costs
 
 # One thread: on a shared 2-core machine, OpenMP threads waiting for a descheduled peer make timings vary
 # by orders of magnitude between runs.

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.store import ProfileNotFoundError, ProfileStoreWarning, run_files, store_root, write_run
-from tasks.store_query import connect, load_costs
+from memplan.tasks.store import ProfileNotFoundError, ProfileStoreWarning, run_files, store_root, write_run
+from memplan.tasks.store_query import connect, load_costs
 
 
 def test_write_run_is_hive_partitioned_and_leaves_no_temp_files(store, make_run):
@@ -199,7 +199,7 @@ def test_one_bad_file_of_each_kind_never_hides_the_good_rows(store, make_run):
 def test_every_command_reads_past_bad_store_and_index_files(store, make_run, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from memplan.flows.cli import app
 
     _bad_files(store, make_run)
     plans = tmp_path / "plans"

@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-import runtime.variant_kernels as variant_kernels
-from runtime.exact import exact_fp32
-from runtime.plan import Plan
-from runtime.variant_kernels import attention_math_backward, attention_math_forward
-from tasks.problems import load_problem
-from tasks.profile import ProfileSettings, VariantUnavailableWarning, profile_graph
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import checked_solution
-from tasks.solve_stage import plan_of
-from tasks.store_query import connect, load_costs
+from memplan import runtime
+import memplan.runtime.variant_kernels as variant_kernels
+from memplan.runtime.exact import exact_fp32
+from memplan.runtime.plan import Plan
+from memplan.runtime.variant_kernels import attention_math_backward, attention_math_forward
+from memplan.tasks.problems import load_problem
+from memplan.tasks.profile import ProfileSettings, VariantUnavailableWarning, profile_graph
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import checked_solution
+from memplan.tasks.solve_stage import plan_of
+from memplan.tasks.store_query import connect, load_costs
 
 aten = torch.ops.aten
 FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime.exact import exact_fp32
-from runtime.meter import PeakMeter
+from memplan import runtime
+from memplan.runtime.exact import exact_fp32
+from memplan.runtime.meter import PeakMeter
 
 DEVICE = torch.device(os.environ.get("MEMPLAN_TEST_DEVICE", "cpu"))
 

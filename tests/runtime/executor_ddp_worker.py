@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import runtime
+from memplan import runtime
 from gloo_ranks import join, report, spawn
-from runtime.meter import PeakMeter
-from tasks.solve import solve
-from tasks.solve.core.ddp import under_ddp
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan.runtime.meter import PeakMeter
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.ddp import under_ddp
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 BUCKET_MB = 0.02                                             # 20 KiB: several buckets on this model
 IGNORED = "1.up.bias"

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import runtime
+from memplan import runtime
 from gloo_ranks import join, report, spawn
-from runtime.plan import graph_provenance
-from runtime.policy import capture_eager
-from runtime.policy_form import PolicyFormError, Regions, policy_schedule
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from memplan.runtime.plan import graph_provenance
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import PolicyFormError, Regions, policy_schedule
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
 
 
 class Block(nn.Module):

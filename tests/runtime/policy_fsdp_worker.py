@@ -14,15 +14,15 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.fsdp import fully_shard
 
-import runtime
+from memplan import runtime
 from gloo_ranks import join, report, spawn
-from runtime.meter import PeakMeter
-from runtime.plan import graph_provenance
-from runtime.policy import capture_eager
-from runtime.policy_form import Regions, policy_schedule
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import graph_provenance
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import Regions, policy_schedule
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 STEPS = 3
 

@@ -3,11 +3,11 @@ peak is the simulator's prediction."""
 
 import pytest
 
-from runtime.plan import Plan
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 
 def acg_plan(graph, budget_fraction=None):

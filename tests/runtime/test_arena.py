@@ -7,13 +7,13 @@ import warnings
 import pytest
 import torch
 
-import runtime
-from runtime.arena import ArenaFallbackWarning, out_overload
-from runtime.meter import PeakMeter
-from runtime.plan import Plan
-from tasks.solve.core.addresses import greedy_addresses
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from memplan import runtime
+from memplan.runtime.arena import ArenaFallbackWarning, out_overload
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve.core.addresses import greedy_addresses
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
 
 aten = torch.ops.aten
 
@@ -96,7 +96,7 @@ def test_addresses_for_in_place_nodes_only_leave_nothing_outside_the_arena(captu
     the arena is the placed copies' extent, at least their live peak."""
     import numpy as np
 
-    from runtime.arena import in_place_nodes
+    from memplan.runtime.arena import in_place_nodes
 
     model, loss_fn, batch, g = captured(name)
     schedule = runtime.default_plan(g).schedule

@@ -10,14 +10,14 @@ import pytest
 import torch
 from torch import fx, nn
 
-import runtime
-import runtime.capture as capture_module
-from runtime import fused_loss
-from runtime.capture import CaptureError
-from runtime.executor import replayed_random_nodes
-from runtime.graph import OpGraph
-from runtime.meter import PeakMeter
-from runtime.policy import capture_eager
+from memplan import runtime
+import memplan.runtime.capture as capture_module
+from memplan.runtime import fused_loss
+from memplan.runtime.capture import CaptureError
+from memplan.runtime.executor import replayed_random_nodes
+from memplan.runtime.graph import OpGraph
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.policy import capture_eager
 
 VIEW_TARGETS = {"aten.t.default", "aten.view.default", "aten.alias.default", "aten._unsafe_view.default",
                 "aten.expand.default", "aten.permute.default", "aten.transpose.int", "aten.slice.Tensor"}

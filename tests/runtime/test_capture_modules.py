@@ -4,13 +4,13 @@ unchanged by the markers, and a per-module checkpointing plan that trains like e
 import torch
 from torch import nn
 
-import runtime
-from runtime.modules import marked_modules
-from tasks.solve import solve
-from tasks.solve.baselines import module_instances
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan import runtime
+from memplan.runtime.modules import marked_modules
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.baselines import module_instances
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 
 class Residual(nn.Module):
@@ -77,7 +77,7 @@ def test_batchnorm_running_statistics_do_not_cut_a_checkpointed_block():
     """BatchNorm's running statistics are graph outputs made inside each block: the blocks' outputs alone are
     kept, each block is recomputed once, and the peak drops below checkpoint-all's (it did not on ResNet-50
     while the statistics counted as checkpoints), at eager's gradients."""
-    from tasks.solve.baselines import module_checkpoints
+    from memplan.tasks.solve.baselines import module_checkpoints
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *(ConvBlock(8) for _ in range(4)), nn.Flatten(),

@@ -12,15 +12,15 @@ import copy
 import pytest
 import torch
 
-from runtime.compiled_peak import compiled_peak
-from runtime.plan import graph_provenance
-from runtime.policy import capture_eager
-from runtime.policy_form import Regions, policy_schedule
-from tasks import compiled_search
-from tasks.compiled_search import COMPILED, search
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan.runtime.compiled_peak import compiled_peak
+from memplan.runtime.plan import graph_provenance
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import Regions, policy_schedule
+from memplan.tasks import compiled_search
+from memplan.tasks.compiled_search import COMPILED, search
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 from .test_policy import build
 

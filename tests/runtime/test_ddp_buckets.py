@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import runtime
-from runtime.program import CaptureError
-from runtime.schedule import GradientBucket, gradient_buckets
-from tasks.solve.core.ddp import bucket_cap_bytes, under_ddp
-from tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+from memplan.runtime.program import CaptureError
+from memplan.runtime.schedule import GradientBucket, gradient_buckets
+from memplan.tasks.solve.core.ddp import bucket_cap_bytes, under_ddp
+from memplan.tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 
 def steps(*outputs):
@@ -119,7 +119,7 @@ def test_no_sync_launches_no_all_reduce(ddp_model):
 def test_the_plan_setting_reaches_the_solver_and_bad_values_are_refused():
     from pydantic import ValidationError
 
-    from tasks.config.sections import PlanConfig
+    from memplan.tasks.config.sections import PlanConfig
 
     assert PlanConfig(solver="dtr", budgets=[0.5], ddp_bucket_mb=5).solve_settings().ddp_bucket_mb == 5
     assert PlanConfig(solver="dtr", budgets=[0.5]).solve_settings().ddp_bucket_mb is None

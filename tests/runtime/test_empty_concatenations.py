@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
-import runtime.capture as capture_module
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+import memplan.runtime.capture as capture_module
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 aten = torch.ops.aten
 CAT = "aten.cat.default"

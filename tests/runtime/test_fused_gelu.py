@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-import runtime
-import runtime.capture as capture_module
-from runtime import fused_gelu
-from runtime.meter import PeakMeter
-from runtime.plan import Plan
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+import memplan.runtime.capture as capture_module
+from memplan.runtime import fused_gelu
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 C = math.sqrt(2.0 / math.pi)
 CONSTANTS = (0.5, 3.0, 0.044715, C, 1.0)
@@ -233,7 +233,7 @@ def test_sigmoid_variant_runs_every_fused_tanh_within_tolerance_at_the_simulated
     """Rule `sigmoid` offers itself on each fused tanh (a GPU graph, not fused, on each `aten.tanh`); a plan running
     it there trains like eager within the tolerance (and not bit for bit: the variant did run), at the peak the
     simulator predicts for it."""
-    from runtime.variants import graph_variants
+    from memplan.runtime.variants import graph_variants
     model, batch = _gpt2(helpers.device)
     g = runtime.capture(model, lm_loss, batch)
     variants = graph_variants(g, ("sigmoid",))

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-import runtime.fused_loss as fused_loss
-from runtime.meter import PeakMeter
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+import memplan.runtime.fused_loss as fused_loss
+from memplan.runtime.meter import PeakMeter
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 aten = torch.ops.aten
 LINEAR_CE = "memplan.linear_cross_entropy.default"
@@ -172,8 +172,8 @@ def test_the_whole_loss_fuses_when_the_backward_seed_comes_through_an_alias():
     one `memplan::linear_cross_entropy` and leave the same ops (the graph's fingerprint must not depend on it)."""
     from torch._functorch.aot_autograd import aot_export_module
 
-    from runtime.capture import _LossStep
-    from runtime.rewrites import Rewriter, fuse_cross_entropy
+    from memplan.runtime.capture import _LossStep
+    from memplan.runtime.rewrites import Rewriter, fuse_cross_entropy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))

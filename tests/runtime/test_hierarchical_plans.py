@@ -1,10 +1,10 @@
 """Hierarchical plans (tasks/solve/hierarchical) run through the runtime: the step equals eager PyTorch,
 and the measured peak is the simulator's prediction."""
 
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 
 def test_hierarchical_gpt2_plan_trains_like_eager_within_its_budget(captured, helpers):

@@ -14,15 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime.meter import PeakMeter
-from runtime.plan import Plan
-from runtime.variant_kernels import convolution_backward_native
-from runtime.variants import graph_variants
-from tasks.solve.core.optimizer import in_step
-from tasks.solve.core.orders import update_order
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan
+from memplan.runtime.variant_kernels import convolution_backward_native
+from memplan.runtime.variants import graph_variants
+from memplan.tasks.solve.core.optimizer import in_step
+from memplan.tasks.solve.core.orders import update_order
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 aten = torch.ops.aten
 

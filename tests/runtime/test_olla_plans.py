@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-import runtime
-from runtime.arena import ArenaFallbackWarning, in_place_nodes
-from runtime.exact import exact_fp32
-from runtime.plan import Plan
-from tasks.solve import solve
-from tasks.solve.olla import olla_addresses
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan import runtime
+from memplan.runtime.arena import ArenaFallbackWarning, in_place_nodes
+from memplan.runtime.exact import exact_fp32
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.olla import olla_addresses
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 TIME_LIMIT = 4.0
 ORDER = SolveOptions(time_limit=None, params={"whole_graph": False})
@@ -70,9 +70,9 @@ def test_olla_order_and_addresses_train_like_eager(captured, helpers, name):
 
 
 def test_random_nodes_of_a_graph_loaded_from_json_are_the_captured_ones(captured):
-    from runtime.graph import OpGraph
-    from runtime.ops import random_nodes
-    from runtime.policy_form import Regions
+    from memplan.runtime.graph import OpGraph
+    from memplan.runtime.ops import random_nodes
+    from memplan.runtime.policy_form import Regions
 
     *_, graph = captured("gpt2")
     loaded = OpGraph.from_json(graph.to_json())

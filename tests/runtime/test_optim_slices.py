@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime.meter import PeakMeter
-from runtime.optim_functional import FUNCTIONAL
-from runtime.plan import Plan
-from runtime.schedule import SLICE_ALIGN, update_slices
-from tasks.solve.core.optimizer import in_step
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.optim_functional import FUNCTIONAL
+from memplan.runtime.plan import Plan
+from memplan.runtime.schedule import SLICE_ALIGN, update_slices
+from memplan.tasks.solve.core.optimizer import in_step
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 from tests.runtime.test_optim_step import BITWISE_OPTIMIZERS, ConvNet, eager_steps, loss_fn
 
 SLICE_BYTES = 100                       # slices of 64 B: ConvNet's weights in 2 to 36 slices, its biases whole

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-import runtime
-from runtime.meter import PeakMeter
-from runtime.plan import Plan
-from tasks.solve.core.optimizer import in_step
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from memplan import runtime
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve.core.optimizer import in_step
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
 
 OPTIMIZERS = {
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -196,9 +196,9 @@ def test_grouped_updates_give_eager_parameters_bitwise(name, monkeypatch):
     for SGD, Adam and AdamW by the class's functional update (runtime.optim_functional) once their state exists,
     before that (Adam's first step) and for other classes by one `step()` of the class over them. After three
     steps every parameter and optimizer state equals eager's bit for bit."""
-    from runtime.optim_functional import FUNCTIONAL
-    from runtime.optim_step import update_points
-    from tasks.solve.core.simulator import default_schedule
+    from memplan.runtime.optim_functional import FUNCTIONAL
+    from memplan.runtime.optim_step import update_points
+    from memplan.tasks.solve.core.simulator import default_schedule
 
     torch.manual_seed(0)
     model = ConvNet()
@@ -242,7 +242,7 @@ def test_grouped_update_scratch_is_the_prediction(foreach):
     single-tensor loop holds the weight's scaled sqrt(v) (C) while making the bias's sqrt(v) and its scaled copy
     (2C), its foreach kernels sqrt(v) of both at once (2C). With the two gradients and the 4-byte loss, the
     measured peak is (5C or 4C) * 4 + 4 bytes, and the simulator predicts it to the byte."""
-    from tasks.solve.core.simulator import default_schedule
+    from memplan.tasks.solve.core.simulator import default_schedule
 
     torch.manual_seed(0)
     C = 2048

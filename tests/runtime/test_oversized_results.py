@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
+from memplan import runtime
 
 
 @pytest.mark.parametrize("loss", [F.mse_loss, F.smooth_l1_loss], ids=lambda f: f.__name__)

@@ -9,11 +9,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import runtime
-from runtime.plan import Plan, PlanError
-from tasks.solve.core.addresses import greedy_addresses
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import AddressConflict, check_addresses, simulate
+from memplan import runtime
+from memplan.runtime.plan import Plan, PlanError
+from memplan.tasks.solve.core.addresses import greedy_addresses
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import AddressConflict, check_addresses, simulate
 
 
 @pytest.fixture(scope="module", params=["mlp", "resnet18"])

@@ -2,8 +2,8 @@
 
 import json
 
-from runtime.jsonio import sha256_hex
-from runtime.plan import Plan
+from memplan.runtime.jsonio import sha256_hex
+from memplan.runtime.plan import Plan
 
 
 def write_v1_plan(path, fingerprint, schedule):

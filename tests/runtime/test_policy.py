@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime.meter import PeakMeter
-from runtime.plan import Plan, graph_provenance
-from runtime.policy import PolicyMismatch, capture_eager
-from runtime.policy_form import PolicyFormError, Regions, decisions, policy_schedule
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import checked_solution
+from memplan import runtime
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan, graph_provenance
+from memplan.runtime.policy import PolicyMismatch, capture_eager
+from memplan.runtime.policy_form import PolicyFormError, Regions, decisions, policy_schedule
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import checked_solution
 
 
 class Block(nn.Module):
@@ -259,7 +259,7 @@ def test_no_single_change_to_the_solvers_decision_fits_and_costs_less(fraction):
 
     import numpy as np
 
-    from runtime.policy_form import dispatch_cost
+    from memplan.runtime.policy_form import dispatch_cost
 
     _, _, _, graph, unit, _ = setup("gpt2")
     problem = dataclasses.replace(unit, cost=np.array([1.0 + (n * 7919) % 13 for n in range(unit.num_nodes)]),

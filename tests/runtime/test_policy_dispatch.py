@@ -10,16 +10,16 @@ import dataclasses
 import pytest
 import torch
 
-from runtime.capture import capture
-from runtime.plan import Plan
-from runtime.policy import capture_eager
-from runtime.policy_form import Regions, decisions, policy_schedule
-from tasks.profile import ProfileSettings, measure_graph, profile_graph
-from tasks.solve import SOLVERS, parse_options, solve
-from tasks.solve.core.problem import Problem, ProblemError
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import SolveOptions
-from tasks.store_query import load_costs
+from memplan.runtime.capture import capture
+from memplan.runtime.plan import Plan
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import Regions, decisions, policy_schedule
+from memplan.tasks.profile import ProfileSettings, measure_graph, profile_graph
+from memplan.tasks.solve import SOLVERS, parse_options, solve
+from memplan.tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import SolveOptions
+from memplan.tasks.store_query import load_costs
 from tests.runtime.test_policy import build
 
 SETTINGS = ProfileSettings(warmup=1, repeats=2, rounds=1)
@@ -126,9 +126,9 @@ def test_a_malformed_dispatch_cost_is_refused(bad):
 
 def test_the_measurement_needs_a_recorded_region():
     """A graph with no repeated module has no region to replay: no measurement, not a guess."""
-    from runtime import node_function
-    from runtime.dispatch_cost import policy_dispatch_ms
-    from tasks.profile import graph_inputs
+    from memplan.runtime import node_function
+    from memplan.runtime.dispatch_cost import policy_dispatch_ms
+    from memplan.tasks.profile import graph_inputs
 
     class Net(torch.nn.Module):
         def __init__(self):

@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime.meter import PeakMeter
-from runtime.plan import Plan, graph_provenance
-from runtime.policy import capture_eager
-from runtime.policy_form import FORM, PolicyFormError, Regions, decisions, policy_schedule
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import checked_solution
+from memplan import runtime
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan, graph_provenance
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import FORM, PolicyFormError, Regions, decisions, policy_schedule
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import checked_solution
 
 
 class Block(nn.Module):

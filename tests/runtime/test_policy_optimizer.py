@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime.meter import PeakMeter
-from runtime.plan import Plan, graph_provenance
-from runtime.policy import capture_eager
-from runtime.policy_form import Regions, decisions, policy_schedule
-from tasks.solve import solve
-from tasks.solve.core.optimizer import in_step
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+from memplan.runtime.meter import PeakMeter
+from memplan.runtime.plan import Plan, graph_provenance
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import Regions, decisions, policy_schedule
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.optimizer import in_step
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 from tests.runtime.test_policy import build
 
 OPTIMIZERS = {
@@ -135,7 +135,7 @@ def test_an_update_follows_the_autograd_node_that_makes_its_gradient():
     so the policy form's problem updates the weight after the `sum`, not after its `mm` (as the executor does)."""
     from types import SimpleNamespace
 
-    from runtime.schedule import update_steps
+    from memplan.runtime.schedule import update_steps
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))

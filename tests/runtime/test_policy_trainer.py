@@ -9,14 +9,14 @@ import copy
 import torch
 import transformers
 
-import runtime
-from runtime import policy
-from runtime.plan import graph_provenance
-from runtime.policy import capture_eager
-from runtime.policy_form import Regions, decisions, policy_schedule
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan import runtime
+from memplan.runtime import policy
+from memplan.runtime.plan import graph_provenance
+from memplan.runtime.policy import capture_eager
+from memplan.runtime.policy_form import Regions, decisions, policy_schedule
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 
 def loss_fn(model, input_ids, attention_mask, labels):

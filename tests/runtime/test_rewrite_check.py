@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-import runtime.capture as capture_module
-import runtime.rewrite_check as rewrite_check
-from runtime.plan import PlanError
-from runtime.rewrites import PASSES, _fake_call
+from memplan import runtime
+import memplan.runtime.capture as capture_module
+import memplan.runtime.rewrite_check as rewrite_check
+from memplan.runtime.plan import PlanError
+from memplan.runtime.rewrites import PASSES, _fake_call
 
 
 class _SmallCNN(nn.Module):

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import runtime
-from runtime.policy_form import Regions
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan import runtime
+from memplan.runtime.policy_form import Regions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 from tests.runtime.projection_net import Net
 
 

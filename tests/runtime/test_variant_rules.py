@@ -6,17 +6,17 @@ backward."""
 import pytest
 import torch
 
-import runtime
-from runtime.fused_gelu import tanh_by_sigmoid
-from runtime.plan import Plan
-from runtime.variant_kernels import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
+from memplan import runtime
+from memplan.runtime.fused_gelu import tanh_by_sigmoid
+from memplan.runtime.plan import Plan
+from memplan.runtime.variant_kernels import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
                                      max_pool_backward_from_windows, pack_zero_bits, unpack_zero_bits,
                                      window_positions)
-from runtime.variants import RULES, graph_variants
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
+from memplan.runtime.variants import RULES, graph_variants
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
 
 aten = torch.ops.aten
 # bit-identical to ATen (rules, and the variant names of rule `inplace`); the others within the validation tolerance

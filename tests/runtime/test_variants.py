@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import runtime
-from runtime.plan import Plan, PlanError
-from runtime.variant_ops import VariantError
-from runtime.variants import graph_variants
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import InvalidSchedule, simulate
+from memplan import runtime
+from memplan.runtime.plan import Plan, PlanError
+from memplan.runtime.variant_ops import VariantError
+from memplan.runtime.variants import graph_variants
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import InvalidSchedule, simulate
 
 _CAPTURES = {}
 
@@ -174,7 +174,7 @@ def in_place_schedule(graph, variants, impl="inplace"):
 
 @pytest.mark.filterwarnings("ignore:arena mode")            # copies of steps without an out= kernel: expected
 def test_in_place_relu_trains_exactly_like_eager_at_the_simulated_peak_and_in_arena_mode(helpers):
-    from tasks.solve.core.addresses import greedy_addresses
+    from memplan.tasks.solve.core.addresses import greedy_addresses
 
     torch.manual_seed(0)
     model = ConvBnReLU()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.solve.core.benchmarks import benchmark_graphs
-from tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.benchmarks import benchmark_graphs
+from memplan.tasks.solve.core.problem import Problem
 
 
 def linear_graph(n: int, cost: float = 1.0, nbytes: int = 1) -> Problem:

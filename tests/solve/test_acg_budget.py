@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.acg.division import division_tree
-from tasks.solve.acg.forward import forward_graph, reforward_schedule
-from tasks.solve.acg.solver import budgeted, memory_optimal
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.acg.division import division_tree
+from memplan.tasks.solve.acg.forward import forward_graph, reforward_schedule
+from memplan.tasks.solve.acg.solver import budgeted, memory_optimal
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 _spec = importlib.util.spec_from_file_location("acg_solver_tests", Path(__file__).with_name("test_acg_solver.py"))
 _helpers = importlib.util.module_from_spec(_spec)
@@ -103,7 +103,7 @@ def test_kept_vertices_stay_checkpoints_in_the_exact_search():
 def test_the_time_limit_stops_both_searches_with_the_best_fitting_set_so_far(monkeypatch):
     """Past the deadline (the division tree is built regardless here) the bisection evaluates only its
     two end points and the exact search nothing; the fitting one is returned and the message says so."""
-    monkeypatch.setattr(importlib.import_module("tasks.solve.acg.solver"), "division_tree",
+    monkeypatch.setattr(importlib.import_module("memplan.tasks.solve.acg.solver"), "division_tree",
                         lambda dag, deadline=None: division_tree(dag))
     problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
     top = simulate(problem, default_schedule(problem))
@@ -164,7 +164,7 @@ def test_the_lagrangian_search_finds_hull_points_cheaper_than_the_memory_optimum
 
 
 def test_the_exact_search_simulates_the_whole_family_only_when_nothing_fits():
-    from tasks.solve.acg.solver import exhaustive
+    from memplan.tasks.solve.acg.solver import exhaustive
 
     problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
     fg = forward_graph(problem)
@@ -177,7 +177,7 @@ def test_the_exact_search_simulates_the_whole_family_only_when_nothing_fits():
 def test_the_exact_search_stops_once_its_lower_bound_passes_the_best_cost():
     """At the checkpoint-all peak, keeping every vertex costs the no-recomputation sum, and every other set
     recomputes a vertex a gradient reads: one simulation proves it optimal."""
-    from tasks.solve.acg.solver import exhaustive
+    from memplan.tasks.solve.acg.solver import exhaustive
 
     problem = skip_chain([49, 27, 3, 17, 33, 32, 26])
     fg = forward_graph(problem)
@@ -190,14 +190,14 @@ def test_the_exact_search_stops_once_its_lower_bound_passes_the_best_cost():
 def test_the_exact_search_returns_at_its_deadline():
     import time
 
-    from tasks.solve.acg.solver import exhaustive
+    from memplan.tasks.solve.acg.solver import exhaustive
 
     fg = forward_graph(skip_chain([49, 27, 3, 17, 33, 32, 26]))
     assert exhaustive(fg, 10**9, None, deadline=time.perf_counter()) == (None, 0, False)
 
 
 def test_solutions_name_acg_and_their_time_in_every_outcome():
-    from tasks.solve.core.problem import Problem
+    from memplan.tasks.solve.core.problem import Problem
 
     no_backward = Problem.from_edges([1.0] * 3, [1] * 3, [(0, 1), (1, 2)])
     chainy = skip_chain([5, 6, 7, 8])
@@ -274,7 +274,7 @@ def test_the_bisection_reaches_the_largest_fitting_multiplier(nbytes, times, ski
     independently of the bisection) gives a set; at a budget where the sets of the smallest k multipliers
     fit and the others do not, the bisection must reach the k-th, so its answer costs at most that set's
     cost; every candidate is simulated once."""
-    from tasks.solve.acg.search import DivisionSearch, acg_checkpoints
+    from memplan.tasks.solve.acg.search import DivisionSearch, acg_checkpoints
 
     n = len(nbytes)
     edges = [(i, i + 1) for i in range(n - 1)] + ([(0, n - 1)] if skip else [])

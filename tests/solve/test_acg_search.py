@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks.solve.acg.dag import AcgGraphError, TensorDag, bits
-from tasks.solve.acg.division import BRANCH, COMPLICATE, EDGE, LINEAR, division_tree, pieces, walk
-from tasks.solve.acg.lcg import lcg_checkpoints
-from tasks.solve.acg.search import DivisionSearch, acg_checkpoints
+from memplan.tasks.solve.acg.dag import AcgGraphError, TensorDag, bits
+from memplan.tasks.solve.acg.division import BRANCH, COMPLICATE, EDGE, LINEAR, division_tree, pieces, walk
+from memplan.tasks.solve.acg.lcg import lcg_checkpoints
+from memplan.tasks.solve.acg.search import DivisionSearch, acg_checkpoints
 
 
 def chain(costs):

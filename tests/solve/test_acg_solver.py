@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.solve import solve
-from tasks.solve.acg.forward import SOURCE, forward_graph, reforward_schedule
-from tasks.solve.acg.solver import budgeted, memory_optimal
-from tasks.solve.acg.division import division_tree
-from tasks.solve.core.problem import Problem, ProblemError
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.acg.forward import SOURCE, forward_graph, reforward_schedule
+from memplan.tasks.solve.acg.solver import budgeted, memory_optimal
+from memplan.tasks.solve.acg.division import division_tree
+from memplan.tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 
 def training_problem(forward_edges, n, nbytes, cost=None, extra_sink=False):

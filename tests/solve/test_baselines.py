@@ -2,11 +2,11 @@ from math import comb
 
 import pytest
 
-from tasks.solve import SOLVERS, solve
-from tasks.solve.baselines import articulation_points, is_linear, revolve_cost, revolve_schedule
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import SOLVERS, solve
+from memplan.tasks.solve.baselines import articulation_points, is_linear, revolve_cost, revolve_schedule
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 EXACT = {"checkmate", "monet", "monet-noop", "moccasin", "olla"}
 """MILP / CP-SAT solvers, tested against exhaustive optima on small graphs (test_checkmate, test_monet,

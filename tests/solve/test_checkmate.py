@@ -3,12 +3,12 @@ from collections import deque
 import numpy as np
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.core.remat_milp import assignment_from_schedule, build_model
-from tasks.solve.core.checkpoints import schedule_from_checkpoints
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.remat_milp import assignment_from_schedule, build_model
+from memplan.tasks.solve.core.checkpoints import schedule_from_checkpoints
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 EXACT = SolveOptions(gap=1e-6, params={"warm_start": "none"})
 
@@ -143,7 +143,7 @@ def test_warm_start_within_gap_skips_the_milp(benchmark_paths):
 def test_expensive_solvers_are_never_worse_than_the_cheap_ones(benchmark_paths):
     """With no time to solve its LP, checkmate-approx returns the best cheap schedule (status time_limit,
     source named); checkmate's answer is never costlier than any cheap solver's."""
-    from tasks.solve.core.portfolio import CHEAP
+    from memplan.tasks.solve.core.portfolio import CHEAP
 
     path = next(p for p in benchmark_paths if p.name.startswith("ResNet50") and "train" in p.name)
     problem = Problem.from_node_link(path)

@@ -12,9 +12,9 @@ import random
 import numpy as np
 import pytest
 
-from tasks.solve.core.remat_milp import assignment_from_schedule, build_model, expand_ranges, schedule_from_solution
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.remat_milp import assignment_from_schedule, build_model, expand_ranges, schedule_from_solution
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
 
 
 def random_problem(rng: random.Random) -> Problem:
@@ -152,7 +152,7 @@ def test_the_budget_rows_and_columns_scale_the_budget(seed):
     """`checkmate-approx` re-solves the LP relaxation under (1 - eps) of the budget by scaling the bounds
     the model lists as budget rows (workspace) and columns (U): each LP of the sweep is the LP of the model
     built for that budget."""
-    from tasks.solve.core.milp import MilpOptions, solve_lp_sweep, solve_milp
+    from memplan.tasks.solve.core.milp import MilpOptions, solve_lp_sweep, solve_milp
 
     rng = random.Random(200 + seed)
     problem = random_problem(rng)

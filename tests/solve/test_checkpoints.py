@@ -1,8 +1,8 @@
 import pytest
 
-from tasks.solve.core.checkpoints import schedule_from_checkpoints
-from tasks.solve.core.problem import Problem, ProblemError
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.checkpoints import schedule_from_checkpoints
+from memplan.tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 
 def _nodes(schedule):

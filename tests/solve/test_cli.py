@@ -6,14 +6,14 @@ import pytest
 
 from typer.testing import CliRunner
 
-from flows.cli import app
-from runtime.facts import graph_facts
-from runtime.graph import Node, OpGraph, Value
-from runtime.plan import Plan
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.store import ENV_VAR, new_run_id, write_run
-from tasks.store_schema import SCHEMA_VERSION
+from memplan.flows.cli import app
+from memplan.runtime.facts import graph_facts
+from memplan.runtime.graph import Node, OpGraph, Value
+from memplan.runtime.plan import Plan
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.store import ENV_VAR, new_run_id, write_run
+from memplan.tasks.store_schema import SCHEMA_VERSION
 
 REPORT_KEYS = {"feasible", "objective", "predicted_peak_bytes", "bound", "gap", "status", "solve_seconds", "backend",
                "num_variables", "num_constraints"}
@@ -134,8 +134,8 @@ def test_greedy_addresses_are_written_and_reported(tmp_path, benchmark_paths):
 def test_cli_and_pipeline_share_the_solve_defaults():
     import typer
 
-    from tasks.config import PlanConfig
-    from tasks.solve.core.solution import SolveOptions
+    from memplan.tasks.config import PlanConfig
+    from memplan.tasks.solve.core.solution import SolveOptions
 
     params = {p.name: p.default for p in typer.main.get_command(app).commands["solve"].params}
     shared = SolveOptions()
@@ -164,12 +164,11 @@ def test_no_schedule_exits_1_in_every_mode_and_still_prints_the_report(benchmark
     (["--option", "mode=memory", "--option", "mode=budget"], "option mode given more than once"),
 ])
 def test_the_cli_refuses_what_pipeline_toml_refuses_before_any_work(benchmark_paths, monkeypatch, extra, fragment):
-    import tasks.problems
-
+    from memplan.tasks import problems
     def no_work(*args, **kwargs):
         raise AssertionError("the graph was loaded before the arguments were checked")
 
-    monkeypatch.setattr(tasks.problems, "load_problem", no_work)
+    monkeypatch.setattr(problems, "load_problem", no_work)
     path = next(p for p in benchmark_paths if p.name.startswith("VGG16") and "train" in p.name)
     result = CliRunner().invoke(app, ["solve", "--graph", str(path), "--solver", "acg", "--budget", "90%", *extra])
     assert result.exit_code == 2, result.output

@@ -5,11 +5,11 @@ conv -> relu layers it equals the fine optimum wherever the coarse problem is fe
 import numpy as np
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.core.coarsen import chains, coarsen
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.coarsen import chains, coarsen
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 EXACT = SolveOptions(gap=0.0, portfolio=False, params={"warm_start": "none"})
 

@@ -11,12 +11,12 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.baselines import revolve_schedule
-from tasks.solve.core.checkpoints import schedule_from_checkpoints
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.baselines import revolve_schedule
+from memplan.tasks.solve.core.checkpoints import schedule_from_checkpoints
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 from .test_checkmate import exhaustive_optimum
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.core.fixed_variants import candidate_choices, family_choice, fixed_problem, tag_schedule
-from tasks.solve.core.problem import Problem, Variant
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.fixed_variants import candidate_choices, family_choice, fixed_problem, tag_schedule
+from memplan.tasks.solve.core.problem import Problem, Variant
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 from tests.solve.test_monet import _budgets, brute_force, masked_chain, two_masks
 
 
@@ -135,7 +135,7 @@ def test_a_variant_is_fixed_where_it_needs_less_workspace_and_dtr_prices_its_tim
     20 B), and dtr runs it at cost 3 + 2 + 1 + 1 + 1."""
     from dataclasses import replace
 
-    from tasks.solve.core.fixed_variants import lean_choice
+    from memplan.tasks.solve.core.fixed_variants import lean_choice
 
     p = replace(fast_first(2.0), workspace=np.array([16, 0, 0, 0, 0], np.int64),
                 variants=((Variant("lean", 3.0, 0, (0,), (1,)),), (Variant("lean", 1.0, 8, (1,), (2,)),), (), (), ()))

@@ -9,16 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.solve import solve
-from tasks.solve.core.remat_milp import build_model
-from tasks.solve.hierarchical.blocks import block_chain, pinned_values, segments
-from tasks.solve.hierarchical.chain import Choice, Sweep, chain_dp, chain_peak, nested_chain_dp
-from tasks.solve.hierarchical.ladder import ladder
-from tasks.solve.hierarchical.solver import compose
-from tasks.solve.core.milp import MilpOptions, solve_milp
-from tasks.solve.core.problem import Problem, Variant
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.remat_milp import build_model
+from memplan.tasks.solve.hierarchical.blocks import block_chain, pinned_values, segments
+from memplan.tasks.solve.hierarchical.chain import Choice, Sweep, chain_dp, chain_peak, nested_chain_dp
+from memplan.tasks.solve.hierarchical.ladder import ladder
+from memplan.tasks.solve.hierarchical.solver import compose
+from memplan.tasks.solve.core.milp import MilpOptions, solve_milp
+from memplan.tasks.solve.core.problem import Problem, Variant
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 
 def layered_step(layers: int, width: int = 3, mask: bool = False) -> Problem:

@@ -11,8 +11,8 @@ def test_a_solver_writing_to_stdout_leaves_solve_json_parseable(benchmark_paths)
     graph = next(p for p in benchmark_paths if p.name.startswith("VGG16") and "train" in p.name)
     code = textwrap.dedent(f"""
         import os
-        import tasks.solve_stage as stage
-        from flows.cli import app
+        import memplan.tasks.solve_stage as stage
+        from memplan.flows.cli import app
 
         real = stage.solve_loaded
         def noisy(*args, **kwargs):
@@ -33,7 +33,7 @@ def test_a_solver_writing_to_stdout_leaves_solve_json_parseable(benchmark_paths)
 def test_query_json_writes_non_finite_floats_as_null(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from memplan.flows.cli import app
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "store").mkdir()

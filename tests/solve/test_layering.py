@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tasks.solve
+import memplan.tasks.solve
 
 ROOT = Path(__file__).parents[2]
 HEAVY = ("torch", "pyarrow", "duckdb")
@@ -16,7 +16,7 @@ HEAVY = ("torch", "pyarrow", "duckdb")
 def test_no_solver_module_imports_torch_pyarrow_or_duckdb():
     """Each module under tasks/solve/, imported in order in a fresh interpreter: none of them pulls in
     a heavy library, directly or transitively (the first offender is named)."""
-    modules = ["tasks.solve"] + [m.name for m in pkgutil.walk_packages(tasks.solve.__path__, "tasks.solve.")]
+    modules = ["memplan.tasks.solve"] + [m.name for m in pkgutil.walk_packages(memplan.tasks.solve.__path__, "memplan.tasks.solve.")]
     assert len(modules) > 15
     code = ("import importlib, sys\n"
             f"for name in {modules!r}:\n"
@@ -38,7 +38,7 @@ def test_a_heavy_import_would_be_caught(tmp_path):
 
 
 def test_solver_docs_are_generated_from_the_registry():
-    from tasks.solve.__main__ import catalogue
+    from memplan.tasks.solve.__main__ import catalogue
 
     assert (ROOT / "docs" / "solvers.md").read_text() == catalogue(), \
-        "docs/solvers.md is stale: run `python -m tasks.solve > docs/solvers.md`"
+        "docs/solvers.md is stale: run `python -m memplan.tasks.solve > docs/solvers.md`"

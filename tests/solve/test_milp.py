@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-import tasks.solve.core.milp as milp
-from tasks.solve.core.milp import (GUROBI_SIZE_LIMIT, MilpModel, MilpOptions, gurobi_license, gurobi_size, relative_gap,
+import memplan.tasks.solve.core.milp as milp
+from memplan.tasks.solve.core.milp import (GUROBI_SIZE_LIMIT, MilpModel, MilpOptions, gurobi_license, gurobi_size, relative_gap,
                               solve_lp_sweep, solve_milp)
 
 WEIGHTS = np.array([12, 7, 11, 8, 9, 6, 5, 14])

@@ -6,11 +6,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.moccasin import MoccasinOptions, moccasin
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.moccasin import MoccasinOptions, moccasin
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import SolveOptions
 
 from .test_checkmate import exhaustive_optimum
 

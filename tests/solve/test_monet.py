@@ -11,10 +11,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem, Variant
-from tasks.solve.core.simulator import InvalidSchedule, simulate
-from tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem, Variant
+from memplan.tasks.solve.core.simulator import InvalidSchedule, simulate
+from memplan.tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
 
 ALONE = SolveOptions(portfolio=False, time_limit=60)
 
@@ -176,7 +176,7 @@ def test_monet_chooses_between_a_byte_mask_and_a_bit_mask_by_time_and_bytes(mask
 def test_monet_returns_its_warm_schedule_when_the_milp_ends_on_a_costlier_one(monkeypatch):
     """A MILP stopped early can hold an incumbent costlier than the schedule that started it (a start that
     lies outside MONeT's space does not even seed it): the cheaper of the two is returned."""
-    monet_solver = importlib.import_module("tasks.solve.monet.solver")
+    monet_solver = importlib.import_module("memplan.tasks.solve.monet.solver")
     p = masked_chain(6, n=5).without_variants()
     budget = _budgets(p)[-1]                       # the eager order fits: the warm start is checkpoint-all
     costlier = next(s.schedule for b in _budgets(p)[:-1]
@@ -194,8 +194,8 @@ def test_monet_returns_its_warm_schedule_when_the_milp_ends_on_a_costlier_one(mo
 def test_monet_auto_warm_start_runs_hierarchical_then_ap_greedy_when_checkpoint_all_does_not_fit(monkeypatch):
     """warm_start 'auto' below the eager peak: hierarchical's schedule seeds the MILP, and ap-greedy runs
     only when hierarchical has none; the optimum is the brute force's either way."""
-    from tasks.solve import SOLVERS
-    from tasks.solve.core.solution import Solution
+    from memplan.tasks.solve import SOLVERS
+    from memplan.tasks.solve.core.solution import Solution
 
     p = masked_chain(6, n=5).without_variants()
     budget, optimum = next((b, s) for b in reversed(_budgets(p)[:-1])
@@ -222,7 +222,7 @@ def test_monet_auto_warm_start_runs_hierarchical_then_ap_greedy_when_checkpoint_
 def test_monet_auto_warm_start_on_a_problem_with_variants_is_monet_noops_answer(monkeypatch):
     """Below the eager peak, `monet` first solves MONeT-NoOp's program (every node at its default) and
     starts its own MILP from that answer, so it cannot end worse than `monet-noop`."""
-    monet_solver = importlib.import_module("tasks.solve.monet.solver")
+    monet_solver = importlib.import_module("memplan.tasks.solve.monet.solver")
     p = masked_chain(6)                                       # variants beat NoOp here (see above)
     eager = simulate(p, [("compute", int(i)) for i in p.order]).peak_bytes
     budget = next(b for b in reversed(_budgets(p)) if b < eager and solve(p, "monet-noop", b, ALONE).feasible)

@@ -10,17 +10,17 @@ from functools import partial
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from tasks.problems import LoadedProblem
-from tasks.solve import solve
-from tasks.solve.core.addresses import greedy_addresses
-from tasks.solve.olla.lifetime import lifetime_order
-from tasks.solve.olla.location import olla_addresses
-from tasks.solve.olla.window import window_problem
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
-from tasks.solve.core.solution import SolveOptions
-from tasks.solve_stage import solve_loaded
-from tasks.config import parse_budget
+from memplan.tasks.problems import LoadedProblem
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.addresses import greedy_addresses
+from memplan.tasks.solve.olla.lifetime import lifetime_order
+from memplan.tasks.solve.olla.location import olla_addresses
+from memplan.tasks.solve.olla.window import window_problem
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.solution import SolveOptions
+from memplan.tasks.solve_stage import solve_loaded
+from memplan.tasks.config import parse_budget
 
 MAX_ORDERS = 600
 
@@ -185,8 +185,8 @@ def test_solve_stage_places_olla_addresses_on_any_schedule():
 def test_memplan_solve_olla_with_olla_addresses(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from runtime.plan import Plan
+    from memplan.flows.cli import app
+    from memplan.runtime.plan import Plan
 
     sizes, links = [192, 320, 192, 192, 128], [(0, 3), (2, 3), (3, 4), (1, 4)]
     graph = tmp_path / "tiny.json"

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.config import ConfigError, parse_config
-from tasks.solve.core.optimizer import in_step
-from tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
-from tasks.solve.core.simulator import InvalidSchedule, simulate
-from tasks.solve.core.solution import checked_solution, min_budget_lower_bound
+from memplan.tasks.config import ConfigError, parse_config
+from memplan.tasks.solve.core.optimizer import in_step
+from memplan.tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
+from memplan.tasks.solve.core.simulator import InvalidSchedule, simulate
+from memplan.tasks.solve.core.solution import checked_solution, min_budget_lower_bound
 
 W, X, A, LOSS, GW, GX, OUT = range(7)
 
@@ -204,7 +204,7 @@ def test_update_order_moves_the_parameters_later_readers_before_its_gradient():
     gradient stays after it; without updates the order is the default."""
     from dataclasses import replace
 
-    from tasks.solve.core.orders import update_order
+    from memplan.tasks.solve.core.orders import update_order
 
     p = in_step(problem(), [((GW,), (W,))], "sgd")
     order = update_order(p)

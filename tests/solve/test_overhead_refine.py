@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from tasks.overhead_refine import EXTRA_VALIDATIONS, MARGIN, Rung, predicted_choice, refine, written_rungs
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve_stage import overhead_ladder
+from memplan.tasks.overhead_refine import EXTRA_VALIDATIONS, MARGIN, Rung, predicted_choice, refine, written_rungs
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve_stage import overhead_ladder
 
 
 def uneven_linear_graph() -> Problem:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.solve import solve
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import min_budget_lower_bound
-from tasks.solve_stage import bisect_budget, least_memory_within
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import min_budget_lower_bound
+from memplan.tasks.solve_stage import bisect_budget, least_memory_within
 
 
 def uneven_linear_graph() -> Problem:

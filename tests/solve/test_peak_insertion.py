@@ -8,11 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.solve.moccasin import add_hint, build_model, frontier_slots, insertion_start
-from tasks.solve.core.peak_insertion import _Schedules, peak_insertion_schedule
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import min_budget_lower_bound
+from memplan.tasks.solve.moccasin import add_hint, build_model, frontier_slots, insertion_start
+from memplan.tasks.solve.core.peak_insertion import _Schedules, peak_insertion_schedule
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import min_budget_lower_bound
 
 from tests.solve.test_dtr import cheapest_schedule_cost, small_dags
 

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from runtime.facts import graph_facts
-from runtime.graph import Node, OpGraph, Value
-from tasks.solve.core.problem import Problem, ProblemError
+from memplan.runtime.facts import graph_facts
+from memplan.runtime.graph import Node, OpGraph, Value
+from memplan.tasks.solve.core.problem import Problem, ProblemError
 
 
 def _tiny_opgraph() -> OpGraph:
@@ -101,9 +101,9 @@ def test_bad_sizes_and_costs_rejected():
 def test_load_dispatches_on_format(tmp_path, benchmark_paths):
     from datetime import datetime, timezone
 
-    from tasks.problems import load_problem
-    from tasks.store import ProfileNotFoundError, new_run_id, write_run
-    from tasks.store_schema import SCHEMA_VERSION
+    from memplan.tasks.problems import load_problem
+    from memplan.tasks.store import ProfileNotFoundError, new_run_id, write_run
+    from memplan.tasks.store_schema import SCHEMA_VERSION
 
     graph = _tiny_opgraph()
     graph.save(tmp_path / "g.json")
@@ -139,11 +139,11 @@ def test_load_offers_the_variants_a_plan_allows(tmp_path, choice, offered):
 
     import torch
 
-    import runtime
-    from runtime.variants import graph_variants
-    from tasks.problems import load_problem
-    from tasks.store import new_run_id, write_run
-    from tasks.store_schema import SCHEMA_VERSION
+    from memplan import runtime
+    from memplan.runtime.variants import graph_variants
+    from memplan.tasks.problems import load_problem
+    from memplan.tasks.store import new_run_id, write_run
+    from memplan.tasks.store_schema import SCHEMA_VERSION
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Tanh(),

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import InvalidSchedule, default_schedule, simulate
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import InvalidSchedule, default_schedule, simulate
 
 
 def _checkmate_u_peak(p: Problem) -> int:
@@ -91,7 +91,7 @@ def test_invalid_schedules_are_rejected(schedule, message):
 def _in_place_relu(extra_reader: bool = False) -> Problem:
     """f0: x (input, 4 B) -> a (16 B); f1 (ReLU-like): a -> b (16 B), variant "inplace" writes b into a;
     loss f2: b (and a, with `extra_reader`) -> l (4 B); backward b0: b -> g (4 B). Outputs l and g."""
-    from tasks.solve.core.problem import Variant
+    from memplan.tasks.solve.core.problem import Variant
 
     f2_inputs = (2, 1) if extra_reader else (2,)
     return Problem(name="in-place-relu", cost=np.ones(4), workspace=np.zeros(4, np.int64),
@@ -125,7 +125,7 @@ def test_reading_or_freeing_an_overwritten_value_is_refused_until_it_is_computed
 def test_an_in_place_pair_must_overwrite_an_internal_value_of_equal_size():
     from dataclasses import replace
 
-    from tasks.solve.core.problem import ProblemError, Variant
+    from memplan.tasks.solve.core.problem import ProblemError, Variant
 
     p = _in_place_relu()
     for overwrites, outputs in [(((2, 0),), (3, 4)), (((2, 1),), (1, 3, 4))]:   # a graph input; a graph output
@@ -135,8 +135,8 @@ def test_an_in_place_pair_must_overwrite_an_internal_value_of_equal_size():
 
 
 def test_copies_of_an_in_place_step_get_no_address():
-    from tasks.solve.core.addresses import greedy_addresses
-    from tasks.solve.core.simulator import AddressConflict
+    from memplan.tasks.solve.core.addresses import greedy_addresses
+    from memplan.tasks.solve.core.simulator import AddressConflict
 
     p = _in_place_relu()
     schedule = [("compute", 0), ("compute", 1, "inplace"), ("compute", 2), ("compute", 3)]

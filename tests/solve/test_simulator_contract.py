@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.solve.core.problem import Problem, Variant
-from tasks.solve.core.simulator import AddressConflict, InvalidSchedule, simulate
+from memplan.tasks.solve.core.problem import Problem, Variant
+from memplan.tasks.solve.core.simulator import AddressConflict, InvalidSchedule, simulate
 
 
 def with_input() -> Problem:

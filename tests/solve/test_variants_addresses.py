@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.solve import solve
-from tasks.solve.core.addresses import ALIGNMENT, greedy_addresses, placeable
-from tasks.solve.core.problem import Problem, ProblemError, Variant
-from tasks.solve.core.simulator import AddressConflict, InvalidSchedule, default_schedule, simulate
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.addresses import ALIGNMENT, greedy_addresses, placeable
+from memplan.tasks.solve.core.problem import Problem, ProblemError, Variant
+from memplan.tasks.solve.core.simulator import AddressConflict, InvalidSchedule, default_schedule, simulate
 
 
 def relu_sum_problem() -> Problem:

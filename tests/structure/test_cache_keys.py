@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-from flows import codehash
-from flows.codehash import PACKAGES, ROOT, STAGE_MODULES, code_hash, import_closure
+from memplan.flows import codehash
+from memplan.flows.codehash import PACKAGES, ROOT, STAGE_MODULES, code_hash, import_closure
 
 DEPENDENCIES = {
     "profile": ["tasks/profile.py", "tasks/store.py", "tasks/config/schema.py", "runtime/capture.py", "runtime/arena.py"],
@@ -50,14 +50,14 @@ def test_an_edit_outside_the_closure_keeps_the_key(tree):
 
 
 def test_the_solve_key_carries_the_code_hash(monkeypatch):
-    from flows.steps import _solve_key
-    from tasks.config import PlanSettings
-    from tasks.records import Profiled, Traced
+    from memplan.flows.steps import _solve_key
+    from memplan.tasks.config import PlanSettings
+    from memplan.tasks.records import Profiled, Traced
 
     traced = Traced(path="g.json", fingerprint="f", model="m", batch_size=1, nodes=1, values=1, constant_bytes=0)
     profile = Profiled(run_id="r", device="cpu", fingerprint="f", rows=1, path="p.parquet")
     cell = dict(traced=traced, profile=profile, solver="dtr", budget=None, settings=PlanSettings(), device="cpu")
     key = _solve_key(None, cell)
-    monkeypatch.setattr("flows.steps.code_hash", lambda stage: "edited")
+    monkeypatch.setattr("memplan.flows.steps.code_hash", lambda stage: "edited")
     assert _solve_key(None, cell) != key
     assert codehash.ROOT == ROOT

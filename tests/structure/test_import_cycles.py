@@ -7,15 +7,16 @@ import ast
 
 import networkx as nx
 
-from flows.codehash import PACKAGES, ROOT, module_file
+from memplan.flows.codehash import PACKAGES, ROOT, module_file
 
 
 def _modules() -> dict[str, object]:
+    """Every module of the `memplan` package by its dotted name (`memplan/` and the folders mapped into it)."""
     found = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in [*(ROOT / "memplan").rglob("*.py"), *(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))]:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = parts[:-1] if parts[-1] == "__init__" else parts
+        found[".".join(name if name[0] == "memplan" else ("memplan", *name))] = path
     return found
 
 
@@ -41,8 +42,12 @@ def test_layers_import_only_downward():
     """runtime/ imports neither tasks/ nor flows/; tasks/ does not import flows/ (docs/architecture.md)."""
     above = {"runtime": ("tasks", "flows"), "tasks": ("flows",)}
     for name, path in _modules().items():
+        layer = name.split(".")[1] if name.count(".") else ""
         for node in ast.walk(ast.parse(path.read_text())):
             targets = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                [node.module] + [f"{node.module}.{a.name}" for a in node.names] \
+                if isinstance(node, ast.ImportFrom) and node.module else []
             for target in targets:
-                assert target.split(".")[0] not in above.get(name.split(".")[0], ()), f"{name} imports {target}"
+                parts = target.split(".")
+                assert not (parts[0] == "memplan" and len(parts) > 1 and parts[1] in above.get(layer, ())), \
+                    f"{name} imports {target}"

@@ -13,10 +13,10 @@ def _solve_imports(path: Path) -> set[str]:
     """Modules under tasks.solve that `path` imports (top-level and inside functions)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tasks.solve"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memplan.tasks.solve"):
             found.add(node.module)
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("tasks.solve")}
+            found |= {a.name for a in node.names if a.name.startswith("memplan.tasks.solve")}
     return found
 
 
@@ -28,7 +28,7 @@ def _unit(path: Path) -> str:
 
 def test_core_imports_no_solver():
     for path in (SOLVE / "core").rglob("*.py"):
-        bad = {m for m in _solve_imports(path) if not m.startswith("tasks.solve.core")}
+        bad = {m for m in _solve_imports(path) if not m.startswith("memplan.tasks.solve.core")}
         assert not bad, f"{path.name} imports {bad}"
 
 
@@ -37,7 +37,7 @@ def test_each_solver_imports_the_core_and_itself_only():
         unit = _unit(path)
         if unit in ("core", "__init__", "__main__"):
             continue
-        own = f"tasks.solve.{unit}"
+        own = f"memplan.tasks.solve.{unit}"
         bad = {m for m in _solve_imports(path)
-               if not (m.startswith("tasks.solve.core") or m == own or m.startswith(own + "."))}
+               if not (m.startswith("memplan.tasks.solve.core") or m == own or m.startswith(own + "."))}
         assert not bad, f"{path.relative_to(SOLVE)} imports {bad}"

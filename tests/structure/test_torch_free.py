@@ -1,4 +1,4 @@
-"""The solve path needs no torch (docs/architecture.md): `import tasks.solve` and `memplan solve` on a public
+"""The solve path needs no torch (docs/architecture.md): `import memplan.tasks.solve` and `memplan solve` on a public
 benchmark graph run in a Python whose `import torch` fails."""
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_tasks_solve_imports_without_torch():
-    done = _run("import tasks.solve, tasks.solve_stage, tasks.problems\nassert 'torch' not in sys.modules")
+    done = _run("import memplan.tasks.solve, memplan.tasks.solve_stage, memplan.tasks.problems\nassert 'torch' not in sys.modules")
     assert done.returncode == 0, done.stderr
 
 
 def test_memplan_solve_runs_on_a_benchmark_graph_without_torch():
-    from tasks.solve.core.benchmarks import benchmark_graphs
+    from memplan.tasks.solve.core.benchmarks import benchmark_graphs
 
     graph = next(p for p in benchmark_graphs() if p.name.startswith("MobileNet") and p.name.endswith("train.json"))
     args = ["solve", "--graph", str(graph), "--solver", "ap-greedy", "--budget", "0.9", "--json"]
-    done = _run(f"from flows.cli import main\nsys.argv = ['memplan'] + {args!r}\nmain()")
+    done = _run(f"from memplan.flows.cli import main\nsys.argv = ['memplan'] + {args!r}\nmain()")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["feasible"] is True

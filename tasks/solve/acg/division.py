@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tasks.solve.acg.dag import TensorDag, bits
+from memplan.tasks.solve.acg.dag import TensorDag, bits
 
 EDGE, LINEAR, BRANCH, COMPLICATE = "edge", "linear", "branch", "complicate"
 

@@ -25,10 +25,10 @@ from typing import Iterable
 import networkx as nx
 import numpy as np
 
-from tasks.solve.acg.dag import TensorDag
-from tasks.solve.acg.division import pieces
-from tasks.solve.core.checkpoints import recompute_closure
-from tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.solve.acg.dag import TensorDag
+from memplan.tasks.solve.acg.division import pieces
+from memplan.tasks.solve.core.checkpoints import recompute_closure
+from memplan.tasks.solve.core.problem import Problem, ProblemError
 
 SOURCE = "source"
 

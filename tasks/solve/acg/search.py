@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from tasks.solve.acg.dag import TensorDag, bits
-from tasks.solve.acg.division import COMPLICATE, EDGE, LINEAR, Segment, division_tree, pieces, walk
-from tasks.solve.acg.lcg import ChainPath, accessibility_shortest_path
+from memplan.tasks.solve.acg.dag import TensorDag, bits
+from memplan.tasks.solve.acg.division import COMPLICATE, EDGE, LINEAR, Segment, division_tree, pieces, walk
+from memplan.tasks.solve.acg.lcg import ChainPath, accessibility_shortest_path
 
 
 @dataclass(frozen=True)

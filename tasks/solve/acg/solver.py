@@ -28,12 +28,12 @@ from typing import Literal
 
 import numpy as np
 
-from tasks.solve.acg.division import Segment, division_tree
-from tasks.solve.acg.forward import ForwardGraph, all_vertices, forward_graph, reforward_schedule
-from tasks.solve.acg.search import AcgSolution, DivisionSearch, acg_checkpoints
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import Simulation, default_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.tasks.solve.acg.division import Segment, division_tree
+from memplan.tasks.solve.acg.forward import ForwardGraph, all_vertices, forward_graph, reforward_schedule
+from memplan.tasks.solve.acg.search import AcgSolution, DivisionSearch, acg_checkpoints
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import Simulation, default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 @dataclass(frozen=True)
 class AcgOptions:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import Simulation
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import Simulation
 
 ALIGNMENT = 64
 """Bytes every offset is a multiple of (the widest dtype, and a cache line)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tasks.solve.core.problem import ProblemError
+from memplan.tasks.solve.core.problem import ProblemError
 
 _CANDIDATES = (
     Path(__file__).resolve().parents[4] / "shared" / "benchmarks" / "graphs",

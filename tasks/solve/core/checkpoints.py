@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.solve.core.problem import Problem, ProblemError
 
 NEVER = np.iinfo(np.int64).max
 

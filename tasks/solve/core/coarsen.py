@@ -22,9 +22,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import normalize_schedule
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import normalize_schedule
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from tasks.solve.core.problem import GradientSync, Problem
+from memplan.tasks.solve.core.problem import GradientSync, Problem
 
 MB = 1024 * 1024
 """DDP's megabyte (`bucket_cap_mb` is in MiB)."""

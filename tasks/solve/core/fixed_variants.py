@@ -36,8 +36,8 @@ from itertools import product
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
 Choice = dict[int, str]
 """Node -> the name of its fixed non-default implementation (nodes left out run their default)."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from runtime.schedule import UPDATE_SLICE_BYTES, update_slices
-from tasks.solve.core.problem import ParamUpdate, Problem
+from memplan.runtime.schedule import UPDATE_SLICE_BYTES, update_slices
+from memplan.tasks.solve.core.problem import ParamUpdate, Problem
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any, Callable, Literal, Mapping, get_args, get_origin
 
 from pydantic import TypeAdapter, ValidationError
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.solution import Solution, SolveOptions
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.solution import Solution, SolveOptions
 
 
 class OptionError(ValueError):

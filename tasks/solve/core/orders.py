@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.problem import Problem
 
 
 def memory_order(problem: Problem) -> np.ndarray:

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.problem import Problem
 
 EXACT_MOVES = 8
 """Moves simulated exactly per insertion, the best by estimated score (`_Insertion.estimate`)."""

@@ -14,8 +14,8 @@ import time
 from dataclasses import replace
 from typing import Callable, Mapping
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.solution import Solution, SolveOptions
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.solution import Solution, SolveOptions
 
 CHEAP = ("ap-greedy", "linearized-greedy", "acg", "remat-greedy", "dtr")
 """The solvers every portfolio solve consults (seconds on graphs of thousands of nodes)."""

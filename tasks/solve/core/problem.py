@@ -20,8 +20,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from runtime.policy_form import held_reads
-from runtime.variants import DEFAULT
+from memplan.runtime.policy_form import held_reads
+from memplan.runtime.variants import DEFAULT
 
 PHASES = ("forward", "loss", "backward")
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.core.milp import MilpModel
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import normalize_schedule
+from memplan.tasks.solve.core.milp import MilpModel
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import normalize_schedule
 
 log = logging.getLogger("memplan.solve")
 

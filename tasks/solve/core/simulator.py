@@ -45,10 +45,10 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from runtime.plan import PlanError, normalize_step
-from runtime.schedule import Absence, Walk, gradient_buckets, update_steps, walk
-from runtime.variants import DEFAULT
-from tasks.solve.core.problem import Problem
+from memplan.runtime.plan import PlanError, normalize_step
+from memplan.runtime.schedule import Absence, Walk, gradient_buckets, update_steps, walk
+from memplan.runtime.variants import DEFAULT
+from memplan.tasks.solve.core.problem import Problem
 
 
 class InvalidSchedule(ValueError):

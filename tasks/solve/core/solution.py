@@ -10,10 +10,10 @@ from typing import Annotated, Any, Callable, Mapping
 import numpy as np
 from pydantic import Field, TypeAdapter, ValidationError
 
-from runtime.plan import Plan, memplan_version, normalize_step
-from tasks.solve.core.milp import Progress, relative_gap
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import Simulation, simulate
+from memplan.runtime.plan import Plan, memplan_version, normalize_step
+from memplan.tasks.solve.core.milp import Progress, relative_gap
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import Simulation, simulate
 
 
 DEFAULT_BACKEND = "auto"

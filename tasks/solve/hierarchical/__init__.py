@@ -1,5 +1,5 @@
 """Hierarchical planning: the chain of blocks, per-block ladders, the chain dynamic program (Rockmate)."""
 
-from tasks.solve.hierarchical.solver import HierarchicalOptions, hierarchical
+from memplan.tasks.solve.hierarchical.solver import HierarchicalOptions, hierarchical
 
 __all__ = ["HierarchicalOptions", "hierarchical"]

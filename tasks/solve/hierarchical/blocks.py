@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 import networkx as nx
 import numpy as np
 
-from tasks.solve.core.checkpoints import forward_nodes
-from tasks.solve.core.problem import Problem, Variant
+from memplan.tasks.solve.core.checkpoints import forward_nodes
+from memplan.tasks.solve.core.problem import Problem, Variant
 
 PIN_SPAN = 0.25
 """A forward value whose readers span more than this fraction of the forward pass is pinned."""

@@ -19,12 +19,12 @@ from typing import Callable
 
 import numpy as np
 
-from tasks.solve.core.remat_milp import assignment_from_schedule, build_model, schedule_from_solution
-from tasks.solve.core.checkpoints import schedule_from_checkpoints
-from tasks.solve.core.milp import MilpOptions, solve_milp
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import Simulation, default_schedule, simulate
-from tasks.solve.core.solution import min_budget_lower_bound
+from memplan.tasks.solve.core.remat_milp import assignment_from_schedule, build_model, schedule_from_solution
+from memplan.tasks.solve.core.checkpoints import schedule_from_checkpoints
+from memplan.tasks.solve.core.milp import MilpOptions, solve_milp
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import Simulation, default_schedule, simulate
+from memplan.tasks.solve.core.solution import min_budget_lower_bound
 
 BlockSolver = Callable[[Problem, int, float, "list | None", float, float, str, "int | None"], "list | None"]
 """An inner solver other than Checkmate's MILP: (block problem, budget, retention limit, start schedule, time

@@ -23,13 +23,13 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import Field
 
-from tasks.solve.core.fixed_variants import Choice as VariantChoice, candidate_choices, fixed_problem, tag_schedule
-from tasks.solve.hierarchical.blocks import BlockChain, block_chain, blocks_by_key
-from tasks.solve.hierarchical.chain import Choice, Op, Sweep, chain_dp, nested_chain_dp
-from tasks.solve.hierarchical.ladder import RUNGS, BlockOption, ladder, option, recompute_block
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import default_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution
+from memplan.tasks.solve.core.fixed_variants import Choice as VariantChoice, candidate_choices, fixed_problem, tag_schedule
+from memplan.tasks.solve.hierarchical.blocks import BlockChain, block_chain, blocks_by_key
+from memplan.tasks.solve.hierarchical.chain import Choice, Op, Sweep, chain_dp, nested_chain_dp
+from memplan.tasks.solve.hierarchical.ladder import RUNGS, BlockOption, ladder, option, recompute_block
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
 
 WORKING_BUDGETS = np.geomspace(0.8, 1.25, 13)
 """Budgets the chain program is run at, as fractions of the target (1.0 among them: the program's

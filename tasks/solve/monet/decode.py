@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.solve.core.milp import MilpModel
-from tasks.solve.core.simulator import normalize_schedule, simulate
-from tasks.solve.monet.layout import MonetLayout
+from memplan.tasks.solve.core.milp import MilpModel
+from memplan.tasks.solve.core.simulator import normalize_schedule, simulate
+from memplan.tasks.solve.monet.layout import MonetLayout
 
 
 def _chosen(L: MonetLayout, node: int, first: int, x: np.ndarray) -> tuple:
@@ -97,7 +97,7 @@ def integer_assignment(L: MonetLayout, schedule: list) -> np.ndarray | None:
 def complete_start(model: MilpModel, L: MonetLayout, x_int: np.ndarray, threads: int | None = None) -> np.ndarray | None:
     """A full start from fixed integer columns: the continuous columns by an LP (on `threads`) with the
     integers fixed (they are determined up to slack); None when the integers violate the model."""
-    from tasks.solve.core.milp import MilpOptions, solve_milp
+    from memplan.tasks.solve.core.milp import MilpOptions, solve_milp
 
     n_int = L.num_vars
     lo, hi = model.col_lower.copy(), model.col_upper.copy()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.solve.core.problem import Problem, ProblemError
 
 
 @dataclass

@@ -79,9 +79,9 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.core.milp import MilpModel
-from tasks.solve.core.problem import Problem
-from tasks.solve.monet.layout import Impl, MonetLayout, layout, ragged
+from memplan.tasks.solve.core.milp import MilpModel
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.monet.layout import Impl, MonetLayout, layout, ragged
 
 
 def _impl_terms(vals: np.ndarray, nimpl: np.ndarray, base: np.ndarray,

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Literal
 
-from tasks.solve.core.milp import MilpOptions, Progress, solve_milp
-from tasks.solve.monet.decode import complete_start, integer_assignment, schedule_from_solution
-from tasks.solve.monet.model import build_model
-from tasks.solve.core.problem import Problem, ProblemError
-from tasks.solve.core.simulator import InvalidSchedule, default_schedule, simulate
-from tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
+from memplan.tasks.solve.core.milp import MilpOptions, Progress, solve_milp
+from memplan.tasks.solve.monet.decode import complete_start, integer_assignment, schedule_from_solution
+from memplan.tasks.solve.monet.model import build_model
+from memplan.tasks.solve.core.problem import Problem, ProblemError
+from memplan.tasks.solve.core.simulator import InvalidSchedule, default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution, min_budget_lower_bound
 
 log = logging.getLogger("memplan.solve")
 

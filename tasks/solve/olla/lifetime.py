@@ -38,13 +38,13 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.core.remat_milp import expand_ranges
-from tasks.solve.core.milp import MilpModel, MilpOptions, MilpResult, solve_milp
-from tasks.solve.core.orders import keeps_random_order, memory_order
-from tasks.solve.olla.spans import Edges, olla_edges
-from tasks.solve.olla.window import window_search
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.remat_milp import expand_ranges
+from memplan.tasks.solve.core.milp import MilpModel, MilpOptions, MilpResult, solve_milp
+from memplan.tasks.solve.core.orders import keeps_random_order, memory_order
+from memplan.tasks.solve.olla.spans import Edges, olla_edges
+from memplan.tasks.solve.olla.window import window_search
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
 
 
 WINDOW = 16

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tasks.solve.core.addresses import ALIGNMENT, best_gap, greedy_addresses, placeable
-from tasks.solve.core.milp import MilpModel, MilpOptions, solve_milp
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import Simulation
+from memplan.tasks.solve.core.addresses import ALIGNMENT, best_gap, greedy_addresses, placeable
+from memplan.tasks.solve.core.milp import MilpModel, MilpOptions, solve_milp
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import Simulation
 
 
 @dataclass

@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.problem import Problem
 
 
 @dataclass(frozen=True, eq=False)

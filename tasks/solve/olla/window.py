@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from tasks.solve.core.problem import Problem
-from tasks.solve.core.simulator import simulate
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import simulate
 
 
 def window_problem(problem: Problem, order: list[int], lo: int, hi: int) -> tuple[Problem, list[int]]:

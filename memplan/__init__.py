@@ -1,0 +1,26 @@
+"""memplan: a memory planner for PyTorch training.
+
+The checkout's folders are this package's rooms (setup.py maps them): `memplan.runtime` is `runtime/`
+(capture, plan format, execution; torch only), `memplan.tasks` is `tasks/` (the stages and the solvers),
+`memplan.flows` is `flows/` (Prefect flows and the `memplan` command).
+
+The training entry points are the runtime's, exported lazily: `import memplan` imports neither torch nor Prefect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["OpGraph", "Plan", "apply", "capture", "default_plan", "load"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+    from memplan import runtime
+
+    return getattr(runtime, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
