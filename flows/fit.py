@@ -140,7 +140,8 @@ def run_fit(config_path: str | Path = "pipeline.toml", model: str | None = None,
     config = load_config(config_path)
     if device_memory is not None:
         try:
-            config = config.model_copy(update={"device_memory": parse_device_memory_text(str(device_memory))})
+            limit = parse_device_memory_text(str(device_memory), config.device)
+            config = config.model_copy(update={"device_memory": limit})
         except ValueError as exc:
             raise ConfigError(f"--device-memory: {str(exc).replace('device_memory ', '', 1)}.") from None
     allow_imports_from(Path(config_path).parent)

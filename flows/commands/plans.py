@@ -7,10 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from memplan.flows.commands.query import Format, FormatOption, OutputOption
 from memplan.flows.locations import ConfigOption, locate
 
 DirOption = Annotated[Optional[Path], typer.Option(
-    "--dir", help="Folder of published plans \\[default: publish.dir of ./pipeline.toml, else ./plans].",
+    "--plans", "--dir", help="Folder of published plans \\[default: publish.dir of ./pipeline.toml, else ./plans].",
     show_default=False)]
 
 
@@ -33,16 +34,18 @@ def register(app: typer.Typer) -> None:
             "--class", help="Only plans validated on this fleet device class (the name of a \\[\\[deploy.classes]] table).")] = None,
         batch_size: Annotated[Optional[int], typer.Option(help="Only this batch size.")] = None,
         limit: Annotated[Optional[int], typer.Option(min=1, help="At most this many (the newest).")] = None,
+        fmt: FormatOption = Format.table,
+        output: OutputOption = None,
     ) -> None:
         """One row per published plan, newest first (`--class h100 --model m --limit 1`: the plan a training
-        job on that class loads)."""
-        from rich.table import Column, Table
+        job on that class loads); csv, json and parquet give every column of the plans index."""
+        import pyarrow as pa
 
-        from memplan.flows.commands.query import reporting_store_warnings
-        from memplan.flows.console import console, exit_on_error
-        from memplan.flows.report import loading_hint
-        from memplan.tasks.publish import read_index
+        from memplan.flows.commands.query import check_output, emit, reporting_store_warnings
+        from memplan.flows.console import exit_on_error
+        from memplan.tasks.publish import INDEX_SCHEMA, read_index
 
+        check_output(fmt, output)
         with exit_on_error():
             plans_dir = _plans_dir(config, plans_dir)
         with exit_on_error(), reporting_store_warnings():
@@ -50,23 +53,10 @@ def register(app: typer.Typer) -> None:
                               "(? IS NULL OR device_class = ?) AND (? IS NULL OR batch_size = ?)",
                               [model, model, solver, solver, device_class, device_class, batch_size, batch_size])
         rows = rows[:limit]
-        mib = 2**20
-        width = max((len(r["alias"]) for r in rows), default=5)
-        table = Table(Column("plan id", no_wrap=True), Column("alias", no_wrap=True, min_width=width), "solver", "form",
-                      "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "vs no recompute", "device",
-                      "class", "published",
-                      title=f"plans in {plans_dir}")
-        for r in rows:
-            table.add_row(r["plan_id"][:12], r["alias"], r["solver"], r.get("form") or "executor",
-                          f"{r['budget_bytes'] / mib:.1f}",
-                          f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
-                          f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", limited_text(r), r["device"],
-                          r.get("device_class") or "",
-                          f"{r['published_at']:%Y-%m-%d %H:%M}")
-        console().print(table)
-        forms = {r.get("form") or "executor" for r in rows}
-        if forms:
-            console().print(f"To train with them: {loading_hint(forms)}.")
+        if fmt is Format.table:
+            _print_plans(rows, plans_dir)
+        else:
+            emit(pa.Table.from_pylist(rows, schema=INDEX_SCHEMA), fmt, output)
 
     @plans.command("show")
     def show(
@@ -103,6 +93,32 @@ def register(app: typer.Typer) -> None:
         console().print(table)
 
     app.add_typer(plans, name="plans")
+
+
+def _print_plans(rows: list[dict], plans_dir: Path) -> None:
+    """The index rows as a table in MiB, and how a training job loads their plans."""
+    from rich.table import Column, Table
+
+    from memplan.flows.console import console
+    from memplan.flows.report import loading_hint
+
+    mib = 2**20
+    width = max((len(r["alias"]) for r in rows), default=5)
+    table = Table(Column("plan id", no_wrap=True), Column("alias", no_wrap=True, min_width=width), "solver", "form",
+                  "budget MiB", "predicted MiB", "measured MiB", "eager MiB", "overhead", "vs no recompute", "device",
+                  "class", "published",
+                  title=f"plans in {plans_dir}")
+    for r in rows:
+        table.add_row(r["plan_id"][:12], r["alias"], r["solver"], r.get("form") or "executor",
+                      f"{r['budget_bytes'] / mib:.1f}",
+                      f"{r['predicted_peak_bytes'] / mib:.1f}", f"{r['measured_peak_bytes'] / mib:.1f}",
+                      f"{r['eager_peak_bytes'] / mib:.1f}", f"{r['overhead']:+.0%}", limited_text(r), r["device"],
+                      r.get("device_class") or "",
+                      f"{r['published_at']:%Y-%m-%d %H:%M}")
+    console().print(table)
+    forms = {r.get("form") or "executor" for r in rows}
+    if forms:
+        console().print(f"To train with them: {loading_hint(forms)}.")
 
 
 def limited_text(row: dict) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from memplan.tasks.config.errors import ConfigError, MemplanError
 from memplan.tasks.config.values import (
-    Budget, DEVICE, DTYPES, IMPORT_PATH, MAX_BUDGET_BYTES, MAX_OVERHEAD, NAMED_LOSSES,
+    Budget, DEVICE, DTYPES, IMPORT_PATH, MAX_BUDGET_BYTES, MAX_OVERHEAD, MIN_DEVICE_MEMORY, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_budget_text, parse_device_memory, parse_device_memory_text,
     parse_max_overhead,
     parse_option_text,
@@ -24,12 +24,13 @@ from memplan.tasks.config.sections import (
     VariantChoice,
 )
 from memplan.tasks.config.fleet import Cron, DeployConfig, DeviceClassConfig
-from memplan.tasks.config.schema import PipelineConfig, RunConfig, load_config, parse_config, registered_solvers
+from memplan.tasks.config.schema import MAX_SEED, PipelineConfig, RunConfig, load_config, parse_config, registered_solvers
 from memplan.tasks.config.matrix import Case, expand_matrix, graph_forms
 
 __all__ = [
     'Addresses', 'Budget', 'Case', 'ConfigError', 'Cron', 'DEVICE', 'DTYPES', 'DeployConfig', 'DeviceClassConfig',
-    'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MemplanError', 'ModelConfig',
+    'IMPORT_PATH', 'InputSpec', 'MAX_BUDGET_BYTES', 'MAX_OVERHEAD', 'MAX_SEED', 'MIN_DEVICE_MEMORY', 'MemplanError',
+    'ModelConfig',
     'NAMED_LOSSES', 'PipelineConfig', 'PlanConfig', 'PlanForm', 'PlanSettings', 'ProfileConfig', 'PublishConfig', 'RunConfig', 'Section',
     'TRANSFORMERS_AUTO_CLASSES', 'ValidateConfig', 'VARIANT_RULES', 'VariantChoice', 'expand_matrix', 'graph_forms',
     'load_config',

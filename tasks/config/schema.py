@@ -12,8 +12,12 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator, m
 from memplan.tasks.config.errors import ConfigError
 from memplan.tasks.config.fleet import DeployConfig
 from memplan.tasks.config.sections import ModelConfig, PlanConfig, ProfileConfig, PublishConfig, Section, ValidateConfig
-from memplan.tasks.config.values import DEVICE, parse_device_memory
+from memplan.tasks.config.values import DEVICE, check_device_memory, parse_device_memory
 from memplan.tasks.solve.core.optimizer import OPTIMIZERS
+
+MAX_SEED = 2**63 - 1
+"""The largest `seed`: torch.manual_seed takes 64-bit seeds (a negative one standing for a large one) and the
+profile store keeps seeds as signed 64-bit integers."""
 
 class RunConfig(Section):
     """How the `plan` flow runs its solve and validate cells."""
@@ -69,6 +73,20 @@ class PipelineConfig(Section):
         if not DEVICE.match(device):
             raise ValueError(f"device {device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
         return device
+
+    @field_validator("device_memory")
+    @classmethod
+    def _device_memory(cls, value: int | str | None, info) -> int | str | None:
+        return check_device_memory(value, info.data.get("device", "auto"))
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, seed: int) -> int:
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed {seed} is outside 0 to 2**63 - 1 ({MAX_SEED:,}): torch.manual_seed takes 64-bit "
+                             f"seeds and the profile store keeps them as signed 64-bit integers; give a seed in that "
+                             f"range, e.g. seed = 0")
+        return seed
 
     @model_validator(mode="after")
     def _cross_references(self) -> PipelineConfig:
@@ -152,6 +170,15 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-1]} ({len(text)} characters)"
 
 
+_TYPE_FIXES = {
+    "bool_type": "not a boolean; write true or false, without quotes",
+    "int_type": "not an integer; write a whole number without quotes, e.g. 8",
+    "float_type": "not a number; write a number without quotes, e.g. 0.5",
+    "string_type": "not a string; write it in quotes",
+}
+"""What the strict tables refuse (no string is read as a boolean or number, no boolean as a number), and the fix."""
+
+
 def _describe(exc: ValidationError, source: str) -> str:
     """One paragraph: each error as `key.path = value: what is wrong and what is allowed`."""
     parts = []
@@ -165,6 +192,8 @@ def _describe(exc: ValidationError, source: str) -> str:
             message = f"unknown key; allowed keys in {where}: {', '.join(section.toml_keys())}"
         elif err["type"] == "missing":
             message = "required key is missing"
+        elif err["type"] in _TYPE_FIXES:
+            message = _TYPE_FIXES[err["type"]]
         else:
             message = err["msg"]
         where = f"key {path}" if path else "top level"

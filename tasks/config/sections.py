@@ -17,9 +17,10 @@ from memplan.tasks.solve.core.optimizer import OPTIMIZERS
 from memplan.tasks.solve.core.solution import DEFAULT_BACKEND, DEFAULT_GAP, DEFAULT_TIME_LIMIT_S, Gap, SolveOptions, TimeLimit
 
 class Section(BaseModel):
-    """A TOML table: unknown keys are refused with the list of allowed keys."""
+    """A TOML table: unknown keys are refused with the list of allowed keys, and values are strict: no string
+    is read as a boolean or a number, no boolean as a number (an integer is a float's value)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=False, allow_inf_nan=False, strict=True)
 
     @classmethod
     def toml_keys(cls) -> list[str]:
@@ -391,6 +392,15 @@ class ValidateConfig(Section):
         "Then up to this many plans of such a cell solved at budgets spread evenly above the search's, up to 1.6 "
         "times the budget, measured the same way: compiled peaks do not grow with the solve budget everywhere, and a "
         "plan found there costs at most what those below it cost (tasks/compiled_search.py); 0: none."))
+
+    @field_validator("max_steps")
+    @classmethod
+    def _not_below_steps(cls, max_steps: int, info) -> int:
+        steps = info.data.get("steps")
+        if steps is not None and max_steps < steps:
+            raise ValueError(f"max_steps {max_steps} is below steps = {steps}: timing runs `steps` rounds at least and "
+                             f"goes on up to `max_steps`; set max_steps = {steps} or more, or leave it out")
+        return max_steps
 
 
 class PublishConfig(Section):

@@ -145,9 +145,28 @@ def parse_device_memory(value: Any) -> int | str | None:
     return budget.bytes
 
 
-def parse_device_memory_text(text: str) -> int | str | None:
-    """`device_memory` written on the command line, read as the TOML value it would be (`17179869184`, `16GiB`)."""
-    return parse_device_memory(_toml_value(text))
+MIN_DEVICE_MEMORY = 2**20
+"""The least `device_memory` a run that may be on a GPU takes: PyTorch's CUDA allocator reserves at least 2 MiB
+for a step's first tensor, so a smaller limit is a unit slip ('1 KiB' for '1 GiB'). On `device = "cpu"` the
+meter enforces a limit of any size (a small model's step fits in kilobytes)."""
+
+
+def check_device_memory(value: int | str | None, device: str) -> int | str | None:
+    """A parsed `device_memory` (`parse_device_memory`) for `device` (the file's `device` setting), refused
+    below `MIN_DEVICE_MEMORY` unless the device is the CPU."""
+    if isinstance(value, int) and value < MIN_DEVICE_MEMORY and device != "cpu":
+        raise ValueError(
+            f"device_memory {value:,} B is below 1 MiB, less than any GPU gives a training step (PyTorch's CUDA "
+            f"allocator reserves at least 2 MiB for the first tensor), so most likely a unit slip; give the device's "
+            f"memory with its unit (e.g. '16 GiB'), or set device = \"cpu\", where the meter enforces a limit of any "
+            f"size")
+    return value
+
+
+def parse_device_memory_text(text: str, device: str) -> int | str | None:
+    """`device_memory` written on the command line for a run on `device`, read as the TOML value it would be
+    (`17179869184`, `16GiB`) and checked as the file's."""
+    return check_device_memory(parse_device_memory(_toml_value(text)), device)
 
 
 MAX_OVERHEAD = 10.0

@@ -161,3 +161,46 @@ def test_a_corrupt_index_file_is_skipped_with_a_warning_and_rewritten_by_the_nex
     assert publish(plan, make_validation(plan), tmp_path, **args).changed                 # the row is rewritten
     again = runner.invoke(app, ["plans", "list", "--dir", str(tmp_path)])
     assert again.exit_code == 0 and "Skipping" not in again.output and plan_id(plan)[:12] in again.output
+
+
+def test_plans_list_takes_the_plans_folder_a_config_and_a_format(tmp_path, make_plan, make_validation):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from memplan.tasks.publish import plan_id, publish
+
+    plan, published = make_plan(), tmp_path / "published"
+    publish(plan, make_validation(plan), published, alias="toy-b4-checkmate-200B", model="toy", batch_size=4,
+            budget="200B")
+    as_json = runner.invoke(app, ["plans", "list", "--plans", str(published), "--format", "json"])
+    assert as_json.exit_code == 0, as_json.output
+    (row,) = json.loads(as_json.stdout)
+    assert (row["plan_id"], row["alias"], row["budget_bytes"], row["form"]) == (plan_id(plan), "toy-b4-checkmate-200B",
+                                                                               200, "executor")
+    as_csv = runner.invoke(app, ["plans", "list", "--plans", str(published), "-f", "csv", "--model", "toy"])
+    header, line = as_csv.stdout.splitlines()
+    assert header.startswith("plan_id,alias,model,batch_size,") and line.startswith(f"{plan_id(plan)},toy-b4-")
+    config = write(tmp_path, GOOD + '[publish]\ndir = "published"\n')
+    by_config = runner.invoke(app, ["plans", "list", "--config", str(config), "-f", "json"])
+    assert by_config.exit_code == 0 and json.loads(by_config.stdout) == [row]
+    assert f"plans {published} (publish.dir of {config})" in by_config.stderr
+    assert json.loads(runner.invoke(app, ["plans", "list", "--plans", str(published), "-f", "json",
+                                          "--model", "other"]).stdout) == []
+    table = runner.invoke(app, ["plans", "list", "--plans", str(published)])
+    assert table.exit_code == 0 and "toy-b4-checkmate-200B" in table.stdout and "To train with them" in table.stdout
+    out = tmp_path / "plans.parquet"
+    assert runner.invoke(app, ["plans", "list", "--plans", str(published), "-f", "parquet", "-o", str(out)]).exit_code == 0
+    assert pq.read_table(out).column("plan_id").to_pylist() == [plan_id(plan)]
+    shown = runner.invoke(app, ["plans", "show", "toy-b4-checkmate-200B", "--plans", str(published)])
+    assert shown.exit_code == 0 and "index.measured_peak_bytes" in shown.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-f", "parquet"], "--format parquet needs --output FILE"),
+    (["-o", "x.csv"], "--output writes csv, json or parquet; choose one with --format"),
+    (["-f", "yaml"], "'yaml' is not one of"),
+])
+def test_plans_list_refuses_bad_format_options_before_reading(tmp_path, args, message):
+    result = runner.invoke(app, ["plans", "list", "--plans", str(tmp_path), *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

@@ -237,3 +237,97 @@ def test_budgets_and_max_overhead_together_are_refused(config_data):
     message = error(config_data)
     assert "key plans[0]: plan of solver 'checkmate' gives both 'budgets' and 'max_overhead'; give exactly one" in message
     assert "in separate [[plans]] tables for both" in message
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda d: d.update(validate={"host_reference": "yes"}),
+     "key validate.host_reference = 'yes': not a boolean; write true or false, without quotes"),
+    (lambda d: d["plans"][0].update(optimizer_in_step="yes"),
+     "key plans[0].optimizer_in_step = 'yes': not a boolean; write true or false, without quotes"),
+    (lambda d: d["models"][0].update(batch_sizes=[True]),
+     "key models[0].batch_sizes[0] = True: not an integer; write a whole number without quotes"),
+    (lambda d: d["models"][0].update(batch_sizes=["8"]), "key models[0].batch_sizes[0] = '8': not an integer"),
+    (lambda d: d["models"][0]["inputs"][0].update(shape=[3, 64.0, 64]), "key models[0].inputs[0].shape[1] = 64.0: not an integer"),
+    (lambda d: d.update(seed="7"), "key seed = '7': not an integer"),
+    (lambda d: d.update(seed=True), "key seed = True: not an integer"),
+    (lambda d: d.update(profile={"repeats": "5"}), "key profile.repeats = '5': not an integer"),
+    (lambda d: d.update(validate={"rtol": "1e-3"}), "key validate.rtol = '1e-3': not a number; write a number without quotes"),
+    (lambda d: d.update(validate={"peak_rtol": False}), "key validate.peak_rtol = False: not a number"),
+    (lambda d: d["plans"][0].update(time_limit_s="60"), "key plans[0].time_limit_s = '60': not a number"),
+    (lambda d: d.update(run={"dask_workers": "2"}), "key run.dask_workers = '2': not an integer"),
+])
+def test_strings_and_booleans_are_not_read_as_booleans_or_numbers(config_data, change, fragment):
+    change(config_data)
+    assert fragment in error(config_data)
+
+
+def test_integers_are_floats_and_string_sizes_and_budgets_still_parse(config_data):
+    config_data.update(device_memory="16 GiB", validate={"rtol": 0, "overhead_precision": 1, "steps": 3, "max_steps": 3})
+    config_data["plans"][0].update(budgets=[1, "60%", "50% eager", "1.5 GiB", 0.5], time_limit_s=60, gap=0, ddp_bucket_mb=25)
+    config_data["plans"][1] = {"solver": "chen-sqrt-n", "max_overhead": [0, 1], "models": ["mlp"]}
+    config = parse(config_data)
+    assert config.device_memory == 16 * 2**30
+    assert (config.validation.rtol, config.validation.overhead_precision) == (0.0, 1.0)
+    assert config.plans[0].budgets == [Budget(bytes=1), Budget(fraction=0.6), Budget(eager_fraction=0.5),
+                                       Budget(bytes=3 * 2**29), Budget(fraction=0.5)]
+    assert (config.plans[0].time_limit_s, config.plans[0].gap, config.plans[0].ddp_bucket_mb) == (60.0, 0.0, 25.0)
+    assert config.plans[1].max_overhead == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 99999999999999999999])
+def test_a_seed_torch_or_the_store_cannot_take_is_refused(config_data, seed):
+    config_data["seed"] = seed
+    message = error(config_data)
+    assert f"key seed = {seed}: seed {seed} is outside 0 to 2**63 - 1" in message
+    assert "torch.manual_seed takes 64-bit seeds" in message and "e.g. seed = 0" in message
+
+
+def test_the_largest_seed_is_one_torch_and_the_store_take(config_data):
+    import pyarrow as pa
+    import torch
+
+    from memplan.tasks.config import MAX_SEED
+
+    config_data["seed"] = MAX_SEED
+    assert parse(config_data).seed == MAX_SEED
+    torch.Generator().manual_seed(MAX_SEED)
+    pa.array([MAX_SEED], pa.int64())
+
+
+def test_max_steps_below_steps_is_refused(config_data):
+    config_data["validate"] = {"steps": 10, "max_steps": 5}
+    assert ("key validate.max_steps = 5: max_steps 5 is below steps = 10: timing runs `steps` rounds at least and "
+            "goes on up to `max_steps`; set max_steps = 10 or more, or leave it out") in error(config_data)
+    config_data["validate"] = {"max_steps": 5}                            # below the default steps = 10
+    assert "max_steps 5 is below steps = 10" in error(config_data)
+    config_data["validate"] = {"steps": 40}                               # max_steps left out: timing stops at 40
+    assert parse(config_data).validation.steps == 40
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cuda:1"])
+@pytest.mark.parametrize("value", ["1 KiB", 1024, "0.5 MiB", 2**20 - 1])
+def test_a_device_memory_below_1_mib_is_a_unit_slip_unless_on_cpu(config_data, device, value):
+    from memplan.tasks.config import MIN_DEVICE_MEMORY
+
+    config_data.update(device=device, device_memory=value)
+    message = error(config_data)
+    assert f"key device_memory = {value!r}: device_memory " in message and "B is below 1 MiB" in message
+    assert "PyTorch's CUDA allocator reserves at least 2 MiB" in message
+    assert "give the device's memory with its unit (e.g. '16 GiB'), or set device = \"cpu\"" in message
+    assert parse(config_data | {"device": "cpu"}).device_memory == parse_budget(value).bytes
+    assert parse(config_data | {"device_memory": "1 MiB"}).device_memory == MIN_DEVICE_MEMORY
+
+
+@pytest.mark.parametrize("value", [0, -1, "0 B"])
+def test_device_memory_must_be_positive(config_data, value):
+    config_data.update(device="cpu", device_memory=value)
+    assert f"key device_memory = {value!r}: device_memory {value!r} is not a size" in error(config_data)
+
+
+def test_the_device_memory_option_of_fit_has_the_files_floor():
+    from memplan.tasks.config import parse_device_memory_text
+
+    with pytest.raises(ValueError, match="device_memory 1,024 B is below 1 MiB"):
+        parse_device_memory_text("1KiB", "auto")
+    assert parse_device_memory_text("1KiB", "cpu") == 1024
+    assert parse_device_memory_text("16GiB", "cuda") == 16 * 2**30

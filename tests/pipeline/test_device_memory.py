@@ -73,7 +73,8 @@ def config_with(**keys):
 
 def test_device_memory_takes_sizes_and_device():
     assert config_with(device_memory="16 GiB").device_memory == 16 * 2**30
-    assert config_with(device_memory=1000).device_memory == 1000
+    assert config_with(device_memory=2**20).device_memory == 2**20
+    assert config_with(device="cpu", device_memory=1000).device_memory == 1000      # on CPU: any size
     assert config_with(device_memory="device").device_memory == "device"
     assert config_with().device_memory is None
 

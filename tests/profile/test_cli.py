@@ -153,3 +153,18 @@ def test_query_tables_print_data_not_markup(cli, filled, text):
     result = cli("query", sql)
     assert result.exit_code == 0, result.output
     assert result.stdout.count(text) == 2
+
+
+def test_profiles_list_reads_the_store_of_the_given_pipeline_file(cli, filled, make_run, tmp_path):
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "pipeline.toml").write_text('store = "mystore"\n[[models]]\nname = "m"\nfactory = "torch.nn:Linear"\n'
+                                           'inputs = [{ shape = [4] }]\n[[plans]]\nsolver = "dtr"\nbudgets = [0.5]\n')
+    write_run(make_run("fp-c", nodes=1, model="vit"), project / "mystore")
+    result = cli("profiles", "list", "--config", str(project / "pipeline.toml"), "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert [r["model"] for r in json.loads(result.stdout)] == ["vit"]
+    assert f"profile store {project / 'mystore'} (store of {project / 'pipeline.toml'})" in result.stderr
+    given = cli("profiles", "list", "--config", str(project / "pipeline.toml"), "--store", str(tmp_path / "profiles_db"),
+                "--format", "csv")
+    assert given.exit_code == 0 and len(given.stdout.splitlines()) == 3              # --store wins: the two runs
