@@ -4,19 +4,24 @@ The checkout's folders are this package's rooms (setup.py maps them): `memplan.r
 (capture, plan format, execution; torch only), `memplan.tasks` is `tasks/` (the stages and the solvers),
 `memplan.flows` is `flows/` (Prefect flows and the `memplan` command).
 
-The training entry points are the runtime's, exported lazily: `import memplan` imports neither torch nor Prefect.
+The training entry points are exported lazily (`import memplan` imports neither torch nor Prefect): the runtime's
+`load`, `apply`, `capture`, and `compile_step`, a step compiled by inductor in the compiled form.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OpGraph", "Plan", "apply", "capture", "default_plan", "load"]
+__all__ = ["OpGraph", "Plan", "apply", "capture", "compile_step", "default_plan", "load"]
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+    if name == "compile_step":
+        from memplan.tasks.compiled_form import compile_step
+
+        return compile_step
     from memplan import runtime
 
     return getattr(runtime, name)

@@ -65,7 +65,8 @@ def plain_and_compiled(folder) -> str:
 
 def test_every_block_is_a_named_example_with_a_test():
     assert set(examples()) == {"pipeline", "plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer",
-                                 "optimizer-in-step", "optimizer-in-step-policy", "executor-ddp"}
+                                 "optimizer-in-step", "optimizer-in-step-policy", "executor-ddp",
+                                 "compiled-form"}
 
 
 FAST = "\n[profile]\nwarmup = 0\nrepeats = 1\n\n[validate]\nsteps = 1\nmax_steps = 1\n"
@@ -141,3 +142,11 @@ def test_the_policy_forms_pipeline_settings_for_the_optimizer_parse():
 def test_executor_under_ddp(tmp_path):
     out = run(examples()["executor-ddp"], tmp_path)
     assert re.fullmatch(r"predicted peak \d+\.\d MiB with the DDP buckets\nmean loss over 2 ranks: \d+\.\d{4}\n", out), out
+
+
+def test_the_compiled_form(tmp_path):
+    out = run(examples()["compiled-form"], tmp_path).splitlines()
+    values = losses("\n".join(out[:3]), 3)
+    assert values[-1] < values[0]
+    cut = re.fullmatch(r"recomputed (\d+) forward nodes; saved (\d+) KiB", out[3])
+    assert cut and int(cut[1]) > 0, out[3]

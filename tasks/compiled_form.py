@@ -1,0 +1,116 @@
+"""Planning the compiled form: which forward nodes of a torch.compile joint graph the backward recomputes.
+
+A joint graph (`memplan.runtime.compiled.joint.JointGraph`) becomes a `Problem`: its allocating ops in graph
+order, each value's bytes, costs from a roofline estimate (a matmul's multiply-adds at `FLOPS`, any other op's
+bytes read and written at `BANDWIDTH`: inductor fuses pointwise chains, so their recomputation costs little).
+A solver's schedule at a budget, judged by the one simulator, names the forward nodes it computes twice: those
+the compiled step recomputes (`runtime/compiled/partition.py` tags them for inductor's partitioner).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from memplan.runtime.compiled.records import Decision, JointGraph
+from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.solution import Solution
+
+FLOPS = 50e9
+"""Floating-point operations per second a matmul runs at in the cost estimate (a rough CPU core)."""
+BANDWIDTH = 10e9
+"""Bytes per second any other op moves in the cost estimate."""
+
+
+def joint_problem(joint: JointGraph, name: str = "compiled") -> Problem:
+    """The problem of `joint`: values `0..len(inputs)-1` are resident inputs; costs in milliseconds (estimated)."""
+    producer = np.full(len(joint.value_bytes), -1, dtype=np.int64)
+    for i, node in enumerate(joint.nodes):
+        producer[list(node.outputs)] = i
+    cost = np.array([1e3 * (n.flops / FLOPS + n.bytes_moved / BANDWIDTH) for n in joint.nodes])
+    return Problem(
+        name=name, cost=cost, workspace=np.zeros(len(joint.nodes), dtype=np.int64),
+        phase=tuple(n.phase for n in joint.nodes), node_inputs=tuple(n.inputs for n in joint.nodes),
+        node_outputs=tuple(n.outputs for n in joint.nodes), value_bytes=np.array(joint.value_bytes, dtype=np.int64),
+        value_producer=producer, outputs=tuple(dict.fromkeys(v for v in joint.outputs if producer[v] >= 0)),
+        order=np.arange(len(joint.nodes)), node_names=tuple(n.name for n in joint.nodes), cost_unit="ms")
+
+
+def recomputed_forward(problem: Problem, schedule: list) -> frozenset[str]:
+    """The forward nodes `schedule` computes more than once, by name."""
+    counts = Counter(step[1] for step in schedule if step[0] == "compute")
+    return frozenset(problem.node_names[i] for i, c in counts.items() if c > 1 and problem.phase[i] == "forward")
+
+
+def saved_forward(problem: Problem, schedule: list) -> frozenset[str]:
+    """The forward nodes `schedule` computes once whose values a backward node reads: those it keeps for the
+    backward, by name."""
+    counts = Counter(step[1] for step in schedule if step[0] == "compute")
+    read_later = {v for node, inputs in enumerate(problem.node_inputs) if problem.phase[node] != "forward"
+                  for v in inputs}
+    return frozenset(problem.node_names[i] for i, c in counts.items() if c == 1 and problem.phase[i] == "forward"
+                     and set(problem.node_outputs[i]) & read_later)
+
+
+SAVES = ("none", "costly", "all")
+"""What a decision tags to be saved of what its schedule keeps for the backward: nothing (the partitioner places
+it), the nodes with floating-point work (matmuls, attention, convolutions: cheap nodes stay the partitioner's,
+which recomputes fusible ones where that saves memory), or all of it."""
+
+
+REACH_STEPS = 7
+"""Where the solver finds nothing at the budget, the least budget it reaches is bisected to 1/2**7 of the range."""
+
+
+def least_within(problem: Problem, solver: str, budget: int) -> Solution:
+    """The solver's answer at `budget`, or where it finds none there, at the least budget between `budget` and the
+    no-recomputation peak where it does (bisected `REACH_STEPS` times): a lower budget never gives a plan that
+    needs more memory than a higher one's."""
+    ceiling = simulate(problem, default_schedule(problem)).peak_bytes
+    solution = solve(problem, solver, min(budget, ceiling))
+    if solution.feasible or budget >= ceiling:
+        return solution
+    low, high = budget, ceiling
+    best = solve(problem, solver, ceiling)
+    for _ in range(REACH_STEPS):
+        middle = (low + high) // 2
+        found = solve(problem, solver, middle)
+        low, high, best = (low, middle, found) if found.feasible else (middle, high, best)
+    return best
+
+
+class FractionDecision:
+    """A `Decide` for the compiled form: each joint graph solved by `solver` at `fraction` of its
+    no-recomputation peak (the simulator's), or at the least it reaches above that (`least_within`); `solutions`
+    keeps each graph's answer in compile order."""
+
+    def __init__(self, solver: str = "dtr", fraction: float = 0.5, save: str = "costly") -> None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction {fraction!r} must lie in (0, 1]: the share of the no-recomputation peak")
+        if save not in SAVES:
+            raise ValueError(f"save {save!r} is not one of {', '.join(SAVES)} (what a decision tags to be saved)")
+        self.solver, self.fraction, self.save = solver, fraction, save
+        self.solutions: list[Solution] = []
+
+    def __call__(self, joint: JointGraph) -> Decision:
+        problem = joint_problem(joint)
+        ceiling = simulate(problem, default_schedule(problem)).peak_bytes
+        solution = least_within(problem, self.solver, max(1, int(self.fraction * ceiling)))
+        self.solutions.append(solution)
+        if not solution.feasible:
+            return Decision()
+        costly = {n.name for n in joint.nodes if n.flops > 0}
+        saved = saved_forward(problem, solution.schedule) if self.save != "none" else frozenset()
+        return Decision(recomputed_forward(problem, solution.schedule),
+                        saved & costly if self.save == "costly" else saved)
+
+
+def compile_step(fn, *, fraction: float = 0.6, solver: str = "dtr", save: str = "costly"):
+    """`fn` (a training step: `fn(*batch)` returns the loss) compiled by inductor in the compiled form, each
+    joint graph solved by `solver` at `fraction` of its no-recomputation peak (`FractionDecision`)."""
+    from memplan.runtime.compiled.step import CompiledStep
+
+    return CompiledStep(fn, FractionDecision(solver, fraction, save))

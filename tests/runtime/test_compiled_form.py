@@ -1,0 +1,108 @@
+"""The compiled form: memplan's solver decides which forward nodes of torch.compile's joint graph the backward
+recomputes, inductor's partitioner honours it and inductor compiles the step (CPU, C++ backend)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memplan.runtime.compiled.records import Decision
+from memplan.runtime.compiled.step import CompiledStep
+from memplan.runtime.meter import PeakMeter
+from memplan.tasks.compiled_form import FractionDecision, joint_problem, recomputed_forward
+
+
+class Decoder(nn.Module):
+    """Two pre-norm blocks (SDPA attention, tanh-GELU MLP) and an untied head: one graph for torch.compile."""
+
+    def __init__(self, vocab: int = 256, width: int = 64, layers: int = 2, seq: int = 32) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ln1=nn.LayerNorm(width), qkv=nn.Linear(width, 3 * width),
+                                                       proj=nn.Linear(width, width), ln2=nn.LayerNorm(width),
+                                                       fc=nn.Linear(width, 4 * width), out=nn.Linear(4 * width, width)))
+                                    for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        for b in self.blocks:
+            n, t, d = x.shape
+            q, k, v = (z.view(n, t, 2, d // 2).transpose(1, 2) for z in b["qkv"](b["ln1"](x)).split(d, dim=-1))
+            x = x + b["proj"](F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, t, d))
+            x = x + b["out"](F.gelu(b["fc"](b["ln2"](x)), approximate="tanh"))
+        return self.head(self.ln(x))
+
+
+def loss_fn(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Eager gradients, and per fraction of the no-recomputation peak: the compiled step's partitions, its
+    gradients and the measured peak of the step after the compiling one."""
+    torch.manual_seed(0)
+    base, ids = Decoder(), torch.randint(0, 256, (4, 32))
+    eager = copy.deepcopy(base)
+    loss_fn(eager, ids).backward()
+    out = {"eager": {n: p.grad for n, p in eager.named_parameters()}}
+    for fraction in (1.0, 0.5):
+        model = copy.deepcopy(base)
+        decide = FractionDecision("dtr", fraction)
+        step = CompiledStep(lambda x, m=model: loss_fn(m, x), decide)
+        step(ids).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        with PeakMeter("cpu", allocator=True) as meter:
+            step(ids).backward()
+        out[fraction] = (step.partitioned, decide.solutions, grads, meter.peak_bytes)
+    return out
+
+
+def test_the_compiled_step_recomputes_what_the_solver_decided_and_saves_none_of_it(runs):
+    (full,), _, _, _ = runs[1.0]
+    (cut,), (solution,), _, _ = runs[0.5]
+    assert not full.recomputed and solution.feasible and cut.recomputed
+    assert not cut.recomputed & set(cut.saved), "a node tagged for recomputation was saved"
+    assert cut.fingerprint == full.fingerprint, "both steps partition the same joint graph"
+
+
+def test_the_compiled_form_trains_like_eager(runs):
+    for fraction in (1.0, 0.5):
+        grads = runs[fraction][2]
+        for name, expected in runs["eager"].items():
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-5 * max(1.0, scale), msg=name)
+
+
+def test_a_lower_fraction_saves_and_measures_less(runs):
+    (full,), _, _, full_peak = runs[1.0]
+    (cut,), _, _, cut_peak = runs[0.5]
+    assert cut.saved_bytes < full.saved_bytes
+    assert cut_peak < full_peak
+
+
+def test_a_decision_that_names_no_forward_node_is_refused():
+    model, ids = Decoder(layers=1), torch.randint(0, 256, (2, 32))
+    step = CompiledStep(lambda x: loss_fn(model, x), lambda joint: Decision(recompute=frozenset({"no_such_node"})))
+    with pytest.raises(Exception, match="no_such_node.*which are not forward nodes of this joint graph"):
+        step(ids)
+
+
+def test_recomputed_forward_names_the_forward_nodes_computed_twice():
+    from memplan.runtime.compiled.records import JointGraph, JointNode
+
+    joint = JointGraph(nodes=(JointNode("a", "aten.mm.default", "forward", (0, 1), (2,), 8, 0),
+                              JointNode("b", "aten.relu.default", "forward", (2,), (3,), 0, 8),
+                              JointNode("c", "aten.mul.Tensor", "backward", (2, 3), (4,), 0, 12)),
+                       value_bytes=(4, 4, 4, 4, 4), inputs=("x", "w"), outputs=(4,))
+    problem = joint_problem(joint)
+    assert problem.phase == ("forward", "forward", "backward") and problem.outputs == (4,)
+    schedule = [("compute", 0), ("compute", 1), ("free", 2), ("compute", 0), ("compute", 2)]
+    assert recomputed_forward(problem, schedule) == {"a"}
