@@ -10,7 +10,7 @@
 #            activation_memory_budget 0.5, dtr and hierarchical plans (bench/real_size.py; all of it takes about
 #            25 minutes, so it stops at 9 and lists what it left out; $REAL_ARGS adds options: the next run
 #            should take REAL_ARGS="--batch 56 --batches twice --models gpt2-124m", then the Llama, as
-#            docs/peers-gpu.md says)
+#            docs/measurements/peers-gpu.md says)
 # peers      the Llama decoder, ResNet-50 and MobileNet-V2 of bench/peers.py against inductor and
 #            inductor+cudagraphs (torch.compile's reduce-overhead mode), plans replayed as CUDA graphs
 # exactness  the CUDA tests of tests/runtime (conftest's CUDA list): capture's rewrites checked on the device,

@@ -1,8 +1,8 @@
 """Replay a compiled plan as one CUDA graph: `runtime.load(plan, model, loss_fn, cuda_graph=True)`.
 
 A small step on a GPU is launch-bound: the executor runs one ATen kernel per op, and at a few milliseconds
-a step the CPU's launches, not the GPU, set its time (docs/peers-gpu.md). A CUDA graph records the step's
-kernels once and replays them with one launch. What changes for the caller, as for any captured code
+a step the CPU's launches, not the GPU, set its time (docs/measurements/peers-gpu.md). A CUDA graph records the
+step's kernels once and replays them with one launch. What changes for the caller, as for any captured code
 (torch.cuda.graphs):
 
 - Parameters and buffers must keep their storage between steps (optimizers update them in place). A step

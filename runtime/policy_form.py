@@ -1,4 +1,4 @@
-"""The policy form of a plan (ARCHITECTURE.md, "one plan, two forms of execution"): which schedules
+"""The policy form of a plan (docs/training.md: one plan, two forms of execution): which schedules
 `torch.utils.checkpoint(use_reentrant=False, context_fn=create_selective_checkpoint_contexts(policy))`
 around each region runs, and the schedule the simulator must see for them. Torch-free: solvers build
 schedules with it, `runtime.policy` reads plans with it.

@@ -3,8 +3,8 @@
 The simulator models eager autograd. Compiled, AOTAutograd's partitioner decides what the graphs keep: it keeps
 dropout's mask as bool where eager keeps a float one and recomputes cheap ops a policy leaves to it, so on
 bench/policy_form.py's GPT-2 a plan predicted at 0.394 of eager's peak measured 0.325 compiled, while the Llama's
-nested plans measured up to 7.5% above their prediction (docs/peers-cpu.md). Solving at the budget then either
-wastes the memory the compiler frees or exceeds the budget. `search` measures instead: it solves at a budget,
+nested plans measured up to 7.5% above their prediction (docs/measurements/peers-cpu.md). Solving at the budget then
+either wastes the memory the compiler frees or exceeds the budget. `search` measures instead: it solves at a budget,
 measures that plan compiled (`measure`, e.g. `runtime.compiled_peak.compiled_peak`), and moves the budget it
 solves at, by the ratio of budget to measured peak while all its measurements lie on one side of the budget
 (upwards by `MIN_STEP` at least, below the predicted peak of a plan measured over),
@@ -20,9 +20,9 @@ small cases). Where it does not, the answer is still the cheapest of the plans m
 The compiled peak does not grow with the solve budget everywhere: on bench/policy_form.py's GPT-2, at torchtitan's
 compiled peak (0.396 of eager's), the plans solved at 0.46 and 0.52 of eager's peak measured 0.399 and 0.432 while
 those solved at 0.55 and 0.58 measured 0.382 and 0.395, at 7% less compiled time than the best plan solved below
-them that fits (docs/peers-cpu.md). So after the bisection, `spread` more plans are measured, solved at budgets
-spaced evenly above the least solve budget whose plan measured over, up to `REACH` times the budget: solved at a
-higher budget, a plan found there costs at most what the plans solved below it cost.
+them that fits (docs/measurements/peers-cpu.md). So after the bisection, `spread` more plans are measured, solved at
+budgets spaced evenly above the least solve budget whose plan measured over, up to `REACH` times the budget: solved at
+a higher budget, a plan found there costs at most what the plans solved below it cost.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ otherwise move it a byte at a time)."""
 
 REACH = 1.6
 """The spread probes solve at budgets up to this many times the budget: compiled peaks measured as low as 0.66 of
-their eager prediction (bench/policy_form.py's GPT-2, dropout's masks kept as bool: docs/peers-cpu.md), so a plan
-predicted above 1/0.66 times the budget is not expected to fit."""
+their eager prediction (bench/policy_form.py's GPT-2, dropout's masks kept as bool:
+docs/measurements/peers-cpu.md), so a plan predicted above 1/0.66 times the budget is not expected to fit."""
 
 
 @dataclass(frozen=True)

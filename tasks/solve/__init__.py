@@ -7,8 +7,8 @@ returned schedule has been checked by the simulator (tasks/solve/core/simulator.
 of memory.
 
 Adding a solver: write `my_solver(problem, budget, options) -> Solution` in its own module (returning
-`checked_solution(...)`), and add one `SolverSpec` line below; tests/solve/example_solver.py is the
-checked example (tests/solve/test_example_solver.py runs it through `memplan solve`, `memplan run` and
+`checked_solution(...)`), and add one `SolverSpec` line below; tests/pipeline/example_solver.py is the
+checked example (tests/pipeline/test_example_solver.py runs it through `memplan solve`, `memplan run` and
 `runtime.load`).
 """
 

@@ -50,7 +50,7 @@ PAPERS = (
      "(`monet` with variants) from `monet-noop`'s answer, so it never ends worse than `monet-noop`, "
      "else from `hierarchical`'s schedule, else `ap-greedy`'s (the first in MONeT's space). Also the "
      'inner solver of `hierarchical` (`inner = "monet"`) for real models; `bench/monet.py` against '
-     'Checkmate, torch.compile and hand checkpointing, with the Fig. 4 ablation: docs/monet-cpu.md.'),
+     'Checkmate, torch.compile and hand checkpointing, with the Fig. 4 ablation: docs/measurements/monet-cpu.md.'),
     ('`checkpoint-all`, `chen-sqrt-n`, `chen-greedy`, `griewank-log-n`, `ap-sqrt-n`, `ap-greedy`, '
      '`linearized-sqrt-n`, `linearized-greedy`',
      'Checkmate table 1 and appendix B (Chen et al. 2016, Griewank & Walther 2000)',

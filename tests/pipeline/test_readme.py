@@ -20,7 +20,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_readme_snippet_trains_three_steps_with_a_plan(tmp_path, monkeypatch):
     code = re.search(r"## Train with a plan\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
-    plan_path = re.search(r'runtime\.load\("([^"]+)"', code).group(1)
+    plan_path = re.search(r'memplan\.load\("([^"]+)"', code).group(1)
     model = torchvision.models.resnet18(num_classes=10)
     batch = (torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)))
     graph = runtime.capture(model, lambda m, x, y: F.cross_entropy(m(x), y), batch)

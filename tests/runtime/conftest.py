@@ -6,7 +6,7 @@ Models and batches live on $MEMPLAN_TEST_DEVICE (default cpu): `MEMPLAN_TEST_DEV
 tests/runtime/test_{executor,acg_plans,hierarchical_plans,monet_plans,olla_plans,fused_loss,fused_gelu}.py
 tests/runtime/test_cuda_graph.py` runs the equivalence tests, the fused ops' bit-identity tests and the
 CUDA-graph replay tests on a GPU, each step with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`,
-as tasks/validate.py compares); docs/peers-gpu.md has the last such run."""
+as tasks/validate.py compares); docs/measurements/peers-gpu.md has the last such run."""
 
 from __future__ import annotations
 
