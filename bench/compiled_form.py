@@ -10,7 +10,8 @@ cross-entropy), so torch.compile captures the step as one graph. Rows: eager; in
 joint graph solved by `--solver` at each `--fractions` share of the simulator's no-recomputation peak, inductor
 fusing what memplan keeps. Peaks: `PeakMeter(allocator=True)` of a step after the compiling one, over eager's;
 times: medians of interleaved rounds (the order reversed every other round), over eager's; "grad err": the largest
-gradient difference from eager. The last lines name, for each PyTorch row, the memplan rows that dominate it (peak
+gradient difference from eager; "predicted": the simulator's peak for memplan's decision (the joint graph as
+inductor fuses it: tasks/compiled_form.py) over eager's measured peak. The last lines name, for each PyTorch row, the memplan rows that dominate it (peak
 at most its, median paired time ratio below 1 with its 95% interval).
 """
 
@@ -112,24 +113,27 @@ def main() -> None:
     blocked = Decoder(args.vocab, args.width, args.layers, args.seq, per_block=True)
     blocked.load_state_dict(base.state_dict())
     add("per-block checkpoint, inductor", blocked, inductor)
-    for f in args.fractions:
-        add(f"memplan {args.solver} @ {f}", copy.deepcopy(base),
-            lambda fn, f=f: CompiledStep(fn, FractionDecision(args.solver, f)))
+    decisions = {f"memplan {args.solver} @ {f}": FractionDecision(args.solver, f) for f in args.fractions}
+    for label, decision in decisions.items():
+        add(label, copy.deepcopy(base), lambda fn, decision=decision: CompiledStep(fn, decision))
 
-    peaks, errors, reference = {}, {}, None
+    peaks, errors, predicted, reference = {}, {}, {}, None
     for label, (model, step) in runs.items():
         step()                                    # compiles
         peaks[label], grads = peak_and_grads(model, step)
         reference = reference or grads
         errors[label] = max((g - r).abs().max().item() for g, r in zip(grads, reference))
+    for label, decision in decisions.items():
+        predicted[label] = sum(s.predicted_peak_bytes or 0 for s in decision.solutions)
     samples = step_samples(runs, args.rounds, alternate=True)
     eager = statistics.median(w for w, _ in samples["eager"])
     print(f"decoder {args.layers} x {args.width}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}; "
           f"{args.threads} thread(s), {args.rounds} rounds; eager step {eager:.1f} ms, peak {peaks['eager']:,} B")
-    print(f"{'row':40s} {'peak':>7s} {'time':>7s} {'grad err':>9s}")
+    print(f"{'row':40s} {'peak':>7s} {'predicted':>9s} {'time':>7s} {'grad err':>9s}")
     for label in runs:
         wall = statistics.median(w for w, _ in samples[label])
-        print(f"{label:40s} {peaks[label] / peaks['eager']:7.3f} {wall / eager:7.3f} {errors[label]:9.1e}")
+        guess = f"{predicted[label] / peaks['eager']:9.3f}" if label in predicted else f"{'':9s}"
+        print(f"{label:40s} {peaks[label] / peaks['eager']:7.3f} {guess} {wall / eager:7.3f} {errors[label]:9.1e}")
     ours = [k for k in runs if k.startswith("memplan")]
     for peer in (k for k in runs if k != "eager" and k not in ours):
         wins = []

@@ -75,6 +75,5 @@ def read_joint(graph: fx.Graph) -> JointGraph:
                 continue
             target = str(n.target)
             phase = "forward" if n.meta.get("partitioner_tag") == "is_forward" else "backward"
-            moved = sum(value_bytes[v] for v in (*reads, *made))
-            nodes.append(JointNode(n.name, target, phase, reads, tuple(made), _flops(target, n), moved))
+            nodes.append(JointNode(n.name, target, phase, reads, tuple(made), _flops(target, n)))
     return JointGraph(tuple(nodes), tuple(value_bytes), tuple(inputs), outputs)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class JointNode:
     """One allocating op of a joint graph: its FX name and target, phase ("forward" / "backward"), the values it
-    reads and allocates (ids into `JointGraph.value_bytes`), its floating-point operations where it is a matmul,
-    an attention or a convolution (else 0: runtime/compiled/joint.py) and the bytes it reads and writes."""
+    reads and allocates (ids into `JointGraph.value_bytes`) and its floating-point operations where it is a matmul,
+    an attention or a convolution (else 0: runtime/compiled/joint.py)."""
 
     name: str
     target: str
@@ -19,7 +19,6 @@ class JointNode:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     flops: int
-    bytes_moved: int
 
 
 @dataclass(frozen=True)

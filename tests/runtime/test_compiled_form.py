@@ -98,11 +98,29 @@ def test_a_decision_that_names_no_forward_node_is_refused():
 def test_recomputed_forward_names_the_forward_nodes_computed_twice():
     from memplan.runtime.compiled.records import JointGraph, JointNode
 
-    joint = JointGraph(nodes=(JointNode("a", "aten.mm.default", "forward", (0, 1), (2,), 8, 0),
-                              JointNode("b", "aten.relu.default", "forward", (2,), (3,), 0, 8),
-                              JointNode("c", "aten.mul.Tensor", "backward", (2, 3), (4,), 0, 12)),
+    joint = JointGraph(nodes=(JointNode("a", "aten.mm.default", "forward", (0, 1), (2,), 8),
+                              JointNode("b", "aten.relu.default", "forward", (2,), (3,), 0),
+                              JointNode("c", "aten.mul.Tensor", "backward", (2, 3), (4,), 0)),
                        value_bytes=(4, 4, 4, 4, 4), inputs=("x", "w"), outputs=(4,))
     problem = joint_problem(joint)
     assert problem.phase == ("forward", "forward", "backward") and problem.outputs == (4,)
     schedule = [("compute", 0), ("compute", 1), ("free", 2), ("compute", 0), ("compute", 2)]
     assert recomputed_forward(problem, schedule) == {"a"}
+
+
+def test_a_value_one_fusible_reader_of_its_phase_alone_reads_takes_no_memory():
+    """Inductor fuses a pointwise chain into one kernel: of mm -> exp -> neg -> add (forward) and mul (backward),
+    only exp's result, which neg alone reads, never exists; mm's is a library kernel's, neg's has two readers,
+    add's is read by the backward and mul's is a graph output."""
+    from memplan.runtime.compiled.records import JointGraph, JointNode
+    from memplan.tasks.compiled_form import fused_values
+
+    nodes = (JointNode("mm", "aten.mm.default", "forward", (0, 1), (2,), 64),     # extern: always materialized
+             JointNode("exp", "aten.exp.default", "forward", (2,), (3,), 0),      # read by neg alone: fused
+             JointNode("neg", "aten.neg.default", "forward", (3,), (4,), 0),      # read by two ops
+             JointNode("add", "aten.add.Tensor", "forward", (4,), (5,), 0),       # read by the backward
+             JointNode("mul", "aten.mul.Tensor", "backward", (4, 5), (6,), 0))    # a graph output
+    joint = JointGraph(nodes, value_bytes=(16,) * 7, inputs=("x", "w"), outputs=(6,))
+    assert fused_values(joint) == {3}
+    problem = joint_problem(joint)
+    assert problem.value_bytes.tolist() == [16, 16, 16, 0, 16, 16, 16]
