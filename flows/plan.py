@@ -13,7 +13,7 @@ import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prefect import flow, unmapped
 
@@ -26,18 +26,22 @@ from memplan.tasks.config import (Case, MemplanError, ModelConfig, PipelineConfi
                           graph_forms, load_config)
 from memplan.tasks.memory_limit import memory_limit
 from memplan.tasks.models import allow_imports_from, check_model, resolve_device
-from memplan.tasks.records import EAGER, Referenced, Solved, Traced, Validated
+from memplan.tasks.records import EAGER, Profiled, Referenced, Solved, StageError, Traced, Validated, attempt
 from memplan.tasks.store import check_store
 
 
 class PipelineFailed(MemplanError):
-    """A plan failed validation (the one outcome that fails a run: a budget the device cannot meet is
-    reported, not raised); the message says why for every unpublished cell, `outcomes` holds every cell's
-    `Outcome` as JSON."""
+    """A plan failed validation or a stage raised for a cell (the outcomes that fail a run: a budget the device
+    cannot meet is reported, not raised); the message says why for every unpublished cell, `outcomes` holds every
+    cell's `Outcome` as JSON."""
 
     def __init__(self, message: str, outcomes: list[dict[str, Any]]):
         super().__init__(message)
         self.outcomes = outcomes
+
+
+Graph = tuple[str, int, PlanForm]
+"""A traced graph of a run: its model's name, batch size and plan form."""
 
 
 @flow(name="plan", description="Trace, profile, solve, validate and publish the plans of a pipeline.toml.",
@@ -47,8 +51,10 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     """Run the pipeline of `config_path` (already parsed as `config` when given: the TOML is read once per
     run); `refresh` re-runs every stage instead of using its cache.
 
-    Returns one `Outcome` (as JSON) per matrix cell, infeasible ones included; raises `PipelineFailed`
-    after publishing what passed when any plan failed validation."""
+    Returns one `Outcome` (as JSON) per matrix cell, infeasible ones included. A stage that raises fails the
+    cells it ran for (a trace, profile or reference those of its model and batch size) and the run goes on with
+    the others; raises `PipelineFailed` after publishing what passed when any cell failed or any plan failed
+    validation."""
     config = config or load_config(config_path)
     check_store(config.store)                  # before tracing: a missing bucket fails in a second
     allow_imports_from(Path(config_path).parent)
@@ -58,58 +64,81 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
     cases = expand_matrix(config)
     rerun = {"refresh_cache": True} if refresh else {}
 
-    traced: dict[tuple[str, int, PlanForm], Traced] = {}
+    traced: dict[Graph, Traced | StageError] = {}
     try:
         for m, b in config.model_batches():
             for form in graph_forms(m.name, b, cases):
-                traced[m.name, b, form] = trace_step.with_options(**rerun)(m, b, device, config.seed, config.cache_dir,
-                                                                           form)
+                traced[m.name, b, form] = attempt("trace", trace_step.with_options(**rerun), m, b, device, config.seed,
+                                                  config.cache_dir, form)
         models = {m.name: m for m in config.models}
-        profiled = {
-            key: profile_step.with_options(retries=config.profile.retries, **rerun)(
-                models[key[0]], record, device, config.seed, config.profile, config.store)
-            for key, record in traced.items()
-        }
-        references = {(m.name, b): _reference(m, b, device, config, cases, rerun) for m, b in config.model_batches()}
-        check_eager_budgets(cases, references)
+        profiled = {key: _profile(models[key[0]], record, config, device, rerun) for key, record in traced.items()}
+        references = {(m.name, b): attempt("reference", _reference, m, b, device, config, cases, rerun)
+                      for m, b in config.model_batches() if _any_graph(m.name, b, profiled)}
+        outcomes = {c.alias: Outcome.failed(c, error) for c in cases
+                    if (error := _model_error(c, profiled, references)) is not None}
+        running = [c for c in cases if c.alias not in outcomes]
+        check_eager_budgets(running, references)
         cells = dict(
-            traced=[traced[_graph(c)] for c in cases],
-            profile=[profiled[_graph(c)] for c in cases],
-            solver=[c.plan.solver for c in cases],
-            budget=[c.budget.of_eager(references[c.model.name, c.batch_size].peak_bytes) for c in cases],
-            settings=[c.plan.solve_settings(config.optimizer) for c in cases],
+            traced=[traced[_graph(c)] for c in running],
+            profile=[profiled[_graph(c)] for c in running],
+            solver=[c.plan.solver for c in running],
+            budget=[c.budget.of_eager(references[c.model.name, c.batch_size].peak_bytes) for c in running],
+            settings=[c.plan.solve_settings(config.optimizer) for c in running],
             device=unmapped(device),
             store=unmapped(config.store),
             cache_dir=unmapped(config.cache_dir),
-            alias=[c.alias for c in cases],
+            alias=[c.alias for c in running],
         )
         with cell_runner(config.run) as runner:
-            if runner is None:                                   # the flow's own thread pool
-                solved = solve_step.with_options(**rerun).map(**cells)
-            else:
-                solved = runner.map(solve_step.with_options(**rerun), cells)
-            solutions = [future.result() for future in solved]   # no solver competes with the timed steps
-            solutions = [_resolved_if_gone(s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(solutions)]
-            solutions = compiled_searches(cases, solutions, cells, config, device, rerun)
-            floors = least_known_budgets(cases, solutions)
+            solutions = compiled_searches(running, solve_cells(cells, runner, rerun), cells, config, device, rerun)
+            outcomes |= {c.alias: Outcome.failed(c, s) for c, s in zip(running, solutions) if isinstance(s, StageError)}
+            solved = [i for i, s in enumerate(solutions) if isinstance(s, Solved)]
+            running, solutions = [running[i] for i in solved], [solutions[i] for i in solved]
+            floors = least_known_budgets(running, solutions)
             validate = functools.partial(validate_groups, config=config, device=device, references=references,
                                          rerun=rerun, runner=runner)
-            validations = _validate_cells(cases, solutions, validate)
-            solutions, validations, walks = measured_choices(cases, solutions, validations, validate)
-            outcomes = [_publish_cell(case, s, config, validations.get(case.alias), floors.get(_graph(case)),
-                                      references[_cell(case)].peak_bytes, walks.get(case.alias, ""))
-                        for case, s in zip(cases, solutions)]
+            validations = _validate_cells(running, solutions, validate)
+            solutions, validations, walks = measured_choices(running, solutions, validations, validate)
+            outcomes |= {case.alias: _publish_cell(case, s, config, validations.get(case.alias),
+                                                   floors.get(_graph(case)), references[_cell(case)].peak_bytes,
+                                                   walks.get(case.alias, ""))
+                         for case, s in zip(running, solutions)}
     finally:
-        forget_captured(traced)
-    create_artifacts(outcomes, Path(config.cache_dir) / "reports")
-    failed = [o for o in outcomes if o.status != "published"]
-    if any(o.status == "rejected" for o in failed):
+        forget_captured({key: record for key, record in traced.items() if isinstance(record, Traced)})
+    ordered = [outcomes[c.alias] for c in cases]
+    create_artifacts(ordered, Path(config.cache_dir) / "reports")
+    failed = [o for o in ordered if o.status != "published"]
+    if any(o.status in ("rejected", "failed") for o in failed):
         raise PipelineFailed(
-            f"{len(failed)} of {len(outcomes)} plans were not published ({len(outcomes) - len(failed)} were): "
+            f"{len(failed)} of {len(ordered)} plans were not published ({len(ordered) - len(failed)} were): "
             + " ".join(o.message for o in failed),
-            [o.to_json() for o in outcomes],
+            [o.to_json() for o in ordered],
         )
-    return [o.to_json() for o in outcomes]
+    return [o.to_json() for o in ordered]
+
+
+def _profile(model: ModelConfig, traced: Traced | StageError, config: PipelineConfig, device: str,
+             rerun: dict[str, Any]) -> Profiled | StageError:
+    """The profile of one traced graph of `model`, or the error of its trace or profile."""
+    if isinstance(traced, StageError):
+        return traced
+    step = profile_step.with_options(retries=config.profile.retries, **rerun)
+    return attempt("profile", step, model, traced, device, config.seed, config.profile, config.store)
+
+
+def _any_graph(model: str, batch_size: int, profiled: dict[Graph, Profiled | StageError]) -> bool:
+    """Whether some graph of `model` at `batch_size` was traced and profiled (its reference is worth measuring)."""
+    return any(isinstance(record, Profiled) for (m, b, _), record in profiled.items() if (m, b) == (model, batch_size))
+
+
+def _model_error(case: Case, profiled: dict[Graph, Profiled | StageError],
+                 references: dict[tuple[str, int], Referenced | StageError]) -> StageError | None:
+    """The error that fails every cell of `case`'s graph or of its model and batch size: its trace's or profile's,
+    else its reference's; None where all three ran."""
+    for record in (profiled[_graph(case)], references.get(_cell(case))):
+        if isinstance(record, StageError):
+            return record
+    return None
 
 
 def check_task_runner(run: RunConfig) -> None:
@@ -144,6 +173,17 @@ def cell_runner(run: RunConfig) -> Iterator[Any]:
         yield runner
 
 
+def solve_cells(cells: dict[str, Any], runner: Any, rerun: dict[str, Any]) -> list[Solved | StageError]:
+    """Solve every cell of `cells` (`solve_step`'s arguments, a list each) on the task runner (`cell_runner`: None
+    for the flow's thread pool), all of them before any is validated (no solver competes with the timed steps),
+    each cached result whose plan file is gone solved again; a cell whose solve raises gets its `StageError`."""
+    step = solve_step.with_options(**rerun)
+    solved = step.map(**cells) if runner is None else runner.map(step, cells)
+    results = [attempt("solve", future.result) for future in solved]
+    return [s if isinstance(s, StageError) else
+            attempt("solve", _resolved_if_gone, s, {k: v[i] for k, v in cells.items()}) for i, s in enumerate(results)]
+
+
 def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
     """`solved`, or, where it is a cached result whose plan file is gone (a cleaned cache folder), the cell
     solved again: the cache never serves a result that points at nothing."""
@@ -152,23 +192,30 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
     return solve_step.with_options(refresh_cache=True)(**cell)
 
 
-def compiled_searches(cases: list[Case], solutions: list[Solved], cells: dict[str, Any], config: PipelineConfig,
-                      device: str, rerun: dict[str, Any]) -> list[Solved]:
+def compiled_searches(cases: list[Case], solutions: list[Solved | StageError], cells: dict[str, Any],
+                      config: PipelineConfig, device: str, rerun: dict[str, Any]) -> list[Solved | StageError]:
     """The solutions with each compiled policy cell's replaced by its measured search's (`compiled_search_step`,
-    tasks/compiled_cell.py): a `selective-policy` plan in the policy form with `options = { compiled = true }` at a
-    budget in bytes or as a fraction (a `max_overhead` cell walks its ladder instead), unless `[validate]
-    compile_probes = 0`. One cell after another in this process, before any validation: each measures peaks. A
-    cached search whose plan file is gone (a cleaned cache folder) searches again."""
+    tasks/compiled_cell.py), or by its `StageError` where the search raises: a `selective-policy` plan in the policy
+    form with `options = { compiled = true }` at a budget in bytes or as a fraction (a `max_overhead` cell walks its
+    ladder instead), unless `[validate] compile_probes = 0`. One cell after another in this process, before any
+    validation: each measures peaks."""
     searched = list(solutions)
     for i, (case, solved) in enumerate(zip(cases, solutions)):
         settings = cells["settings"][i]
-        if (settings.form == "policy" and settings.params.get("compiled") is True and case.budget.max_overhead is None
-                and config.validation.compile_probes > 0):
+        if (isinstance(solved, Solved) and settings.form == "policy" and settings.params.get("compiled") is True
+                and case.budget.max_overhead is None and config.validation.compile_probes > 0):
             arguments = (solved, cells["traced"][i], cells["profile"][i], settings, case.model, case.batch_size, device,
                          config.seed, config.validation, config.store, config.cache_dir, case.alias)
-            searched[i] = compiled_search_step.with_options(**rerun)(*arguments)
-            if searched[i].feasible and not Path(searched[i].plan_path).exists():
-                searched[i] = compiled_search_step.with_options(refresh_cache=True)(*arguments)
+            searched[i] = attempt("compiled search", _compiled_search, arguments, rerun)
+    return searched
+
+
+def _compiled_search(arguments: tuple[Any, ...], rerun: dict[str, Any]) -> Solved:
+    """`compiled_search_step(*arguments)`, searched again where it is a cached search whose plan file is gone (a
+    cleaned cache folder)."""
+    searched = compiled_search_step.with_options(**rerun)(*arguments)
+    if searched.feasible and not Path(searched.plan_path).exists():
+        searched = compiled_search_step.with_options(refresh_cache=True)(*arguments)
     return searched
 
 
@@ -211,9 +258,10 @@ def _graph(case: Case) -> tuple[str, int, PlanForm]:
     return case.model.name, case.batch_size, case.plan.plan_form
 
 
-def _validate_cells(cases: list[Case], solutions: list[Solved], validate: Validate) -> dict[str, Validated]:
-    """The validation of every feasible plan, by alias: `validate` (`validate_groups`) runs one `validate_step`
-    per model and batch size, its plans timed in shared rounds."""
+def _validate_cells(cases: list[Case], solutions: list[Solved],
+                    validate: Validate) -> dict[str, Validated | StageError]:
+    """The validation of every feasible plan, by alias (a `StageError` where it raised): `validate`
+    (`validate_groups`) runs one `validate_step` per model and batch size, its plans timed in shared rounds."""
     groups: dict[tuple[str, int], list[tuple[Case, Solved]]] = {}
     for case, solved in zip(cases, solutions):
         if solved.feasible:
@@ -226,10 +274,11 @@ def _validate_cells(cases: list[Case], solutions: list[Solved], validate: Valida
 
 def validate_groups(groups: dict[tuple[str, int], list[tuple[ModelConfig, PlanToValidate]]], config: PipelineConfig,
                     device: str, references: References, rerun: dict[str, Any],
-                    runner: Any) -> dict[tuple[str, int], list[Validated]]:
+                    runner: Any) -> dict[tuple[str, int], list[Validated | StageError]]:
     """One `validate_step` per model and batch size of `groups`, its plans timed in shared rounds (beside their
     no-recomputation plans): on the task runner's workers, one cell each, when `runner` is given; else one cell
-    after another in this process."""
+    after another in this process. A plan that raises gets its `StageError`; where what a group's plans share
+    raises (the model, its reference, the timed rounds), each of them gets that error."""
     parameters = {
         cell: dict(plan_paths=[p.plan_path for _, p in group], plan_ids=[p.plan_id for _, p in group],
                    model=group[0][0], batch_size=cell[1], device=device, seed=config.seed,
@@ -239,9 +288,19 @@ def validate_groups(groups: dict[tuple[str, int], list[tuple[ModelConfig, PlanTo
         for cell, group in groups.items()}
     validate = validate_step.with_options(**rerun)
     if runner is None:
-        return {cell: validate(**p) for cell, p in parameters.items()}
+        return {cell: _group_results(functools.partial(validate, **p), p["plan_ids"]) for cell, p in parameters.items()}
     futures = {cell: runner.submit(validate, p) for cell, p in parameters.items()}
-    return {cell: future.result() for cell, future in futures.items()}
+    return {cell: _group_results(future.result, parameters[cell]["plan_ids"]) for cell, future in futures.items()}
+
+
+def _group_results(run: Callable[[], list[Validated | StageError]],
+                   plan_ids: list[str]) -> list[Validated | StageError]:
+    """`run()`, the validation of one group of plans (content addresses `plan_ids`), or where it raises, that
+    error for each plan."""
+    results = attempt("validate", run)
+    if isinstance(results, StageError):
+        return [results.model_copy(update={"plan_id": plan}) for plan in plan_ids]
+    return results
 
 
 @dataclass(frozen=True)
@@ -271,19 +330,23 @@ def least_known_budgets(cases: list[Case], solutions: list[Solved]) -> dict[tupl
     return floors
 
 
-def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation: Validated | None,
+def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation: Validated | StageError | None,
                   floor: KnownFloor | None, eager_peak: int, walk: str = "") -> Outcome:
     """Publish one cell's plan when its `validation` passed; `floor` is the least budget the run knows feasible
     for the cell's model and batch size, `eager_peak` eager PyTorch's measured peak there, `walk` what the
     measured walk of a `max_overhead` cell validated (flows/refine.py); a published compiled cell's message says what
-    its measured search measured (tasks/compiled_cell.py)."""
+    its measured search measured (tasks/compiled_cell.py). A cell whose validation or publication raised failed."""
     if validation is None:                                  # no schedule: nothing was validated
         return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
                           least_feasible_bytes=None if floor is None else floor.bytes, eager_peak_bytes=eager_peak)
+    if isinstance(validation, StageError):
+        return Outcome.failed(case, validation, solved)
     if not validation.passed:
         return Outcome.of(case, solved, validation, message=validation.explain(case.alias))
-    published = publish_step(solved.plan_path, validation, config.publish.dir, case.alias, case.model.name,
-                             case.batch_size, case.budget.label)
+    published = attempt("publish", publish_step, solved.plan_path, validation, config.publish.dir, case.alias,
+                        case.model.name, case.batch_size, case.budget.label)
+    if isinstance(published, StageError):
+        return Outcome.failed(case, published, solved)
     return Outcome.of(case, solved, validation, published, message=walk or solved.measured_search)
 
 

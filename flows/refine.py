@@ -9,7 +9,7 @@ from typing import Callable
 
 from memplan.tasks.config import Case, ModelConfig
 from memplan.tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
-from memplan.tasks.records import Candidate, Solved, Validated
+from memplan.tasks.records import Candidate, Solved, StageError, Validated
 
 Cell = tuple[str, int]
 
@@ -30,26 +30,29 @@ class PlanToValidate:
         return cls(path, pid, solved.no_recompute_path, solved.no_recompute_id)
 
 
-Validate = Callable[[dict[Cell, list[tuple[ModelConfig, PlanToValidate]]]], dict[Cell, list[Validated]]]
+Validate = Callable[[dict[Cell, list[tuple[ModelConfig, PlanToValidate]]]], dict[Cell, list[Validated | StageError]]]
+"""Validates groups of plans, one per model and batch size; a plan that raised gets its `StageError`."""
 
 
-def measured_choices(cases: list[Case], solutions: list[Solved], validations: dict[str, Validated],
-                     validate: Validate) -> tuple[list[Solved], dict[str, Validated], dict[str, str]]:
-    """Walk the ladder of every validated `max_overhead` cell, the cells of one model and batch size together
-    (`validate` validates groups of plans, one call per cell per step of the walks). Returns the solutions with
-    each walked cell's chosen rung in place of its predicted choice, the validations likewise, and per walked
+def measured_choices(cases: list[Case], solutions: list[Solved], validations: dict[str, Validated | StageError],
+                     validate: Validate) -> tuple[list[Solved], dict[str, Validated | StageError], dict[str, str]]:
+    """Walk the ladder of every validated `max_overhead` cell (not one whose validation raised), the cells of one
+    model and batch size together (`validate` validates groups of plans, one call per cell per step of the walks).
+    Returns the solutions with each walked cell's chosen rung in place of its predicted choice, the validations
+    likewise (a cell a rung of whose walk raised: that rung's `StageError`, stage "measured walk"), and per walked
     alias a line saying what the walk validated."""
     solutions, validations = list(solutions), dict(validations)
     walked: dict[Cell, list[int]] = {}
     for k, (case, solved) in enumerate(zip(cases, solutions)):
-        if case.budget.max_overhead is not None and solved.candidates and case.alias in validations:
+        if case.budget.max_overhead is not None and solved.candidates and \
+                isinstance(validations.get(case.alias), Validated):
             walked.setdefault((case.model.name, case.batch_size), []).append(k)
     walks = {}
     for cell, members in walked.items():
         ladders = [([Rung(c.predicted_overhead) for c in solutions[k].candidates], cases[k].budget.max_overhead)
                    for k in members]
         first = [_measured(validations[cases[k].alias]) for k in members]
-        records: dict[tuple[int, int], Validated] = {}
+        records: dict[tuple[int, int], Validated | StageError] = {}
 
         def measure(wanted: list[tuple[int, int]]) -> list[float | None]:
             group = [(cases[members[j]].model, PlanToValidate.of(solutions[members[j]],
@@ -63,6 +66,10 @@ def measured_choices(cases: list[Case], solutions: list[Solved], validations: di
             k = members[j]
             solved, case = solutions[k], cases[k]
             start = predicted_choice(*ladders[j])
+            raised = [r for (rung_of, _), r in sorted(records.items()) if rung_of == j and isinstance(r, StageError)]
+            if raised:                                   # the cell fails with the first rung's error
+                validations[case.alias] = raised[0].model_copy(update={"stage": "measured walk"})
+                continue
             if index is not None and index != start:
                 solutions[k] = with_rung(solved, solved.candidates[index])
                 validations[case.alias] = records[j, index]
@@ -70,9 +77,9 @@ def measured_choices(cases: list[Case], solutions: list[Solved], validations: di
     return solutions, validations, walks
 
 
-def _measured(validation: Validated) -> float | None:
-    """The overhead a walk judges (None: the plan failed validation)."""
-    return validation.limited_overhead() if validation.passed else None
+def _measured(validation: Validated | StageError) -> float | None:
+    """The overhead a walk judges (None: the plan failed validation, or raised)."""
+    return validation.limited_overhead() if isinstance(validation, Validated) and validation.passed else None
 
 
 def walk_text(rungs: list[Candidate], start: int, index: int | None, within: bool,

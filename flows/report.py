@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.tasks.config import Case
-from memplan.tasks.records import Published, Solved, Validated
+from memplan.tasks.records import Published, Solved, StageError, Validated
 from memplan.tasks.solve.core.optimizer import OPTIMIZERS
 
 MIB = 2**20
@@ -19,8 +19,9 @@ MIB = 2**20
 @dataclass(frozen=True)
 class Outcome:
     """The fate of one matrix cell. `status`: published, infeasible (no schedule within the budget on this
-    device; `least_feasible_bytes` is the least budget the run knows is feasible) or rejected (failed
-    validation); `message` says why for the last two, and for a published `max_overhead` cell what its measured
+    device; `least_feasible_bytes` is the least budget the run knows is feasible), rejected (failed
+    validation) or failed (a stage raised `error`, the error's type, in the stage `failed_stage`); `message` says
+    why for the last three, and for a published `max_overhead` cell what its measured
     walk validated (flows/refine.py), for a published compiled cell what its measured search measured
     (tasks/compiled_cell.py). `overhead_vs_no_recompute`: the measured overhead the limit is about, against the
     no-recomputation plan timed in the same rounds. `arena_peak_bytes`: the measured peak in arena mode,
@@ -52,9 +53,21 @@ class Outcome:
     reference: str | None = None
     message: str = ""
     form: str = "executor"
+    failed_stage: str | None = None
+    error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def failed(cls, case: Case, error: StageError, solved: Solved | None = None) -> Outcome:
+        """The outcome of a cell a stage raised `error` for, with what its solve found where it ran (`solved`)."""
+        found = {} if solved is None else dict(budget_bytes=solved.budget_bytes,
+                                               checkpoint_all_peak_bytes=solved.checkpoint_all_peak_bytes,
+                                               predicted_peak_bytes=solved.predicted_peak_bytes)
+        return cls(alias=case.alias, model=case.model.name, batch_size=case.batch_size, solver=case.plan.solver,
+                   form=case.plan.plan_form, budget=case.budget.label, status="failed", **found,
+                   message=error.explain(case.alias), failed_stage=error.stage, error=error.error)
 
     @classmethod
     def of(cls, case: Case, solved: Solved, validated: Validated | None = None, published: Published | None = None,
@@ -153,22 +166,25 @@ def limit_verdict(overhead: float, interval: list[float] | None, limit: float) -
 
 
 def status_text(outcome: Outcome) -> str:
-    """'published', or the status with the least feasible budget known for an infeasible cell."""
+    """'published', or the status with the least feasible budget known for an infeasible cell, the stage and the
+    error's type for a failed one."""
     if outcome.status == "infeasible" and outcome.least_feasible_bytes is not None:
         return f"infeasible here (feasible from {outcome.least_feasible_bytes / MIB:.1f} MiB)"
+    if outcome.status == "failed":
+        return f"failed in {outcome.failed_stage} ({outcome.error})"
     return outcome.status
 
 
 def markdown_table(outcomes: list[Outcome]) -> str:
     """The plans of a run as a markdown table: form, budget (in MiB and as a fraction of eager's measured peak),
-    predicted and measured peak, overhead, status."""
+    predicted and measured peak, overhead, status (a failed cell's: its error, naming the stage)."""
     lines = [
         "| plan | solver | form | budget | budget MiB | predicted peak MiB | measured peak MiB | eager peak MiB "
         "| predicted overhead | measured overhead | vs no recompute | status |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for o in outcomes:
-        status = f"{status_text(o)}: {o.message}" if o.message else o.status
+        status = o.message if o.status == "failed" else f"{status_text(o)}: {o.message}" if o.message else o.status
         lines.append(
             f"| {o.alias} | {o.solver} | {o.form} | {o.budget} | {budget_text(o)} | {_mib(o.predicted_peak_bytes)} "
             f"| {_mib(o.measured_peak_bytes)} | {_mib(o.eager_peak_bytes)} | {_pct(o.predicted_overhead)} "

@@ -25,7 +25,7 @@ from memplan.flows.codehash import code_hash
 from memplan.flows.progress import stage_finished, stage_started
 from memplan.tasks.config import Budget, MemplanError, ModelConfig, PlanForm, PlanSettings, ProfileConfig, ValidateConfig
 from memplan.tasks.memory_limit import MemoryLimit
-from memplan.tasks.records import Profiled, Published, Referenced, Solved, Traced, Validated
+from memplan.tasks.records import Profiled, Published, Referenced, Solved, StageError, Traced, Validated
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
 HOOKS = {"on_running": [stage_started], "on_completion": [stage_finished], "on_failure": [stage_finished]}
@@ -200,10 +200,11 @@ def _validate_key(context: Any, p: Mapping[str, Any]) -> str:
 def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig, batch_size: int, device: str,
                   seed: int, settings: ValidateConfig, reference: Referenced,
                   limit: MemoryLimit | None = None, no_recompute_paths: list[str | None] | None = None,
-                  no_recompute_ids: list[str | None] | None = None) -> list[Validated]:
+                  no_recompute_ids: list[str | None] | None = None) -> list[Validated | StageError]:
     """Run the plans of one model and batch size (solved as content addresses `plan_ids`) on `device`, check
     each against the cell's `reference` and time them against eager PyTorch in shared rounds
-    (tasks/validate.py `validate_plans`), on the graphs this run's trace captured when this process holds them
+    (tasks/validate.py `validate_plans`; a plan that raises gets a `StageError` in its place, and the others go on),
+    on the graphs this run's trace captured when this process holds them
     (the plans run without capturing the model again: the executor's graph, and `capture_eager`'s for plans
     in the policy form); under a device memory `limit` each plan's peak and the
     resident bytes must fit it. `no_recompute_paths` (aligned with `plan_paths`, content addresses
@@ -217,7 +218,7 @@ def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig
     baselines = [None if path is None else Plan.load(_existing(path, "solve")) for path in no_recompute_paths or ()]
     validations = validate_plans(plans, model, batch_size, device, seed, settings, reference,
                                  graph=graphs.get("executor"), limit=limit, eager_graph=graphs.get("policy"),
-                                 no_recompute=baselines or None)
+                                 no_recompute=baselines or None, isolate=True)
     for path, solved, validation in zip(plan_paths, plan_ids, validations):
         if validation.plan_id != solved:
             raise RuntimeError(f"{path} changed after the solve stage wrote it (plan {validation.plan_id[:12]}, "

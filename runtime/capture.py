@@ -20,6 +20,7 @@ bench/peers.py: eager 13 ms a step, the fused graph's no-recomputation schedule 
 
 from __future__ import annotations
 
+import contextvars
 import operator
 import os
 import platform
@@ -118,7 +119,9 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                 "`masked_select`). Compute the branch with tensor ops (`torch.where`) or move it out of the "
                 "step. transformers language models take such a branch when run with neither a key/value "
                 "cache nor an attention mask (a check for packed sequences): run them with `use_cache=True` "
-                "or pass `attention_mask`, as memplan's `causal_lm` loss does.") from exc
+                "or pass `attention_mask` (not a cache for the policy form: each recomputed layer would append to "
+                "it again); memplan's named losses run them without a cache and answer the check while capture "
+                "traces the step (tasks/models.py).") from exc
     strip_boundaries(gm.graph)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     gm.graph.eliminate_dead_code()
@@ -134,17 +137,31 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
     return graph
 
 
+_CAPTURING = contextvars.ContextVar("memplan_capturing", default=False)
+
+
+def capturing() -> bool:
+    """Whether memplan is tracing a training step on fake tensors in this thread (`capture`, and `capture_eager`'s
+    labelling of the backward): a loss may then skip a check that reads a tensor's value, which capture cannot
+    trace, where the batch is known to pass it (tasks/models.py: transformers' check for packed sequences)."""
+    return _CAPTURING.get()
+
+
 @contextmanager
 def fake_tensors(model: nn.Module, batch: tuple):
     """The model's parameters and buffers swapped for fake tensors (shapes, dtypes and devices, no storage) for
     the block, and the batch as fake tensors (the block's value): tracing allocates nothing.
     (`aot_export_module` traces the joint graph again on the tensors it is given; on real ones that ran the
     whole step, as much memory as eager's step: a step that needs planning to fit could not be captured on its
-    device.) Tied parameters stay tied: one fake per tensor."""
+    device.) Tied parameters stay tied: one fake per tensor. `capturing()` is true in the block."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    with _reparametrize_module(model, {name: mode.from_tensor(t) for name, t in state}):
-        yield tuple(mode.from_tensor(t) for t in batch)
+    token = _CAPTURING.set(True)
+    try:
+        with _reparametrize_module(model, {name: mode.from_tensor(t) for name, t in state}):
+            yield tuple(mode.from_tensor(t) for t in batch)
+    finally:
+        _CAPTURING.reset(token)
 
 
 def _caller(exc: BaseException) -> str:

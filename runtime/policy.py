@@ -196,7 +196,8 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
     if getattr(getattr(model, "config", None), "use_cache", False):
         raise PolicyFormError("this model keeps a key/value cache (config.use_cache = True), which a checkpointed "
                               "region would update twice (forward and recomputation). Set model.config.use_cache = "
-                              "False before runtime.apply, as transformers' own gradient checkpointing does.")
+                              "False before runtime.apply, as transformers' own gradient checkpointing does, and pass "
+                              "no use_cache=True to its forward.")
     if any(hasattr(m, _WRAPPED) for m in model.modules()):
         raise PolicyFormError("this model already runs a plan in the policy form (runtime.apply was called on it); "
                               "apply a plan to a fresh copy of the model.")

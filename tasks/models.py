@@ -12,8 +12,9 @@ import importlib
 import inspect
 import math
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -137,12 +138,13 @@ def _torchvision(name: str, kwargs: dict[str, Any], where: str) -> nn.Module:
 
 
 def _transformers(model_type: str, auto_class: str, kwargs: dict[str, Any], where: str) -> nn.Module:
-    """A transformers model from `AutoConfig.for_model(model_type, **kwargs)`: no hub access, and
-    transformers' own defaults (SDPA attention, the key/value cache on), as its users train it."""
+    """A transformers model from `AutoConfig.for_model(model_type, **kwargs)`: no hub access, transformers'
+    own defaults (SDPA attention), and built for training: without its key/value cache (`use_cache = False`
+    unless `kwargs` say otherwise), which a recomputed layer would append to again."""
     import transformers
 
     _known(model_type, list(transformers.CONFIG_MAPPING), f"{where}: transformers {transformers.__version__} has no model type")
-    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    config = transformers.AutoConfig.for_model(model_type, **{"use_cache": False} | kwargs)
     return getattr(transformers, auto_class).from_config(config)
 
 
@@ -208,14 +210,45 @@ def _logits(output: Any) -> torch.Tensor:
     )
 
 
+def _forward(model: nn.Module, *args: torch.Tensor, **kwargs: torch.Tensor) -> Any:
+    """`model(*args, **kwargs)`, for a transformers model (a forward taking `use_cache`) as it trains: without its
+    key/value cache, which each recomputed layer would append to again. Without a cache or an attention mask,
+    transformers checks the position ids for packed sequences, which reads a tensor: while memplan traces the step
+    (`runtime.capture.capturing()`) the check answers "none", as it does on the batches memplan builds."""
+    if "use_cache" not in inspect.signature(model.forward).parameters:
+        return model(*args, **kwargs)
+    with _packed_sequences_unchecked():
+        return model(*args, use_cache=False, **kwargs)
+
+
+@contextmanager
+def _packed_sequences_unchecked() -> Iterator[None]:
+    """transformers' check for packed sequences answering "none" while memplan traces a step in this thread (a
+    forward elsewhere runs the check), where transformers has the check."""
+    try:
+        import transformers.masking_utils as masking
+
+        check = masking.find_packed_sequence_indices
+    except (ImportError, AttributeError):
+        yield
+        return
+    from memplan.runtime.capture import capturing           # here: it imports AOTAutograd (2 s)
+
+    masking.find_packed_sequence_indices = lambda position_ids: None if capturing() else check(position_ids)
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = check
+
+
 def cross_entropy(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of `model(inputs)` against class indices `target`."""
-    return F.cross_entropy(_logits(model(inputs)), target)
+    return F.cross_entropy(_logits(_forward(model, inputs)), target)
 
 
 def mse(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean squared error of `model(inputs)` against `target`."""
-    return F.mse_loss(_logits(model(inputs)), target)
+    return F.mse_loss(_logits(_forward(model, inputs)), target)
 
 
 def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -223,28 +256,16 @@ def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
     A model whose forward takes `labels` (transformers' `*ForCausalLM`) computes it itself from
     `labels=input_ids`, as its users train it: capture then fuses the LM head with the loss in CPU
-    graphs (runtime/fused_loss.py). Without a key/value cache or an attention mask, transformers checks
-    the position ids for packed sequences, a data-dependent branch that capture cannot trace, so a
-    forward that takes `use_cache` runs with the cache on (capture drops the cache's copies of keys and
-    values where SDPA reads them); an all-ones mask instead would make SDPA check the mask, which cannot
-    be traced either. Eager attention with the cache off in the config gets the all-ones mask: its
-    scores take the mask, and the keys and values are not copied."""
-    params = inspect.signature(model.forward).parameters
-    config = getattr(model, "config", None)
-    kwargs = {}
-    if "use_cache" in params:
-        eager_without_cache = getattr(config, "use_cache", None) is False and \
-            getattr(config, "_attn_implementation", None) == "eager" and "attention_mask" in params
-        kwargs = {"attention_mask": torch.ones_like(input_ids)} if eager_without_cache else {"use_cache": True}
-    if "labels" in params:
-        return model(input_ids, labels=input_ids, **kwargs).loss
-    logits = _logits(model(input_ids, **kwargs))
+    graphs (runtime/fused_loss.py). A transformers model runs without its key/value cache (`_forward`)."""
+    if "labels" in inspect.signature(model.forward).parameters:
+        return _forward(model, input_ids, labels=input_ids).loss
+    logits = _logits(_forward(model, input_ids))
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
 
 
 def output_sum(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
     """Sum of the model output (a loss for models without targets)."""
-    return _logits(model(*batch)).sum()
+    return _logits(_forward(model, *batch)).sum()
 
 
 _NAMED = {"cross_entropy": cross_entropy, "mse": mse, "causal_lm": causal_lm, "sum": output_sum}

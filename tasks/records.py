@@ -1,13 +1,15 @@
 """The typed records that travel between the pipeline's stages (torch-free pydantic models).
 
 Each stage returns one record: trace a `Traced`, profile a `Profiled`, reference a `Referenced`, solve a
-`Solved`, validate a `Validated`, publish a `Published`. Prefect persists them as JSON (flows/steps.py,
-never pickles) and gives them back typed; the run's outcome table (flows/report.py) is built from them.
+`Solved`, validate a `Validated`, publish a `Published`; where a stage raised for a cell, that cell gets a
+`StageError` instead and the run goes on with the others (flows/plan.py). Prefect persists them as JSON
+(flows/steps.py, never pickles) and gives them back typed; the run's outcome table (flows/report.py) is built from
+them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -166,6 +168,46 @@ class Validated(Record):
         more = len(self.reasons) - shown
         return (f"plan {name} failed validation on {self.device}: " + "; ".join(self.reasons[:shown])
                 + (f"; and {more} more" if more > 0 else "") + ".")
+
+
+MESSAGE_CHARS = 1200
+"""The most characters of an error's message a `StageError` keeps, its start and its end (where memplan's messages
+say the fix); a CheckpointError lists every tensor."""
+
+
+class StageError(Record):
+    """An error a stage raised for one cell (or for the model and batch size its cells share): the stage, the
+    error's type and its message on one line, and the plan it ran, where it ran one (`plan_id`)."""
+
+    stage: str
+    error: str
+    message: str
+    plan_id: str | None = None
+
+    @classmethod
+    def of(cls, stage: str, exc: Exception, plan_id: str | None = None) -> "StageError":
+        """The record of `exc` raised in `stage`, its message on one line and at most `MESSAGE_CHARS` long."""
+        text = " ".join(str(exc).split())
+        if len(text) > MESSAGE_CHARS:
+            text = f"{text[:MESSAGE_CHARS // 2]} … {text[-MESSAGE_CHARS // 2:]}"
+        return cls(stage=stage, error=type(exc).__name__, message=text, plan_id=plan_id)
+
+    def explain(self, name: str) -> str:
+        """One paragraph saying that cell `name` failed, in which stage and why (ending in a full stop)."""
+        text = f"{name} failed in its {self.stage} stage: {self.error}: {self.message or '(no message)'}"
+        return text if text.endswith((".", "!", "?")) else f"{text}."
+
+
+T = TypeVar("T")
+
+
+def attempt(stage: str, run: Callable[..., T], *args: Any, plan_id: str | None = None, **kwargs: Any) -> T | StageError:
+    """`run(*args, **kwargs)`, or the `StageError` of `stage` for the Exception it raises (KeyboardInterrupt and
+    SystemExit are no Exception: they still stop the run)."""
+    try:
+        return run(*args, **kwargs)
+    except Exception as exc:
+        return StageError.of(stage, exc, plan_id)
 
 
 class Published(Record):

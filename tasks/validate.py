@@ -54,7 +54,7 @@ import functools
 import statistics
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ from memplan.tasks.config import MemplanError, ModelConfig, ValidateConfig
 from memplan.tasks.fitting_reference import LOSS_REDUCTIONS, rebuilt_step, training_step
 from memplan.tasks.memory_limit import MemoryLimit
 from memplan.tasks.models import build_batch, build_loss, build_model
-from memplan.tasks.records import Referenced, Validated
+from memplan.tasks.records import Referenced, StageError, Validated, attempt
 from memplan.tasks.reference import State, Step, first_steps, optimizer_named, reference_state
 from memplan.tasks.step_timing import median_interval, paired_step_times
 
@@ -181,8 +181,8 @@ def validate_alone(
 def validate_plans(
     plans: Sequence[Plan], spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
-    eager_graph: OpGraph | None = None, no_recompute: Sequence[Plan | None] | None = None,
-) -> list[Validated]:
+    eager_graph: OpGraph | None = None, no_recompute: Sequence[Plan | None] | None = None, isolate: bool = False,
+) -> list[Validated | StageError]:
     """`validate_plan` for several plans of one model and batch size at once: each is checked against
     `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
     per round, each plan's overhead the median of its per-round ratios to that round's eager step. Each plan
@@ -192,7 +192,10 @@ def validate_plans(
     one graph and rewrite selection share one capture of the model, and without `eager_graph` the policy-form
     plans share one eager capture. `no_recompute` (aligned with `plans`): each plan's no-recomputation plan
     (None: none), timed in the same rounds (each distinct one once), against which a plan's
-    `overhead_vs_no_recompute` is measured as its overhead is against the reference step."""
+    `overhead_vs_no_recompute` is measured as its overhead is against the reference step. With `isolate`, a
+    plan that raises as it is loaded, run or judged (or whose no-recomputation plan does) gets a `StageError` in
+    its place and the others are timed and judged without it; without, the error is raised. What the plans
+    share (the reference, the model, its batch and captures, the timed rounds) raises either way."""
     check_reference(reference, spec, batch_size, device, seed)
     in_step = {plan.provenance.get("optimizer_in_step") for plan in plans} - {None}
     if in_step - {reference.optimizer}:
@@ -219,18 +222,41 @@ def validate_plans(
         from memplan.runtime.policy import capture_eager
 
         eager_graph = capture_eager(copy.deepcopy(base), loss_fn, batch)
-    measured = [_first_run(plan, base, loss_fn, batch, device, seed, eager_graph if plan.form == POLICY else graph,
-                           runs) for plan in plans]
-    baselines: dict[str, int] = {}                   # no-recomputation plan id -> its timed run
+    each = functools.partial(_attempt, isolate)
+    measured = [each(plan, _first_run, plan, base, loss_fn, batch, device, seed,
+                     eager_graph if plan.form == POLICY else graph, runs, settings) for plan in plans]
+    baselines: dict[str, _PlanRun | StageError] = {}                 # no-recomputation plan id -> its run
     for other in {plan_id(p): p for p in no_recompute or () if p is not None}.values():
-        baselines[plan_id(other)] = _first_run(other, base, loss_fn, batch, device, seed, graph, runs).index
+        baselines[plan_id(other)] = each(other, _first_run, other, base, loss_fn, batch, device, seed, graph, runs,
+                                         settings)
     against = [None if p is None else baselines[plan_id(p)] for p in no_recompute or [None] * len(plans)]
-    compiled = [compiled_plan_peak(run.plan, base, loss_fn, batch, eager_graph, settings) for run in measured]
     times = paired_step_times(runs, device, settings.warmup, settings.steps, settings.max_steps,
                               settings.overhead_precision)
     resident = None if limit is None else limit.module_resident_bytes(base, batch)
-    return [_verdict(run, expected, times, reference, settings, tolerance, limit, resident, baseline, peak)
-            for run, baseline, peak in zip(measured, against, compiled)]
+    results: list[Validated | StageError] = []
+    for run, baseline in zip(measured, against):
+        if isinstance(run, StageError):
+            results.append(run)
+        elif isinstance(baseline, StageError):
+            results.append(_baseline_error(run.plan, baseline))
+        else:
+            results.append(each(run.plan, _verdict, run, expected, times, reference, settings, tolerance, limit,
+                                resident, None if baseline is None else baseline.index))
+    return results
+
+
+T = TypeVar("T")
+
+
+def _attempt(isolate: bool, plan: Plan, run: Callable[..., T], *args: Any) -> T | StageError:
+    """`run(*args)`; with `isolate`, the error it raises as `plan`'s `StageError` instead (stage "validate")."""
+    return attempt("validate", run, *args, plan_id=plan_id(plan)) if isolate else run(*args)
+
+
+def _baseline_error(plan: Plan, error: StageError) -> StageError:
+    """`plan`'s error where its no-recomputation plan raised `error`: its overhead cannot be measured."""
+    return StageError(stage=error.stage, error=error.error, plan_id=plan_id(plan),
+                      message=f"its no-recomputation plan {error.plan_id[:12]} raised it: {error.message}")
 
 
 def compiled_plan_peak(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor],
@@ -266,11 +292,13 @@ def _baseline(reference: Referenced, base: nn.Module, loss_fn: Callable[..., tor
 
 
 def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...],
-               device: str, seed: int, graph: OpGraph | None, runs: list[tuple[nn.Module, Step]]) -> _PlanRun:
+               device: str, seed: int, graph: OpGraph | None, runs: list[tuple[nn.Module, Step]],
+               settings: ValidateConfig) -> _PlanRun:
     """Load `plan` on a copy of `base` (with the optimizer it was planned to run inside the step; in the policy
     form, `runtime.apply` on `graph`, capture_eager's, then the model's own backward), take its state
     after one step and its peak (and, for a plan with addresses, those of its arena run, before any timed step
-    moves its buffers); appends its timed runs to `runs`."""
+    moves its buffers; for a policy plan solved compiled, its peak under torch.compile); appends its timed runs to
+    `runs` once all of that ran."""
     from memplan import runtime
 
     plan_model = copy.deepcopy(base)
@@ -282,8 +310,7 @@ def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor]
     else:
         planned = functools.partial(runtime.load(plan, plan_model, loss_fn, graph=graph, optimizer=update), *batch)
     state, peak = first_steps(plan_model, planned, device, seed, params=update is not None)
-    runs.append((plan_model, planned))
-    index, arena = len(runs) - 1, None
+    timed, arena = [(plan_model, planned)], None
     if plan.addresses:
         arena_model = copy.deepcopy(base)
         arena_step = runtime.load(plan, arena_model, loss_fn, graph=graph, arena=True)
@@ -291,10 +318,12 @@ def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor]
             warnings.simplefilter("ignore", ArenaFallbackWarning)     # recorded as arena_bytes_not_placed
             arena_step.compile(*batch)
         in_arena, arena_peak = first_steps(arena_model, functools.partial(arena_step, *batch), device, seed)
-        runs.append((arena_model, functools.partial(arena_step, *batch)))
+        timed.append((arena_model, functools.partial(arena_step, *batch)))
         report, = arena_step.arena_report.values()
-        arena = _ArenaRun(len(runs) - 1, in_arena, arena_peak, report.bytes_not_placed)
-    return _PlanRun(plan, index, 1 if update is not None else 0, state, peak, arena)
+        arena = _ArenaRun(len(runs) + 1, in_arena, arena_peak, report.bytes_not_placed)
+    compiled = compiled_plan_peak(plan, base, loss_fn, batch, graph, settings)
+    runs.extend(timed)
+    return _PlanRun(plan, len(runs) - len(timed), 1 if update is not None else 0, state, peak, arena, compiled)
 
 
 def check_reference(reference: Referenced, spec: ModelConfig, batch_size: int, device: str, seed: int) -> None:
@@ -322,7 +351,7 @@ class _ArenaRun:
 @dataclass(frozen=True)
 class _PlanRun:
     """A plan's run: its index among the timed runs and that of the run it is timed against, its state after one
-    step, its peak, and its arena run."""
+    step, its peak, its arena run and its peak under torch.compile (`compiled_plan_peak`)."""
 
     plan: Plan
     index: int
@@ -330,17 +359,18 @@ class _PlanRun:
     state: State
     peak_bytes: int
     arena: _ArenaRun | None
+    compiled_peak: int | None = None
 
 
 def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], reference: Referenced,
              settings: ValidateConfig, tolerance: tuple[float, float], limit: MemoryLimit | None,
-             resident: int | None, no_recompute: int | None = None, compiled_peak: int | None = None) -> Validated:
+             resident: int | None, no_recompute: int | None = None) -> Validated:
     """The `Validated` record of one plan's run: its state against the reference's (parameters instead of
     gradients for a plan updating inside the step), its peak against its budget and the device memory limit,
     its step times against its baseline's in the same rounds, and against those of the run `no_recompute`
-    (its no-recomputation plan) where given; `compiled_peak`, its peak under torch.compile, against the budget and
+    (its no-recomputation plan) where given; its peak under torch.compile, where measured, against the budget and
     the limit too."""
-    plan = run.plan
+    plan, compiled_peak = run.plan, run.compiled_peak
     compared_kinds = ("loss", "param", "buffer") if run.baseline else ("loss", "grad", "buffer")
     expected = {k: v for k, v in cell_state.items() if k.split(":")[0] in compared_kinds}
     ratios = [p / e for p, e in zip(times[run.index], times[run.baseline])]

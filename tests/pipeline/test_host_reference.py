@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from memplan.runtime.meter import DeviceMemoryExceeded, PeakMeter
-from memplan.tasks.fitting_reference import (EAGER, HOST, HOST_ATOL, HOST_RTOL, NESTED_CHECKPOINT, NoFittingReference,
+from memplan.tasks.fitting_reference import (HOST, HOST_ATOL, HOST_RTOL, NESTED_CHECKPOINT, NoFittingReference,
                                      checkpoint_blocks, checkpoint_nested, reference_step, training_step)
 from memplan.tasks.memory_limit import MemoryLimit
 from tests.pipeline.fit_blocks import bn_convnet, wide_blocks
@@ -151,7 +151,7 @@ def test_host_reference_must_be_a_boolean():
 
 @pytest.mark.parametrize("host", [True, False])
 def test_a_batchnorm_step_no_device_reference_fits_is_validated_on_the_host_and_published(tmp_path, harness, host):
-    from memplan.flows.plan import run_plan
+    from memplan.flows.plan import PipelineFailed, run_plan
     from memplan.runtime.plan import Plan
 
     model, batch = convnet_and_batch()
@@ -166,8 +166,9 @@ def test_a_batchnorm_step_no_device_reference_fits_is_validated_on_the_host_and_
     config = tmp_path / "pipeline.toml"
     config.write_text(PIPELINE.format(limit=limit, batch=BATCH, side=SIDE, budget=(limit - resident) * 4 // 5,
                                       validate="" if host else "host_reference = false"))
-    if not host:                                                            # refused before any plan is validated
-        with pytest.raises(NoFittingReference, match=r"nested checkpoint: .* set host_reference = true under"):
+    if not host:                                            # the cell fails at its reference: nothing validated
+        with pytest.raises(PipelineFailed, match=r"failed in its reference stage: NoFittingReference: .*nested "
+                                                 r"checkpoint: .* set host_reference = true under"):
             run_plan(config)
         return
     outcome, = run_plan(config)

@@ -51,9 +51,8 @@ def test_transformers_model_is_built_from_a_config_and_causal_lm_loss_is_next_to
 def test_causal_lm_of_a_transformers_lm_is_its_labels_loss_and_capture_fuses_it_with_the_head(kwargs, attention):
     """`causal_lm` of a `*ForCausalLM` is the model's own `labels=` loss, equal to next-token cross-entropy
     of its logits. Capture traces it whatever the config's cache and attention settings (the loss runs
-    the forward with the cache on, or eager attention without it with an all-ones mask: either skips
-    transformers' untraceable packed-sequence check), holds no copy of the keys and values and fuses the
-    LM head with the loss."""
+    the forward without the cache, and transformers' untraceable packed-sequence check answers "none" while
+    capture traces), holds no copy of the keys and values and fuses the LM head with the loss."""
     from memplan.tasks.trace import capture_model
 
     spec = model_spec(
