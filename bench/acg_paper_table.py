@@ -37,7 +37,6 @@ from rich.table import Table  # noqa: E402
 
 from memplan import runtime  # noqa: E402
 from memplan.runtime.meter import PeakMeter  # noqa: E402
-from memplan.runtime.plan import Plan  # noqa: E402
 from memplan.tasks.solve import solve  # noqa: E402
 from memplan.tasks.solve.acg.forward import forward_graph  # noqa: E402
 from memplan.tasks.solve.core.problem import Problem  # noqa: E402

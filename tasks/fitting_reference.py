@@ -217,5 +217,5 @@ def reference_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch
     raise NoFittingReference(
         f"no reference step fits the device memory limit of {limit.limit_bytes:,} B on {device}, so no plan can be "
         f"validated there: " + "; ".join(misses) + ". Raise device_memory, lower the batch size, or set "
-        f"host_reference = true under [validate] in pipeline.toml to validate against eager's step on the host CPU "
-        f"without the limit (docs/fit.md).")
+        "host_reference = true under [validate] in pipeline.toml to validate against eager's step on the host CPU "
+        "without the limit (docs/fit.md).")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
 import numpy as np
 

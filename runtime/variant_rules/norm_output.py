@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memplan.runtime.graph import OpGraph
-from memplan.runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
+from memplan.runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec
 
 if TYPE_CHECKING:
     from torch import fx

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memplan.runtime.graph import OpGraph
 from memplan.runtime.variant_spec import DTYPE_BYTES, Builder, Rule, VariantSpec, readers
 
 if TYPE_CHECKING:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 import torchvision
 
 from memplan import runtime
-from memplan.runtime.plan import Plan
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

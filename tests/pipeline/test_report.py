@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memplan.flows.report import Outcome, artifact_key, markdown_table, memory_overhead_plot
 from memplan.flows.steps import content_key
+from memplan.tasks.records import Solved
 
 PUBLISHED = Outcome("m-b8-checkmate-90pct", "m", 8, "checkmate", "90pct", "published", budget_bytes=90 * 2**20,
                     checkpoint_all_peak_bytes=100 * 2**20, predicted_peak_bytes=80 * 2**20,
@@ -68,10 +69,8 @@ def test_content_key_depends_on_every_part_and_nothing_else():
     assert key.startswith("solve-") and len(key) == 6 + 64
 
 
-def _solved(fields: dict) -> "Solved":
+def _solved(fields: dict) -> Solved:
     """An infeasible cell's `Solved` record with `fields`."""
-    from memplan.tasks.records import Solved
-
     return Solved(solver="checkmate", feasible=False, checkpoint_all_cost=1.0, predicted_peak_bytes=None, arena_bytes=None,
                   objective=None, gap=None, solve_seconds=0.0, backend=None, plan_path=None, plan_id=None, profile_run_id=None, **fields)
 

@@ -3,7 +3,6 @@ peak is the simulator's prediction."""
 
 import pytest
 
-from memplan.runtime.plan import Plan
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

@@ -20,7 +20,7 @@ from memplan.tasks import compiled_search
 from memplan.tasks.compiled_search import COMPILED, search
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
-from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.simulator import simulate
 
 from .test_policy import build
 

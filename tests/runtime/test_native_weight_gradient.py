@@ -22,7 +22,7 @@ from memplan.runtime.variants import graph_variants
 from memplan.tasks.solve.core.optimizer import in_step
 from memplan.tasks.solve.core.orders import update_order
 from memplan.tasks.solve.core.problem import Problem
-from memplan.tasks.solve.core.simulator import default_schedule, simulate
+from memplan.tasks.solve.core.simulator import simulate
 
 aten = torch.ops.aten
 

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime

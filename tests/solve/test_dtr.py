@@ -13,7 +13,7 @@ from memplan.tasks.solve import solve
 from memplan.tasks.solve.dtr import dtr_schedule
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
-from memplan.tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
+from memplan.tasks.solve.core.solution import min_budget_lower_bound
 
 from tests.solve.test_checkmate import exhaustive_optimum
 
