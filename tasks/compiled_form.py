@@ -96,12 +96,13 @@ REACH_STEPS = 7
 """Where the solver finds nothing at the budget, the least budget it reaches is bisected to 1/2**7 of the range."""
 
 
-def least_within(problem: Problem, solver: str, budget: int) -> Solution:
-    """The solver's answer at `budget`, or where it finds none there, at the least budget between `budget` and the
-    no-recomputation peak where it does (bisected `REACH_STEPS` times): a lower budget never gives a plan that
-    needs more memory than a higher one's."""
+def least_within(problem: Problem, solver: str, fraction: float) -> Solution:
+    """The solver's answer at `fraction` of the no-recomputation peak, or where it finds none there, at the least
+    budget between that and the no-recomputation peak where it does (bisected `REACH_STEPS` times): a lower
+    fraction never gives a plan that needs more memory than a higher one's."""
     ceiling = simulate(problem, default_schedule(problem)).peak_bytes
-    solution = solve(problem, solver, min(budget, ceiling))
+    budget = max(1, int(fraction * ceiling))
+    solution = solve(problem, solver, budget)
     if solution.feasible or budget >= ceiling:
         return solution
     low, high = budget, ceiling
@@ -128,8 +129,7 @@ class FractionDecision:
 
     def __call__(self, joint: JointGraph) -> Decision:
         problem = joint_problem(joint)
-        ceiling = simulate(problem, default_schedule(problem)).peak_bytes
-        solution = least_within(problem, self.solver, max(1, int(self.fraction * ceiling)))
+        solution = least_within(problem, self.solver, self.fraction)
         self.solutions.append(solution)
         if not solution.feasible:
             return Decision()
