@@ -11,6 +11,8 @@ DDP. Parameters DDP ignores (`parameters_to_ignore`) are not reduced; a paramete
 captured graph (unused: the same graph on every rank) is skipped on every rank and its `.grad` is left as it
 was. Inside `ddp.no_sync()` nothing is reduced (gradient accumulation), as with DDP. With
 `broadcast_buffers` (DDP's default), rank 0's buffers are broadcast before each step, as DDP's forward does.
+Before its first step the executor has the ranks confirm they hold the same plan (`check_plan`): buckets
+follow the planned backward, so ranks with different plans could all-reduce buffers of different sizes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from memplan.runtime.graph import OpGraph
-from memplan.runtime.plan import Plan
+from memplan.runtime.jsonio import sha256_hex
+from memplan.runtime.plan import Plan, PlanError
 from memplan.runtime.schedule import gradient_buckets
 from memplan.runtime.variants import GraphVariants
 
@@ -62,6 +65,17 @@ class GradientSync:
             points.setdefault(bucket.step, []).append(tuple(reduced[k] for k in bucket.members))
         return points
 
+    def check_plan(self, plan: Plan) -> None:
+        """Refuse, on every rank, unless every rank of the group holds the same plan (`plan_digest`); one
+        small all-gather, before any other collective of the step."""
+        digests: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(digests, plan_digest(plan), group=self.group)
+        if len(set(digests)) > 1:
+            ranks = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+            raise PlanError(f"the ranks hold different plans ({ranks}; digests of each plan's graph fingerprint and "
+                            f"schedule), and each rank's all-reduces follow its own plan: load the same plan file "
+                            f"on every rank.")
+
     def broadcast_buffers(self) -> None:
         """Rank 0's buffers to every rank, before the step (DDP's `broadcast_buffers`)."""
         if not self.ddp.broadcast_buffers or not self.ddp.require_forward_param_sync:
@@ -92,6 +106,11 @@ class GradientSync:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def plan_digest(plan: Plan) -> str:
+    """12 hex digits of the SHA-256 of what the step runs of `plan`: its graph fingerprint and schedule."""
+    return sha256_hex({"fingerprint": plan.fingerprint, "schedule": plan.schedule})[:12]
 
 
 class _Step(NamedTuple):

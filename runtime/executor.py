@@ -36,9 +36,10 @@ from memplan.runtime.cuda_graph import GraphedStep
 from memplan.runtime.ddp_sync import GradientSync
 from memplan.runtime.grads import accumulate_grad
 from memplan.runtime.graph import OpGraph
+from memplan.runtime.model_state import Change, ModelChanged, ModelState, describe
 from memplan.runtime.optim_step import (InStepOptimizer, check_optimizer, check_slice_bytes, refuse_accumulation,
                                 refuse_global_clipping, update_points)
-from memplan.runtime.plan import Plan
+from memplan.runtime.plan import Plan, PlanError
 from memplan.runtime.program import Program
 from memplan.runtime.schedule import UPDATE_SLICE_BYTES
 from memplan.runtime.variant_ops import head_node
@@ -192,7 +193,8 @@ class TrainStep:
     says what each compiled batch signature placed. With `cuda_graph`, each batch signature's program is
     captured once and replayed as a CUDA graph (runtime.cuda_graph says what that asks of the caller). A
     `DistributedDataParallel` model is captured through its `.module`, and the step all-reduces the gradients as
-    DDP would (runtime.ddp_sync)."""
+    DDP would (runtime.ddp_sync), after the ranks confirm on the first step that they hold the same plan. Each call
+    checks that the model's modules and parameters are the ones compiled (`_follow_model`)."""
 
     def __init__(self, plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
                  graph: OpGraph | None = None, arena: bool = False, cuda_graph: bool = False,
@@ -235,6 +237,8 @@ class TrainStep:
         self.update_slice_bytes = update_slice_bytes
         self._graph = graph
         self._compiled: dict[tuple, _Compiled] = {}
+        self._model: ModelState | None = None           # the model as compiled
+        self._plan_agreed = False                       # the ranks hold the same plan (DDP)
 
     @property
     def code(self) -> Mapping[tuple, str]:
@@ -242,9 +246,49 @@ class TrainStep:
         return {k: c.fn.code for k, c in self._compiled.items()}
 
     def compile(self, *batch: torch.Tensor) -> _Compiled:
+        """The compiled program for this batch signature, after checking the model (`_follow_model`)."""
+        changes = self._follow_model()
         key = batch_signature(self.model, batch)
         if key in self._compiled:
             return self._compiled[key]
+        try:
+            compiled = self._compile(key, batch)
+        except PlanError as exc:
+            if not changes:
+                raise
+            raise PlanError(f"the model changed since this step captured it ({describe(changes)}), so the step "
+                            f"captured it again, and the plan does not fit the new graph: {exc}") from exc
+        if self._model is None or changes:
+            self._model = ModelState.of(self.model)
+        return compiled
+
+    def _follow_model(self) -> list[Change]:
+        """Check the model against the one compiled (`runtime.model_state`). A change under DDP, or a parameter
+        that no longer requires grad, is refused (ModelChanged); on any other change what was compiled is
+        dropped, so the step captures the model again and checks the plan against the new graph. Returns the
+        changes."""
+        changes = [] if self._model is None else self._model.changes(self.model)
+        if not changes:
+            return changes
+        if self.gradient_sync is not None:
+            raise ModelChanged(f"the model under DistributedDataParallel changed since this step captured it "
+                               f"({describe(changes)}): DDP keeps the modules and parameters it was built with "
+                               f"in step across the ranks, so the step does not capture another model under it. "
+                               f"Wrap the changed model in DistributedDataParallel again and load the plan on it "
+                               f"with runtime.load (a plan made for the changed model if its graph changed).")
+        frozen = [c for c in changes if c.kind == "frozen"]
+        if frozen:
+            raise ModelChanged(f"{describe(frozen)} since this step captured the model: memplan plans and runs "
+                               f"full training steps, in which every parameter gets a gradient (runtime.capture "
+                               f"refuses a frozen one), so the step cannot leave its gradient out. To stop "
+                               f"training a parameter, make it require grad again (requires_grad_(True)) and leave "
+                               f"it out of the optimizer.")
+        self._compiled.clear()
+        self.arena_report.clear()
+        self._graph = None
+        return changes
+
+    def _compile(self, key: tuple, batch: tuple) -> _Compiled:
         graph = self._graph
         if graph is None or graph.program is None or graph.program.batch_signature != key:
             graph = capture(self.model, self.loss_fn, batch, rewrites=self.plan.rewrites)
@@ -290,6 +334,9 @@ class TrainStep:
         return compiled
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        if self.gradient_sync is not None and not self._plan_agreed:
+            self.gradient_sync.check_plan(self.plan)
+            self._plan_agreed = True
         c = self.compile(*batch)
         if c.in_step is not None:
             refuse_accumulation(c.in_step)

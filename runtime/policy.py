@@ -39,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from memplan.runtime.autograd_nodes import label_backward
 from memplan.runtime.capture import capture
 from memplan.runtime.graph import OpGraph
+from memplan.runtime.model_state import ModelChanged, ModelState, describe
 from memplan.runtime.modules import META_KEY, PART_KEY, marked_modules, module_parts
 from memplan.runtime.ops import allocating_calls, is_view, op_name
 from memplan.runtime.optim_step import check_optimizer, step_in_backward
@@ -144,6 +145,27 @@ def _checkpointed(forward: Callable, key: str, *args: Any, **kwargs: Any) -> Any
     return out
 
 
+class _ModelWatch:
+    """The forward pre-hook `apply` puts on the model: each forward (not under torch.compile's tracing) checks
+    that the model's modules are the ones captured, by identity (`runtime.model_state`), and refuses a changed
+    tree. Parameters are not checked: autograd runs whatever tensors the modules hold (a replaced parameter is
+    used, a frozen one gets no gradient), and FSDP2 swaps them by design."""
+
+    def __init__(self, model: nn.Module):
+        self.state = ModelState.of(model, parameters=False)
+
+    def __call__(self, model: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            return
+        changes = self.state.changes(model)
+        if changes:
+            raise ModelChanged(f"the model's modules changed since runtime.apply captured it ({describe(changes)}): "
+                               f"the plan's checkpointed regions and the ops it maps are those of the captured "
+                               f"modules, and a module put in since runs without them or fails to map onto them. "
+                               f"Make the change before runtime.apply, and apply a plan made for the changed model "
+                               f"to a fresh copy of it.")
+
+
 @contextmanager
 def _eager_dropout() -> Iterator[None]:
     """Trace `aten.dropout` as eager PyTorch runs it on the CPU (a float mask from `bernoulli_`, then
@@ -182,7 +204,8 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
     else PolicyFormError says why. `batch` is what the plan was made for: the model is captured with
     `capture_eager` (or `graph` is, from this model and batch) and the plan checked against it. With
     `optimizer`, `loss.backward()` also runs it, each parameter updated as soon as its gradient is accumulated
-    (`runtime.optim_step.step_in_backward`: post-accumulate-grad hooks); do not call optimizer.step()."""
+    (`runtime.optim_step.step_in_backward`: post-accumulate-grad hooks); do not call optimizer.step(). Each
+    forward of `model` then checks that its modules are the ones captured (`_ModelWatch`; ModelChanged if not)."""
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if optimizer is not None:
         check_optimizer(optimizer)
@@ -231,4 +254,5 @@ def apply(plan: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.Module, 
             module.forward = functools.partial(_checkpoint, module.forward)
     if optimizer is not None:
         step_in_backward(optimizer, model)
+    model.register_forward_pre_hook(_ModelWatch(model))
     return model
