@@ -8,10 +8,12 @@ each piece is needed only until the next concatenation. Then the rewrite passes 
 run (`PASSES`): each convolution backward is split into its weight- and input-gradient halves (a pointwise
 one's input gradient a matrix product), cross-entropy and the written-out tanh GELU are fused into ops that
 keep fewer tensors, and each training dropout is split into its mask's draw and its product. Which
-instances a capture applies is its rewrite selection: the default (every instance; the matrix product only
-where ATen takes its GEMM path at this thread count), an explicit one (`rewrites=`, as a plan records it),
-or, with `verify=True`, the default instances that runtime/rewrite_check.py finds bit-identical on this
-step's real values on this device and thread count. The graph records it in `meta["rewrites"]`. The
+instances a capture applies is its rewrite selection: by default the default instances (every instance; the
+matrix product only where ATen takes its GEMM path at this thread count) that runtime/rewrite_check.py finds
+bit-identical on this step's real values on this device and thread count; an explicit one (`rewrites=`, as a
+plan records it); or, with `verify=False`, every default instance unchecked (a kernel's algorithm differs per
+CPU and thread count: unchecked, regnet_x_400mf's `stem.0.weight` gradient was 3.2e-4 from eager's on the host
+of issue #53). The graph records it in `meta["rewrites"]`. The
 fusions and the dropout split apply to CPU graphs only: their ops run block by block, a few small kernels
 per block, and on a GPU those launches cost more than the memory saves (measured on an H200, GPT-2 of
 bench/peers.py: eager 13 ms a step, the fused graph's no-recomputation schedule 28 ms, the captured one's
@@ -44,12 +46,27 @@ from memplan.runtime.rewrite_check import exact_instances
 from memplan.runtime.rewrites import PASSES, Rewriter
 
 class _LossStep(nn.Module):
-    """`loss_fn(model, *batch)` as a module returning a 1-tuple, the form `aot_export_module` needs."""
+    """`loss_fn(model, *batch)` as a module returning a 1-tuple, the form `aot_export_module` needs.
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]):
+    `aot_export_module` lifts every parameter name (`named_parameters(remove_duplicate=False)`) to a graph input
+    and asserts that each input requiring grad receives a gradient. A name through which the loss has none fails
+    that: the alias of a tied weight that the model reads under its other names (T5's `shared.weight`, read as
+    `encoder.embed_tokens`, `decoder.embed_tokens` and `lm_head`; BERT's `cls.predictions.bias`, read as
+    `decoder.bias`), or a parameter the loss does not depend on (BertModel's pooler under a loss on
+    `last_hidden_state`). `unread` names those (`model.`-prefixed, as this module names them): they are lifted
+    as inputs that do not require grad, so the graph reads them as the model does and has no gradient output for
+    them, as eager's `loss.backward()` gives such a name none (a tied tensor gets the sum of its other names'
+    gradients; an unused parameter keeps `.grad` None)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], unread: frozenset[str] = frozenset()):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.unread = unread
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield name, p.detach() if name.removeprefix(f"{prefix}." if prefix else "") in self.unread else p
 
     def forward(self, *batch: torch.Tensor) -> tuple[torch.Tensor]:
         loss = self.loss_fn(self.model, *batch)
@@ -68,19 +85,23 @@ def batch_signature(model: nn.Module, batch: tuple) -> tuple:
 def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple | list, *,
             record_modules: bool = True, record_parts: bool = False,
             rewrites: Mapping[str, Sequence[int]] | None = None,
-            verify: bool = False) -> OpGraph:
+            verify: bool | None = None) -> OpGraph:
     """Trace one training step (forward, loss, backward) with `aot_export_module(trace_joint=True)` and
     fold it into an operator graph. The returned graph carries the FX program in `.program`. With
     `record_modules`, `meta["node_modules"]` names, per operator node, the repeated module
     (runtime/modules.py) whose forward computed it, or None; with `record_parts` too, `meta["node_parts"]` the
     child of it (what the policy form splits layers by; each marker costs tracing time: ResNet-50's 3.1 s
     capture takes 4.9 s with its parts marked). `rewrites` (`{pass: [instance, ...]}`, a
-    graph's or plan's `rewrites["applied"]`) applies exactly those rewrite instances; `verify` applies the
-    default instances that are bit-identical on this step's values here (runtime/rewrite_check.py);
-    neither: the default instances. `meta["rewrites"]` records the selection (docs/graph-format.md)."""
+    graph's or plan's `rewrites["applied"]`) applies exactly those rewrite instances; otherwise capture applies
+    the default instances that are bit-identical on this step's values on this device and thread count
+    (runtime/rewrite_check.py: one extra step on real values per pass that has instances), or with
+    `verify=False` every default instance unchecked. `meta["rewrites"]` records the selection
+    (docs/graph-format.md). A parameter name the step never reads (an alias of a tied weight read under its
+    other names, an unused parameter) has no gradient output, as eager's backward gives it none (`_LossStep`)."""
     if rewrites is not None and verify:
         raise ValueError("capture takes a rewrite selection or verify=True, not both: a recorded selection "
                          "was verified where it was made.")
+    verify = rewrites is None if verify is None else verify
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise CaptureError("capture got a DistributedDataParallel wrapper, whose forward (bucket bookkeeping, "
                            "record_function calls) is not part of the training step's graph. Capture its .module "
@@ -99,10 +120,49 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                            f"steps, so every parameter must require grad.")
     cuda = sorted({torch.cuda.current_device() if t.device.index is None else t.device.index
                    for t in [*batch, *model.parameters()] if t.device.type == "cuda"})
-    hooks = boundary_hooks(model, record_parts) if record_modules else nullcontext()
-    with torch.random.fork_rng(devices=cuda), hooks, fake_tensors(model, batch) as fake_batch:
+    with torch.random.fork_rng(devices=cuda):
+        # Names without a gradient (`_LossStep`): a tied weight's are looked for before the export (a forward
+        # on fake tensors, a fraction of the export's time), an untied unused parameter once the export fails on it.
+        unread = _unread_parameters(model, loss_fn, batch) if _tied(model) else []
         try:
-            gm, sig = aot_export_module(_LossStep(model, loss_fn), fake_batch, trace_joint=True, output_loss_index=0)
+            gm, sig = _export(model, loss_fn, batch, unread, record_modules, record_parts)
+        except AssertionError as exc:                      # a parameter name without a gradient
+            if "did not receive a gradient" not in str(exc):
+                raise
+            if unread or not (unread := _unread_parameters(model, loss_fn, batch)):
+                raise _no_gradient(exc) from exc
+            gm, sig = _export(model, loss_fn, batch, unread, record_modules, record_parts)
+    strip_boundaries(gm.graph)
+    calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    gm.graph.eliminate_dead_code()
+    _drop_empty_concatenations(gm.graph)
+    _chain_concatenations(gm.graph)
+    inputs = _step_inputs(gm, sig, model, batch) if verify else None
+    try:
+        record = _rewrite(gm, _cpu_graph(model, batch), rewrites, inputs)
+    except torch.OutOfMemoryError as exc:
+        raise CaptureError(
+            "capture checks its rewrites on the device by running the step once unplanned on the real parameters "
+            "and batch (verify, the default), and that step does not fit this device's memory. Capture it with "
+            "verify=False (the default rewrite instances, unchecked), or on a host where the step fits, and load "
+            "plans with the selection recorded there (`rewrites=`).") from exc
+    graph = fold(gm, sig, model, batch)
+    gm.recompile()
+    graph.meta["rewrites"] = record
+    graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
+    graph.program.batch_signature = batch_signature(model, batch)
+    return graph
+
+
+def _export(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple, unread: Sequence[str],
+            record_modules: bool, record_parts: bool) -> tuple[fx.GraphModule, Any]:
+    """`aot_export_module` of the joint step on fake tensors, the parameter names `unread` lifted as inputs that
+    do not require grad (`_LossStep`); its failures as CaptureErrors that say what to do."""
+    step = _LossStep(model, loss_fn, frozenset(f"model.{name}" for name in unread))
+    hooks = boundary_hooks(model, record_parts) if record_modules else nullcontext()
+    with hooks, fake_tensors(model, batch) as fake_batch:
+        try:
+            return aot_export_module(step, fake_batch, trace_joint=True, output_loss_index=0)
         except AssertionError as exc:                      # its output-name bookkeeping (torch 2.14)
             if "gradients_to_parameters" not in str(exc):
                 raise
@@ -117,24 +177,47 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
                 "it records one step's ops for every batch, so no Python branch may read a tensor (`if t`, "
                 "`.item()`, `bool(t)`) and no op's output shape may depend on the data (`nonzero`, "
                 "`masked_select`). Compute the branch with tensor ops (`torch.where`) or move it out of the "
-                "step. transformers language models take such a branch when run with neither a key/value "
-                "cache nor an attention mask (a check for packed sequences): run them with `use_cache=True` "
-                "or pass `attention_mask` (not a cache for the policy form: each recomputed layer would append to "
-                "it again); memplan's named losses run them without a cache and answer the check while capture "
-                "traces the step (tasks/models.py).") from exc
-    strip_boundaries(gm.graph)
-    calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    gm.graph.eliminate_dead_code()
-    _drop_empty_concatenations(gm.graph)
-    _chain_concatenations(gm.graph)
-    inputs = _step_inputs(gm, sig, model, batch) if verify else None
-    record = _rewrite(gm, _cpu_graph(model, batch), rewrites, inputs)
-    graph = fold(gm, sig, model, batch)
-    gm.recompile()
-    graph.meta["rewrites"] = record
-    graph.meta["aten_call_nodes"] = calls                  # as exported, before dead-code removal
-    graph.program.batch_signature = batch_signature(model, batch)
-    return graph
+                "step. (transformers' own checks of this kind, whether an attention mask can be skipped, take "
+                "the path they take under torch.export while capture traces: `_transformers_traces`.)") from exc
+
+
+def _no_gradient(exc: AssertionError) -> CaptureError:
+    return CaptureError(
+        "torch's aot_export_module found a parameter without a gradient although the loss's autograd graph reaches "
+        "every parameter name that capture lifts as requiring grad (an op whose derivative torch does not trace, "
+        f"or a parameter read under two names by one module). Eager's loss.backward() tells which: ({exc})")
+
+
+def _unread_parameters(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple) -> list[str]:
+    """The parameter names (`named_parameters(remove_duplicate=False)`) through which the loss has no gradient:
+    the step's forward run once on fake tensors with a leaf of its own per name, and the loss's autograd graph
+    walked for the leaves it accumulates into. Random state is restored; nothing is allocated."""
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    with torch.random.fork_rng(devices=[]), fake_tensors(model, batch) as fake_batch:
+        current = dict(model.named_parameters(remove_duplicate=False))
+        leaves = {name: current[name].detach().requires_grad_() for name in names}
+        try:
+            with _reparametrize_module(model, leaves, stack_weights=True), torch.enable_grad():
+                loss = loss_fn(model, *fake_batch)
+        except Exception:                                  # the export reports it, as a CaptureError where it can
+            return []
+        reached: set[int] = set()
+        seen: set[Any] = set()
+        stack = [loss.grad_fn] if isinstance(loss, torch.Tensor) and loss.grad_fn is not None else []
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            if hasattr(fn, "variable"):
+                reached.add(id(fn.variable))
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return [name for name in names if id(leaves[name]) not in reached]
+
+
+def _tied(model: nn.Module) -> bool:
+    """Whether the model holds a parameter under more than one name."""
+    return len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
 
 
 _CAPTURING = contextvars.ContextVar("memplan_capturing", default=False)
@@ -156,12 +239,36 @@ def fake_tensors(model: nn.Module, batch: tuple):
     device.) Tied parameters stay tied: one fake per tensor. `capturing()` is true in the block."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    _transformers_traces()
     token = _CAPTURING.set(True)
     try:
-        with _reparametrize_module(model, {name: mode.from_tensor(t) for name, t in state}):
+        with _reparametrize_module(model, {name: mode.from_tensor(t) for name, t in state}, stack_weights=True):
             yield tuple(mode.from_tensor(t) for t in batch)
     finally:
         _CAPTURING.reset(token)
+
+
+def _transformers_traces() -> None:
+    """Make transformers see capture as the tracing it is (installed once; outside `capturing()` nothing changes).
+
+    transformers guards each check that reads a tensor's values with `is_tracing(t)` (masking_utils: whether an
+    all-ones attention mask can be skipped, `_ignore_bidirectional_mask_sdpa` / `_ignore_causal_mask_sdpa`; the
+    packed-sequence check; the padding warning) and, tracing, takes the path that holds for every batch (the mask
+    is built from the tensor, as under torch.export). Its test counts FakeTensors, but AOTAutograd hands the model
+    FunctionalTensors wrapping them, so BERT with an attention mask, or BART, read a fake value and capture
+    stopped. While memplan captures in this thread, a FunctionalTensor counts as fake too. Eager attention
+    adds the all-ones mask as zeros (the same values); SDPA may take another kernel with a mask (float rounding)."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    check = getattr(utils, "is_fake_tensor", None)
+    if check is None or getattr(check, "memplan_capture", False):
+        return
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    def is_fake_tensor(x: Any) -> bool:
+        return check(x) or (_CAPTURING.get() and isinstance(x, FunctionalTensor))
+
+    is_fake_tensor.memplan_capture = True                  # type: ignore[attr-defined]
+    utils.is_fake_tensor = is_fake_tensor
 
 
 def _caller(exc: BaseException) -> str:

@@ -19,8 +19,8 @@ eager could not validate anything. `reference_step` tries, in order, each run un
    children's inputs; the tolerance and the buffers as for per-block checkpointing;
 4. micro-batches: the batch split into 2, 4, 8, ... equal parts (the last smaller when they do not divide
    it), each part's step run in turn (per-block checkpointed when the model has blocks), its loss weighted
-   by its share of the batch for a mean loss (`reduction = "mean"`: cross_entropy, mse, causal_lm, all means
-   over samples or tokens) or left as it is for a sum, the gradients accumulating in `p.grad`. That is the
+   by its share of the batch for a mean loss (`reduction = "mean"`: cross_entropy, mse, causal_lm, labels, all
+   means over samples or tokens) or left as it is for a sum, the gradients accumulating in `p.grad`. That is the
    full batch's gradient up to floating-point rounding (sums taken in another order), so this reference
    compares with `rtol = max(rtol, MICRO_BATCH_RTOL)` and `atol = max(atol, MICRO_BATCH_ATOL)`. It is not
    offered for a model with BatchNorm (batch statistics of parts are not the batch's), with dropout (the
@@ -57,7 +57,7 @@ MICRO_BATCH_RTOL = 1e-3
 MICRO_BATCH_ATOL = 1e-4
 HOST_RTOL, HOST_ATOL = MICRO_BATCH_RTOL, MICRO_BATCH_ATOL
 """The least tolerance of a host reference for a plan on a GPU: the same step, summed in another order."""
-LOSS_REDUCTIONS = {"cross_entropy": "mean", "mse": "mean", "causal_lm": "mean", "sum": "sum"}
+LOSS_REDUCTIONS = {"cross_entropy": "mean", "mse": "mean", "causal_lm": "mean", "labels": "mean", "sum": "sum"}
 """How each named loss reduces over the batch (micro-batch references weight their parts by it)."""
 
 

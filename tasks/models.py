@@ -140,12 +140,23 @@ def _torchvision(name: str, kwargs: dict[str, Any], where: str) -> nn.Module:
 def _transformers(model_type: str, auto_class: str, kwargs: dict[str, Any], where: str) -> nn.Module:
     """A transformers model from `AutoConfig.for_model(model_type, **kwargs)`: no hub access, transformers'
     own defaults (SDPA attention), and built for training: without its key/value cache (`use_cache = False`
-    unless `kwargs` say otherwise), which a recomputed layer would append to again."""
+    unless `kwargs` say otherwise), which a recomputed layer would append to again. A causal LM whose class
+    names no loss of transformers' (`GPT2LMHeadModel`) gets the causal-LM loss that transformers falls back to,
+    named: the fallback's one-time warning breaks torch.compile's graph. An encoder-decoder whose config has no
+    `decoder_start_token_id` (transformers 5's T5Config; the pretrained checkpoints set it) starts its decoder
+    with the padding token, T5's convention, so that `labels=` trains it (the decoder reads the labels shifted
+    right, behind that token)."""
     import transformers
+    from transformers.loss.loss_utils import LOSS_MAPPING
 
     _known(model_type, list(transformers.CONFIG_MAPPING), f"{where}: transformers {transformers.__version__} has no model type")
     config = transformers.AutoConfig.for_model(model_type, **{"use_cache": False} | kwargs)
-    return getattr(transformers, auto_class).from_config(config)
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None)    # T5's convention
+    model = getattr(transformers, auto_class).from_config(config)
+    if auto_class == "AutoModelForCausalLM" and getattr(model, "loss_type", None) not in LOSS_MAPPING:
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def build_loss(spec: ModelConfig) -> Callable[..., torch.Tensor]:
@@ -263,10 +274,28 @@ def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
 
 
+def labels(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
+    """The model's own loss, `model(*inputs, labels=labels).loss` for the batch `(*inputs, labels)`: what
+    transformers' `*ForMaskedLM`, `*ForSeq2SeqLM` (T5, BART: the decoder reads the labels shifted right),
+    `*ForSequenceClassification` and `*ForCausalLM` compute from `labels` (a mean over the labelled tokens or
+    samples). The inputs go in the forward's order (`input_ids`, then `attention_mask` where given); a
+    transformers model runs without its key/value cache (`_forward`)."""
+    if len(batch) < 2:
+        raise ModelError(f"the loss `labels` takes a batch (*inputs, labels), got {len(batch)} tensor(s); declare the "
+                         "labels as the last of the model's `inputs` in pipeline.toml.")
+    output = _forward(model, *batch[:-1], labels=batch[-1])
+    loss = getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ModelError(f"the loss `labels` needs a model that returns `.loss` when given `labels=`; "
+                         f"{type(model).__name__} returned a {type(output).__name__} without one. Use a loss given by "
+                         "import path.")
+    return loss
+
+
 def output_sum(model: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
     """Sum of the model output (a loss for models without targets)."""
     return _logits(_forward(model, *batch)).sum()
 
 
-_NAMED = {"cross_entropy": cross_entropy, "mse": mse, "causal_lm": causal_lm, "sum": output_sum}
+_NAMED = {"cross_entropy": cross_entropy, "mse": mse, "causal_lm": causal_lm, "labels": labels, "sum": output_sum}
 assert set(_NAMED) == set(NAMED_LOSSES)

@@ -242,6 +242,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "traces torchvision and transformers models",
         "test_torchvision_model_takes_kwargs_and_seed",
         "test_causal_lm_of_a_transformers_lm_is_its_labels_loss_and_capture_fuses_it_with_the_head",
+        "test_an_encoder_decoder_and_an_encoder_train_with_the_labels_loss",
     ),
     "tests/pipeline/test_policy_pipeline.py": (
         "the module's `memplan run` (policy form), or solves and validates policies",
@@ -329,6 +330,16 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_fingerprint_is_the_same_in_another_process",
         "test_concatenations_of_growing_lists_are_chained",
         "test_pointwise_input_gradients_are_matrix_products_where_aten_uses_its_gemm_path",
+        "test_a_transformers_lm_run_without_cache_captures_with_or_without_a_mask",
+    ),
+    "tests/runtime/test_capture_encoders.py": (
+        "traces and trains BERT, RoBERTa, T5 and BART",
+        "test_bert_masked_lm_with_an_all_ones_attention_mask_trains_like_eager_and_on_a_padded_batch",
+        "test_bert_masked_lm_without_a_mask_gives_a_tied_alias_no_gradient_output",
+        "test_an_unused_pooler_keeps_no_gradient_as_in_eager",
+        "test_roberta_masked_lm",
+        "test_t5_with_labels",
+        "test_bart_with_labels",
     ),
     "tests/runtime/test_capture_modules.py": (
         "traces models by layer",

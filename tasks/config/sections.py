@@ -81,7 +81,7 @@ class ModelConfig(Section):
     )
     loss: str = Field(
         "cross_entropy",
-        description="A named loss (cross_entropy, mse, causal_lm, sum) or an import path "
+        description="A named loss (cross_entropy, mse, causal_lm, labels, sum) or an import path "
         "'pkg.module:function' called as loss(model, *batch) -> scalar.",
     )
     inputs: list[InputSpec] = Field(description="The batch tensors, in the order the loss receives them.")

@@ -12,10 +12,11 @@ from fractions import Fraction
 from typing import Any
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
-NAMED_LOSSES = ("cross_entropy", "mse", "causal_lm", "sum")
+NAMED_LOSSES = ("cross_entropy", "mse", "causal_lm", "labels", "sum")
 TRANSFORMERS_AUTO_CLASSES = (
     "AutoModelForCausalLM",
     "AutoModelForMaskedLM",
+    "AutoModelForSeq2SeqLM",
     "AutoModelForSequenceClassification",
     "AutoModel",
 )

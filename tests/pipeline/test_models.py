@@ -164,3 +164,36 @@ def test_check_model_accepts_each_source_kind():
 
     for entry in ({"torchvision": "resnet18"}, {"transformers": "gpt2"}, {"factory": "torch.nn:Linear"}):
         check_model(model_spec(**entry))
+
+
+@pytest.mark.parametrize("model_type, auto_class, kwargs, inputs", [
+    ("t5", "AutoModelForSeq2SeqLM",
+     {"vocab_size": 64, "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 1, "num_decoder_layers": 1,
+      "num_heads": 2, "dropout_rate": 0.0},
+     [{"shape": [12], "dtype": "int64", "high": 64}, {"shape": [6], "dtype": "int64", "high": 64}]),
+    ("bert", "AutoModelForMaskedLM",
+     {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+      "max_position_embeddings": 16, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+     [{"shape": [12], "dtype": "int64", "high": 64}, {"shape": [12], "dtype": "int64", "high": 64}]),
+])
+def test_an_encoder_decoder_and_an_encoder_train_with_the_labels_loss(model_type, auto_class, kwargs, inputs):
+    """`loss = "labels"`: the model's own loss from `labels=` the batch's last tensor (T5 with
+    `AutoModelForSeq2SeqLM`, whose config the builder gives T5's decoder start token; BERT's masked LM), and the
+    trace stage captures it (issue #53)."""
+    from memplan.tasks.trace import capture_model
+
+    spec = model_spec(transformers=model_type, auto_class=auto_class, kwargs=kwargs, loss="labels", inputs=inputs)
+    model = build_model(spec, 0)
+    ids, labels = build_batch(spec, 2, 0)
+    torch.testing.assert_close(build_loss(spec)(model, ids, labels), model(input_ids=ids, labels=labels).loss)
+    graph = capture_model(spec, 2, "cpu", 0)
+    assert graph.meta["rewrites"]["applied"]["fuse_cross_entropy"] == [0]
+
+
+def test_the_labels_loss_needs_the_labels_in_the_batch():
+    spec = model_spec(transformers="bert", auto_class="AutoModelForMaskedLM", loss="labels",
+                      kwargs={"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                              "intermediate_size": 64},
+                      inputs=[{"shape": [8], "dtype": "int64", "high": 64}])
+    with pytest.raises(ModelError, match="batch \\(\\*inputs, labels\\)"):
+        build_loss(spec)(build_model(spec, 0), *build_batch(spec, 2, 0))
