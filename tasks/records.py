@@ -61,7 +61,9 @@ class Referenced(Record):
     gradients and buffers after one step, and with `optimizer` the parameters after that optimizer's update
     (for plans with the optimizer inside the step), in the safetensors file `path` (`absent`: the gradients
     that do not exist), its measured peak and its median step time. `rtol` / `atol`: the least tolerance a
-    comparison with it needs (micro-batches round differently)."""
+    comparison with it needs (micro-batches round differently). `float64_tensors`: how many of its tensors the file
+    also holds the float64 step's distance to (tasks/reference.py; 0: none, plans are judged by rtol / atol alone),
+    and `float64_skipped` why there is no float64 step where it could not run."""
 
     kind: str
     optimizer: str | None = None
@@ -78,6 +80,8 @@ class Referenced(Record):
     step_ms: float
     tensors: int
     absent: list[str]
+    float64_tensors: int = 0
+    float64_skipped: str | None = None
 
 
 class Candidate(Record):
@@ -153,6 +157,7 @@ class Validated(Record):
     overhead_vs_no_recompute: float | None = None   # the plan's overhead against it (median of per-round ratios)
     overhead_vs_no_recompute_interval: list[float] | None = None
     compiled_peak_bytes: int | None = None          # a compiled policy plan's peak under torch.compile
+    float64_tensors: int = 0               # tensors also judged by their distance to the float64 step (tasks/validate.py)
 
     def limited_overhead(self) -> float:
         """The overhead a `max_overhead` limit is judged on: against the no-recomputation plan where it was

@@ -66,8 +66,11 @@ def test_the_reference_holds_eager_state_after_one_step_in_a_safetensors_file(sp
         assert tensor is None or torch.equal(stored[name], tensor), name
     assert reference.absent == [] and reference.tensors == len(eager) == 10
     assert reference.loss == float(loss.detach()) and reference.peak_bytes > 0 and reference.kind == "eager"
+    stored_keys = {k for k, v in eager.items() if v is not None}
+    floating = {k for k in stored_keys if eager[k].is_floating_point()}      # and the float64 step's distances
     with safe_open(reference.path, "pt") as f:                    # a safetensors file, no pickle in it
-        assert set(f.keys()) == {k for k, v in eager.items() if v is not None}
+        assert set(f.keys()) == stored_keys | {f"float64:{k}" for k in floating}
+    assert reference.float64_tensors == len(floating) == 9 and reference.float64_skipped is None
 
 
 def test_absent_gradients_come_back_as_none_in_report_order(reference, tmp_path):

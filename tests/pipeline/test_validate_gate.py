@@ -128,9 +128,9 @@ def test_a_plan_over_its_budget_fails_with_the_tolerances_in_their_places(mlp_sp
     seen = []
     real = validate.compare_tensors
 
-    def spy(expected, actual, rtol, atol):
+    def spy(expected, actual, rtol, atol, **float64):
         seen.append((rtol, atol))
-        return real(expected, actual, rtol, atol)
+        return real(expected, actual, rtol, atol, **float64)
 
     monkeypatch.setattr(validate, "compare_tensors", spy)
     over = _validate(mlp_plan, mlp_spec, 1, mlp_reference, rtol=0.25, atol=0.5)
