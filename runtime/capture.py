@@ -1,6 +1,10 @@
 """Capture one training step as a joint ATen graph (AOTAutograd) and fold it into an operator graph
 (runtime/fold.py; the nodes' callables are runtime/node_functions.py).
 
+First the backward ops that the trace decomposes and eager autograd does not (SiLU's and Mish's, whose
+CompositeImplicitAutograd form rounds each of its steps in a bfloat16 or float16 step) are put back as the
+one kernel eager runs (runtime/composite_backward.py; issue #53: EfficientNet-B0 under bfloat16 autocast).
+
 Before folding, concatenations are chained (`_chain_concatenations`): a `cat` whose list extends the
 list of an earlier `cat` along the same dimension reads that result instead of the pieces again. The
 value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
@@ -38,6 +42,7 @@ from torch._functorch.aot_autograd import aot_export_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
+from memplan.runtime.composite_backward import restore_backward_kernels
 from memplan.runtime.fold import fold, storage_bytes, strip_prefix, view_base
 from memplan.runtime.graph import OpGraph
 from memplan.runtime.program import CaptureError
@@ -134,6 +139,7 @@ def capture(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: tuple
             gm, sig = _export(model, loss_fn, batch, unread, record_modules, record_parts)
     strip_boundaries(gm.graph)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    restore_backward_kernels(gm.graph)
     gm.graph.eliminate_dead_code()
     _drop_empty_concatenations(gm.graph)
     _chain_concatenations(gm.graph)

@@ -8,15 +8,16 @@ eager could not validate anything. `reference_step` tries, in order, each run un
 1. eager: `loss_fn(model, *batch).backward()`;
 2. per-block checkpointing: the same step with `torch.utils.checkpoint` (non-reentrant, the RNG state
    preserved) around every repeated block that capture records (`runtime.modules.marked_modules`: the
-   children of `nn.ModuleList` / `nn.Sequential` containers, a transformer's layers, ResNet's blocks).
-   Recomputation re-runs the same kernels on the same inputs, so the loss and gradients are eager's bit for
-   bit on deterministic kernels: the validation tolerance (`[validate] rtol`, `atol`) stays as it is. Its
-   recomputed forward would update BatchNorm running statistics a second time; the buffers are put back to
-   their values after the forward, which are eager's;
+   children of `nn.ModuleList` / `nn.Sequential` containers, a transformer's layers, ResNet's blocks), except
+   a block that computes in place (`inplace = True`: MobileNetV3's classifier holds Hardswish and Dropout in
+   place), which runs once as in eager (`_in_place`). Recomputation re-runs the same kernels on the same
+   inputs, so the loss and gradients are eager's bit for bit on deterministic kernels: the validation
+   tolerance (`[validate] rtol`, `atol`) stays as it is. Its recomputed forward would update BatchNorm running
+   statistics a second time; the buffers are put back to their values after the forward, which are eager's;
 3. nested checkpointing: `torch.utils.checkpoint` around every submodule at every depth (each block, and
    within it each child, down to the leaves; not the root, nor a module that computes in place, whose input
-   a recomputation would no longer see), so that a block's recomputation in the backward keeps only its
-   children's inputs; the tolerance and the buffers as for per-block checkpointing;
+   a recomputation would no longer see: `_in_place`), so that a block's recomputation in the backward keeps
+   only its children's inputs; the tolerance and the buffers as for per-block checkpointing;
 4. micro-batches: the batch split into 2, 4, 8, ... equal parts (the last smaller when they do not divide
    it), each part's step run in turn (per-block checkpointed when the model has blocks), its loss weighted
    by its share of the batch for a mean loss (`reduction = "mean"`: cross_entropy, mse, causal_lm, labels, all
@@ -31,7 +32,11 @@ eager could not validate anything. `reference_step` tries, in order, each run un
    bit, the validation's own tolerance. On a GPU the host runs other kernels, which sum in another order:
    `HOST_RTOL` / `HOST_ATOL` as for micro-batches.
 
-The first that fits is the reference; when none fits, `NoFittingReference` says by how much each missed.
+The first that fits is the reference; when none fits, `NoFittingReference` says by how much each missed. A
+checkpointed module that changes its input in place without saying so (no `inplace = True`) is found in the
+trial step (its input's version counter moved) and a step that raises for another reason than memory is passed
+over: both are named in that message (`ReferenceFailed`, a `NoFittingReference`, when none missed for memory),
+one paragraph, never a traceback; eager's own step raising is the model's failure (`ReferenceFailed` at once).
 """
 
 from __future__ import annotations
@@ -79,31 +84,57 @@ class ReferenceStep:
     """Where the step runs when not on the plan's device (the host reference on a GPU: "cpu")."""
 
 
+class ReferenceFailed(NoFittingReference):
+    """A reference step cannot be run as built (not for memory): a checkpointed module changes its input in place,
+    or the step raised."""
+
+
 def checkpoint_blocks(model: nn.Module) -> None:
-    """Wrap every repeated block of `model` in `torch.utils.checkpoint` (non-reentrant), in place; raises
-    `NoFittingReference` for a model without repeated blocks."""
+    """Wrap every repeated block of `model` in `torch.utils.checkpoint` (non-reentrant), in place, except blocks
+    that compute in place (`_in_place`); raises `NoFittingReference` for a model without repeated blocks."""
     blocks = marked_modules(model)
     if not blocks:
         raise NoFittingReference(f"{type(model).__name__} has no repeated blocks (children of nn.ModuleList or "
                                  f"nn.Sequential) to checkpoint")
-    for block in blocks.values():
-        block.forward = _checkpointed(block.forward)
+    for name, block in blocks.items():
+        if not _in_place(block):
+            block.forward = _checkpointed(block.forward, name, block)
 
 
 def checkpoint_nested(model: nn.Module) -> None:
     """Wrap every submodule of `model` below the root, at every depth, in `torch.utils.checkpoint`
-    (non-reentrant), in place, except modules that compute in place (`inplace = True`); raises
-    `NoFittingReference` for a model without submodules."""
-    modules = [m for name, m in model.named_modules() if name and not getattr(m, "inplace", False)]
+    (non-reentrant), in place, except modules that compute in place (`_in_place`); raises `NoFittingReference`
+    for a model without submodules."""
+    modules = {name: m for name, m in model.named_modules() if name and not _in_place(m)}
     if not modules:
         raise NoFittingReference(f"{type(model).__name__} has no submodules to checkpoint")
-    for module in modules:
-        module.forward = _checkpointed(module.forward)
+    for name, module in modules.items():
+        module.forward = _checkpointed(module.forward, name, module)
 
 
-def _checkpointed(forward: Callable) -> Callable:
+def _in_place(module: nn.Module) -> bool:
+    """Whether `module` writes its result into its input (`inplace = True`: ReLU, Hardswish, SiLU, Dropout, ...).
+    Checkpointed alone, it would run again in the backward on an input that it, and the in-place ops after it,
+    have changed since, and change it once more under the tensors autograd saved from it (MobileNetV3's
+    classifier, Hardswish and Dropout in place: "output 0 of Mul is at version 2; expected version 1", issue
+    #53). Left out, it runs once, as in eager, inside or between checkpointed regions (whose recomputation reads
+    their inputs, never what the module wrote), so the step stays eager's bit for bit; its memory is what eager's
+    in-place op takes, nothing."""
+    return getattr(module, "inplace", False) is True
+
+
+def _checkpointed(forward: Callable, name: str, module: nn.Module) -> Callable:
+    """`forward` under non-reentrant checkpointing; raises `ReferenceFailed` when the call changed one of its
+    input tensors in place (a module that does so without `inplace = True`): the backward's recomputation would
+    read the changed input and compute other values than eager's."""
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in inputs]
+        out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        if any(t._version != v for t, v in zip(inputs, versions)):
+            raise ReferenceFailed(f"module {name!r} ({type(module).__name__}) changes its input in place, which "
+                                  f"checkpointing it cannot recompute")
+        return out
 
     return run
 
@@ -193,12 +224,15 @@ def reference_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch
                    limit: MemoryLimit | None, seed: int, reduction: str | None = None) -> ReferenceStep:
     """The first reference of the module docstring's list whose step fits `limit` on `device` (eager when
     there is no limit), on a copy of `model`; the host's, last, runs without the limit. `reduction`: the
-    loss's ("mean" or "sum"; None: unknown, no micro-batches). Raises `NoFittingReference` when none fits."""
+    loss's ("mean" or "sum"; None: unknown, no micro-batches). Raises `NoFittingReference` when none fits;
+    a step that fails otherwise than for memory is passed over and named in that message (`ReferenceFailed`
+    when none missed for memory), and eager's failing is the model's: `ReferenceFailed` at once."""
     if limit is None:
         copied = copy.deepcopy(model)
         return ReferenceStep(EAGER, copied, training_step(copied, loss_fn, batch))
     resident = limit.module_resident_bytes(model, batch)
-    misses = []
+    misses: list[str] = []
+    failed: list[str] = []
     for kind, make, rtol, atol in _candidates(model, batch[0].shape[0], reduction, device, limit.host_reference):
         if kind == HOST:
             return _built(kind, make, rtol, atol, model, loss_fn, batch)
@@ -208,14 +242,40 @@ def reference_step(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch
             torch.manual_seed(seed)
             with PeakMeter(device, limit_bytes=limit.limit_bytes, resident_bytes=resident):
                 trial_step()
+        except ReferenceFailed as exc:
+            failed.append(f"{kind}: {exc}")
+            continue
         except (NoFittingReference, torch.OutOfMemoryError) as exc:   # DeviceMemoryExceeded, or a GPU's own
             misses.append(f"{kind}: {str(exc).partition(';')[0]}")
+            continue
+        except Exception as exc:             # the step itself raised: passed over, named in the message
+            if kind == EAGER:
+                raise ReferenceFailed(f"the eager reference step of {type(model).__name__} raised {_failure(exc)} "
+                                      f"(not for memory), so no plan can be validated against it. Check the model "
+                                      f"and loss with an eager step (loss_fn(model, *batch).backward()).") from None
+            failed.append(f"{kind}: raised {_failure(exc)}")
             continue
         finally:
             trial = trial_step = None
         return _built(kind, make, rtol, atol, model, loss_fn, batch)
-    raise NoFittingReference(
-        f"no reference step fits the device memory limit of {limit.limit_bytes:,} B on {device}, so no plan can be "
-        f"validated there: " + "; ".join(misses) + ". Raise device_memory, lower the batch size, or set "
-        "host_reference = true under [validate] in pipeline.toml to validate against eager's step on the host CPU "
-        "without the limit (docs/fit.md).")
+    if not failed:
+        raise NoFittingReference(
+            f"no reference step fits the device memory limit of {limit.limit_bytes:,} B on {device}, so no plan can "
+            f"be validated there: " + "; ".join(misses) + ". Raise device_memory, lower the batch size, or set "
+            "host_reference = true under [validate] in pipeline.toml to validate against eager's step on the host "
+            "CPU without the limit (docs/fit.md).")
+    advice = (" For those that missed the limit, raise device_memory, lower the batch size, or set host_reference = "
+              "true under [validate] in pipeline.toml to validate against eager's step on the host CPU without the "
+              "limit (docs/fit.md).") if misses else \
+        (" Set host_reference = true under [validate] in pipeline.toml to validate against eager's step on the "
+         "host CPU without the limit (docs/fit.md).")
+    raise (NoFittingReference if misses else ReferenceFailed)(
+        f"no reference step can validate a plan under the device memory limit of {limit.limit_bytes:,} B on "
+        f"{device}: " + "; ".join(misses + failed) + ". Those that failed did so for another reason than memory "
+        "(a memplan bug to report with this message)." + advice)
+
+
+def _failure(exc: BaseException) -> str:
+    """An exception a reference step raised, on one line: its type and the first 300 characters of its message."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
