@@ -19,7 +19,8 @@ PACKAGES = ("runtime", "tasks", "flows")
 
 STAGE_MODULES = {"profile": ("memplan.tasks.profile", "memplan.tasks.trace"),
                  "reference": ("memplan.tasks.reference",), "solve": ("memplan.tasks.solve_stage",),
-                 "validate": ("memplan.tasks.validate",), "compiled_search": ("memplan.tasks.compiled_cell",)}
+                 "validate": ("memplan.tasks.validate",), "compiled_search": ("memplan.tasks.compiled_cell",),
+                 "compiled_plans": ("memplan.tasks.compiled_plans",)}
 """The modules each cached stage runs (flows/steps.py keys each stage by their closure)."""
 
 _PARSING = threading.Lock()

@@ -1,7 +1,10 @@
 """The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
 batch size) -> solve (mapped over the matrix) -> for compiled policy cells, the measured search by peaks under
 torch.compile (tasks/compiled_cell.py) -> validate (and, for `max_overhead` cells, the walk along the search's
-ladder by measured overhead: flows/refine.py) -> publish, plus the run's artifacts. Plans in the
+ladder by measured overhead: flows/refine.py) -> publish, plus the run's artifacts. Compiled-form cells (`form =
+"compiled"`) are neither traced, profiled nor solved: per model, batch size and solver one stage searches their
+plans by compiling and measuring them (`compiled_form_cells`, tasks/compiled_plans.py), and they join the others'
+validation and publication. Plans in the
 policy form are solved on the step as eager PyTorch runs it (`runtime.policy.capture_eager`), which the trace
 and profile stages capture and measure too for their models; the others on the executor's graph. `run_plan`
 is the entry point the CLI and tests use."""
@@ -20,8 +23,8 @@ from prefect import flow, unmapped
 from memplan.flows.preflight import check_locations
 from memplan.flows.refine import PlanToValidate, Validate, measured_choices
 from memplan.flows.report import Outcome, create_artifacts
-from memplan.flows.steps import (compiled_search_step, forget_captured, profile_step, publish_step, reference_step, solve_step,
-                         trace_step, validate_step)
+from memplan.flows.steps import (compiled_plans_step, compiled_search_step, forget_captured, profile_step, publish_step,
+                                 reference_step, solve_step, trace_step, validate_step)
 from memplan.tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
                           graph_forms, load_config)
 from memplan.tasks.memory_limit import memory_limit
@@ -73,11 +76,13 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
         models = {m.name: m for m in config.models}
         profiled = {key: _profile(models[key[0]], record, config, device, rerun) for key, record in traced.items()}
         references = {(m.name, b): attempt("reference", _reference, m, b, device, config, cases, rerun)
-                      for m, b in config.model_batches() if _any_graph(m.name, b, profiled)}
+                      for m, b in config.model_batches()
+                      if _any_graph(m.name, b, profiled) or any(_cell(c) == (m.name, b) and _compiled(c) for c in cases)}
         outcomes = {c.alias: Outcome.failed(c, error) for c in cases
                     if (error := _model_error(c, profiled, references)) is not None}
-        running = [c for c in cases if c.alias not in outcomes]
-        check_eager_budgets(running, references)
+        check_eager_budgets([c for c in cases if c.alias not in outcomes], references)
+        compiled = [c for c in cases if c.alias not in outcomes and _compiled(c)]
+        running = [c for c in cases if c.alias not in outcomes and not _compiled(c)]
         cells = dict(
             traced=[traced[_graph(c)] for c in running],
             profile=[profiled[_graph(c)] for c in running],
@@ -91,6 +96,8 @@ def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
         )
         with cell_runner(config.run) as runner:
             solutions = compiled_searches(running, solve_cells(cells, runner, rerun), cells, config, device, rerun)
+            running, solutions = running + compiled, solutions + compiled_form_cells(compiled, references, config,
+                                                                                     device, rerun)
             outcomes |= {c.alias: Outcome.failed(c, s) for c, s in zip(running, solutions) if isinstance(s, StageError)}
             solved = [i for i, s in enumerate(solutions) if isinstance(s, Solved)]
             running, solutions = [running[i] for i in solved], [solutions[i] for i in solved]
@@ -133,9 +140,9 @@ def _any_graph(model: str, batch_size: int, profiled: dict[Graph, Profiled | Sta
 
 def _model_error(case: Case, profiled: dict[Graph, Profiled | StageError],
                  references: dict[tuple[str, int], Referenced | StageError]) -> StageError | None:
-    """The error that fails every cell of `case`'s graph or of its model and batch size: its trace's or profile's,
-    else its reference's; None where all three ran."""
-    for record in (profiled[_graph(case)], references.get(_cell(case))):
+    """The error that fails every cell of `case`'s graph or of its model and batch size: its trace's or profile's
+    (none for a compiled-form cell), else its reference's; None where all three ran."""
+    for record in (profiled.get(_graph(case)), references.get(_cell(case))):
         if isinstance(record, StageError):
             return record
     return None
@@ -220,6 +227,39 @@ def _compiled_search(arguments: tuple[Any, ...], rerun: dict[str, Any]) -> Solve
 
 
 References = dict[tuple[str, int], Referenced]
+"""The reference of each (model name, batch size) of a run."""
+
+
+def _compiled(case: Case) -> bool:
+    """Whether a cell is in the compiled form (planned on torch.compile's own graph: tasks/compiled_plans.py)."""
+    return case.plan.plan_form == "compiled"
+
+
+def compiled_form_cells(cases: list[Case], references: References, config: PipelineConfig, device: str,
+                        rerun: dict[str, Any]) -> list[Solved | StageError]:
+    """The compiled-form cells' answers, aligned with `cases`: one `compiled_plans_step` per model, batch size and
+    solver (its budgets share the plans it measures), one after another in this process (each compiles and
+    measures peaks); budgets that are fractions of eager's peak resolved by the reference. Where a step raises,
+    each of its cells gets the error."""
+    groups: dict[tuple[str, int, str], list[Case]] = {}
+    for case in cases:
+        groups.setdefault((*_cell(case), case.plan.solver), []).append(case)
+    answers: dict[str, Solved | StageError] = {}
+    for (name, batch_size, solver), group in groups.items():
+        arguments = (group[0].model, batch_size, solver,
+                     [c.budget.of_eager(references[name, batch_size].peak_bytes) for c in group],
+                     [c.alias for c in group], device, config.seed, config.validation.compile_probes, config.cache_dir)
+        found = attempt("compiled plans", _compiled_plans, arguments, rerun)
+        answers |= {c.alias: found if isinstance(found, StageError) else s for c, s in zip(group, found)}
+    return [answers[c.alias] for c in cases]
+
+
+def _compiled_plans(arguments: tuple[Any, ...], rerun: dict[str, Any]) -> list[Solved]:
+    """`compiled_plans_step(*arguments)`, planned again where a cached answer's plan file is gone."""
+    found = compiled_plans_step.with_options(**rerun)(*arguments)
+    if any(not Path(path).exists() for s in found for path in (s.plan_path, s.no_recompute_path) if path):
+        found = compiled_plans_step.with_options(refresh_cache=True)(*arguments)
+    return found
 """The reference of each (model name, batch size) of a run."""
 
 
@@ -353,6 +393,9 @@ def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation
 def infeasible_message(case: Case, solved: Solved, floor: KnownFloor | None = None) -> str:
     """Why a cell has no plan, with the least feasible budget the run knows (`floor`)."""
     budget, peak = solved.budget_bytes, solved.checkpoint_all_peak_bytes
+    if _compiled(case):
+        return (f"{case.alias}: {solved.message}; the least peak measured is {solved.smallest_feasible_budget:,} B: "
+                f"raise the budget.")
     if case.budget.max_overhead is not None:
         return (f"{case.alias}: solver {case.plan.solver} found {solved.message}; raise max_overhead or pick "
                 f"another solver.")

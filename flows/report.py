@@ -89,14 +89,17 @@ class Outcome:
                         overhead_vs_no_recompute_interval=validated.overhead_vs_no_recompute_interval,
                         arena_peak_bytes=validated.arena_peak_bytes, reference=validated.reference,
                         compiled_peak_bytes=validated.compiled_peak_bytes,
-                        predicted_overhead=solved.objective / solved.checkpoint_all_cost - 1)
+                        predicted_overhead=None if solved.objective is None
+                        else solved.objective / solved.checkpoint_all_cost - 1)
         if published is None:
             return cls(**common, **measured, status="rejected")
         return cls(**common, **measured, status="published", plan_id=published.plan_id)
 
 
-LOADERS = {"executor": "runtime.load(plan, model, loss_fn)", "policy": "runtime.apply(plan, model, loss_fn, batch)"}
-"""How a training job runs a plan of each form (docs/training.md)."""
+LOADERS = {"executor": "memplan.load(plan, model, loss_fn)", "policy": "memplan.apply(plan, model, loss_fn, batch)",
+           "compiled": "memplan.load(plan, model, loss_fn)"}
+"""How a training job runs a plan of each form (docs/training.md); a compiled-form plan's step is compiled by
+inductor at its first call."""
 
 
 def run_with(form: str | None, optimizer: str | None) -> str:

@@ -183,6 +183,33 @@ def compiled_search_step(solved: Solved, traced: Traced, profile: Profiled, sett
                        seed, store, validate, plan_path)
 
 
+# -- compiled-form plans -----------------------------------------------------------------------------
+
+
+def _compiled_plans_key(context: Any, p: Mapping[str, Any]) -> str:
+    return content_key("compiled-plans", p["model"].content_hash(p["batch_size"]), p["solver"],
+                       [(alias, budget) for alias, budget in zip(p["aliases"], p["budgets"])], p["device"], p["seed"],
+                       p["probes"], _torch_version(), code_hash("compiled_plans"))
+
+
+@task(name="compiled-plans", cache_key_fn=_compiled_plans_key,
+      task_run_name="compiled plans {model.name} b{batch_size} {solver}", **PERSISTED, **HOOKS)
+def compiled_plans_step(model: ModelConfig, batch_size: int, solver: str, budgets: list[Budget], aliases: list[str],
+                        device: str, seed: int, probes: int, cache_dir: str) -> list[Solved]:
+    """The compiled-form plans of one model, batch size and solver, one per budget, by a search measured under
+    torch.compile (tasks/compiled_plans.py); the plans land in `cache_dir/solutions/`."""
+    from memplan.tasks.compiled_plans import CompiledCell, plan_cells
+
+    key = _compiled_plans_key(None, dict(model=model, batch_size=batch_size, solver=solver, budgets=budgets,
+                                         aliases=aliases, device=device, seed=seed, probes=probes))
+    folder = Path(cache_dir) / "solutions"
+    folder.mkdir(parents=True, exist_ok=True)
+    cells = [CompiledCell(alias, budget, str(folder / f"{alias}-{key[15:31]}.json"))
+             for alias, budget in zip(aliases, budgets)]
+    no_recompute = str(folder / f"{model.name}-b{batch_size}-inductor-{key[15:31]}.json")
+    return plan_cells(model, batch_size, cells, solver, seed, device, probes, no_recompute)
+
+
 # -- validate ----------------------------------------------------------------------------------------
 
 

@@ -372,7 +372,23 @@ def load(plan_or_path: Plan | Mapping[str, Any] | str | os.PathLike, model: nn.M
     temporaries (runtime.schedule.UPDATE_SLICE_BYTES, which plans assume; None: whole). A
     `DistributedDataParallel`-wrapped model is captured through its `.module` and its gradients are all-reduced
     in DDP's buckets as the planned backward finishes them (runtime.ddp_sync; not with optimizer= or
-    cuda_graph=True)."""
+    cuda_graph=True). A compiled-form plan (`plan.form == "compiled"`) gives a step compiled by inductor under
+    the plan's decisions (runtime.compiled.step.CompiledTrainStep), which takes none of the options."""
     plan = plan_or_path if isinstance(plan_or_path, Plan) else Plan.load(plan_or_path)
+    if plan.compiled is not None:
+        return _compiled_step(plan, model, loss_fn, graph=graph, arena=arena, cuda_graph=cuda_graph,
+                              optimizer=optimizer, clip_grad_value=clip_grad_value, clip_grad_norm=clip_grad_norm)
     return TrainStep(plan, model, loss_fn, graph, arena, cuda_graph, optimizer, clip_grad_value, clip_grad_norm,
                      update_slice_bytes)
+
+
+def _compiled_step(plan: Plan, model: nn.Module, loss_fn: Callable[..., torch.Tensor], **options: Any):
+    """A compiled-form plan's step; refuses the executor's options, none of which it runs."""
+    from memplan.runtime.compiled.step import CompiledTrainStep
+
+    given = [name for name, value in options.items() if value not in (None, False)]
+    if given:
+        raise ValueError(f"runtime.load got {', '.join(given)} for a compiled-form plan, which inductor runs: those "
+                         f"options are the executor's. Load it without them (call optimizer.step() after the step), "
+                         f"or use a plan in the executor form.")
+    return CompiledTrainStep(plan.compiled, model, loss_fn)

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any, Iterable, Mapping, NamedTuple
 
+from memplan.runtime.compiled.records import FORM as COMPILED, Decision, RegionDecision
 from memplan.runtime.graph import OpGraph
 from memplan.runtime.jsonio import read_json, sha256_hex, write_json_atomic
 from memplan.runtime.schedule import Absence, walk
@@ -86,6 +87,7 @@ class Plan:
     addresses: dict[Copy, int] | None = None
     predicted: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    compiled: tuple[RegionDecision, ...] | None = None
     v1_offsets: dict[int, int] | None = field(default=None, repr=False)
     """A version-1 plan's per-value offsets, turned into `addresses` by `validate(graph)`."""
 
@@ -112,6 +114,11 @@ class Plan:
             raise PlanError(f"plan provenance['budget_bytes'] = {budget!r:.80} is not a number of bytes (a non-negative "
                             f"integer); the plan was edited after it was made: regenerate it.")
         self.provenance = dict(self.provenance)
+        if self.compiled is not None:
+            self.compiled = _region_decisions(self.compiled)
+            if self.schedule or self.addresses:
+                raise PlanError("a compiled-form plan (key 'compiled') has an empty schedule and no addresses: "
+                                "inductor runs the step; regenerate the plan.")
 
     # -- serialization ---------------------------------------------------------------------------
 
@@ -123,6 +130,8 @@ class Plan:
                                 "schedule": self.schedule}
         if self.addresses is not None:
             body["addresses"] = [[step, value, offset] for (step, value), offset in sorted(self.addresses.items())]
+        if self.compiled is not None:
+            body["compiled"] = [region.to_json() for region in self.compiled]
         body["predicted"] = self.predicted
         body["provenance"] = self.provenance
         return body
@@ -157,7 +166,7 @@ class Plan:
                 f"{', '.join(map(str, READABLE_VERSIONS))}); regenerate the plan with this memplan version.")
         where = "offsets" if version == 1 else "addresses"
         unknown = set(data) - {"format", "version", "fingerprint", "schedule", where, "predicted",
-                               "provenance", "checksum"}
+                               "provenance", "checksum", *(("compiled",) if version >= 2 else ())}
         if unknown:
             raise PlanError(f"{source}: unknown keys {sorted(unknown)} for plan version {version}; see "
                             f"docs/plan-format.md.")
@@ -166,7 +175,7 @@ class Plan:
                 raise PlanError(f"{source}: required key {key!r} is missing.")
         try:
             plan = cls(data["fingerprint"], data["schedule"], data.get("addresses"),
-                       data.get("predicted", {}), data.get("provenance", {}))
+                       data.get("predicted", {}), data.get("provenance", {}), data.get("compiled"))
             if version == 1 and data.get("offsets") is not None:
                 plan.v1_offsets = _v1_offsets(data["offsets"])
         except PlanError as exc:
@@ -202,8 +211,9 @@ class Plan:
 
     @property
     def form(self) -> str:
-        """How the plan runs: "policy" (`runtime.apply`, `provenance.form`) or "executor" (`runtime.load`)."""
-        return str(self.provenance.get("form", "executor"))
+        """How the plan runs: "compiled" (`compiled`: `runtime.load` compiles the step with inductor), "policy"
+        (`runtime.apply`, `provenance.form`) or "executor" (`runtime.load`)."""
+        return COMPILED if self.compiled is not None else str(self.provenance.get("form", "executor"))
 
     @property
     def rewrites(self) -> dict[str, list[int]] | None:
@@ -363,6 +373,49 @@ def graph_provenance(graph: OpGraph) -> dict[str, Any]:
 def _shapes(batch: Any) -> str:
     """A recorded batch (`[{"shape": [...], "dtype": ...}, ...]`) as `[2, 3] float32, [2] int64`."""
     return ", ".join(f"{b.get('shape')} {b.get('dtype')}" if isinstance(b, Mapping) else str(b) for b in batch)
+
+
+_FINGERPRINT = frozenset("0123456789abcdef")
+
+
+def _region_decisions(regions: Any) -> tuple[RegionDecision, ...]:
+    """The typed `compiled` key: a list of {"fingerprint": 64 hex digits, "recompute": [node name, ...],
+    "save": [node name, ...]}, fingerprints distinct, no node both recomputed and saved."""
+    if all(isinstance(r, RegionDecision) for r in regions) and not isinstance(regions, (str, bytes, Mapping)):
+        parsed = tuple(regions)
+    else:
+        parsed = tuple(_region_decision(r, i) for i, r in enumerate(_list(regions, "compiled")))
+    for i, region in enumerate(parsed):
+        both = region.decision.recompute & region.decision.save
+        if both:
+            raise PlanError(f"plan compiled[{i}] both recomputes and saves {sorted(both)[:3]}; a node is one or the "
+                            f"other: regenerate the plan.")
+    fingerprints = [r.fingerprint for r in parsed]
+    if len(set(fingerprints)) != len(fingerprints):
+        raise PlanError("plan key 'compiled' names one joint graph fingerprint twice; regenerate the plan.")
+    return parsed
+
+
+def _region_decision(region: Any, i: int) -> RegionDecision:
+    where = f"plan compiled[{i}]"
+    if not isinstance(region, Mapping) or set(region) != {"fingerprint", "recompute", "save"}:
+        raise PlanError(f"{where} is {region!r:.120}; each is {{\"fingerprint\": hex, \"recompute\": [names], "
+                        f"\"save\": [names]}}.")
+    fingerprint = region["fingerprint"]
+    if not (isinstance(fingerprint, str) and len(fingerprint) == 64 and set(fingerprint) <= _FINGERPRINT):
+        raise PlanError(f"{where}['fingerprint'] = {fingerprint!r:.80} is not 64 lower-case hex digits (a joint "
+                        f"graph's SHA-256).")
+    names = {key: _list(region[key], f"{where}[{key!r}]") for key in ("recompute", "save")}
+    for key, items in names.items():
+        if not all(isinstance(n, str) and n for n in items):
+            raise PlanError(f"{where}[{key!r}] must list node names (non-empty strings).")
+    return RegionDecision(fingerprint, Decision(frozenset(names["recompute"]), frozenset(names["save"])))
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise PlanError(f"plan key {where} must be a list, got {type(value).__name__}.")
+    return list(value)
 
 
 def _is_number(x: Any) -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 
 from memplan.runtime.compiled.records import Decision, JointGraph, JointNode
 from memplan.tasks.solve import solve
+from memplan.tasks.solve.core.checkpoints import schedule_from_checkpoints
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 from memplan.tasks.solve.core.solution import Solution
@@ -38,18 +39,22 @@ def fusible(node: JointNode) -> bool:
     return node.flops == 0 and not node.target.startswith(EXTERN)
 
 
+REALIZE_READS = 4
+"""Inductor computes a pointwise value inside each kernel that reads it up to this many readers
+(`torch._inductor.config.realize_reads_threshold`); read more often, it writes the value to memory."""
+
+
 def fused_values(joint: JointGraph) -> frozenset[int]:
-    """Values made by a fusible op and read by exactly one fusible op of the same phase, none a graph output:
-    inductor computes them inside that reader's kernel, so they take no memory. A value with several readers is
-    materialized (inductor realizes a buffer read by more than one kernel rather than recompute it in each)."""
+    """Values made by a fusible op, none a graph output, read by one to `REALIZE_READS` ops, all fusible and of
+    the same phase: inductor computes them inside their readers' kernels, so they take no memory."""
     readers: dict[int, list[JointNode]] = {}
     for node in joint.nodes:
         for v in node.inputs:
             readers.setdefault(v, []).append(node)
     outputs = set(joint.outputs)
     return frozenset(v for node in joint.nodes if fusible(node) for v in node.outputs
-                     if v not in outputs and len(readers.get(v, ())) == 1
-                     and fusible(readers[v][0]) and readers[v][0].phase == node.phase)
+                     if v not in outputs and 1 <= len(readers.get(v, ())) <= REALIZE_READS
+                     and all(fusible(r) and r.phase == node.phase for r in readers[v]))
 
 
 def joint_problem(joint: JointGraph, name: str = "compiled") -> Problem:
@@ -68,6 +73,16 @@ def joint_problem(joint: JointGraph, name: str = "compiled") -> Problem:
         node_outputs=tuple(n.outputs for n in joint.nodes), value_bytes=value_bytes,
         value_producer=producer, outputs=tuple(dict.fromkeys(v for v in joint.outputs if producer[v] >= 0)),
         order=np.arange(len(joint.nodes)), node_names=tuple(n.name for n in joint.nodes), cost_unit="ms")
+
+
+def cut_peak(joint: JointGraph, saved: frozenset[int]) -> int:
+    """The simulated peak of a partition of `joint` that saves the values `saved` for the backward: the forward
+    keeps those, and the backward recomputes any other forward value it reads where it reads it
+    (`schedule_from_checkpoints` without retaining recomputed values: inductor fuses a recomputed pointwise chain
+    into its reader)."""
+    problem = joint_problem(joint)
+    schedule = schedule_from_checkpoints(problem, saved, retain_recomputed=False)
+    return simulate(problem, schedule).peak_bytes
 
 
 def recomputed_forward(problem: Problem, schedule: list) -> frozenset[str]:

@@ -45,6 +45,10 @@ What counts:
   the compiler's partitioner decides what a compiled step keeps, so the budget applies to that peak
   (`compiled_problem`), and the eager run's peak only to its prediction and the device memory limit (the measured
   search, tasks/compiled_cell.py, may choose a plan whose eager peak is above the budget);
+- the compiled form, for a plan with `compiled` decisions (tasks/compiled_plans.py): it runs as `runtime.load`
+  runs it, compiled by inductor under the plan's decisions (a joint graph the plan does not name is refused),
+  with inductor drawing random numbers as eager PyTorch does (`fallback_random`), so dropout's masks match; its
+  measured peak must be within the budget and within `peak_rtol` of the peak the search measured for it;
 - arena mode, for a plan with addresses: one more run with `runtime.load(..., arena=True)` must match
   the reference the same way; its measured peak, step time and the bytes it could not place (ops without an
   in-place out= kernel) are recorded. The budget applies to the plan's normal run.
@@ -64,6 +68,7 @@ import torch
 from torch import nn
 
 from memplan.runtime.arena import ArenaFallbackWarning
+from memplan.runtime.compiled.records import FORM as COMPILED
 from memplan.runtime.graph import OpGraph
 from memplan.runtime.plan import Plan, plan_id
 from memplan.runtime.policy_form import FORM as POLICY
@@ -259,12 +264,12 @@ def validate_plans(
     tolerance = max(tolerance[0], reference.rtol), max(tolerance[1], reference.atol)
     if graph is not None and graph.meta.get("capture") == "eager" and eager_graph is None:
         graph, eager_graph = None, graph                      # capture_eager's graph: the policy plans'
-    executor = [plan for plan in plans if plan.form != POLICY]
+    executor = [plan for plan in plans if plan.form not in (POLICY, COMPILED)]
     if graph is None and len({p.fingerprint for p in executor}) == 1 and len({str(p.rewrites) for p in executor}) == 1:
         from memplan.runtime.capture import capture
 
         graph = capture(copy.deepcopy(base), loss_fn, batch, rewrites=executor[0].rewrites)   # once, not once per plan
-    if eager_graph is None and len(executor) < len(plans):
+    if eager_graph is None and any(plan.form == POLICY for plan in plans):
         from memplan.runtime.policy import capture_eager
 
         eager_graph = capture_eager(copy.deepcopy(base), loss_fn, batch)
@@ -353,6 +358,11 @@ def _first_run(plan: Plan, base: nn.Module, loss_fn: Callable[..., torch.Tensor]
     if plan.form == POLICY:                     # the user's own loop: loss_fn(model, *batch).backward()
         planned = training_step(runtime.apply(plan, plan_model, loss_fn, batch, graph=graph, optimizer=update),
                                 loss_fn, batch)
+    elif plan.compiled is not None:             # inductor draws dropout's masks as eager does (fallback_random)
+        from memplan.runtime.compiled.step import CompiledTrainStep
+
+        planned = functools.partial(CompiledTrainStep(plan.compiled, plan_model, loss_fn, unplanned="error",
+                                                      exact_random=True), *batch)
     else:
         planned = functools.partial(runtime.load(plan, plan_model, loss_fn, graph=graph, optimizer=update), *batch)
     state, peak = first_steps(plan_model, planned, device, seed, params=update is not None)
@@ -445,7 +455,7 @@ def _verdict(run: _PlanRun, cell_state: State, times: list[list[float]], referen
         problems.append("the plan has no provenance.budget_bytes to check the measured peak against")
     elif compiled_peak is None and (reason := peak_problem(run.peak_bytes, int(budget), settings.peak_rtol)):
         problems.append(reason)                   # a compiled plan's budget is its compiled peak's (below)
-    if plan.form == POLICY and (reason := prediction_problem(run.peak_bytes, plan.predicted.get("peak_bytes"),
+    if plan.form in (POLICY, COMPILED) and (reason := prediction_problem(run.peak_bytes, plan.predicted.get("peak_bytes"),
                                                              settings.peak_rtol)):
         problems.append(reason)
     if limit is not None and run.peak_bytes + resident > limit.limit_bytes:

@@ -168,12 +168,18 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "tests/pipeline/test_gqa_pipeline.py": "`memplan run` on a grouped-query attention decoder",
     "tests/pipeline/test_example_solver.py": "a new solver through `memplan run`, `memplan solve` and `runtime.load`",
     "tests/pipeline/test_flows.py": "every test reads the module's `memplan run` (Prefect) or runs one",
+    "tests/pipeline/test_compiled_pipeline.py": (
+        "`memplan run` in the compiled form: inductor compiles each plan it measures",
+        "test_each_budget_gets_a_validated_compiled_plan_within_it_or_says_what_was_measured",
+        "test_the_published_compiled_plan_trains_like_eager_pytorch_in_a_plain_loop",
+    ),
     "tests/pipeline/test_overhead_walk.py": "`memplan run` with overhead limits, measured and walked",
     "tests/pipeline/test_policy_optimizer_pipeline.py":
         "every test reads the module's `memplan run` (policy form, AdamW)",
     "tests/pipeline/test_training_doc.py": (
         "the doc's examples: captures, gloo ranks, torch.compile, transformers.Trainer",
         "test_pipeline_publishes_a_policy_plan_the_example_trains_with",
+        "test_pipeline_publishes_a_compiled_plan_the_example_trains_with",
         "test_plain_loop_and_torch_compile",
         "test_distributed_examples_print_one_mean_loss",
         "test_mixed_precision",
@@ -184,7 +190,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_the_compiled_form",
     ),
     "tests/pipeline/test_default_pipeline.py": (
-        "`memplan run` on the default pipeline.toml: 12 plans solved, validated, timed",
+        "`memplan run` on the default pipeline.toml: 13 plans solved, validated, timed",
         "test_the_default_pipeline_runs_end_to_end",
         "test_every_default_plan_exists_on_a_device_with_twice_the_scratch",
     ),
@@ -304,6 +310,11 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "tests/runtime/test_policy_trainer.py": "transformers.Trainer with and without the plan",
     "tests/runtime/test_hierarchical_plans.py": "a hierarchical GPT-2 plan, solved and trained",
     "tests/runtime/test_monet_plans.py": "MONeT plans solved and trained",
+    "tests/runtime/test_compiled_plans.py": (
+        "inductor compiles",
+        "test_runtime_load_runs_a_compiled_plan_as_decided_with_eager_gradients",
+        "test_a_step_that_graph_breaks_is_refused_naming_where",
+    ),
     "tests/runtime/test_compiled_form.py": (
         "torch.compile (the module's `runs`, inductor's C++ backend)",
         "test_the_compiled_step_recomputes_what_the_solver_decided_and_saves_none_of_it",

@@ -35,9 +35,10 @@ def _flops(target: str, node: fx.Node) -> int:
     return 0
 
 
-def read_joint(graph: fx.Graph) -> JointGraph:
-    """The allocating ops of a joint graph (`node.meta["val"]` set, `partitioner_tag` marking forward nodes);
-    views and tuple items join the value they alias."""
+def read_joint(graph: fx.Graph) -> tuple[JointGraph, dict[str, tuple[int, ...]]]:
+    """The allocating ops of a joint graph (`node.meta["val"]` set, `partitioner_tag` marking forward nodes),
+    and the values each FX node's result is or aliases, by node name: views and tuple items join the value
+    they alias."""
     value_of: dict[fx.Node, list[int | None]] = {}
     value_bytes: list[int] = []
     inputs: list[str] = []
@@ -76,4 +77,5 @@ def read_joint(graph: fx.Graph) -> JointGraph:
             target = str(n.target)
             phase = "forward" if n.meta.get("partitioner_tag") == "is_forward" else "backward"
             nodes.append(JointNode(n.name, target, phase, reads, tuple(made), _flops(target, n)))
-    return JointGraph(tuple(nodes), tuple(value_bytes), tuple(inputs), outputs)
+    joint = JointGraph(tuple(nodes), tuple(value_bytes), tuple(inputs), outputs)
+    return joint, {n.name: tuple(values(n)) for n in value_of}

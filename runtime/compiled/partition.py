@@ -19,13 +19,24 @@ Decide = Callable[[JointGraph], Decision]
 
 @dataclass(frozen=True)
 class Partitioned:
-    """What one joint graph was cut into: its fingerprint, the forward nodes tagged for recomputation, and the
-    values the forward saves for the backward (names and bytes, parameters and inputs included)."""
+    """What one joint graph was cut into: the graph, the decision it was cut by, and what the forward saves for
+    the backward: FX node names, the joint graph's values they are or alias, and their bytes (parameters and
+    inputs included)."""
 
-    fingerprint: str
-    recomputed: frozenset[str]
+    joint: JointGraph
+    decision: Decision
     saved: tuple[str, ...]
+    saved_values: frozenset[int]
     saved_bytes: int
+
+    @property
+    def fingerprint(self) -> str:
+        return self.joint.fingerprint
+
+    @property
+    def recomputed(self) -> frozenset[str]:
+        """The forward nodes tagged for recomputation."""
+        return self.decision.recompute
 
 
 @dataclass
@@ -40,7 +51,7 @@ class DecidingPartitioner(CustomPartitionerFn):
     partitioned: list[Partitioned] = field(default_factory=list)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
-        joint = read_joint(gm.graph)
+        joint, values = read_joint(gm.graph)
         decision = self.decide(joint)
         forward = {n.name: n for n in gm.graph.nodes if n.meta.get("partitioner_tag") == "is_forward"}
         unknown = sorted((decision.recompute | decision.save) - forward.keys())
@@ -52,11 +63,11 @@ class DecidingPartitioner(CustomPartitionerFn):
                               (decision.save, CheckpointPolicy.MUST_SAVE)):
             for name in names:
                 forward[name].meta["recompute"] = policy
-        recompute = decision.recompute
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
         outputs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
         saved = [a for a in outputs[kwargs["num_fwd_outputs"]:] if isinstance(a, fx.Node)]
-        self.partitioned.append(Partitioned(joint.fingerprint, frozenset(recompute), tuple(a.name for a in saved),
+        self.partitioned.append(Partitioned(joint, decision, tuple(a.name for a in saved),
+                                            frozenset(v for a in saved for v in values.get(a.name, ())),
                                             sum(_size_of(a) for a in saved)))
         return fw, bw
 

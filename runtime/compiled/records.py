@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
+
+FORM = "compiled"
+"""The compiled form's name (`Plan.form`, `[[plans]] form`)."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class JointGraph:
     inputs: tuple[str, ...]
     outputs: tuple[int, ...]
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """SHA-256 of the graph's structure and sizes: a plan's decisions apply to this graph only."""
         data = [[n.name, n.target, n.phase, n.inputs, n.outputs] for n in self.nodes]
@@ -46,3 +50,16 @@ class Decision:
 
     recompute: frozenset[str] = frozenset()
     save: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RegionDecision:
+    """A decision for the joint graph with `fingerprint` (`JointGraph.fingerprint`): one compiled region of a
+    compiled-form plan (docs/plan-format.md, key `compiled`)."""
+
+    fingerprint: str
+    decision: Decision
+
+    def to_json(self) -> dict[str, object]:
+        return {"fingerprint": self.fingerprint, "recompute": sorted(self.decision.recompute),
+                "save": sorted(self.decision.save)}

@@ -178,9 +178,10 @@ OptimizerChoice = Literal[("none", *OPTIMIZERS)]  # type: ignore[valid-type]
 Addresses = Literal["none", "greedy", "olla"]
 """A plan's `addresses` setting: how its value copies get arena offsets (`tasks.solve_stage.solve_loaded`)."""
 
-PlanForm = Literal["executor", "policy"]
-"""How a plan runs: "executor" (`runtime.load`, on the graph memplan's executor runs) or "policy" (selective
-checkpointing in the user's own loop, `runtime.apply`, on `runtime.policy.capture_eager`'s graph)."""
+PlanForm = Literal["executor", "policy", "compiled"]
+"""How a plan runs: "executor" (`runtime.load`, on the graph memplan's executor runs), "policy" (selective
+checkpointing in the user's own loop, `runtime.apply`, on `runtime.policy.capture_eager`'s graph) or "compiled"
+(`runtime.load` compiles the step with inductor under the plan's decisions, on torch.compile's joint graph)."""
 
 
 class PlanSettings(BaseModel):
@@ -247,9 +248,11 @@ class PlanConfig(Section):
         "the gradients are all-reduced in buckets of this many MiB (DDP's bucket_cap_mb; its default is 25), each "
         "a flat buffer from its launch to the end of the step, which the predicted peak counts. Omitted: not DDP.")
     form: PlanForm | None = Field(
-        None, description="How the plan runs: 'executor' (runtime.load runs the whole step) or 'policy' (selective "
+        None, description="How the plan runs: 'executor' (runtime.load runs the whole step), 'policy' (selective "
         "checkpointing in your own training loop, runtime.apply; made on the step as eager PyTorch runs it; "
-        "only solvers whose schedules that runs, e.g. 'selective-policy'). Omitted: 'policy' for such solvers, "
+        "only solvers whose schedules that runs, e.g. 'selective-policy') or 'compiled' (runtime.load compiles "
+        "the step with torch.compile's inductor, which recomputes what the plan chose; budgets are measured "
+        "compiled peaks, a fraction is one of inductor's own compiled peak). Omitted: 'policy' for such solvers, "
         "else 'executor'.")
     models: list[str] | None = Field(None, description="Model names this plan applies to; all when omitted.")
 
@@ -303,6 +306,24 @@ class PlanConfig(Section):
                              f"executor form plans (under runtime.apply, DDP buckets the gradients itself and "
                              f"PyTorch's allocator places the tensors): remove {'them' if len(refused) > 1 else 'it'} "
                              f"or set form = \"executor\" in this [[plans]] table")
+        return self
+
+    @model_validator(mode="after")
+    def _compiled_form(self) -> PlanConfig:
+        if self.plan_form != "compiled":
+            return self
+        refused = [f"{key} = {json.dumps(value)}" for key, value, default in (
+            ("addresses", self.addresses, "none"), ("ddp_bucket_mb", self.ddp_bucket_mb, None),
+            ("optimizer_in_step", self.optimizer_in_step, False), ("variants", self.variants, "all"),
+            ("options", self.options, {})) if value != default]
+        if _solver_runs_policies(self.solver):
+            refused.insert(0, f"solver = {json.dumps(self.solver)} (it makes selective-checkpointing policies; "
+                              f"the compiled form takes a schedule solver such as \"dtr\")")
+        if refused:
+            raise ValueError(f"plan of solver {self.solver!r} sets form = \"compiled\" and {' and '.join(refused)}, "
+                             f"which the compiled form does not take (inductor runs the step, allocates its tensors "
+                             f"and fuses its kernels): remove {'them' if len(refused) > 1 else 'it'} from this "
+                             f"[[plans]] table, or use form = \"executor\"")
         return self
 
     @property

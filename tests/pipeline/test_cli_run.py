@@ -95,7 +95,7 @@ def test_run_prints_the_table_and_publishes_the_plan(first_run):
                      f"{row['measured_peak_bytes'] / MIB:.1f}", f"{row['eager_peak_bytes'] / MIB:.1f}",
                      "not measurable here (under 6 rounds)", "", "published"]    # one timed step; no max_overhead
     assert f"published 1 of 1 plans into {folder / 'plans'}/" in " ".join(result.output.split())
-    assert "To train with them: executor plans, runtime.load(plan, model, loss_fn)." in " ".join(result.output.split())
+    assert "To train with them: executor plans, memplan.load(plan, model, loss_fn)." in " ".join(result.output.split())
 
 
 def test_refresh_re_runs_the_cached_stages(first_run):

@@ -182,7 +182,7 @@ def test_run_leaves_a_plans_table_and_a_plot(project):
         plots = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["memplan-mlp-plot"])),
                                       **newest)
     assert "| mlp-b256-checkmate-90pct | checkmate | executor | 90pct |" in tables[0].data
-    assert "To train with them: executor plans, runtime.load(plan, model, loss_fn)." in tables[0].data
+    assert "To train with them: executor plans, memplan.load(plan, model, loss_fn)." in tables[0].data
     assert plots[0].data.startswith("data:image/png;base64,")
 
 

@@ -91,7 +91,7 @@ def test_plans_show_says_to_pass_the_optimizer(project):
     folder, _ = project
     shown = CliRunner(env={"COLUMNS": "250"}).invoke(app, ["plans", "show", ALIAS, "--dir", str(folder / "plans")])
     assert shown.exit_code == 0, shown.output
-    assert "runtime.apply(plan, model, loss_fn, batch, optimizer=opt), opt a torch.optim.AdamW over " \
+    assert "memplan.apply(plan, model, loss_fn, batch, optimizer=opt), opt a torch.optim.AdamW over " \
            "model.parameters()" in shown.output
 
 

@@ -153,7 +153,7 @@ def test_the_optimizer_inside_the_step_is_planned_in_the_policy_form():
 
 
 def test_an_unknown_form_lists_the_forms():
-    with pytest.raises(ConfigError, match=r"key plans\[0\].form = 'eager': .*'executor' or 'policy'"):
+    with pytest.raises(ConfigError, match=r"key plans\[0\].form = 'eager': .*'executor', 'policy' or 'compiled'"):
         config(solver="selective-policy", form="eager")
 
 
@@ -295,7 +295,7 @@ def test_the_report_says_how_to_run_each_form(project):
     assert "| blocknet-b128-selective-policy-70pct | selective-policy | policy |" in table
     assert "| blocknet-b128-checkpoint-all-100pct | checkpoint-all | executor |" in table
     assert loading_hint({o["form"] for o in outcomes}) == (
-        "executor plans, runtime.load(plan, model, loss_fn); policy plans, runtime.apply(plan, model, loss_fn, batch) "
+        "executor plans, memplan.load(plan, model, loss_fn); policy plans, memplan.apply(plan, model, loss_fn, batch) "
         "in your own loop, then loss.backward() (docs/training.md)")
 
 

@@ -66,7 +66,7 @@ def plain_and_compiled(folder) -> str:
 def test_every_block_is_a_named_example_with_a_test():
     assert set(examples()) == {"pipeline", "plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer",
                                  "optimizer-in-step", "optimizer-in-step-policy", "executor-ddp",
-                                 "compiled-form"}
+                                 "compiled-form", "compiled-pipeline"}
 
 
 FAST = "\n[profile]\nwarmup = 0\nrepeats = 1\n\n[validate]\nsteps = 1\nmax_steps = 1\n"
@@ -142,6 +142,19 @@ def test_the_policy_forms_pipeline_settings_for_the_optimizer_parse():
 def test_executor_under_ddp(tmp_path):
     out = run(examples()["executor-ddp"], tmp_path)
     assert re.fullmatch(r"predicted peak \d+\.\d MiB with the DDP buckets\nmean loss over 2 ranks: \d+\.\d{4}\n", out), out
+
+
+def test_pipeline_publishes_a_compiled_plan_the_example_trains_with(tmp_path, harness):
+    from memplan.flows.plan import run_plan
+
+    toml, = (t for t in re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S) if 'form = "compiled"' in t)
+    (tmp_path / "pipeline.toml").write_text(toml + FAST)
+    outcome, = run_plan(tmp_path / "pipeline.toml")
+    assert (outcome["alias"], outcome["form"], outcome["status"]) == ("gpt2-b8-dtr-compiled-90pct", "compiled",
+                                                                      "published"), outcome
+    assert outcome["measured_peak_bytes"] <= outcome["budget_bytes"] * 1.05
+    values = losses(run(examples()["compiled-pipeline"], tmp_path), 3)
+    assert values[-1] < values[0]
 
 
 def test_the_compiled_form(tmp_path):

@@ -20,6 +20,8 @@ DEPENDENCIES = {
                  "runtime/arena.py", "runtime/capture.py", "runtime/cuda_graph.py"],
     "compiled_search": ["tasks/compiled_cell.py", "tasks/compiled_search.py", "tasks/solve_stage.py",
                         "tasks/solve/policy_solver.py", "runtime/compiled_peak.py", "runtime/policy.py", "tasks/models.py"],
+    "compiled_plans": ["tasks/compiled_plans.py", "tasks/compiled_form.py", "runtime/compiled/step.py",
+                       "runtime/compiled/partition.py", "runtime/compiled/joint.py", "tasks/models.py"],
 }
 
 
