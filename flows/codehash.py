@@ -46,11 +46,13 @@ def module_file(module: str, root: Path) -> Path | None:
 @lru_cache(maxsize=None)
 def _named_modules(path: Path, module: str, mtime_ns: int) -> frozenset[str]:
     """Modules `path` may import: import statements, `from X import name` submodules, and string literals
-    naming a module, each with its parent packages (importing `a.b` runs `a/__init__.py`)."""
+    naming a module, each with its parent packages (importing `a.b` runs `a/__init__.py`). A package's
+    `__init__.py` counts what runs when it is imported, not the imports inside its functions (lazy exports such
+    as `memplan.plan`, which no stage calls)."""
     names: set[str] = set()
     with _PARSING:
         tree = ast.parse(path.read_bytes(), filename=str(path))
-    for node in ast.walk(tree):
+    for node in _nodes(tree, skip_functions=path.name == "__init__.py"):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -62,6 +64,16 @@ def _named_modules(path: Path, module: str, mtime_ns: int) -> frozenset[str]:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.split(".")[0] == "memplan":
             names.add(node.value)
     return frozenset(".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 2))
+
+
+def _nodes(tree: ast.AST, skip_functions: bool):
+    """The nodes of `tree`, without the bodies of functions when `skip_functions`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if not (skip_functions and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            stack.extend(ast.iter_child_nodes(node))
 
 
 def import_closure(modules: tuple[str, ...], root: Path | None = None) -> list[Path]:

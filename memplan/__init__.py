@@ -6,13 +6,16 @@ The checkout's folders are this package's rooms (setup.py maps them): `memplan.r
 
 The training entry points are exported lazily (`import memplan` imports neither torch nor Prefect): the runtime's
 `load`, `apply`, `capture`, and `compile_step`, a step compiled by inductor in the compiled form.
+
+`plan(model, loss_fn, batch, max_overhead=... | budget=...)` makes one validated plan in this process by the stages
+`memplan run` runs (flows/python_api.py); `plan.save(path)`, then `load(path, model, loss_fn)`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OpGraph", "Plan", "apply", "capture", "compile_step", "default_plan", "load"]
+__all__ = ["OpGraph", "Plan", "apply", "capture", "compile_step", "default_plan", "load", "plan"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from memplan.tasks.compiled_form import compile_step
 
         return compile_step
+    if name == "plan":                          # memplan.plan: trace, profile, solve, validate (flows/python_api.py)
+        from memplan.flows.python_api import plan
+
+        return plan
     from memplan import runtime
 
     return getattr(runtime, name)

@@ -92,14 +92,21 @@ def first_steps(model: nn.Module, step: Step, device: str, seed: int, params: bo
 
 
 def measure_reference(spec: ModelConfig, batch_size: int, device: str, seed: int, path: str | Path,
-                      steps: int = 3, limit: MemoryLimit | None = None, optimizer: str | None = None) -> Referenced:
+                      steps: int = 3, limit: MemoryLimit | None = None, optimizer: str | None = None,
+                      built: tuple[nn.Module, Callable[..., torch.Tensor], tuple] | None = None) -> Referenced:
     """Run the reference step of `spec` at `batch_size` on `device` from `seed`'s weights and batch (see
     module doc): eager PyTorch, or the first step that fits `limit`; with `optimizer`, also that optimizer's
     update. Its tensors, and the float64 step's distance to them (`float64_step`), are written to `path`
-    (safetensors)."""
-    base = build_model(spec, seed).to(device)
-    batch = build_batch(spec, batch_size, seed, device)
-    chosen = reference_step(base, build_loss(spec), batch, device, limit, seed, LOSS_REDUCTIONS.get(spec.loss))
+    (safetensors). `built`: the model (on `device`, left unchanged), loss and batch to measure instead of building
+    them from `spec` (`memplan.plan`'s; its loss runs the float64 step as it is)."""
+    if built is None:
+        base, loss_fn = build_model(spec, seed).to(device), build_loss(spec)
+        batch = build_batch(spec, batch_size, seed, device)
+        wide_loss = build_loss(spec.model_copy(update={"autocast": None}))
+    else:
+        base, loss_fn, batch = built
+        wide_loss = loss_fn
+    chosen = reference_step(base, loss_fn, batch, device, limit, seed, LOSS_REDUCTIONS.get(spec.loss))
     model, step, ran_on = chosen.model, chosen.step, chosen.device or device
     update = None if optimizer is None else optimizer_named(optimizer, model)
     tape = RandomTape() if chosen.kind in (EAGER, HOST) else None
@@ -115,7 +122,7 @@ def measure_reference(spec: ModelConfig, batch_size: int, device: str, seed: int
         skipped = "the reference runs under the device memory limit in parts or checkpointed; no float64 step"
     else:
         try:
-            exact = float64_step(base, build_loss(spec.model_copy(update={"autocast": None})), batch, ran_on, seed,
+            exact = float64_step(base, wide_loss, batch, ran_on, seed,
                                  tape, optimizer, None if limit is None or ran_on != device else limit)
             float64 = float64_deltas(state, exact)
         except Float64Unavailable as exc:

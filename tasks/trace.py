@@ -15,11 +15,15 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from memplan.runtime.graph import OpGraph
 from memplan.tasks.config import MemplanError, ModelConfig, PlanForm
 from memplan.tasks.records import Traced
+
+Built = tuple[Any, Callable[..., Any], tuple]
+"""A model already built (an `nn.Module` on the device), its loss `loss_fn(model, *batch)` and its batch: what
+`memplan.plan` hands the stages in place of a `[[models]]` entry to build them from."""
 
 
 def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: str,
@@ -30,29 +34,38 @@ def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: 
     return Path(cache_dir) / "graphs" / f"{model}-b{batch_size}-{eager}{fingerprint[:16]}.json"
 
 
-def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, form: PlanForm = "executor") -> OpGraph:
+def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, form: PlanForm = "executor",
+                  built: Built | None = None) -> OpGraph:
     """Capture `spec`'s training step on `device` (the graph carries its FX program, for profiling). For the
     executor `form`, with only the rewrite instances that are bit-identical on this device
     (`runtime.capture(..., verify=True)`): the selection lands in `meta["rewrites"]` and from there in every
     plan made for the graph. For the policy form, as eager PyTorch runs it (`runtime.policy.capture_eager`);
-    a step that records no repeated module, which the policy form checkpoints, is refused."""
+    a step that records no repeated module, which the policy form checkpoints, is refused. `built`: the model
+    (on `device`), loss and batch to capture instead of building them from `spec` (`memplan.plan`'s; `spec` then
+    only names them)."""
     from memplan import runtime
     from memplan.runtime.capture import CaptureError
     from memplan.runtime.policy import capture_eager
     from memplan.tasks.models import ModelError, build_batch, build_loss, build_model, check_batch_fits
 
-    check_batch_fits(spec, batch_size, device)
-    model = build_model(spec, seed).to(device)
-    batch = build_batch(spec, batch_size, seed, device)
+    if built is None:
+        check_batch_fits(spec, batch_size, device)
+        model, loss_fn = build_model(spec, seed).to(device), build_loss(spec)
+        batch = build_batch(spec, batch_size, seed, device)
+    else:
+        model, loss_fn, batch = built
     try:
         with _quiet_fake_tensors():
-            graph = capture_eager(model, build_loss(spec), batch) if form == "policy" else \
-                runtime.capture(model, build_loss(spec), batch, verify=True)
+            graph = capture_eager(model, loss_fn, batch) if form == "policy" else \
+                runtime.capture(model, loss_fn, batch, verify=True)
     except (CaptureError, MemplanError):
         raise
     except Exception as exc:
         shapes = ", ".join(f"{[batch_size, *i.shape]} {i.dtype}" for i in spec.inputs)
         first = (str(exc).strip().splitlines() or [""])[0][:300]
+        if built is not None:                        # memplan.plan's model: no pipeline.toml entry to check
+            raise ModelError(f"model {spec.name!r}: loss_fn(model, *batch) fails as memplan captures it, with "
+                             f"{type(exc).__name__}: {first} (the traceback is this error's cause).") from exc
         raise ModelError(
             f"model {spec.name!r} at batch {batch_size}: its training step fails on the batch pipeline.toml declares "
             f"({shapes}) with {type(exc).__name__}: {first} Check the model's `inputs` (shapes, dtypes, and `high` "
@@ -91,11 +104,11 @@ def _quiet_fake_tensors() -> Iterator[None]:
 
 
 def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str | Path,
-          form: PlanForm = "executor") -> tuple[Traced, OpGraph]:
+          form: PlanForm = "executor", built: Built | None = None) -> tuple[Traced, OpGraph]:
     """Capture the graph of plans in `form` and write it to its fingerprint's file unless that file already
     holds the same rewrite record (`meta["rewrites"]`: which instances apply and where they were verified) and
-    op facts; returns the record and the captured graph (with its FX program)."""
-    graph = capture_model(spec, batch_size, device, seed, form)
+    op facts; returns the record and the captured graph (with its FX program). `built`: as `capture_model`'s."""
+    graph = capture_model(spec, batch_size, device, seed, form, built)
     path = graph_path(cache_dir, spec.name, batch_size, graph.fingerprint, form)
     if not path.exists() or _record(OpGraph.load(path)) != _record(graph):
         graph.save(path)

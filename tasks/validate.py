@@ -233,6 +233,7 @@ def validate_plans(
     plans: Sequence[Plan], spec: ModelConfig, batch_size: int, device: str, seed: int, settings: ValidateConfig,
     reference: Referenced, graph: OpGraph | None = None, limit: MemoryLimit | None = None,
     eager_graph: OpGraph | None = None, no_recompute: Sequence[Plan | None] | None = None, isolate: bool = False,
+    built: tuple[nn.Module, Callable[..., torch.Tensor], tuple] | None = None,
 ) -> list[Validated | StageError]:
     """`validate_plan` for several plans of one model and batch size at once: each is checked against
     `reference` alone, and their steps are timed in shared rounds, one eager step and one step of each plan
@@ -246,7 +247,9 @@ def validate_plans(
     `overhead_vs_no_recompute` is measured as its overhead is against the reference step. With `isolate`, a
     plan that raises as it is loaded, run or judged (or whose no-recomputation plan does) gets a `StageError` in
     its place and the others are timed and judged without it; without, the error is raised. What the plans
-    share (the reference, the model, its batch and captures, the timed rounds) raises either way."""
+    share (the reference, the model, its batch and captures, the timed rounds) raises either way. `built`: the model
+    (on `device`, left unchanged: the plans run on copies), loss and batch to run instead of building them from
+    `spec` (`memplan.plan`'s)."""
     check_reference(reference, spec, batch_size, device, seed)
     in_step = {plan.provenance.get("optimizer_in_step") for plan in plans} - {None}
     if in_step - {reference.optimizer}:
@@ -254,9 +257,11 @@ def validate_plans(
                            f"optimizer's update, and the reference at {reference.path} has "
                            f"{reference.optimizer or 'none'}; measure it with optimizer= (tasks.reference).")
     expected, float64 = reference_state(reference, device), reference_float64(reference, device)
-    base = build_model(spec, seed).to(device)
-    loss_fn = build_loss(spec)
-    batch = build_batch(spec, batch_size, seed, device)
+    if built is None:
+        base, loss_fn = build_model(spec, seed).to(device), build_loss(spec)
+        batch = build_batch(spec, batch_size, seed, device)
+    else:
+        base, loss_fn, batch = built
     runs = [_baseline(reference, base, loss_fn, batch, spec, None)]
     if reference.optimizer in in_step:           # the plans that update inside the step pair with this one
         runs.append(_baseline(reference, base, loss_fn, batch, spec, reference.optimizer))

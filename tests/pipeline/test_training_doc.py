@@ -66,7 +66,8 @@ def plain_and_compiled(folder) -> str:
 def test_every_block_is_a_named_example_with_a_test():
     assert set(examples()) == {"pipeline", "plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer",
                                  "optimizer-in-step", "optimizer-in-step-policy", "executor-ddp",
-                                 "compiled-form", "compiled-pipeline"}
+                                 "compiled-form", "compiled-pipeline",
+                                 "python-api"}                     # tests/pipeline/test_python_api.py runs it
 
 
 FAST = "\n[profile]\nwarmup = 0\nrepeats = 1\n\n[validate]\nsteps = 1\nmax_steps = 1\n"
