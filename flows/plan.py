@@ -27,7 +27,7 @@ from memplan.flows.steps import (compiled_plans_step, compiled_search_step, forg
                                  reference_step, solve_step, trace_step, validate_step)
 from memplan.tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
                           graph_forms, load_config)
-from memplan.tasks.memory_limit import memory_limit
+from memplan.tasks.memory_limit import check_resident_fits, memory_limit
 from memplan.tasks.models import allow_imports_from, check_model, resolve_device
 from memplan.tasks.records import EAGER, Profiled, Referenced, Solved, StageError, Traced, Validated, attempt
 from memplan.tasks.store import check_store
@@ -423,10 +423,11 @@ def run_plan(config_path: str | Path = "pipeline.toml", refresh: bool = False,
 
     config = config or load_config(config_path)
     allow_imports_from(Path(config_path).parent)
-    memory_limit(config, resolve_device(config.device))      # device_memory = "device" on a CPU fails here
+    limit = memory_limit(config, resolve_device(config.device))      # device_memory = "device" on a CPU fails here
     check_store(config.store)
     for model in config.models:
         check_model(model)
+    check_resident_fits(config, limit)
     check_task_runner(config.run)
     check_locations(config, publishes=True)
     storage = Path(config.cache_dir).resolve() / "prefect"

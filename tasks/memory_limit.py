@@ -63,3 +63,28 @@ def memory_limit(config: PipelineConfig, device: str) -> MemoryLimit | None:
         setting, _ = torch.cuda.mem_get_info(device)
     return MemoryLimit(limit_bytes=int(setting), optimizer=config.optimizer,
                        host_reference=config.validation.host_reference)
+
+
+def check_resident_fits(config: PipelineConfig, limit: MemoryLimit | None) -> None:
+    """Refuse, before any stage runs, a limit below what a model at one of its batch sizes keeps resident before
+    its step allocates anything (parameters, buffers, batch, optimizer state): no plan can fit there. The models
+    are built on the meta device (no memory, no weights)."""
+    if limit is None:
+        return
+    import torch
+
+    from memplan.tasks.models import build_model
+
+    for spec, batch_size in config.model_batches():
+        with torch.device("meta"):
+            model = build_model(spec, config.seed)
+        batch = [torch.empty((batch_size, *i.shape), dtype=getattr(torch, i.dtype), device="meta")
+                 for i in spec.inputs]
+        resident = limit.module_resident_bytes(model, batch)
+        if resident > limit.limit_bytes:
+            raise MemplanError(
+                f"device_memory = {limit.limit_bytes:,} B is less than model {spec.name!r} at batch {batch_size} "
+                f"keeps resident before its step allocates anything: {resident:,} B (parameters, buffers, the batch "
+                f"and the optimizer's state: {limit.optimizer}, {limit.states_per_parameter} tensors per parameter), "
+                f"so no plan fits; raise "
+                f"device_memory above {resident:,} B plus the step's own peak, or lower batch_sizes.")

@@ -120,6 +120,24 @@ def test_the_meter_refuses_a_step_past_the_limit_and_allows_one_within():
         PeakMeter("cpu", limit_bytes=resident - 1, resident_bytes=resident)
 
 
+def test_a_limit_below_the_resident_bytes_is_refused_before_any_stage(tmp_path):
+    """Parameters, buffers, batch and optimizer state alone exceed the limit: no plan can fit, and the run says so
+    with the bytes before it traces anything (the models are built on the meta device)."""
+    from memplan.flows.plan import run_plan
+    from memplan.tasks.config import MemplanError
+
+    (tmp_path / "pipeline.toml").write_text(
+        'device = "cpu"\ndevice_memory = "50 KiB"\noptimizer = "adamw"\ncache_dir = "cache"\n\n[[models]]\nname = "wide"\n'
+        'factory = "torch.nn:Linear"\nkwargs = { in_features = 256, out_features = 256 }\nloss = "mse"\n'
+        'batch_sizes = [8]\ninputs = [{ shape = [256] }, { shape = [256] }]\n\n[[plans]]\nsolver = "dtr"\n'
+        'budgets = [0.8]\n')
+    resident = 3 * (256 * 256 + 256) * 4 + 2 * 8 * 256 * 4                  # weights, two AdamW states, batch
+    with pytest.raises(MemplanError, match=rf"device_memory = 51,200 B is less than model 'wide' at batch 8 keeps "
+                                           rf"resident .*: {resident:,} B .*adamw, 2 tensors per parameter"):
+        run_plan(tmp_path / "pipeline.toml")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_step_eager_cannot_fit_is_planned_validated_against_checkpointing_and_published(tmp_path, harness):
     from memplan.flows.plan import run_plan
     from memplan.runtime.plan import Plan
