@@ -103,7 +103,8 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
-LONGEST_FIRST = ("tests/pipeline/test_training_doc.py", "tests/fleet/test_dask_runner.py", "shared-captures",
+LONGEST_FIRST = ("tests/pipeline/test_training_doc.py", "tests/pipeline/test_zoo.py", "tests/fleet/test_dask_runner.py",
+                 "shared-captures",
                  "tests/pipeline/test_default_pipeline.py", "tests/pipeline/test_fit.py", "tests/fleet/test_fleet_e2e.py",
                  "tests/runtime/test_compiled_search.py")
 """The work units of 30 s and more (each 30-100 s on 2 cores), longest first."""
@@ -250,6 +251,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_causal_lm_of_a_transformers_lm_is_its_labels_loss_and_capture_fuses_it_with_the_head",
         "test_an_encoder_decoder_and_an_encoder_train_with_the_labels_loss",
     ),
+    "tests/pipeline/test_zoo.py": "one model per family traced, profiled, planned, validated and trained (~210 s)",
     "tests/pipeline/test_policy_pipeline.py": (
         "the module's `memplan run` (policy form), or solves and validates policies",
         "test_the_policy_plan_is_solved_on_the_eager_graph_and_published",

@@ -66,7 +66,7 @@ def plain_and_compiled(folder) -> str:
 def test_every_block_is_a_named_example_with_a_test():
     assert set(examples()) == {"pipeline", "plain", "compile", "ddp", "fsdp", "mixed-precision", "trainer",
                                  "optimizer-in-step", "optimizer-in-step-policy", "executor-ddp",
-                                 "compiled-form", "compiled-pipeline",
+                                 "compiled-form", "compiled-pipeline", "chunked-loss",
                                  "python-api"}                     # tests/pipeline/test_python_api.py runs it
 
 
@@ -103,6 +103,11 @@ def test_mixed_precision(tmp_path):
     assert values[-1] < values[0]
 
 
+def test_chunked_loss(tmp_path):
+    values = losses(run(examples()["chunked-loss"], tmp_path), 3)
+    assert values[-1] < values[0]
+
+
 def test_hugging_face_trainer(tmp_path):
     out = run(examples()["trainer"], tmp_path)            # Trainer prints its run's metrics first
     assert re.fullmatch(r"trained 3 steps, mean loss \d+\.\d{4}", out.splitlines()[-1]), out
@@ -130,7 +135,7 @@ def test_the_policy_forms_pipeline_settings_for_the_optimizer_parse():
     """The doc's toml fragment for the optimizer inside the step in the policy form, completed with a model."""
     from memplan.tasks.config import expand_matrix, parse_config
 
-    fragment = re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S)[1]
+    fragment, = (t for t in re.findall(r"```toml\n(.*?)```", DOC.read_text(), re.S) if "optimizer_in_step" in t)
     model = ('[[models]]\nname = "linear"\nfactory = "torch.nn:Linear"\n'
              'kwargs = { in_features = 4, out_features = 3 }\nloss = "mse"\n'
              'inputs = [{ shape = [4] }, { shape = [3] }]\n\n')
