@@ -5,7 +5,9 @@ The checkout's folders are this package's rooms (setup.py maps them): `memplan.r
 `memplan.flows` is `flows/` (Prefect flows and the `memplan` command).
 
 The training entry points are exported lazily (`import memplan` imports neither torch nor Prefect): the runtime's
-`load`, `apply`, `capture`, and `compile_step`, a step compiled by inductor in the compiled form.
+`load`, `apply`, `capture`, and `compile_step`, a step compiled by inductor in the compiled form; and the chunked
+language-model loss (`chunked_linear_cross_entropy`, `chunked_causal_lm_loss`, `ChunkedCausalLMLoss`:
+runtime/chunked_loss.py).
 
 `plan(model, loss_fn, batch, max_overhead=... | budget=...)` makes one validated plan in this process by the stages
 `memplan run` runs (flows/python_api.py); `plan.save(path)`, then `load(path, model, loss_fn)`.
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OpGraph", "Plan", "apply", "capture", "compile_step", "default_plan", "load", "plan"]
+__all__ = ["ChunkedCausalLMLoss", "OpGraph", "Plan", "apply", "capture", "chunked_causal_lm_loss",
+           "chunked_linear_cross_entropy", "compile_step", "default_plan", "load", "plan"]
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,9 @@ _EXPORTS = {
     "load": "memplan.runtime.executor",
     "apply": "memplan.runtime.policy",
     "ArenaFallbackWarning": "memplan.runtime.arena",
+    "chunked_linear_cross_entropy": "memplan.runtime.chunked_loss",
+    "chunked_causal_lm_loss": "memplan.runtime.chunked_loss",
+    "ChunkedCausalLMLoss": "memplan.runtime.chunked_loss",
 }
 
 __all__ = sorted(_EXPORTS)
