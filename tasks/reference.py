@@ -124,6 +124,7 @@ def measure_reference(spec: ModelConfig, batch_size: int, device: str, seed: int
         try:
             exact = float64_step(base, wide_loss, batch, ran_on, seed,
                                  tape, optimizer, None if limit is None or ran_on != device else limit)
+            check_same_loss(loss, float(exact["loss"]), spec)
             float64 = float64_deltas(state, exact)
         except Float64Unavailable as exc:
             skipped = str(exc)
@@ -248,6 +249,24 @@ def float64_step(base: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: t
             update.step()
             state |= {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
     return state
+
+
+LOSS_AGREEMENT = 1e-3
+"""How far (relative) eager's loss may lie from the float64 step's for the two to be one computation; a model
+computing in bfloat16 or float16 gets `LOW_PRECISION_LOSS_AGREEMENT` (a few roundings of 8 or 11 mantissa bits)."""
+LOW_PRECISION_LOSS_AGREEMENT = 5e-2
+
+
+def check_same_loss(eager: float, exact: float, spec: ModelConfig) -> None:
+    """Refuse (`Float64Unavailable`) a float64 step whose loss is not eager's up to rounding: a loss that changes
+    between calls, or a step that is not the same computation, would give eager a distance to it that excuses
+    anything, so plans are then judged by rtol / atol alone."""
+    low = {spec.dtype, spec.autocast} & {"bfloat16", "float16"}
+    agreement = LOW_PRECISION_LOSS_AGREEMENT if low else LOSS_AGREEMENT
+    if not abs(eager - exact) <= agreement * max(abs(exact), 1e-6):
+        raise Float64Unavailable(f"the float64 step's loss {exact:.6g} is not eager's {eager:.6g} up to rounding "
+                                 f"(relative {agreement:g}): the step is not one computation (a loss that changes "
+                                 f"between calls?); plans are judged by rtol / atol alone")
 
 
 def float64_deltas(state: State, exact: State) -> State:

@@ -259,3 +259,18 @@ def test_dropout_masks_match_between_the_reference_and_its_float64_step():
     assert len(tape.outputs) == 1                                         # dropout's one draw
     exact = float64_step(model, ce, batch, "cpu", 0, tape)
     assert all(float(d.abs().max()) < 1e-5 for d in float64_deltas(state, exact).values())
+
+
+def test_a_float64_step_whose_loss_is_not_eager_s_is_not_a_yardstick():
+    """A loss that changes between calls would give eager a distance to the float64 step that excuses any plan:
+    such a float64 step is discarded (plans are then judged by rtol / atol alone)."""
+    from memplan.tasks.config import ModelConfig
+    from memplan.tasks.reference import Float64Unavailable, check_same_loss
+
+    spec = ModelConfig.model_validate({"name": "m", "factory": "torch.nn:Linear", "loss": "mse",
+                                       "kwargs": {"in_features": 2, "out_features": 2},
+                                       "inputs": [{"shape": [2]}, {"shape": [2]}]})
+    check_same_loss(1.0000001, 1.0, spec)                                       # one rounding apart: one computation
+    with pytest.raises(Float64Unavailable, match="not eager's .* up to rounding"):
+        check_same_loss(2.0, 1.0, spec)                                         # the drifting loss's second call
+    check_same_loss(1.01, 1.0, spec.model_copy(update={"dtype": "bfloat16"}))  # bf16 rounds coarser
