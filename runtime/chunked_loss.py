@@ -173,6 +173,15 @@ def causal_lm_chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, input_ids
     return total / num_items_in_batch
 
 
+class ChunkedLossUnsupported(NotImplementedError):
+    """A model `chunked_causal_lm_loss` cannot compute the loss of (logit scaling, a head that is not a Linear, no
+    base model), with the fix."""
+
+
+FIX = ("train it with its own loss, or compute its last hidden states yourself and call "
+       "chunked_linear_cross_entropy(hidden, head_weight, labels).")
+
+
 def chunked_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                            *, attention_mask: Optional[torch.Tensor] = None,
                            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, ignore_index: int = -100,
@@ -186,14 +195,14 @@ def chunked_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labe
     config = model.config
     for unsupported in ("logit_scale", "logits_scaling", "output_multiplier_scale"):
         if getattr(config, unsupported, None) not in (None, 1, 1.0):
-            raise NotImplementedError(f"{type(model).__name__} scales its logits ({unsupported}); "
-                                      "chunked_causal_lm_loss does not")
+            raise ChunkedLossUnsupported(f"{type(model).__name__} scales its logits ({unsupported}), which "
+                                         f"chunked_causal_lm_loss does not: {FIX}")
     if not isinstance(head, torch.nn.Linear):
-        raise NotImplementedError(f"{type(model).__name__}'s output embedding is a {type(head).__name__}, "
-                                  "not an nn.Linear")
+        raise ChunkedLossUnsupported(f"{type(model).__name__}'s output embedding is a {type(head).__name__}, not "
+                                     f"an nn.Linear: {FIX}")
     base = model.base_model
     if base is model:
-        raise NotImplementedError(f"{type(model).__name__} has no base model to run to its hidden states")
+        raise ChunkedLossUnsupported(f"{type(model).__name__} has no base model to run to its hidden states: {FIX}")
     out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     return causal_lm_chunked_loss(hidden, head.weight, input_ids, labels=labels, bias=head.bias,

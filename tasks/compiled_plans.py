@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from memplan.runtime.compiled.records import Decision, JointGraph, RegionDecision
+from memplan.runtime.compiled.partition import Partitioned
 from memplan.runtime.compiled.step import CompiledStep, GraphBreakError
 from memplan.runtime.plan import Plan, memplan_version, plan_id
 from memplan.tasks.compiled_form import FractionDecision, cut_peak, joint_problem
@@ -92,44 +93,45 @@ class CompiledModel:
         compiles to compare gradients with eager's; None for a step that draws none."""
         if not self.random:
             return None
-        replica = copy.deepcopy(self.model)
-        decide = _inductor if probe.fraction is None else FractionDecision(self.solver, probe.fraction)
-        step = CompiledStep(_step_of(self.loss_fn, replica), decide, exact_random=True)
-        try:
-            with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
-                step(*self.batch).backward()
-        finally:
-            torch.compiler.reset()
-        cut, = step.partitioned
+        cut, _, _ = self._compiled(probe.fraction, exact_random=True, measure=False)
         return RegionDecision(cut.fingerprint, cut.decision)
 
-    def _measure(self, fraction: float | None) -> tuple[Probe, JointGraph]:
-        """Compile the step on a copy of the model with the decision at `fraction` (None: inductor's own), run it
-        once, and measure the peak of a second step (`PeakMeter(allocator=True)`)."""
+    def _compiled(self, fraction: float | None, exact_random: bool = False,
+                  measure: bool = True) -> tuple[Partitioned, CompiledStep, int]:
+        """Compile the step on a copy of the model with the decision at `fraction` (None: inductor's own) and run
+        it once; with `measure`, the peak of a second step (`PeakMeter(allocator=True)`), else 0. The joint graph's
+        cut, the step (its decision's solutions, compile time) and the peak; Dynamo's caches are reset after."""
         from memplan.runtime.meter import PeakMeter
 
         replica = copy.deepcopy(self.model)
         decide = FractionDecision(self.solver, fraction) if fraction is not None else _inductor
-        step = CompiledStep(_step_of(self.loss_fn, replica), decide)
+        step = CompiledStep(_step_of(self.loss_fn, replica), decide, exact_random=exact_random)
+        peak = 0
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
                 try:
                     step(*self.batch).backward()
                 except GraphBreakError as exc:
                     raise CompiledGraphError(f"{self.name}: {exc}") from None
-                replica.zero_grad(set_to_none=True)
-                with PeakMeter(self.device, allocator=True) as meter:
-                    step(*self.batch).backward()
+                if measure:
+                    replica.zero_grad(set_to_none=True)
+                    with PeakMeter(self.device, allocator=True) as meter:
+                        step(*self.batch).backward()
+                    peak = meter.peak_bytes
         finally:
             torch.compiler.reset()
         if len(step.partitioned) != 1:
             raise CompiledGraphError(f"{self.name}'s step compiled to {len(step.partitioned)} joint graphs, "
                                      f"not one: the compiled form plans a step torch.compile compiles whole.")
-        cut, = step.partitioned
-        solution = None if fraction is None else decide.solutions[0]
+        return step.partitioned[0], step, peak
+
+    def _measure(self, fraction: float | None) -> tuple[Probe, JointGraph]:
+        """The plan at `fraction` (None: inductor's own) compiled and measured, kept in `probes`."""
+        cut, step, peak = self._compiled(fraction)
+        solution = None if fraction is None else step.partitioner.decide.solutions[0]
         cost = solution.objective if solution is not None and solution.feasible else None
         probe = Probe(fraction, RegionDecision(cut.fingerprint, cut.decision), cut_peak(cut.joint, cut.saved_values),
-                      cost, meter.peak_bytes, step.compile_seconds)
+                      cost, peak, step.compile_seconds)
         self.probes.append(probe)
         return probe, cut.joint
 
