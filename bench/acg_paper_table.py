@@ -36,7 +36,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from memplan import runtime  # noqa: E402
-from memplan.runtime.meter import PeakMeter  # noqa: E402
+from memplan.runtime.measure.meter import PeakMeter  # noqa: E402
 from memplan.tasks.solve import solve  # noqa: E402
 from memplan.tasks.solve.acg.forward import forward_graph  # noqa: E402
 from memplan.tasks.solve.core.problem import Problem  # noqa: E402

@@ -10,7 +10,7 @@ backward, no optimizer) per row:
 - per-block checkpointing: transformers' `gradient_checkpointing_enable(use_reentrant=False)`, its own loss;
 - per-block + chunked loss.
 Peaks are `PeakMeter("cpu", allocator=True)` on a step after the first; each row's peak is its fraction of
-eager's. Times are interleaved rounds (`tasks.step_timing.paired_step_times`: the rows take turns, reversed every
+eager's. Times are interleaved rounds (`tasks.validate.step_timing.paired_step_times`: the rows take turns, reversed every
 other round), reported as the median per-round ratio to eager's step with its distribution-free 95% interval
 (`median_interval`). The rows' losses and gradients are checked against eager's first.
 """
@@ -24,8 +24,8 @@ import statistics
 import torch
 
 from memplan.runtime.chunked_loss import chunked_causal_lm_loss
-from memplan.runtime.meter import PeakMeter
-from memplan.tasks.step_timing import median_interval, paired_step_times
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.tasks.validate.step_timing import median_interval, paired_step_times
 
 
 def main(argv=None) -> None:

@@ -11,7 +11,7 @@ joint graph solved by `--solver` at each `--fractions` share of the simulator's 
 fusing what memplan keeps. Peaks: `PeakMeter(allocator=True)` of a step after the compiling one, over eager's;
 times: medians of interleaved rounds (the order reversed every other round), over eager's; "grad err": the largest
 gradient difference from eager; "predicted": the simulator's peak for memplan's decision (the joint graph as
-inductor fuses it: tasks/compiled_form.py) over eager's measured peak. The last lines name, for each PyTorch row, the memplan rows that dominate it (peak
+inductor fuses it: tasks/compiled/form.py) over eager's measured peak. The last lines name, for each PyTorch row, the memplan rows that dominate it (peak
 at most its, median paired time ratio below 1 with its 95% interval).
 """
 
@@ -28,8 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 from bench.peers import peak_and_grads, step_samples
 from memplan.runtime.compiled.step import CompiledStep, own_code
-from memplan.tasks.compiled_form import FractionDecision
-from memplan.tasks.step_timing import median_interval
+from memplan.tasks.compiled.form import FractionDecision
+from memplan.tasks.validate.step_timing import median_interval
 
 
 class Block(nn.Module):

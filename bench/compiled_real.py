@@ -16,9 +16,9 @@ at each `--budgets` value (PyTorch's default knapsack solver and FLOP estimator)
 `torch.utils.checkpoint(use_reentrant=False)` under inductor; torchtitan-style selective activation checkpointing
 per block under inductor (`create_selective_checkpoint_contexts` with a policy that saves the outputs of matmuls and
 attention, torchtitan's `_save_list`, and recomputes every other op); and memplan's compiled plans:
-`memplan.tasks.compiled_plans.CompiledModel.search(peak, probes=--probes)` at each compiled PyTorch row's measured
+`memplan.tasks.compiled.plans.CompiledModel.search(peak, probes=--probes)` at each compiled PyTorch row's measured
 peak (and at `--below` times it), deduplicated, each rebuilt as `CompiledStep(fn, PlannedDecide((region,)))`.
-Plans are solved by `--solver` on the joint graph (tasks/compiled_form.py) and measured compiled.
+Plans are solved by `--solver` on the joint graph (tasks/compiled/form.py) and measured compiled.
 
 Peaks: `PeakMeter("cpu", allocator=True)` of a step after the compiling one, over eager's. Times: every row takes a
 turn in each of `--rounds` interleaved rounds (the order reversed every other round; one warm-up round), reported as
@@ -45,9 +45,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from bench.peers import step_samples
 from memplan.runtime.compiled.step import CompiledStep, PlannedDecide, own_code
-from memplan.runtime.meter import PeakMeter
-from memplan.tasks.compiled_plans import CompiledModel
-from memplan.tasks.step_timing import median_interval
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.tasks.compiled.plans import CompiledModel
+from memplan.tasks.validate.step_timing import median_interval
 
 
 # --- models -------------------------------------------------------------------------------------------------------

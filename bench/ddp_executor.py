@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memplan import runtime  # noqa: E402
 from bench.peers import profiled_costs  # noqa: E402
-from memplan.runtime.meter import PeakMeter  # noqa: E402
-from memplan.runtime.plan import graph_provenance  # noqa: E402
+from memplan.runtime.measure.meter import PeakMeter  # noqa: E402
+from memplan.runtime.format.plan import graph_provenance  # noqa: E402
 from memplan.tasks.config import load_config  # noqa: E402
 from memplan.tasks.models import build_batch, build_loss, build_model  # noqa: E402
 from memplan.tasks.solve.core.ddp import under_ddp  # noqa: E402

@@ -52,7 +52,7 @@ CHEAP = ("remat-greedy", "ap-greedy", "acg")
 
 def load(graph: str) -> Problem:
     if graph.startswith("opgraph:"):
-        from memplan.runtime.graph import OpGraph
+        from memplan.runtime.format.graph import OpGraph
 
         name = graph.split(":", 1)[1]
         path = ROOT / ".cache" / f"opgraph_{name}.json"

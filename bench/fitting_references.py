@@ -1,4 +1,4 @@
-"""Which reference step fits a device memory limit: each in-device reference of tasks/fitting_reference.py
+"""Which reference step fits a device memory limit: each in-device reference of tasks/fit/reference.py
 (eager, per-block checkpointing, nested checkpointing) run once on the CPU at one batch size, its measured
 peak plus the resident bytes beside the limit, side by side in one run.
 
@@ -26,11 +26,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from memplan.runtime.meter import PeakMeter
+from memplan.runtime.measure.meter import PeakMeter
 from memplan.tasks.config import load_config
-from memplan.tasks.fitting_reference import EAGER, NESTED_CHECKPOINT, PER_BLOCK_CHECKPOINT, checkpoint_blocks, \
+from memplan.tasks.fit.reference import EAGER, NESTED_CHECKPOINT, PER_BLOCK_CHECKPOINT, checkpoint_blocks, \
     checkpoint_nested, training_step
-from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.fit.memory_limit import MemoryLimit
 from memplan.tasks.models import build_batch, build_loss, build_model
 
 
@@ -77,7 +77,7 @@ def rounding_table(base, loss_fn, batch) -> Table:
     """The fp32 step's loss and gradients against fp64's, and the share of `HOST_RTOL`/`HOST_ATOL` they use."""
     import torch
 
-    from memplan.tasks.fitting_reference import HOST_ATOL, HOST_RTOL
+    from memplan.tasks.fit.reference import HOST_ATOL, HOST_RTOL
 
     states = []
     for dtype in (torch.float32, torch.float64):

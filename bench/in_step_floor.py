@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memplan import runtime  # noqa: E402
 from bench.peers import profiled_costs  # noqa: E402
-from memplan.runtime.meter import PeakMeter  # noqa: E402
+from memplan.runtime.measure.meter import PeakMeter  # noqa: E402
 from memplan.tasks.config import load_config  # noqa: E402
 from memplan.tasks.models import build_batch, build_loss, build_model  # noqa: E402
 from memplan.tasks.solve import solve  # noqa: E402
-from memplan.runtime.variants import graph_variants  # noqa: E402
+from memplan.runtime.variants.offered import graph_variants  # noqa: E402
 from memplan.tasks.solve.core.fixed_variants import fixed_problem, lean_choice  # noqa: E402
 from memplan.tasks.solve.core.optimizer import OPTIMIZERS, in_step  # noqa: E402
 from memplan.tasks.solve.core.orders import update_order  # noqa: E402

@@ -6,18 +6,18 @@ All of a solver's plans are validated side by side in shared timing rounds, as t
                                            [--solvers dtr ap-greedy acg] [--max-overhead 0.10] [--budgets 10]
 
 For each model of `--config` (at its batch sizes) the pipeline's stage functions trace it (`tasks.trace`),
-profile it with the file's [profile] settings (`tasks.profile`, into a temporary store), measure the eager
-reference (`tasks.reference`) and, for each solver (default: those of the file's [[plans]] that give
+profile it with the file's [profile] settings (`tasks.profile.stage`, into a temporary store), measure the eager
+reference (`tasks.validate.reference`) and, for each solver (default: those of the file's [[plans]] that give
 `max_overhead`, with that plan entry's settings, e.g. acg's `addresses`), solve with `tasks.solve_stage.solve_case`:
 - `ovh`: the plan the pipeline publishes at `max_overhead = --max-overhead`: the cell's predicted choice, then the
-  walk along its ladder by measured overhead against the no-recomputation plan (`tasks.overhead_refine.refine`,
+  walk along its ladder by measured overhead against the no-recomputation plan (`tasks.validate.overhead.refine`,
   each step one `validate_plans` call, as flows/refine.py validates them); `predicted`: the predicted choice,
   shown where the walk published another rung;
 - `sweep`: `--budgets` fixed budgets spread evenly from the checkpoint-all peak down to the least budget the
   solver finds a schedule at (bisection to 0.5%), duplicates of one schedule dropped;
 - `none`: the checkpoint-all plan (no recomputation), the reference point of the predicted overhead, and the
   top of the sweep.
-Each solver's plans are validated in one `tasks.validate.validate_plans` call with the file's [validate]
+Each solver's plans are validated in one `tasks.validate.stage.validate_plans` call with the file's [validate]
 settings: one eager step and one step of each plan per round, overhead = median over rounds of plan /
 eager - 1, its 95% interval from the order statistics (`median_interval`): what the pipeline publishes. Then
 the same plans are timed again in the validation's rounds (`paired_step_times`) against the `none` plan
@@ -46,22 +46,22 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan import runtime
-from memplan.runtime.graph import OpGraph
-from memplan.runtime.plan import Plan
+from memplan.runtime.format.graph import OpGraph
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.config import Budget, ModelConfig, PipelineConfig, PlanConfig, PlanSettings, load_config
 from memplan.tasks.models import build_batch, build_loss, build_model, resolve_device
-from memplan.tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
+from memplan.tasks.validate.overhead import Rung, predicted_choice, refine, with_rung
 from memplan.tasks.problems import load_problem
-from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.tasks.profile.stage import ProfileSettings, profile_graph
 from memplan.tasks.records import Referenced, Solved, Validated
-from memplan.tasks.reference import measure_reference
+from memplan.tasks.validate.reference import measure_reference
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 from memplan.tasks.solve.core.solution import min_budget_lower_bound
 from memplan.tasks.solve_stage import bisect_budget, solve_case
 from memplan.tasks.trace import trace
-from memplan.tasks.step_timing import median_interval, paired_step_times
-from memplan.tasks.validate import validate_plans
+from memplan.tasks.validate.step_timing import median_interval, paired_step_times
+from memplan.tasks.validate.stage import validate_plans
 
 PEAK_RATIO_LIMIT = 1.05
 

@@ -11,10 +11,10 @@ reaches. Real models have hundreds of operator nodes, so both memplan solvers ru
 `hierarchical` (`inner = "monet"` / `"checkmate"`): the whole-graph MILPs of either do not finish on this
 machine (see `--curve`). Every memplan plan is solved on node costs (every implementation variant
 included) profiled in the same run, run with `runtime.load` (gradients compared with eager) and measured
-with `runtime.meter.PeakMeter`, which also sees torch.compile's code (each budget is compiled by its own
+with `runtime.measure.meter.PeakMeter`, which also sees torch.compile's code (each budget is compiled by its own
 backend: bench/peers.py `budget_backend`); step times are medians of interleaved rounds (bench/peers.py's
 helpers). Then the ablation of the paper's Fig. 4: `monet` with no
-variants (MONeT-NoOp), with each variant family of `runtime.variants.RULES` alone, and with all.
+variants (MONeT-NoOp), with each variant family of `runtime.variants.offered.RULES` alone, and with all.
 
 `--curve SECONDS`: the solve-time curve (incumbent, bound, gap) of whole-graph `monet-noop` on the
 ResNet-50 operator graph at `--curve-fraction` (0.7) of its peak, bounded by SECONDS (the issue's target: a 5% gap in 10 minutes).
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memplan import runtime  # noqa: E402
 from peers import compiled_step, median_ms, peak_and_grads, profiled_costs, workload  # noqa: E402
-from memplan.runtime.variants import RULES, graph_variants  # noqa: E402
+from memplan.runtime.variants.offered import RULES, graph_variants  # noqa: E402
 from memplan.tasks.solve import solve  # noqa: E402
 from memplan.tasks.solve.core.problem import Problem  # noqa: E402
 from memplan.tasks.solve.core.simulator import default_schedule, simulate  # noqa: E402

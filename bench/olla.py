@@ -5,7 +5,7 @@
 
 For each model (random weights, CPU, 1 thread) and batch size, one training step:
 - peak with PyTorch's order (the captured graph's order, run as the default plan) and with OLLA's
-  order: simulated, and measured running each plan (`runtime.meter.PeakMeter`, tensor bytes); the
+  order: simulated, and measured running each plan (`runtime.measure.meter.PeakMeter`, tensor bytes); the
   whole-graph ILP's lower bound on the optimal peak, when it got one; and the OLLA plan's measured peak
   against eager PyTorch's. Paper (sec. 5.3): 22.5% less at batch 1, 10.1% at batch 32 on average. The
   step has no optimizer, so gradients stay resident to its end (the paper's weight updates free
@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan import runtime
-from memplan.runtime.arena import ArenaFallbackWarning, in_place_nodes
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan
+from memplan.runtime.execute.arena import ArenaFallbackWarning, in_place_nodes
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.solve.olla import olla_addresses
 from memplan.tasks.solve.olla.lifetime import lifetime_order
 from memplan.tasks.solve.core.problem import Problem

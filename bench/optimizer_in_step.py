@@ -15,10 +15,10 @@ each a full training step with the optimizer, from the same weights, measured to
   outside (`runtime.load(plan, ...)` then `opt.step()`) and the plan solved with it inside
   (`tasks.solve.core.optimizer.in_step`, run by `runtime.load(plan, ..., optimizer=opt)`), at the same limit;
 - the no-recomputation plan, outside and inside; inside with "whole updates" (`update_slice_bytes=None`: no
-  parameter updated in slices, runtime.schedule.UPDATE_SLICE_BYTES; its prediction is the unsliced problem's):
+  parameter updated in slices, runtime.format.schedule.UPDATE_SLICE_BYTES; its prediction is the unsliced problem's):
   its "time / outside" against the sliced row's is what slicing costs; and inside "via step()": each update
   through `Optimizer.step()` of the class (a subclass of it, updated whole) rather than its functional API
-  (runtime.optim_functional), the form before; its "time / outside" against the whole-updates row's is what the
+  (runtime.execute.optim_functional), the form before; its "time / outside" against the whole-updates row's is what the
   functional updates save;
 - "at target": the in-step problem solved at budget = the outside no-recomputation step's measured peak (its
   optimizer's temporaries included) - 0.8 x the parameter-gradient bytes by each of `--target-solvers`, in the
@@ -93,8 +93,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memplan import runtime  # noqa: E402
 from bench.peers import profiled_problem  # noqa: E402
-from memplan.runtime.meter import PeakMeter  # noqa: E402
-from memplan.runtime.schedule import update_steps  # noqa: E402
+from memplan.runtime.measure.meter import PeakMeter  # noqa: E402
+from memplan.runtime.format.schedule import update_steps  # noqa: E402
 from memplan.tasks.config import load_config  # noqa: E402
 from memplan.tasks.models import build_batch, build_loss, build_model  # noqa: E402
 from memplan.tasks.problems import VARIANT_RULES  # noqa: E402
@@ -115,7 +115,7 @@ WHOLE = "no recomputation, inside, whole updates"
 
 def make_optimizer(name: str, model: torch.nn.Module, via_step: bool = False) -> torch.optim.Optimizer:
     """`name`'s torch.optim optimizer over the model's parameters; with `via_step`, of a subclass of its class,
-    whose updates inside the step run through `Optimizer.step()` (runtime.optim_functional takes only the
+    whose updates inside the step run through `Optimizer.step()` (runtime.execute.optim_functional takes only the
     classes themselves)."""
     spec = OPTIMIZERS[name]
     cls = getattr(torch.optim, spec.torch_class)

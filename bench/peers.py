@@ -18,17 +18,17 @@ what a GPU user compiles with, on CUDA; `inductor-cudagraphs` is inductor with C
 `mode="reduce-overhead"` compiles); memplan's solvers at 0.9 / 0.7 / 0.5 of the no-recomputation peak and at the
 smallest fraction each solver reaches (or at `--fractions` only); a solver may carry options
 (`hierarchical:inner=monet`). `--variants` is a plan's `variants` setting (docs/config.md): by default the
-solvers are offered every implementation variant (runtime.variants), as the pipeline offers them;
+solvers are offered every implementation variant (runtime.variants.offered), as the pipeline offers them;
 `bit-identical` or `none` keep the plans bit-identical to eager (some variants are within the validation
 tolerance instead: the gradient column shows it).
 Workloads: GPT-2 (6 layers, 256 wide, seq 256, batch 4; without dropout, and as `gpt2-dropout` with
 transformers' default dropout of 0.1 on embeddings, attention and residuals), a Llama-style decoder of the
 same size from a `transformers.LlamaConfig` (RMSNorm, rotary, SwiGLU), ResNet-50 and MobileNet-V2 (batch 8,
 128 px).
-Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.measure_graph`) and
+Every memplan plan is solved on node costs profiled in the same run (`tasks.profile.stage.measure_graph`) and
 run with `runtime.load` (gradients compared with eager; with `--cuda-graph` each replayed as one CUDA
 graph, `runtime.load(..., cuda_graph=True)`). Peaks are the allocator's, kernels' own buffers
-included: `runtime.meter.PeakMeter(allocator=True)`, which on CPU reads torch.profiler's memory events
+included: `runtime.measure.meter.PeakMeter(allocator=True)`, which on CPU reads torch.profiler's memory events
 and so also sees the buffers inductor's kernels allocate outside the dispatcher, and on CUDA the caching
 allocator. Peaks are of a step after the first (eager's first step also takes one-time buffers); with CUDA
 graphs, whose replays allocate nothing, of the steps that warm up and record: the second and third steps
@@ -57,19 +57,19 @@ from torch._dynamo.backends.debugging import aot_eager_decomp_partition
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
 
 from memplan import runtime
-from memplan.runtime.executor import replayed_random_nodes
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.modules import marked_modules
-from memplan.runtime.policy_form import Regions
-from memplan.runtime.variants import graph_variants
+from memplan.runtime.execute.executor import replayed_random_nodes
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.tracing.modules import marked_modules
+from memplan.runtime.policy.form import Regions
+from memplan.runtime.variants.offered import graph_variants
 from memplan.tasks.config import VariantChoice, parse_option_text
 from memplan.tasks.problems import VARIANT_RULES
-from memplan.tasks.profile import ProfileSettings, measure_graph
+from memplan.tasks.profile.stage import ProfileSettings, measure_graph
 from memplan.tasks.solve import SOLVERS as REGISTERED, parse_options, solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, normalize_schedule, simulate
 from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
-from memplan.tasks.store_query import CostTable, VariantCost
+from memplan.tasks.store.query import CostTable, VariantCost
 
 SOLVERS = ("hierarchical", "module-checkpoint", "ap-greedy", "acg", "linearized-greedy")
 FRACTIONS = (0.9, 0.7, 0.5)
@@ -152,7 +152,7 @@ def sac_layer_forward(forward, *args, **kwargs):
 
 def selective_policy_step(model, loss_fn, batch) -> dict:
     """For a transformers model: torchtitan-style selective activation checkpointing, labelled. Each layer
-    (the repeated modules `runtime.modules.marked_modules` finds) runs under `torch.utils.checkpoint(
+    (the repeated modules `runtime.tracing.modules.marked_modules` finds) runs under `torch.utils.checkpoint(
     use_reentrant=False)` with a policy that saves the outputs of `SAC_SAVE` and recomputes every other op
     (torchtitan's "op" mode also recomputes every second matmul; that refinement is left out). The cache is
     off, as a checkpointed layer must not update it twice. Else nothing."""
@@ -171,10 +171,10 @@ TORCHTITAN_LABEL = "torchtitan decisions, memplan schedule"
 def torchtitan_schedule(problem: Problem, graph) -> list[dict[str, int]] | None:
     """`selective_policy_step`'s decisions as a schedule of `graph` (`problem` is its problem; None when it
     records no repeated modules): every forward node once, and before the first backward node of each layer
-    (a region of runtime/policy_form.py) its forward again from its first node through the last one its
+    (a region of runtime/policy/form.py) its forward again from its first node through the last one its
     backward reads, skipping the nodes whose op is in `SAC_SAVE`, whose outputs the forward's copies supply (the
     query, key and output projections among them, read only by the recomputed ops after them). Unlike
-    `runtime.policy_form.policy_schedule` it does not drop idle saves: it is what the policy asks of autograd."""
+    `runtime.policy.form.policy_schedule` it does not drop idle saves: it is what the policy asks of autograd."""
     regions = Regions.of_problem(problem)
     if not regions.members:
         return None

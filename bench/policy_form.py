@@ -5,7 +5,7 @@
 
 One model for every row: the GPT-2 of bench/peers.py with transformers' default dropout of 0.1 (6 layers,
 256 wide, seq 256, batch 4), or its Llama-style decoder (`--model llama`: RMSNorm, rotary, SwiGLU, no dropout),
-with eager attention and the key/value cache off (`runtime.policy.capture_eager` traces it with the all-ones
+with eager attention and the key/value cache off (`runtime.policy.apply.capture_eager` traces it with the all-ones
 attention mask; a checkpointed layer must not update a cache twice). Rows:
 eager; eager under torch.compile (`aot_eager_decomp_partition`, bench/peers.py's CPU compile); transformers'
 per-block `torch.utils.checkpoint` and torchtitan-style selective checkpointing (`bench.peers.selective_policy_step`),
@@ -14,7 +14,7 @@ capture at each fraction of the no-recomputation peak, at the least it reaches (
 PyTorch row's measured peak, run by `runtime.apply` in eager and compiled (the compiled rows' plans solved
 with `compiled = true`: torch.compile runs a policy without selective checkpointing's dispatch modes, whose
 cost the eager rows' plans count; at a compiled PyTorch row's peak, the cheapest plan whose compiled peak,
-measured, is within that row's: `tasks.compiled_search`, up to `--probes` plans measured and `--spread` more
+measured, is within that row's: `tasks.compiled.policy_search`, up to `--probes` plans measured and `--spread` more
 solved above them). Peaks are `PeakMeter(allocator=True)` of a step after the first, times (wall and process CPU)
 medians of interleaved rounds (`bench.peers.step_times`, the order reversed every other round), all as ratios to
 eager's; "predicted" is the simulator's peak for the plan over eager's measured peak, "predicted time" its cost
@@ -37,16 +37,16 @@ import transformers
 from memplan import runtime
 from bench.peers import (COMPILE_BACKENDS, peak_and_grads, profiled_problem, selective_policy_step,
                          smallest_fraction, step_samples, torchtitan_schedule)
-from memplan.runtime.compiled_peak import compiled_peak
-from memplan.runtime.plan import graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, dispatch_cost, policy_schedule
-from memplan.tasks.compiled_search import COMPILED, search
+from memplan.runtime.policy.compiled_peak import compiled_peak
+from memplan.runtime.format.plan import graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, dispatch_cost, policy_schedule
+from memplan.tasks.compiled.policy_search import COMPILED, search
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.policy_solver import PolicyOptions
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 from memplan.tasks.solve.core.solution import SolveOptions
-from memplan.tasks.step_timing import median_interval
+from memplan.tasks.validate.step_timing import median_interval
 
 
 def gpt2():
@@ -120,7 +120,7 @@ def dominated_by(rows: dict, times: dict, label: str, plans: list[str]) -> list[
 
 def paired_ratio(samples: dict, plan: str, label: str, clock: int) -> tuple[float, tuple[float, float] | None]:
     """The median over rounds of `plan`'s step time over row `label`'s in the same round (`clock` 0: wall, 1: process
-    CPU), and that median's distribution-free 95% interval (`tasks.step_timing.median_interval`): a round that the
+    CPU), and that median's distribution-free 95% interval (`tasks.validate.step_timing.median_interval`): a round that the
     host slows slows both."""
     ratios = [a[clock] / b[clock] for a, b in zip(samples[plan], samples[label])]
     return statistics.median(ratios), median_interval(ratios)

@@ -11,7 +11,7 @@ differ where the executor's rewrites apply), a `selective-policy` plan (policy f
 (executor form, `runtime.load`), all of one cell validated in the same timing rounds against eager PyTorch.
 Columns, as ratios: budget, predicted and measured peak over eager's measured peak; measured over predicted;
 the step-time overhead over eager (median of per-round ratios); the status (a rejected plan's first reason). GPT-2's default `gelu_new` is several graph
-ops whose backward keeps a value longer than the policy form predicts (runtime/policy_form.py).
+ops whose backward keeps a value longer than the policy form predicts (runtime/policy/form.py).
 
 With `--optimizer adamw` (or `sgd-momentum`, ...) each activation also runs a pipeline whose plans set
 `optimizer_in_step = true` for that optimizer: the policy plan runs it in `runtime.apply(..., optimizer=opt)`, the

@@ -51,8 +51,8 @@ from rich.table import Table
 
 from memplan import runtime
 from bench.peers import budget_backend, profiled_problem, sac_layer_forward, solver_options
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.modules import marked_modules
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.tracing.modules import marked_modules
 from memplan.tasks.models import autocast_loss, causal_lm
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

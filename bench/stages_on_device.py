@@ -4,8 +4,8 @@ torch but not Prefect (a lent device machine), to validate plans on its device.
     python bench/stages_on_device.py [pipeline.toml] [--extra more.toml] [--json out.json]
 
 Per model and batch size: trace, profile (into a temporary store), eager PyTorch's reference step
-(`tasks.reference.measure_reference`); per matrix cell: solve (`tasks.solve_stage.solve_case`), validate
-against the reference and eager PyTorch's step time (`tasks.validate.validate_plan`) and
+(`tasks.validate.reference.measure_reference`); per matrix cell: solve (`tasks.solve_stage.solve_case`), validate
+against the reference and eager PyTorch's step time (`tasks.validate.stage.validate_plan`) and
 publish into a temporary `plans/` when validation passes. `--extra` appends a TOML file's text to the
 config (more models and plans). Prints one line per cell: budget, predicted and measured peak, eager's
 peak, step times, the largest gradient error, and why a plan was rejected.
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from memplan.runtime.plan import Plan
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.config import expand_matrix, parse_config
 from memplan.tasks.models import resolve_device
-from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.tasks.profile.stage import ProfileSettings, profile_graph
 from memplan.tasks.publish import publish
-from memplan.tasks.reference import measure_reference
+from memplan.tasks.validate.reference import measure_reference
 from memplan.tasks.solve_stage import solve_case
 from memplan.tasks.trace import trace
-from memplan.tasks.validate import validate_plan
+from memplan.tasks.validate.stage import validate_plan
 
 MIB = 2 ** 20
 

@@ -9,9 +9,9 @@ and profiled once; `--plans` plans solved on its profile (dtr, ap-greedy and acg
 0.25, ap-greedy and linearized-greedy at 70% and 50% of the checkpoint-all peak, in that order). Each plan
 is validated on the graph the trace captured (as `memplan run` does on one process), with the [validate]
 settings of pipeline.toml (`--steps`, `--max-steps`) by:
-- before: `tasks/validate.py` as of `--before-commit` (read from git), one `validate_plan` per plan: each
+- before: `tasks/validate/stage.py` as of `--before-commit` (read from git), one `validate_plan` per plan: each
   builds the model, runs eager's exact and metered steps, and pairs every timed round with an eager step;
-- after: one `tasks.reference.measure_reference` for the cell, then the pipeline's `validate_plan` per plan
+- after: one `tasks.validate.reference.measure_reference` for the cell, then the pipeline's `validate_plan` per plan
   (no eager correctness or peak steps; timed rounds still paired with eager);
 - shared: one reference, then `validate_plans` of all plans at once (each round one eager step and one
   step of every plan).
@@ -34,13 +34,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from memplan.runtime.plan import Plan
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
-from memplan.tasks.profile import ProfileSettings, profile_graph
-from memplan.tasks.reference import measure_reference
+from memplan.tasks.profile.stage import ProfileSettings, profile_graph
+from memplan.tasks.validate.reference import measure_reference
 from memplan.tasks.solve_stage import solve_case
 from memplan.tasks.trace import trace
-from memplan.tasks.validate import validate_plan, validate_plans
+from memplan.tasks.validate.stage import validate_plan, validate_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = [("dtr", Budget(max_overhead=0.05)), ("dtr", Budget(max_overhead=0.25)),
@@ -58,12 +58,12 @@ def gpt2(layers: int) -> ModelConfig:
 
 
 def old_validate_module(commit: str) -> types.ModuleType:
-    """tasks/validate.py as of `commit`, imported under another name."""
-    source = subprocess.run(["git", "show", f"{commit}:tasks/validate.py"], cwd=ROOT, check=True,
+    """tasks/validate/stage.py as of `commit`, imported under another name."""
+    source = subprocess.run(["git", "show", f"{commit}:tasks/validate/stage.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
     module = types.ModuleType("validate_before")
     sys.modules[module.__name__] = module
-    exec(compile(source, f"{commit}:tasks/validate.py", "exec"), module.__dict__)
+    exec(compile(source, f"{commit}:tasks/validate/stage.py", "exec"), module.__dict__)
     return module
 
 

@@ -4,10 +4,10 @@
 
 For each model (random weights, CPU, 1 thread), the default plan (eager order; convolution backward
 already split into weight- and input-gradient nodes at capture) and, per variant rule of
-`runtime.variants` and for all rules together, the plan that takes a variant wherever it helps: variant
+`runtime.variants.offered` and for all rules together, the plan that takes a variant wherever it helps: variant
 groups (a forward node and the backward nodes reading what it allocates, or a lone backward node) are
 switched on one at a time, in graph order, and kept when the simulated peak does not rise and the
-simulated bytes x steps fall. Each plan is run: measured peak (`runtime.meter.PeakMeter`) next to the
+simulated bytes x steps fall. Each plan is run: measured peak (`runtime.measure.meter.PeakMeter`) next to the
 simulated one, ratio to the default plan's measured peak, step time (median of interleaved rounds) and
 max |grad - eager grad|. GPT-2 runs without dropout (attention is then one SDPA node).
 
@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan import runtime
-from memplan.runtime.variants import graph_variants
+from memplan.runtime.variants.offered import graph_variants
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import InvalidSchedule, simulate
 from variants_arena import measure  # bench/ is the script folder: the same eager/plan step meter

@@ -2,12 +2,12 @@
 
     .venv/bin/python bench/variants_arena.py [--models resnet18 mobilenet_v2 gpt2] [--batch 8] [--size 64]
 
-For each model (random weights), one training step measured on CPU with `runtime.meter.PeakMeter`
+For each model (random weights), one training step measured on CPU with `runtime.measure.meter.PeakMeter`
 (tensor bytes allocated during the step) and wall-clock time (median of interleaved rounds):
 - eager PyTorch; the default plan (eager order); the `mask` plan (every ReLU / ReLU6 whose backward
   then reads a 1-byte mask); each plan's simulated peak next to the measured one;
 - arena mode of the default plan with greedy addresses (largest first, best gap) for the copies of
-  the ops the CPU writes in place (`runtime.arena.in_place_nodes`): the arena's size against the most
+  the ops the CPU writes in place (`runtime.execute.arena.in_place_nodes`): the arena's size against the most
   bytes its copies hold live at once (fragmentation), the bytes left outside the arena, the measured
   arena-mode peak against the simulated one.
 Gradients of every plan are compared with eager (max |diff|).
@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from memplan import runtime
-from memplan.runtime.arena import in_place_nodes
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.variants import graph_variants
+from memplan.runtime.execute.arena import in_place_nodes
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.variants.offered import graph_variants
 from memplan.tasks.solve.core.addresses import greedy_addresses
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate

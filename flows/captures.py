@@ -1,5 +1,5 @@
 """The graphs this process captured, by fingerprint and the plan form they were captured for (an executor
-graph and a policy-form graph, `runtime.policy.capture_eager`'s, share a fingerprint where no rewrite
+graph and a policy-form graph, `runtime.policy.apply.capture_eager`'s, share a fingerprint where no rewrite
 applies): `trace_step` keeps them so later stages on the same process skip a second capture.
 
 A module of its own, reached only as `captures.<function>`: cloudpickle pickles modules by reference, so

@@ -17,10 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runtime", "tasks", "flows")
 
-STAGE_MODULES = {"profile": ("memplan.tasks.profile", "memplan.tasks.trace"),
-                 "reference": ("memplan.tasks.reference",), "solve": ("memplan.tasks.solve_stage",),
-                 "validate": ("memplan.tasks.validate",), "compiled_search": ("memplan.tasks.compiled_cell",),
-                 "compiled_plans": ("memplan.tasks.compiled_plans",)}
+STAGE_MODULES = {"profile": ("memplan.tasks.profile.stage", "memplan.tasks.trace"),
+                 "reference": ("memplan.tasks.validate.reference",), "solve": ("memplan.tasks.solve_stage",),
+                 "validate": ("memplan.tasks.validate.stage",), "compiled_search": ("memplan.tasks.compiled.policy_cell",),
+                 "compiled_plans": ("memplan.tasks.compiled.plans",)}
 """The modules each cached stage runs (flows/steps.py keys each stage by their closure)."""
 
 _PARSING = threading.Lock()

@@ -50,13 +50,13 @@ def errors() -> Console:
 
 def known_errors() -> tuple[type[BaseException], ...]:
     """Failures with a message meant for the user (config, model, device, graph, plan, profile, solve)."""
-    from memplan.runtime.graph import GraphFormatError
-    from memplan.runtime.plan import PlanError
+    from memplan.runtime.format.graph import GraphFormatError
+    from memplan.runtime.format.plan import PlanError
     from memplan.tasks.config import MemplanError
 
     found: list[type[BaseException]] = [MemplanError, PlanError, GraphFormatError]
-    for module, name in (("memplan.tasks.store", "ProfileNotFoundError"), ("memplan.tasks.solve.core.problem", "ProblemError"),
-                         ("memplan.tasks.solve.core.simulator", "InvalidSchedule"), ("memplan.runtime.capture", "CaptureError")):
+    for module, name in (("memplan.tasks.store.profiles", "ProfileNotFoundError"), ("memplan.tasks.solve.core.problem", "ProblemError"),
+                         ("memplan.tasks.solve.core.simulator", "InvalidSchedule"), ("memplan.runtime.tracing.capture", "CaptureError")):
         if module in sys.modules:  # only errors of modules that ran can have been raised
             found.append(getattr(sys.modules[module], name))
     return tuple(found)

@@ -1,6 +1,6 @@
 """The `fit` flow: the largest batch size (or sequence length) of a model that fits the device memory limit,
-for eager PyTorch, per-block checkpointing and memplan within a predicted overhead (tasks/fit_search.py),
-memplan's answer validated (tasks/validate.py, against a reference that fits: tasks/fitting_reference.py), a
+for eager PyTorch, per-block checkpointing and memplan within a predicted overhead (tasks/fit/search.py),
+memplan's answer validated (tasks/validate/stage.py, against a reference that fits: tasks/fit/reference.py), a
 plot of peak memory against the size under `<cache_dir>/reports/`, and both left as Prefect artifacts.
 `run_fit` is the entry point of the CLI and the tests; `memplan deploy` makes a `fit/<class>` deployment of
 `fit_flow` per device class (its parameters are plain values: `fit_parameters`)."""
@@ -16,9 +16,9 @@ from pydantic import BaseModel
 
 from memplan.flows.report import artifact_key
 from memplan.tasks.config import MAX_OVERHEAD, PipelineConfig, load_config
-from memplan.tasks.fit_search import Dimension, FitError, FitSearch, at_size, search_fit, sequence_inputs
-from memplan.tasks.fitting_reference import NoFittingReference
-from memplan.tasks.memory_limit import memory_limit
+from memplan.tasks.fit.search import Dimension, FitError, FitSearch, at_size, search_fit, sequence_inputs
+from memplan.tasks.fit.reference import NoFittingReference
+from memplan.tasks.fit.memory_limit import memory_limit
 from memplan.tasks.records import Validated
 
 MIB = 2**20

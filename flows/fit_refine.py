@@ -1,5 +1,5 @@
 """Plans by overhead, measured, in the `fit` flow: the answer's plan is validated beside its no-recomputation plan
-and, when it measures over the limit beyond its 95% interval, the walk of tasks/overhead_refine.py steps to the
+and, when it measures over the limit beyond its 95% interval, the walk of tasks/validate/overhead.py steps to the
 next rung of its ladder with more memory that still fits the device memory limit at the answer's size.
 
 The plan flow publishes the least-memory rung whose median is within the limit; `fit` asks a different
@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 from memplan.tasks.config import ModelConfig, ValidateConfig
-from memplan.tasks.fit_search import SizePoint
-from memplan.tasks.memory_limit import MemoryLimit
-from memplan.tasks.overhead_refine import Rung, predicted_choice, refine
+from memplan.tasks.fit.search import SizePoint
+from memplan.tasks.fit.memory_limit import MemoryLimit
+from memplan.tasks.validate.overhead import Rung, predicted_choice, refine
 from memplan.tasks.records import Candidate, Validated
 
 Validate = Callable[[list[str]], list[Validated]]
@@ -81,9 +81,9 @@ def validate_answer(point: SizePoint, spec: ModelConfig, batch_size: int, device
                     settings: ValidateConfig, limit: MemoryLimit, max_overhead: float) -> MeasuredAnswer:
     """`walk_answer` with real validations: the reference step measured once under `limit` (in a temporary
     folder), each group of rungs validated against it in shared rounds beside the no-recomputation plan."""
-    from memplan.runtime.plan import Plan
-    from memplan.tasks.reference import measure_reference
-    from memplan.tasks.validate import validate_plans
+    from memplan.runtime.format.plan import Plan
+    from memplan.tasks.validate.reference import measure_reference
+    from memplan.tasks.validate.stage import validate_plans
 
     baseline = None if point.no_recompute_path is None else Plan.load(point.no_recompute_path)
     with tempfile.TemporaryDirectory(prefix="memplan-fit-reference-") as folder:

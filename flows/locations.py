@@ -42,14 +42,14 @@ class Locations:
 
 def _store(location: str | Path) -> Path | str:
     """A store location: a URL as given, a folder as an absolute path."""
-    from memplan.tasks.store import is_url
+    from memplan.tasks.store.profiles import is_url
 
     return str(location) if is_url(location) else Path(location).expanduser().resolve()
 
 
 def _given(path: Path | str, option: str) -> Path | str:
     from memplan.tasks.config import ConfigError
-    from memplan.tasks.store import is_url
+    from memplan.tasks.store.profiles import is_url
 
     if is_url(path):
         return str(path)
@@ -62,7 +62,7 @@ def _given(path: Path | str, option: str) -> Path | str:
 
 def locate(config: Path | None = None, store: str | Path | None = None, plans: Path | None = None) -> Locations:
     """The store and plans folders, following the order of this module's docstring."""
-    from memplan.tasks.store import ENV_VAR, store_root
+    from memplan.tasks.store.profiles import ENV_VAR, store_root
 
     found = {}
     if store is not None:

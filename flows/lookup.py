@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from memplan.runtime.plan import Plan
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.config import ConfigError, ModelConfig, PipelineConfig
 
 

@@ -1,11 +1,11 @@
 """The `plan` flow: pipeline.toml -> trace -> profile -> reference (eager PyTorch's step, once per model and
 batch size) -> solve (mapped over the matrix) -> for compiled policy cells, the measured search by peaks under
-torch.compile (tasks/compiled_cell.py) -> validate (and, for `max_overhead` cells, the walk along the search's
+torch.compile (tasks/compiled/policy_cell.py) -> validate (and, for `max_overhead` cells, the walk along the search's
 ladder by measured overhead: flows/refine.py) -> publish, plus the run's artifacts. Compiled-form cells (`form =
 "compiled"`) are neither traced, profiled nor solved: per model, batch size and solver one stage searches their
-plans by compiling and measuring them (`compiled_form_cells`, tasks/compiled_plans.py), and they join the others'
+plans by compiling and measuring them (`compiled_form_cells`, tasks/compiled/plans.py), and they join the others'
 validation and publication. Plans in the
-policy form are solved on the step as eager PyTorch runs it (`runtime.policy.capture_eager`), which the trace
+policy form are solved on the step as eager PyTorch runs it (`runtime.policy.apply.capture_eager`), which the trace
 and profile stages capture and measure too for their models; the others on the executor's graph. `run_plan`
 is the entry point the CLI and tests use."""
 
@@ -27,10 +27,10 @@ from memplan.flows.steps import (compiled_plans_step, compiled_search_step, forg
                                  reference_step, solve_step, trace_step, validate_step)
 from memplan.tasks.config import (Case, MemplanError, ModelConfig, PipelineConfig, PlanForm, RunConfig, expand_matrix,
                           graph_forms, load_config)
-from memplan.tasks.memory_limit import check_resident_fits, memory_limit
+from memplan.tasks.fit.memory_limit import check_resident_fits, memory_limit
 from memplan.tasks.models import allow_imports_from, check_model, resolve_device
 from memplan.tasks.records import EAGER, Profiled, Referenced, Solved, StageError, Traced, Validated, attempt
-from memplan.tasks.store import check_store
+from memplan.tasks.store.profiles import check_store
 
 
 class PipelineFailed(MemplanError):
@@ -202,7 +202,7 @@ def _resolved_if_gone(solved: Solved, cell: dict[str, Any]) -> Solved:
 def compiled_searches(cases: list[Case], solutions: list[Solved | StageError], cells: dict[str, Any],
                       config: PipelineConfig, device: str, rerun: dict[str, Any]) -> list[Solved | StageError]:
     """The solutions with each compiled policy cell's replaced by its measured search's (`compiled_search_step`,
-    tasks/compiled_cell.py), or by its `StageError` where the search raises: a `selective-policy` plan in the policy
+    tasks/compiled/policy_cell.py), or by its `StageError` where the search raises: a `selective-policy` plan in the policy
     form with `options = { compiled = true }` at a budget in bytes or as a fraction (a `max_overhead` cell walks its
     ladder instead), unless `[validate] compile_probes = 0`. One cell after another in this process, before any
     validation: each measures peaks."""
@@ -231,7 +231,7 @@ References = dict[tuple[str, int], Referenced]
 
 
 def _compiled(case: Case) -> bool:
-    """Whether a cell is in the compiled form (planned on torch.compile's own graph: tasks/compiled_plans.py)."""
+    """Whether a cell is in the compiled form (planned on torch.compile's own graph: tasks/compiled/plans.py)."""
     return case.plan.plan_form == "compiled"
 
 
@@ -375,7 +375,7 @@ def _publish_cell(case: Case, solved: Solved, config: PipelineConfig, validation
     """Publish one cell's plan when its `validation` passed; `floor` is the least budget the run knows feasible
     for the cell's model and batch size, `eager_peak` eager PyTorch's measured peak there, `walk` what the
     measured walk of a `max_overhead` cell validated (flows/refine.py); a published compiled cell's message says what
-    its measured search measured (tasks/compiled_cell.py). A cell whose validation or publication raised failed."""
+    its measured search measured (tasks/compiled/policy_cell.py). A cell whose validation or publication raised failed."""
     if validation is None:                                  # no schedule: nothing was validated
         return Outcome.of(case, solved, message=infeasible_message(case, solved, floor),
                           least_feasible_bytes=None if floor is None else floor.bytes, eager_peak_bytes=eager_peak)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from memplan.tasks.config import MemplanError, PipelineConfig
-from memplan.tasks.store import is_url
+from memplan.tasks.store.profiles import is_url
 
 API_TIMEOUT_S = 5.0
 

@@ -14,7 +14,7 @@ from memplan.flows.preflight import check_locations
 from memplan.flows.steps import profile_step, trace_step
 from memplan.tasks.config import PipelineConfig, expand_matrix, graph_forms, load_config
 from memplan.tasks.models import allow_imports_from, check_model, resolve_device
-from memplan.tasks.store import check_store
+from memplan.tasks.store.profiles import check_store
 
 
 @flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.")

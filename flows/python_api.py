@@ -11,12 +11,12 @@ copies of the model and batch handed in (the stages' `built` parameter in place 
   or `capture_eager` for the policy form), so the same model and batch give the same graph fingerprint;
 - profile: on the model's device into the profile store `store`, unless the store already holds a complete profile
   of that fingerprint on this device (a run of `memplan run` for the same model wrote one), which is then used as
-  `memplan run`'s solve stage uses it: the newest complete profile (`tasks.store_query.load_costs`);
-- reference: eager PyTorch's step (`tasks.reference.measure_reference`), which budgets like "50% eager" are
+  `memplan run`'s solve stage uses it: the newest complete profile (`tasks.store.query.load_costs`);
+- reference: eager PyTorch's step (`tasks.validate.reference.measure_reference`), which budgets like "50% eager" are
   fractions of;
 - solve: `tasks.solve_stage.solve_case` with the settings a `[[plans]]` table of `solver`, `form` and `options`
   gives (`PlanConfig.solve_settings`);
-- validate: `tasks.validate.validate_plans`, beside the no-recomputation plan for a `max_overhead` plan, whose
+- validate: `tasks.validate.stage.validate_plans`, beside the no-recomputation plan for a `max_overhead` plan, whose
   ladder is then walked by measured overhead as the pipeline walks it (flows/refine.py `measured_choices`);
   `walk=False` keeps the predicted choice.
 
@@ -65,7 +65,7 @@ def plan(model: Any, loss_fn: Callable[..., Any], batch: Sequence[Any], *, max_o
          validate: ValidateConfig | Mapping[str, Any] | None = None, walk: bool = True,
          cache_dir: str | Path | None = None, progress: bool = False) -> Any:
     """Trace, profile, solve and validate one plan of `model` trained by `loss_fn(model, *batch)` on the device the
-    model is on, and return it (a `memplan.runtime.plan.Plan`: `.save(path)`, then `memplan.load(path, model,
+    model is on, and return it (a `memplan.runtime.format.plan.Plan`: `.save(path)`, then `memplan.load(path, model,
     loss_fn)`). Give exactly one of `max_overhead` (the least memory whose predicted step time is at most that
     fraction above the no-recomputation schedule's, e.g. 0.05) or `budget` (bytes, a size such as "1.5 GiB", a
     fraction of the checkpoint-all peak such as "60%" or 0.6, a fraction of eager PyTorch's peak such as "50% eager",
@@ -105,7 +105,7 @@ class _Request:
         from torch import Tensor, nn
 
         from memplan.tasks.config import parse_budget, parse_max_overhead, registered_solvers
-        from memplan.tasks.store import check_store
+        from memplan.tasks.store.profiles import check_store
 
         if not isinstance(model, nn.Module):
             raise PlanRequestError(f"memplan.plan takes a torch.nn.Module as `model`, got a {type(model).__name__}.")
@@ -242,12 +242,12 @@ def _say(progress: bool, text: str) -> None:
 def _plan(request: _Request, model: Any, loss_fn: Callable[..., Any], batch: tuple, folder: Path, walk: bool,
           progress: bool) -> Any:
     """The stages, in the `plan` flow's order, for the one cell of `request`; returns the validated plan."""
-    from memplan.runtime.plan import Plan
-    from memplan.tasks.profile import ProfileSettings, device_info, profile_graph
-    from memplan.tasks.reference import measure_reference
+    from memplan.runtime.format.plan import Plan
+    from memplan.tasks.profile.stage import ProfileSettings, device_info, profile_graph
+    from memplan.tasks.validate.reference import measure_reference
     from memplan.tasks.solve_stage import solve_case
-    from memplan.tasks.store import ProfileNotFoundError
-    from memplan.tasks.store_query import load_costs
+    from memplan.tasks.store.profiles import ProfileNotFoundError
+    from memplan.tasks.store.query import load_costs
     from memplan.tasks.trace import trace
 
     import torch
@@ -310,9 +310,9 @@ def _validated(group: list, request: _Request, case: Case, graph: Any, reference
     """`validate_plans` on the plans of `group` ((ModelConfig, PlanToValidate) pairs) beside their no-recomputation
     plans, as the pipeline's validate stage runs them (flows/steps.py `validate_step`); where what they share raises,
     that error for each plan (flows/plan.py `_group_results`)."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.records import StageError, attempt
-    from memplan.tasks.validate import validate_plans
+    from memplan.tasks.validate.stage import validate_plans
 
     plans = [Plan.load(p.plan_path) for _, p in group]
     baselines = [None if p.no_recompute_path is None else Plan.load(p.no_recompute_path) for _, p in group]

@@ -1,5 +1,5 @@
 """Plans by overhead, measured, in the `plan` flow: after the first validation of a run, each `max_overhead`
-cell walks its ladder by measured overhead (tasks/overhead_refine.py) and publishes the rung the walk chose.
+cell walks its ladder by measured overhead (tasks/validate/overhead.py) and publishes the rung the walk chose.
 The rungs of one model and batch size are validated together, beside their no-recomputation plans."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from memplan.tasks.config import Case, ModelConfig
-from memplan.tasks.overhead_refine import Rung, predicted_choice, refine, with_rung
+from memplan.tasks.validate.overhead import Rung, predicted_choice, refine, with_rung
 from memplan.tasks.records import Candidate, Solved, StageError, Validated
 
 Cell = tuple[str, int]

@@ -23,11 +23,11 @@ class Outcome:
     validation) or failed (a stage raised `error`, the error's type, in the stage `failed_stage`); `message` says
     why for the last three, and for a published `max_overhead` cell what its measured
     walk validated (flows/refine.py), for a published compiled cell what its measured search measured
-    (tasks/compiled_cell.py). `overhead_vs_no_recompute`: the measured overhead the limit is about, against the
+    (tasks/compiled/policy_cell.py). `overhead_vs_no_recompute`: the measured overhead the limit is about, against the
     no-recomputation plan timed in the same rounds. `arena_peak_bytes`: the measured peak in arena mode,
     for plans with addresses; `compiled_peak_bytes`: under torch.compile, for policy plans solved compiled.
     `reference`: the step validation compared the plan with (eager, or where eager does not fit `device_memory`
-    the first that does, down to the host's: tasks/fitting_reference.py). `form`: how the plan runs, "executor"
+    the first that does, down to the host's: tasks/fit/reference.py). `form`: how the plan runs, "executor"
     (`runtime.load`) or "policy" (`runtime.apply`, `LOADERS`)."""
 
     alias: str
@@ -156,7 +156,7 @@ def overhead_text(overhead: float | None, interval: list[float] | None = None) -
 
 def limit_verdict(overhead: float, interval: list[float] | None, limit: float) -> str:
     """Whether a measured overhead is within a `max_overhead` limit: by its median, as the measured walk judges
-    (tasks/overhead_refine.py), saying where the 95% interval lies when it straddles the limit."""
+    (tasks/validate/overhead.py), saying where the 95% interval lies when it straddles the limit."""
     if overhead <= limit:
         verdict = f"within the limit ({overhead:+.1%} <= +{limit:.0%})"
         return verdict if interval is None or interval[1] <= limit else \

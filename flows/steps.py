@@ -24,7 +24,7 @@ from memplan.flows import captures
 from memplan.flows.codehash import code_hash
 from memplan.flows.progress import stage_finished, stage_started
 from memplan.tasks.config import Budget, MemplanError, ModelConfig, PlanForm, PlanSettings, ProfileConfig, ValidateConfig
-from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.fit.memory_limit import MemoryLimit
 from memplan.tasks.records import Profiled, Published, Referenced, Solved, StageError, Traced, Validated
 
 PERSISTED = {"persist_result": True, "result_serializer": "json"}
@@ -87,7 +87,7 @@ def _profile_key(context: Any, p: Mapping[str, Any]) -> str:
 def profile_step(model: ModelConfig, traced: Traced, device: str, seed: int, settings: ProfileConfig,
                  store: str) -> Profiled:
     """Measure every operator node of the traced graph on `device` and write the run to the store."""
-    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.profile.stage import ProfileSettings, profile_graph
     from memplan.tasks.trace import capture_model
 
     graph = captures.get(traced.fingerprint, traced.form) or capture_model(model, traced.batch_size, device, seed,
@@ -115,12 +115,12 @@ def _reference_key(context: Any, p: Mapping[str, Any]) -> str:
       **PERSISTED, **HOOKS)
 def reference_step(model: ModelConfig, batch_size: int, device: str, seed: int, cache_dir: str,
                    limit: MemoryLimit | None = None, optimizer: str | None = None) -> Referenced:
-    """Eager PyTorch's step of the model at `batch_size` on `device` (tasks/reference.py), or under a device
+    """Eager PyTorch's step of the model at `batch_size` on `device` (tasks/validate/reference.py), or under a device
     memory `limit` the first reference step that fits it, once per model x batch size x device x seed: the
     loss, gradients and buffers every plan of the cell must reproduce (with `optimizer`, the parameters after
     its update too; in `cache_dir/references/`, safetensors), the step's peak (which budgets such as
     "50% eager" are fractions of) and its step time."""
-    from memplan.tasks.reference import measure_reference
+    from memplan.tasks.validate.reference import measure_reference
 
     key = _reference_key(None, dict(model=model, batch_size=batch_size, device=device, seed=seed, limit=limit,
                                     optimizer=optimizer))
@@ -171,9 +171,9 @@ def _compiled_search_key(context: Any, p: Mapping[str, Any]) -> str:
 def compiled_search_step(solved: Solved, traced: Traced, profile: Profiled, settings: PlanSettings, model: ModelConfig,
                          batch_size: int, device: str, seed: int, validate: ValidateConfig, store: str, cache_dir: str,
                          alias: str) -> Solved:
-    """The measured search of a compiled policy cell (tasks/compiled_cell.py): `solved` replaced by the cheapest plan
+    """The measured search of a compiled policy cell (tasks/compiled/policy_cell.py): `solved` replaced by the cheapest plan
     whose peak under torch.compile, measured, fits its budget; the plan lands in `cache_dir/solutions/`."""
-    from memplan.tasks.compiled_cell import search_cell
+    from memplan.tasks.compiled.policy_cell import search_cell
 
     key = _compiled_search_key(None, dict(traced=traced, profile=profile, solved=solved, settings=settings,
                                           model=model, batch_size=batch_size, device=device, seed=seed,
@@ -197,8 +197,8 @@ def _compiled_plans_key(context: Any, p: Mapping[str, Any]) -> str:
 def compiled_plans_step(model: ModelConfig, batch_size: int, solver: str, budgets: list[Budget], aliases: list[str],
                         device: str, seed: int, probes: int, cache_dir: str) -> list[Solved]:
     """The compiled-form plans of one model, batch size and solver, one per budget, by a search measured under
-    torch.compile (tasks/compiled_plans.py); the plans land in `cache_dir/solutions/`."""
-    from memplan.tasks.compiled_plans import CompiledCell, plan_cells
+    torch.compile (tasks/compiled/plans.py); the plans land in `cache_dir/solutions/`."""
+    from memplan.tasks.compiled.plans import CompiledCell, plan_cells
 
     key = _compiled_plans_key(None, dict(model=model, batch_size=batch_size, solver=solver, budgets=budgets,
                                          aliases=aliases, device=device, seed=seed, probes=probes))
@@ -230,15 +230,15 @@ def validate_step(plan_paths: list[str], plan_ids: list[str], model: ModelConfig
                   no_recompute_ids: list[str | None] | None = None) -> list[Validated | StageError]:
     """Run the plans of one model and batch size (solved as content addresses `plan_ids`) on `device`, check
     each against the cell's `reference` and time them against eager PyTorch in shared rounds
-    (tasks/validate.py `validate_plans`; a plan that raises gets a `StageError` in its place, and the others go on),
+    (tasks/validate/stage.py `validate_plans`; a plan that raises gets a `StageError` in its place, and the others go on),
     on the graphs this run's trace captured when this process holds them
     (the plans run without capturing the model again: the executor's graph, and `capture_eager`'s for plans
     in the policy form); under a device memory `limit` each plan's peak and the
     resident bytes must fit it. `no_recompute_paths` (aligned with `plan_paths`, content addresses
     `no_recompute_ids`): each plan's no-recomputation plan, timed in the same rounds, which a `max_overhead`
     plan's overhead is measured against."""
-    from memplan.runtime.plan import Plan
-    from memplan.tasks.validate import validate_plans
+    from memplan.runtime.format.plan import Plan
+    from memplan.tasks.validate.stage import validate_plans
 
     plans = [Plan.load(path) for path in plan_paths]
     graphs = {plan.form: captures.get(plan.fingerprint, plan.form) for plan in plans}
@@ -266,7 +266,7 @@ def publish_step(plan_path: str, validation: Validated, plans_dir: str, alias: s
                  batch_size: int, budget: str) -> Published:
     """Publish the validated plan at `plan_path` into `plans_dir` (idempotent, so never cached; refused
     when the file is not the plan `validation` ran)."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.publish import publish
 
     return publish(Plan.load(plan_path), validation, plans_dir, alias=alias, model=model, batch_size=batch_size,

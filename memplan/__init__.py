@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'memplan' has no attribute {name!r}")
     if name == "compile_step":
-        from memplan.tasks.compiled_form import compile_step
+        from memplan.tasks.compiled.form import compile_step
 
         return compile_step
     if name == "plan":                          # memplan.plan: trace, profile, solve, validate (flows/python_api.py)

@@ -1,6 +1,6 @@
 """memplan runtime: capture a training step, load and execute memory plans, measure memory.
 
-Exports are lazy (module `__getattr__`), so `import memplan.runtime.graph` or `memplan.runtime.plan` never imports torch.
+Exports are lazy (module `__getattr__`), so `import memplan.runtime.format.graph` or `memplan.runtime.format.plan` never imports torch.
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "OpGraph": "memplan.runtime.graph",
-    "Plan": "memplan.runtime.plan",
-    "default_plan": "memplan.runtime.plan",
-    "capture": "memplan.runtime.capture",
-    "node_function": "memplan.runtime.node_functions",
-    "variant_function": "memplan.runtime.node_functions",
-    "load": "memplan.runtime.executor",
-    "apply": "memplan.runtime.policy",
-    "ArenaFallbackWarning": "memplan.runtime.arena",
+    "OpGraph": "memplan.runtime.format.graph",
+    "Plan": "memplan.runtime.format.plan",
+    "default_plan": "memplan.runtime.format.plan",
+    "capture": "memplan.runtime.tracing.capture",
+    "node_function": "memplan.runtime.tracing.node_functions",
+    "variant_function": "memplan.runtime.tracing.node_functions",
+    "load": "memplan.runtime.execute.executor",
+    "apply": "memplan.runtime.policy.apply",
+    "ArenaFallbackWarning": "memplan.runtime.execute.arena",
     "chunked_linear_cross_entropy": "memplan.runtime.chunked_loss",
     "chunked_causal_lm_loss": "memplan.runtime.chunked_loss",
     "ChunkedCausalLMLoss": "memplan.runtime.chunked_loss",

@@ -243,7 +243,7 @@ def _packed_sequences_unchecked() -> Iterator[None]:
     except (ImportError, AttributeError):
         yield
         return
-    from memplan.runtime.capture import capturing           # here: it imports AOTAutograd (2 s)
+    from memplan.runtime.tracing.capture import capturing           # here: it imports AOTAutograd (2 s)
 
     masking.find_packed_sequence_indices = lambda position_ids: None if capturing() else check(position_ids)
     try:
@@ -267,7 +267,7 @@ def causal_lm(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
     A model whose forward takes `labels` (transformers' `*ForCausalLM`) computes it itself from
     `labels=input_ids`, as its users train it: capture then fuses the LM head with the loss in CPU
-    graphs (runtime/fused_loss.py). A transformers model runs without its key/value cache (`_forward`)."""
+    graphs (runtime/tracing/fused_loss.py). A transformers model runs without its key/value cache (`_forward`)."""
     if "labels" in inspect.signature(model.forward).parameters:
         return _forward(model, input_ids, labels=input_ids).loss
     logits = _logits(_forward(model, input_ids))

@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from memplan.runtime.graph import OpGraph
-from memplan.runtime.variants import graph_variants
+from memplan.runtime.format.graph import OpGraph
+from memplan.runtime.variants.offered import graph_variants
 from memplan.tasks.config import VARIANT_RULES, VariantChoice
 from memplan.tasks.solve.core.problem import Problem, ProblemError
-from memplan.tasks.store_query import CostTable, load_costs
+from memplan.tasks.store.query import CostTable, load_costs
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LoadedProblem:
 def load_problem(path: str | os.PathLike, *, device: str | None = None,
                  store: str | os.PathLike | None = None, variants: VariantChoice = "all") -> LoadedProblem:
     """The problem of a memplan-graph JSON, priced by the newest complete profile of that graph in
-    `store` (on `device` if given; `tasks.store.ProfileNotFoundError` says what to profile), with the
+    `store` (on `device` if given; `tasks.store.profiles.ProfileNotFoundError` says what to profile), with the
     implementation variants of `variants` (`VARIANT_RULES`) that the graph offers and the profile measured
     (for "bit-identical", only those the profile also found bit-identical on its device: `verified_exact`);
     or of a node-link benchmark graph (shared/benchmarks/README.md)."""

@@ -25,11 +25,11 @@ from typing import Annotated, Any, get_args, get_type_hints
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from memplan.runtime.jsonio import READABLE, write_json_atomic
-from memplan.runtime.plan import Plan, plan_id
+from memplan.runtime.format.jsonio import READABLE, write_json_atomic
+from memplan.runtime.format.plan import Plan, plan_id
 from memplan.tasks.config import MemplanError
 from memplan.tasks.records import Published, Validated
-from memplan.tasks.store import readable_files, schema_problem
+from memplan.tasks.store.profiles import readable_files, schema_problem
 
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _PLAN_ID = re.compile(r"^[0-9a-f]{64}$")

@@ -29,7 +29,7 @@ class Record(BaseModel):
 
 class Traced(Record):
     """A stored operator graph and the numbers a report needs about it; `form`: the plans it is captured for
-    ("policy": as eager PyTorch runs the step, `runtime.policy.capture_eager`)."""
+    ("policy": as eager PyTorch runs the step, `runtime.policy.apply.capture_eager`)."""
 
     path: str
     fingerprint: str
@@ -52,17 +52,17 @@ class Profiled(Record):
 
 
 EAGER = "eager"
-"""The reference kind of eager PyTorch's own step (tasks/fitting_reference.py lists the others)."""
+"""The reference kind of eager PyTorch's own step (tasks/fit/reference.py lists the others)."""
 
 
 class Referenced(Record):
     """The reference step of one model x batch x device x seed (eager PyTorch unless `kind` says otherwise:
-    under a device memory limit, the first reference that fits it, tasks/fitting_reference.py): its loss,
+    under a device memory limit, the first reference that fits it, tasks/fit/reference.py): its loss,
     gradients and buffers after one step, and with `optimizer` the parameters after that optimizer's update
     (for plans with the optimizer inside the step), in the safetensors file `path` (`absent`: the gradients
     that do not exist), its measured peak and its median step time. `rtol` / `atol`: the least tolerance a
     comparison with it needs (micro-batches round differently). `float64_tensors`: how many of its tensors the file
-    also holds the float64 step's distance to (tasks/reference.py; 0: none, plans are judged by rtol / atol alone),
+    also holds the float64 step's distance to (tasks/validate/reference.py; 0: none, plans are judged by rtol / atol alone),
     and `float64_skipped` why there is no float64 step where it could not run."""
 
     kind: str
@@ -85,7 +85,7 @@ class Referenced(Record):
 
 
 class Candidate(Record):
-    """One rung of a `max_overhead` cell's ladder (tasks/overhead_refine.py): a schedule the budget search found,
+    """One rung of a `max_overhead` cell's ladder (tasks/validate/overhead.py): a schedule the budget search found,
     written as a plan, with its budget, predicted peak and predicted overhead over the no-recomputation schedule."""
 
     plan_path: str
@@ -100,7 +100,7 @@ class Solved(Record):
     carries its `candidates` (the ladder, most memory first, the predicted choice among them) and the
     no-recomputation plan its measured overhead is taken against (`no_recompute_path`, none in the policy
     form, whose no-recomputation step is eager PyTorch's). A compiled policy cell's `measured_search` says what its
-    search by peaks under torch.compile measured and chose (tasks/compiled_cell.py; empty where none ran)."""
+    search by peaks under torch.compile measured and chose (tasks/compiled/policy_cell.py; empty where none ran)."""
 
     solver: str
     status: str
@@ -157,7 +157,7 @@ class Validated(Record):
     overhead_vs_no_recompute: float | None = None   # the plan's overhead against it (median of per-round ratios)
     overhead_vs_no_recompute_interval: list[float] | None = None
     compiled_peak_bytes: int | None = None          # a compiled policy plan's peak under torch.compile
-    float64_tensors: int = 0               # tensors also judged by their distance to the float64 step (tasks/validate.py)
+    float64_tensors: int = 0               # tensors also judged by their distance to the float64 step (tasks/validate/stage.py)
 
     def limited_overhead(self) -> float:
         """The overhead a `max_overhead` limit is judged on: against the no-recomputation plan where it was

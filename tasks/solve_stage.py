@@ -13,11 +13,11 @@ from typing import Callable
 
 import numpy as np
 
-from memplan.runtime.graph import backend
-from memplan.runtime.plan import Plan, graph_provenance, plan_id
+from memplan.runtime.format.graph import backend
+from memplan.runtime.format.plan import Plan, graph_provenance, plan_id
 from memplan.tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from memplan.tasks.problems import LoadedProblem, load_problem
-from memplan.tasks.overhead_refine import Rung, no_recompute_path, rung_path, written_rungs
+from memplan.tasks.validate.overhead import Rung, no_recompute_path, rung_path, written_rungs
 from memplan.tasks.records import Candidate, Solved
 from memplan.tasks.solve import SOLVERS, solve
 from memplan.tasks.solve.core.addresses import greedy_addresses
@@ -92,7 +92,7 @@ def variant_uses(loaded: LoadedProblem, schedule: list) -> list[VariantUse]:
 
 def in_place_steps(loaded: LoadedProblem, schedule: list) -> np.ndarray | None:
     """Schedule steps whose copies arena mode writes in place on the profiled device: default-implementation
-    computes of the in-place nodes the graph recorded at capture (`runtime.facts`; None for benchmark graphs,
+    computes of the in-place nodes the graph recorded at capture (`runtime.tracing.facts`; None for benchmark graphs,
     which have no ops: all steps)."""
     if loaded.graph is None:
         return None
@@ -225,7 +225,7 @@ def _record_form(plan: Plan, form: PlanForm) -> None:
         if plan.provenance.get("capture") != "eager":
             raise MemplanError(f"a plan in the policy form was solved on a graph not captured as eager PyTorch runs "
                                f"it (provenance capture = {plan.provenance.get('capture')!r}); trace it with "
-                               f"runtime.policy.capture_eager (the trace stage does for form = \"policy\").")
+                               f"runtime.policy.apply.capture_eager (the trace stage does for form = \"policy\").")
         plan.provenance["form"] = form
     else:
         plan.provenance.pop("form", None)
@@ -264,7 +264,7 @@ class Ladder:
     """What a `max_overhead` search found: `chosen`, the least-peak schedule predicted within the limit (or a
     Solution without a schedule saying why there is none), and `rungs`, the schedules it solved on the way that
     no other beats on both peak and predicted cost, most memory first (`chosen` among them):
-    tasks/overhead_refine.py walks them by measured overhead."""
+    tasks/validate/overhead.py walks them by measured overhead."""
 
     chosen: Solution
     rungs: list[Solution]

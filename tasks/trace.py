@@ -6,7 +6,7 @@ same graph always lands in the same file, and every later stage is keyed on the 
 changed model never meets a stale profile, plan or validation.
 
 A model with plans in the policy form (`PlanConfig.plan_form`) is traced a second time as eager PyTorch runs
-its step (`runtime.policy.capture_eager`: none of memplan's rewrites), the graph those plans are made on; its
+its step (`runtime.policy.apply.capture_eager`: none of memplan's rewrites), the graph those plans are made on; its
 file is named `...-eager-<fingerprint16>.json` (where no rewrite applies, both graphs have one fingerprint).
 """
 
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from memplan.runtime.graph import OpGraph
+from memplan.runtime.format.graph import OpGraph
 from memplan.tasks.config import MemplanError, ModelConfig, PlanForm
 from memplan.tasks.records import Traced
 
@@ -39,13 +39,13 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, fo
     """Capture `spec`'s training step on `device` (the graph carries its FX program, for profiling). For the
     executor `form`, with only the rewrite instances that are bit-identical on this device
     (`runtime.capture(..., verify=True)`): the selection lands in `meta["rewrites"]` and from there in every
-    plan made for the graph. For the policy form, as eager PyTorch runs it (`runtime.policy.capture_eager`);
+    plan made for the graph. For the policy form, as eager PyTorch runs it (`runtime.policy.apply.capture_eager`);
     a step that records no repeated module, which the policy form checkpoints, is refused. `built`: the model
     (on `device`), loss and batch to capture instead of building them from `spec` (`memplan.plan`'s; `spec` then
     only names them)."""
     from memplan import runtime
-    from memplan.runtime.capture import CaptureError
-    from memplan.runtime.policy import capture_eager
+    from memplan.runtime.tracing.capture import CaptureError
+    from memplan.runtime.policy.apply import capture_eager
     from memplan.tasks.models import ModelError, build_batch, build_loss, build_model, check_batch_fits
 
     if built is None:
@@ -79,14 +79,14 @@ def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, fo
 
 def _check_regions(graph: OpGraph, spec: ModelConfig, batch_size: int) -> None:
     """Refuse, before profiling, a policy-form graph without the repeated modules its plans checkpoint."""
-    from memplan.runtime.policy_form import Regions
+    from memplan.runtime.policy.form import Regions
     from memplan.tasks.models import ModelError
 
     if not Regions.of_graph(graph).members:
         raise ModelError(
             f"model {spec.name!r} at batch {batch_size} has plans in the policy form ([[plans]] form = \"policy\", "
             f"the default of solver selective-policy), which checkpoint its repeated modules, but its step records "
-            f"none (capture records the children of an nn.ModuleList or nn.Sequential: runtime/modules.py). Build "
+            f"none (capture records the children of an nn.ModuleList or nn.Sequential: runtime/tracing/modules.py). Build "
             f"the model's layers as such a list, or give those plans form = \"executor\" (or another solver), or "
             f"leave this model out of them with `models = [...]`.")
 
@@ -116,7 +116,7 @@ def trace(spec: ModelConfig, batch_size: int, device: str, seed: int, cache_dir:
 
 
 def _record(graph: OpGraph) -> tuple:
-    """What a rewrite of the graph file would change: the rewrite record, the op facts (`runtime.facts`) and
+    """What a rewrite of the graph file would change: the rewrite record, the op facts (`runtime.tracing.facts`) and
     the capture (eager for the policy form)."""
     return tuple(graph.meta.get(key) for key in ("rewrites", "random_nodes", "in_place", "capture"))
 

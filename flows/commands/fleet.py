@@ -23,7 +23,7 @@ def fleet_status(config, store: str | None = None, now: datetime | None = None) 
     """One row per (device class of `config.deploy`, model of `config.models`): class, device key, model,
     newest complete run (id, host, time), its age and the allowed age in seconds, and status
     ok | late | missing."""
-    from memplan.tasks.store_query import connect
+    from memplan.tasks.store.query import connect
 
     now = now or datetime.now(timezone.utc)
     newest = {row[:2]: row[2:] for row in connect(store or config.store).execute(NEWEST_SQL).fetchall()}

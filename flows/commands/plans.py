@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
         from memplan.flows.commands.query import reporting_store_warnings
         from memplan.flows.console import console, exit_on_error
         from memplan.flows.report import run_with
-        from memplan.runtime.plan import Plan
+        from memplan.runtime.format.plan import Plan
         from memplan.tasks.publish import plan_id, read_index, resolve
 
         with exit_on_error():

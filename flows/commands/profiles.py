@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show the runs (device, model, when, rows, completeness), newest first."""
         from memplan.flows.console import exit_on_error
-        from memplan.tasks.store_query import connect
+        from memplan.tasks.store.query import connect
 
         check_output(fmt, output)
         with exit_on_error():

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         prepare(config)
         with exit_on_error():
             from memplan.flows.commands.validate import run_validation, validation_table
-            from memplan.runtime.plan import Plan
+            from memplan.runtime.format.plan import Plan
             from memplan.tasks.config import load_config
             from memplan.tasks.publish import check_alias
             from memplan.tasks.publish import publish as publish_plan

@@ -52,7 +52,7 @@ def _err(message: str) -> None:
 def reporting_store_warnings() -> Iterator[None]:
     """Print the warnings about skipped files (profile store, plans index) on stderr, one line each."""
     from memplan.tasks.publish import PlansIndexWarning
-    from memplan.tasks.store import ProfileStoreWarning
+    from memplan.tasks.store.profiles import ProfileStoreWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileStoreWarning)
@@ -170,7 +170,7 @@ def register(app: typer.Typer) -> None:
         from memplan.flows.console import exit_on_error
         from memplan.tasks.config import MemplanError
         from memplan.tasks.publish import INDEX_SCHEMA, index_files
-        from memplan.tasks.store_query import query as run_query
+        from memplan.tasks.store.query import query as run_query
 
         check_output(fmt, output)
         with exit_on_error():

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 if TYPE_CHECKING:
-    from memplan.runtime.graph import OpGraph
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.graph import OpGraph
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.config import ModelConfig
     from memplan.tasks.records import Validated
 
@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
             validation = done.validation
             console().print(validation_table(done))
             if not validation.passed:
-                from memplan.tasks.validate import ValidationFailed
+                from memplan.tasks.validate.stage import ValidationFailed
 
                 raise ValidationFailed(validation.explain(str(plan)))
 
@@ -60,12 +60,12 @@ def run_validation(plan_path: Path, config_path: Path, model: str | None, batch:
     from rich.status import Status
 
     from memplan.flows.lookup import model_for_plan
-    from memplan.runtime.plan import Plan
-    from memplan.runtime.policy_form import FORM as POLICY
+    from memplan.runtime.format.plan import Plan
+    from memplan.runtime.policy.form import FORM as POLICY
     from memplan.tasks.config import load_config
-    from memplan.tasks.memory_limit import memory_limit
+    from memplan.tasks.fit.memory_limit import memory_limit
     from memplan.tasks.models import resolve_device
-    from memplan.tasks.validate import validate_alone
+    from memplan.tasks.validate.stage import validate_alone
 
     plan = Plan.load(plan_path)
     config = load_config(config_path)
@@ -84,14 +84,14 @@ def no_recompute_for(plan_path: Path, plan: Plan, spec: ModelConfig, batch_size:
                      seed: int) -> tuple[OpGraph | None, Plan | None, str]:
     """(graph, no-recomputation plan, "against ..." or why there is none) for a `max_overhead` plan: the file the
     solve stage wrote beside it (`no_recompute_beside`); else, for an executor plan without the optimizer inside
-    the step or DDP buckets, the eager-order plan (`runtime.plan.default_plan`: every node once, in order, as the
+    the step or DDP buckets, the eager-order plan (`runtime.format.plan.default_plan`: every node once, in order, as the
     executor runs the solve stage's no-recomputation plan) of its graph captured here with its rewrites, which
     validation then reuses. The others' no-recomputation step needs the solve stage's problem (its profile)."""
-    from memplan.runtime.capture import capture
-    from memplan.runtime.plan import default_plan
-    from memplan.runtime.policy_form import FORM as POLICY
+    from memplan.runtime.tracing.capture import capture
+    from memplan.runtime.format.plan import default_plan
+    from memplan.runtime.policy.form import FORM as POLICY
     from memplan.tasks.models import build_batch, build_loss, build_model
-    from memplan.tasks.overhead_refine import no_recompute_beside
+    from memplan.tasks.validate.overhead import no_recompute_beside
 
     baseline, why = no_recompute_beside(plan_path, plan)
     if baseline is not None:

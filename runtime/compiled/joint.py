@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from memplan.runtime.compiled.records import JointGraph, JointNode
-from memplan.runtime.fold import storage_bytes, view_base
+from memplan.runtime.tracing.fold import storage_bytes, view_base
 
 MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
 """Matrix products, costed by their multiply-adds (`_flops`, as attention and convolution are)."""

@@ -57,8 +57,8 @@ def _differing(a: PlanConfig, b: PlanConfig) -> list[str]:
 
 def graph_forms(model: str, batch_size: int, cases: list[Case]) -> list[PlanForm]:
     """The forms whose graphs a model at a batch size is traced and profiled for: those of its cases' plans,
-    executor first (the policy form's graph is `runtime.policy.capture_eager`'s); the executor's alone when
+    executor first (the policy form's graph is `runtime.policy.apply.capture_eager`'s); the executor's alone when
     no plan applies to it; none when only compiled-form plans do (they plan torch.compile's own graph:
-    tasks/compiled_plans.py)."""
+    tasks/compiled/plans.py)."""
     forms = {c.plan.plan_form for c in cases if (c.model.name, c.batch_size) == (model, batch_size)}
     return [form for form in ("executor", "policy") if form in forms] or ([] if forms else ["executor"])

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from memplan.runtime.variants import BIT_IDENTICAL_RULES
+from memplan.runtime.variants.offered import BIT_IDENTICAL_RULES
 from memplan.tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_max_overhead)
 from memplan.tasks.solve.core.optimizer import OPTIMIZERS
@@ -165,7 +165,7 @@ class ProfileConfig(Section):
 
 
 VARIANT_RULES: dict[str, tuple[str, ...] | None] = {"all": None, "bit-identical": BIT_IDENTICAL_RULES, "none": ()}
-"""The implementation-variant rules (runtime.variants) a solver may choose from, by the name a plan's `variants`
+"""The implementation-variant rules (runtime.variants.offered) a solver may choose from, by the name a plan's `variants`
 setting gives: every rule; those whose code gives ATen's bits; none (the captured ops only)."""
 
 VariantChoice = Literal[tuple(VARIANT_RULES)]  # type: ignore[valid-type]
@@ -180,7 +180,7 @@ Addresses = Literal["none", "greedy", "olla"]
 
 PlanForm = Literal["executor", "policy", "compiled"]
 """How a plan runs: "executor" (`runtime.load`, on the graph memplan's executor runs), "policy" (selective
-checkpointing in the user's own loop, `runtime.apply`, on `runtime.policy.capture_eager`'s graph) or "compiled"
+checkpointing in the user's own loop, `runtime.apply`, on `runtime.policy.apply.capture_eager`'s graph) or "compiled"
 (`runtime.load` compiles the step with inductor under the plan's decisions, on torch.compile's joint graph)."""
 
 
@@ -296,7 +296,7 @@ class PlanConfig(Section):
 
             able = ", ".join(repr(n) for n, s in SOLVERS.items() if s.policy_form) or "none registered"
             raise ValueError(f"plan of solver {self.solver!r} {form}, but {self.solver!r} makes schedules selective "
-                             f"checkpointing cannot run (runtime/policy_form.py); use a solver that makes them ({able}) "
+                             f"checkpointing cannot run (runtime/policy/form.py); use a solver that makes them ({able}) "
                              f"or form = \"executor\" (runtime.load) in this [[plans]] table")
         refused = [f"{key} = {json.dumps(value)}" for key, value, default in (
             ("addresses", self.addresses, "none"), ("ddp_bucket_mb", self.ddp_bucket_mb, None))
@@ -407,12 +407,12 @@ class ValidateConfig(Section):
         "}`: its peak under torch.compile must be within the budget too (docs/training.md, torch.compile)."))
     compile_probes: int = Field(6, ge=0, le=64, description=(
         "Plans of such a cell (a budget in bytes or as a fraction) measured under torch.compile by the measured search "
-        "(tasks/compiled_cell.py), which publishes the cheapest whose compiled peak fits the budget; 0: solve at the "
+        "(tasks/compiled/policy_cell.py), which publishes the cheapest whose compiled peak fits the budget; 0: solve at the "
         "budget and only check."))
     compile_spread: int = Field(6, ge=0, le=64, description=(
         "Then up to this many plans of such a cell solved at budgets spread evenly above the search's, up to 1.6 "
         "times the budget, measured the same way: compiled peaks do not grow with the solve budget everywhere, and a "
-        "plan found there costs at most what those below it cost (tasks/compiled_search.py); 0: none."))
+        "plan found there costs at most what those below it cost (tasks/compiled/policy_search.py); 0: none."))
 
     @field_validator("max_steps")
     @classmethod

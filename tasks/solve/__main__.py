@@ -60,7 +60,7 @@ PAPERS = (
     ('`module-checkpoint`',
      '`torch.utils.checkpoint` (what users write by hand)',
      'Checkpoints every n-th repeated module (transformer layer, residual block) recorded at capture '
-     "(`runtime/modules.py`): keeps each group's output and everything outside the modules, "
+     "(`runtime/tracing/modules.py`): keeps each group's output and everything outside the modules, "
      'recomputes each group once before its backward; `every = 0` picks the cheapest n that fits.'),
     ('`remat-greedy`',
      '-',

@@ -1,6 +1,6 @@
 """`selective-policy`: the cheapest schedule within the budget that selective activation checkpointing
 runs (PyTorch SAC, `torch.utils.checkpoint` with a MUST_SAVE / PREFER_RECOMPUTE policy per op;
-runtime/policy_form.py says which schedules those are), so its plan trains in the user's own loop
+runtime/policy/form.py says which schedules those are), so its plan trains in the user's own loop
 through `runtime.apply` and the simulator's peak is what autograd then does.
 
 Decision per region (a repeated module recorded at capture): which of its nodes it keeps, any that
@@ -8,7 +8,7 @@ allocates up to the last its backward reads (`Regions.savable`; e.g. the project
 Candidates to recompute are ranked by predicted time per byte (the knapsack order of PyTorch's
 `_activation_checkpointing` and of torchtitan's op lists, where matmuls are dearest per byte), each
 decision `Regions.settled`. Three families are simulated and the cheapest within the budget returned, the
-dispatch cost of the regions run with a policy counted (`runtime.policy_form.dispatch_cost`):
+dispatch cost of the regions run with a policy counted (`runtime.policy.form.dispatch_cost`):
 - `decision_ladder`: the savable nodes of all regions dropped one at a time in that order, then the
   first k regions checkpointed whole (what `module-checkpoint` does);
 - `staircases`: regions alike (a transformer's layers) share one ranking of their node positions, by
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from memplan.runtime.policy_form import FORM, Regions, dispatch_cost, policy_schedule
+from memplan.runtime.policy.form import FORM, Regions, dispatch_cost, policy_schedule
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate
 from memplan.tasks.solve.core.solution import Solution, SolveOptions, checked_solution
@@ -49,7 +49,7 @@ class PolicyOptions:
 
     compiled: bool = field(default=False, metadata={
         "help": "the model trains under torch.compile, whose compiled graph runs the policy's decisions without "
-                "selective checkpointing's dispatch modes: their cost (runtime/dispatch_cost.py) is not counted."})
+                "selective checkpointing's dispatch modes: their cost (runtime/policy/dispatch_cost.py) is not counted."})
 
 
 PART_KINDS = 4
@@ -178,7 +178,7 @@ def improved(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]
 
 def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> Solution:
     """The cheapest candidate schedule (module docstring) whose simulated peak fits `budget`, by its compute cost
-    and, for the regions it runs with a policy, the dispatch modes' (`runtime.policy_form.dispatch_cost`), then
+    and, for the regions it runs with a policy, the dispatch modes' (`runtime.policy.form.dispatch_cost`), then
     `improved` by the local search within the budget (and `time_limit`)."""
     start = time.perf_counter()
     regions = Regions.of_problem(problem)

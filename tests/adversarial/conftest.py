@@ -40,8 +40,8 @@ def tiny_pipeline(folder: Path, store: str = "profiles_db", cache_dir: str = ".c
 
 def profile_rows(fingerprint: str = "fp-a", nodes: int = 3, time_ms: float = 1.0, model: str = "mlp") -> list[dict]:
     """The rows of one synthetic profiling run on cpu: node i takes `time_ms * (i + 1)` ms."""
-    from memplan.tasks.store import new_run_id
-    from memplan.tasks.store_schema import SCHEMA_VERSION
+    from memplan.tasks.store.profiles import new_run_id
+    from memplan.tasks.store.schema import SCHEMA_VERSION
 
     run_id = new_run_id()
     return [dict(schema_version=SCHEMA_VERSION, run_id=run_id, created_at=T0, fingerprint=fingerprint, model=model,
@@ -67,7 +67,7 @@ def workdir(tmp_path, monkeypatch) -> Path:
     import pyarrow.parquet as pq
 
     from memplan.tasks.publish import INDEX_SCHEMA
-    from memplan.tasks.store import ENV_VAR, write_run
+    from memplan.tasks.store.profiles import ENV_VAR, write_run
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "profiles_db"))

@@ -52,8 +52,8 @@ def test_cached_paths_resolve_from_the_pipeline_file_s_folder(tmp_path, monkeypa
 
 
 def test_a_plan_that_cannot_be_indexed_publishes_nothing(tmp_path):
-    from memplan.runtime.plan import Plan
-    from memplan.runtime.plan import plan_id
+    from memplan.runtime.format.plan import Plan
+    from memplan.runtime.format.plan import plan_id
     from memplan.tasks.publish import PublishError, publish
     from memplan.tasks.records import Validated
 

@@ -38,7 +38,7 @@ def test_a_binary_plan_file(tmp_path):
     import torch
 
     from memplan import runtime
-    from memplan.runtime.plan import PlanError
+    from memplan.runtime.format.plan import PlanError
 
     plan = tmp_path / "plan.json"
     plan.write_bytes(bytes(range(256)))
@@ -149,7 +149,7 @@ def _plan_file(tmp_path: Path) -> Path:
 
 
 def test_edited_plan_numbers_and_bad_aliases_are_refused_in_one_line(tmp_path):
-    from memplan.runtime.jsonio import sha256_hex
+    from memplan.runtime.format.jsonio import sha256_hex
 
     make_plan_file = _plan_file(tmp_path)
     plan = json.loads(make_plan_file.read_text())

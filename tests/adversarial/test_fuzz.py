@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from memplan import runtime
-from memplan.runtime.jsonio import sha256_hex
-from memplan.runtime.plan import Plan, PlanError
+from memplan.runtime.format.jsonio import sha256_hex
+from memplan.runtime.format.plan import Plan, PlanError
 from memplan.tasks.config import ConfigError, load_config, parse_config
 
 from .conftest import TINY_PIPELINE

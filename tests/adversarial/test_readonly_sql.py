@@ -52,7 +52,7 @@ def _write_attempts(workdir: Path) -> list[str]:
 
 
 def test_no_statement_writes_any_file(workdir):
-    from memplan.tasks.store_query import connect
+    from memplan.tasks.store.query import connect
 
     watched = (workdir, Path.home() / ".duckdb")
     before = tree_hashes(*watched)
@@ -87,9 +87,9 @@ def test_a_negative_time_in_a_hand_written_profile_skips_the_file_with_a_warning
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from memplan.tasks.store import ProfileStoreWarning
-    from memplan.tasks.store_query import connect
-    from memplan.tasks.store_schema import SCHEMA
+    from memplan.tasks.store.profiles import ProfileStoreWarning
+    from memplan.tasks.store.query import connect
+    from memplan.tasks.store.schema import SCHEMA
 
     from .conftest import profile_rows
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from memplan.flows.cli import app
 from memplan.tasks.publish import INDEX_SCHEMA
-from memplan.tasks.store import ENV_VAR, write_run
+from memplan.tasks.store.profiles import ENV_VAR, write_run
 
 from .conftest import index_row, profile_rows, tiny_pipeline
 

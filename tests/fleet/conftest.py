@@ -23,8 +23,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from memplan.tasks.store import new_run_id
-from memplan.tasks.store_schema import SCHEMA_VERSION
+from memplan.tasks.store.profiles import new_run_id
+from memplan.tasks.store.schema import SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -102,7 +102,7 @@ def _run(config: Path, api: str) -> None:
 def _published(plans: Path) -> dict[str, tuple[str, int]]:
     """Per cell: the content address of the plan file its alias names (a hash of the schedule and the rest
     of the plan, without its creation time) and the peak its validation measured, from the plans index."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.publish import plan_id, read_index
 
     rows = {r["alias"]: r for r in read_index(plans)}

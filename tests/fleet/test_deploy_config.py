@@ -11,7 +11,7 @@ import pytest
 from memplan.flows.commands.deploy import DeployError, api_url, desired_deployments
 from memplan.flows.commands.fleet import fleet_status
 from memplan.tasks.config import ConfigError, parse_config
-from memplan.tasks.store import write_run
+from memplan.tasks.store.profiles import write_run
 
 from .conftest import T0, free_port
 

@@ -144,8 +144,8 @@ def test_one_run_at_a_time_per_host_and_a_dead_hosts_run_is_crashed_and_rerun(se
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from memplan.tasks.store import locate
-    from memplan.tasks.store_query import query
+    from memplan.tasks.store.profiles import locate
+    from memplan.tasks.store.query import query
 
     assert _deploy(server, project / "pipeline.toml").exit_code == 0
     marker = project / "stalled.pid"

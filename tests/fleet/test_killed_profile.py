@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from memplan import runtime
-from memplan.tasks.profile import ProfileSettings, profile_graph
-from memplan.tasks.store import locate
-from memplan.tasks.store_query import query
+from memplan.tasks.profile.stage import ProfileSettings, profile_graph
+from memplan.tasks.store.profiles import locate
+from memplan.tasks.store.query import query
 
 from .conftest import REPO
 
@@ -28,7 +28,7 @@ import sys, time
 import torch
 from torch import nn
 from memplan import runtime
-from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.tasks.profile.stage import ProfileSettings, profile_graph
 
 torch.manual_seed(0)
 graph = runtime.capture({NET}, lambda m, x, y: nn.functional.cross_entropy(m(x), y),

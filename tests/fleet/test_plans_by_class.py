@@ -8,7 +8,7 @@ import json
 from typer.testing import CliRunner
 
 from memplan.flows.cli import app
-from memplan.runtime.plan import Plan, plan_id
+from memplan.runtime.format.plan import Plan, plan_id
 from memplan.tasks.publish import DEVICE_CLASS_VAR, publish
 from memplan.tasks.records import Validated
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.flows.cli import app
-from memplan.tasks.store import write_run
+from memplan.tasks.store.profiles import write_run
 
 from .conftest import free_port
 

@@ -15,8 +15,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from memplan.tasks.store import locate, read_runs, write_run
-from memplan.tasks.store_query import query
+from memplan.tasks.store.profiles import locate, read_runs, write_run
+from memplan.tasks.store.query import query
 
 from .conftest import REPO
 
@@ -25,7 +25,7 @@ WRITER = r"""
 import json, sys
 sys.path.insert(0, "tests/fleet")
 from conftest import rows_of_run
-from memplan.tasks.store import write_run
+from memplan.tasks.store.profiles import write_run
 root, index, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ids = []
 for i in range(runs):
@@ -42,7 +42,7 @@ STALLING_WRITER = r"""
 import builtins, sys, time
 sys.path.insert(0, "tests/fleet")
 from conftest import rows_of_run
-import memplan.tasks.store as store
+import memplan.tasks.store.profiles as store
 
 class Stalling:
     def __init__(self, sink):

@@ -57,7 +57,7 @@ def make_validation():
 
 def _toy_graph():
     """Operator graph of y = relu(x @ w), loss sum(y), gradient of w: 4 nodes, 6 values."""
-    from memplan.runtime.graph import Node, OpGraph, Value
+    from memplan.runtime.format.graph import Node, OpGraph, Value
 
     def value(i, kind, name, producer, nbytes=64, shape=(4, 4)):
         return Value(i, nbytes, shape, "float32", kind, name, producer)
@@ -73,7 +73,7 @@ def _toy_graph():
 
 def _toy_plan(created_at: str = "2026-01-01T00:00:00+00:00", budget_bytes: int = 200):
     """A plan for `_toy_graph()` that frees relu after the loss and recomputes it for the backward."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     return Plan(
         _toy_graph().fingerprint,
@@ -86,7 +86,7 @@ def _toy_plan(created_at: str = "2026-01-01T00:00:00+00:00", budget_bytes: int =
 
 def _validation(of: Any, passed: bool = True, **changes: Any):
     """A `Validated` record as `validate_plan` returns it for the plan `of`."""
-    from memplan.runtime.plan import plan_id
+    from memplan.runtime.format.plan import plan_id
     from memplan.tasks.records import Validated
 
     fields = dict(plan_id=plan_id(of), passed=passed, reasons=[] if passed else ["grad:w differs from eager by up to 0.5 (rtol 0.0001, atol 1e-05)"],

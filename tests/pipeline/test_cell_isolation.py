@@ -80,7 +80,7 @@ def boom(problem, budget, options):
 
 
 def raising_for_chen(first_run):
-    """`tasks.validate._first_run`, raising as a recomputation that differs from the forward does for the plans of
+    """`tasks.validate.stage._first_run`, raising as a recomputation that differs from the forward does for the plans of
     chen-sqrt-n."""
     def run(plan, *args):
         if plan.provenance.get("solver") == "chen-sqrt-n":
@@ -96,7 +96,7 @@ def failing_run(tmp_path_factory, harness):
     """The pipeline run once with the `boom` solver registered and chen-sqrt-n's validation raising: its folder and
     the `PipelineFailed` it raised; the solver stays registered for the module's tests."""
     from memplan.flows.plan import PipelineFailed, run_plan
-    from memplan.tasks import validate
+    from memplan.tasks.validate import stage as validate
     from memplan.tasks.solve import SOLVERS, SolverSpec
 
     folder = tmp_path_factory.mktemp("cells")
@@ -189,10 +189,10 @@ def mlp_cell(tmp_path_factory):
     import types
 
     from memplan import runtime
-    from memplan.runtime.plan import default_plan
+    from memplan.runtime.format.plan import default_plan
     from memplan.tasks.config import ModelConfig
     from memplan.tasks.models import build_batch, build_loss, build_model
-    from memplan.tasks.reference import measure_reference
+    from memplan.tasks.validate.reference import measure_reference
 
     module = types.ModuleType("tests_cell_isolation_models")
     module.mlp = lambda: torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
@@ -207,8 +207,8 @@ def mlp_cell(tmp_path_factory):
 
 
 def test_validate_plans_isolates_a_plan_that_raises(mlp_cell, monkeypatch):
-    from memplan.runtime.plan import plan_id
-    from memplan.tasks import validate
+    from memplan.runtime.format.plan import plan_id
+    from memplan.tasks.validate import stage as validate
     from memplan.tasks.config import ValidateConfig
     from memplan.tasks.records import StageError, Validated
 
@@ -258,7 +258,7 @@ def gpt2():
 @pytest.fixture(scope="module")
 def gpt2_graph(gpt2):
     """`gpt2`'s step as the policy form plans on it (`capture_eager`)."""
-    from memplan.runtime.policy import capture_eager
+    from memplan.runtime.policy.apply import capture_eager
 
     model, loss_fn, batch = gpt2
     return capture_eager(copy.deepcopy(model), loss_fn, batch)
@@ -282,8 +282,8 @@ def test_a_policy_plan_recomputing_attention_trains_like_eager(gpt2, gpt2_graph)
     gradients, dropout drawn alike. `runtime.apply` still refuses a model whose config keeps the cache, naming the
     fix."""
     from memplan import runtime
-    from memplan.runtime.plan import graph_provenance
-    from memplan.runtime.policy_form import PolicyFormError, Regions, decisions, policy_schedule
+    from memplan.runtime.format.plan import graph_provenance
+    from memplan.runtime.policy.form import PolicyFormError, Regions, decisions, policy_schedule
     from memplan.tasks.solve import solve
     from memplan.tasks.solve.core.problem import Problem
     from memplan.tasks.solve.core.simulator import simulate

@@ -135,7 +135,7 @@ def test_trace_command_writes_the_graph(tmp_path):
     result = runner.invoke(app, ["trace", str(write(tmp_path, GOOD))])
     assert result.exit_code == 0, result.output
     (graph,) = (tmp_path / ".cache" / "memplan" / "graphs").glob("mlp-b8-*.json")
-    from memplan.runtime.graph import OpGraph
+    from memplan.runtime.format.graph import OpGraph
 
     assert OpGraph.load(graph).fingerprint[:16] in result.output
 

@@ -78,7 +78,7 @@ def parquet_files(folder: Path) -> list[Path]:
 
 
 def test_run_prints_the_table_and_publishes_the_plan(first_run):
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.publish import plan_id, read_index
 
     folder, _, result = first_run
@@ -102,7 +102,7 @@ def test_refresh_re_runs_the_cached_stages(first_run):
     """A plain second run serves the profile and the solution from Prefect's cache (tests/pipeline/test_flows.py);
     `--refresh` measures the model again (a second profile run in the store), solves on that profile and
     publishes the new plan under the same alias."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     folder, config, _ = first_run
     alias, solutions = "mlp-b1024-checkpoint-all-100pct", folder / ".cache" / "memplan" / "solutions"

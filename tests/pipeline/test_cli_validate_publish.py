@@ -60,7 +60,7 @@ inputs = [{ shape = [8] }, { shape = [], dtype = "int64", high = 4 }]
 def project(tmp_path_factory):
     """A project folder and, as `memplan run` would publish it, the eager-order plan of its model."""
     from memplan import runtime
-    from memplan.runtime.plan import default_plan
+    from memplan.runtime.format.plan import default_plan
     from memplan.tasks.config import load_config
     from memplan.tasks.models import allow_imports_from, build_batch, build_loss, build_model
 
@@ -92,7 +92,7 @@ def test_validate_passes_a_published_plan(project):
 
 def over_budget_copy(folder: Path) -> Path:
     """The published plan re-saved (valid checksum) with a budget of 1 byte."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     plan = Plan.load(plan_file(folder))
     plan.provenance["budget_bytes"] = 1
@@ -117,7 +117,7 @@ def test_validate_and_publish_refuse_a_plan_over_its_budget(project):
 
 
 def test_publish_validates_then_publishes_once(project):
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.publish import plan_id, read_index
 
     folder, _ = project
@@ -147,7 +147,7 @@ def test_a_tampered_plan_file_is_refused_by_validate(project):
 def max_overhead_copy(folder: Path, name: str, limit: float, sibling: bool) -> Path:
     """The published plan as a `max_overhead` cell's plan `name` (limit `limit`), with the cell's
     no-recomputation plan beside it as the solve stage writes it when `sibling`."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     plan = Plan.load(plan_file(folder))
     if sibling:
@@ -189,7 +189,7 @@ def test_a_plan_whose_no_recompute_step_is_not_built_here_is_not_judged(project,
     from rich.console import Console
 
     from memplan.flows.commands.validate import CommandValidation, no_recompute_for, validation_table
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.config import load_config
 
     folder, _ = project

@@ -55,8 +55,8 @@ def test_the_default_pipeline_runs_end_to_end(default_run):
     that the prediction does not count; docs/plan-format.md.)"""
     import torch
 
-    from memplan.runtime.plan import Plan
-    from memplan.tasks.overhead_refine import MARGIN
+    from memplan.runtime.format.plan import Plan
+    from memplan.tasks.validate.overhead import MARGIN
     from memplan.tasks.publish import read_index
 
     tmp_path, outcomes = default_run
@@ -96,7 +96,7 @@ def test_every_default_plan_exists_on_a_device_with_twice_the_scratch(default_ru
     workspace is doubled and every convolution's grows by 16 MiB more (the issue's host: convolutions
     taking 9.5 MB of scratch put a "93%" budget below the floor). The graphs and profiles are the default
     run's."""
-    from memplan.runtime.graph import OpGraph
+    from memplan.runtime.format.graph import OpGraph
     from memplan.tasks.config import expand_matrix, load_config
     from memplan.tasks.problems import load_problem
     from memplan.tasks.solve_stage import solve_loaded

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memplan.runtime.meter import DeviceMemoryExceeded, PeakMeter
+from memplan.runtime.measure.meter import DeviceMemoryExceeded, PeakMeter
 from memplan.tasks.config import ConfigError, parse_config
-from memplan.tasks.memory_limit import MemoryLimit, memory_limit
+from memplan.tasks.fit.memory_limit import MemoryLimit, memory_limit
 
 BLOCKS = Path(__file__).with_name("fit_blocks.py")
 BATCH, WIDTH = 256, 32
@@ -140,8 +140,8 @@ def test_a_limit_below_the_resident_bytes_is_refused_before_any_stage(tmp_path):
 
 def test_a_step_eager_cannot_fit_is_planned_validated_against_checkpointing_and_published(tmp_path, harness):
     from memplan.flows.plan import run_plan
-    from memplan.runtime.plan import Plan
-    from memplan.tasks.fitting_reference import PER_BLOCK_CHECKPOINT
+    from memplan.runtime.format.plan import Plan
+    from memplan.tasks.fit.reference import PER_BLOCK_CHECKPOINT
 
     model, batch = blocks_and_batch()
     unlimited = MemoryLimit(limit_bytes=10**12)
@@ -164,7 +164,7 @@ def test_a_step_eager_cannot_fit_is_planned_validated_against_checkpointing_and_
 def test_per_block_checkpointing_gives_eager_gradients_and_batchnorm_buffers_bit_for_bit():
     from torch import nn
 
-    from memplan.tasks.fitting_reference import checkpoint_blocks, training_step
+    from memplan.tasks.fit.reference import checkpoint_blocks, training_step
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()) for _ in range(3)])
@@ -180,7 +180,7 @@ def test_per_block_checkpointing_gives_eager_gradients_and_batchnorm_buffers_bit
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_micro_batches_give_the_full_batch_gradient_within_their_tolerance(reduction):
-    from memplan.tasks.fitting_reference import MICRO_BATCH_ATOL, MICRO_BATCH_RTOL, training_step
+    from memplan.tasks.fit.reference import MICRO_BATCH_ATOL, MICRO_BATCH_RTOL, training_step
 
     def loss_fn(model, x, y):
         return F.mse_loss(model(x), y, reduction=reduction)
@@ -196,7 +196,7 @@ def test_micro_batches_give_the_full_batch_gradient_within_their_tolerance(reduc
 def test_the_reference_is_the_first_step_that_fits():
     from torch import nn
 
-    from memplan.tasks.fitting_reference import EAGER, NoFittingReference, PER_BLOCK_CHECKPOINT, checkpoint_blocks, \
+    from memplan.tasks.fit.reference import EAGER, NoFittingReference, PER_BLOCK_CHECKPOINT, checkpoint_blocks, \
         reference_step, training_step
 
     model, batch = blocks_and_batch()
@@ -224,11 +224,11 @@ def test_the_reference_is_the_first_step_that_fits():
 
 
 def test_a_plan_past_the_limit_fails_validation_against_a_reference_that_fits():
-    from memplan.runtime.plan import default_plan
+    from memplan.runtime.format.plan import default_plan
     from memplan.tasks.config import ModelConfig, ValidateConfig
-    from memplan.tasks.fitting_reference import PER_BLOCK_CHECKPOINT
+    from memplan.tasks.fit.reference import PER_BLOCK_CHECKPOINT
     from memplan.tasks.trace import capture_model
-    from memplan.tasks.validate import validate_alone
+    from memplan.tasks.validate.stage import validate_alone
 
     spec = ModelConfig(name="blocks", factory="tests.pipeline.fit_blocks:blocks", kwargs={"width": WIDTH}, loss="mse",
                        inputs=[{"shape": [WIDTH]}, {"shape": [WIDTH]}])

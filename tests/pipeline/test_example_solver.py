@@ -94,7 +94,7 @@ def test_a_new_solver_runs_through_run_solve_and_load(tmp_path, example, harness
 
     from memplan.flows.cli import app
     from memplan.flows.plan import run_plan
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     (tmp_path / "widenet.py").write_text(MODEL)
     (tmp_path / "pipeline.toml").write_text(PIPELINE)

@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from memplan.flows.cli import app
-from memplan.runtime.meter import PeakMeter
-from memplan.tasks.fit_search import FitError, SizePoint, largest_fitting, search_fit
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.tasks.fit.search import FitError, SizePoint, largest_fitting, search_fit
 
 runner = CliRunner(env={"COLUMNS": "250"})
 BLOCKS = Path(__file__).with_name("fit_blocks.py")
@@ -65,7 +65,7 @@ def fake_point(batch: int) -> SizePoint:
 
 def test_search_gives_each_schedule_its_largest_batch(config_data):
     from memplan.tasks.config import parse_config
-    from memplan.tasks.memory_limit import MemoryLimit
+    from memplan.tasks.fit.memory_limit import MemoryLimit
 
     config = parse_config(config_data, solvers=["checkmate", "chen-sqrt-n"])
     search = search_fit(config.models[1], config, "cpu", MemoryLimit(limit_bytes=1000), "dtr", 0.1, 4096, evaluate=fake_point)
@@ -75,7 +75,7 @@ def test_search_gives_each_schedule_its_largest_batch(config_data):
 
 def test_a_limit_below_batch_1_says_what_takes_the_memory(config_data):
     from memplan.tasks.config import parse_config
-    from memplan.tasks.memory_limit import MemoryLimit
+    from memplan.tasks.fit.memory_limit import MemoryLimit
 
     config = parse_config(config_data, solvers=["checkmate", "chen-sqrt-n"])
     with pytest.raises(FitError, match=r"'mlp' does not fit device_memory = 103 B even at batch 1: .* take 100 B and "
@@ -123,7 +123,7 @@ def test_memplan_fits_a_larger_batch_than_eager_and_its_plan_runs_under_the_limi
 
     from memplan import runtime
     from memplan.flows.fit import markdown_fit, run_fit
-    from memplan.runtime.meter import PeakMeter
+    from memplan.runtime.measure.meter import PeakMeter
     from tests.pipeline.fit_blocks import blocks
 
     def loss_fn(model, x, y):
@@ -193,7 +193,7 @@ warmup = 0
 
 def test_the_sequence_search_varies_the_token_inputs_length_at_the_batch(tmp_path, harness):
     from memplan.flows.fit import run_fit
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from tests.pipeline.fit_blocks import token_blocks
 
     eager_fits, batch = 32, 2                                      # a limit eager fits at 32 tokens

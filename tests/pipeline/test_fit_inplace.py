@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import memplan.tasks.fitting_reference as fitting
-from memplan.runtime.meter import DeviceMemoryExceeded
+import memplan.tasks.fit.reference as fitting
+from memplan.runtime.measure.meter import DeviceMemoryExceeded
 from memplan.tasks.config import MemplanError
-from memplan.tasks.fitting_reference import (EAGER, MICRO_BATCH_ATOL, MICRO_BATCH_RTOL, NESTED_CHECKPOINT,
+from memplan.tasks.fit.reference import (EAGER, MICRO_BATCH_ATOL, MICRO_BATCH_RTOL, NESTED_CHECKPOINT,
                                              PER_BLOCK_CHECKPOINT, NoFittingReference, ReferenceFailed,
                                              checkpoint_nested, rebuilt_step, reference_step, training_step)
-from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.fit.memory_limit import MemoryLimit
 
 
 def cross_entropy(model, x, y):

@@ -4,7 +4,7 @@ small cases, with validations given (no timing)."""
 from __future__ import annotations
 
 from memplan.flows.fit_refine import walk_answer
-from memplan.tasks.fit_search import SizePoint
+from memplan.tasks.fit.search import SizePoint
 from memplan.tasks.records import Candidate, Validated
 
 LIMIT = 0.10

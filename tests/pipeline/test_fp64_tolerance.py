@@ -1,6 +1,6 @@
 """Validation judges a plan, not the capture's rounding (issue #53, item 2): the reference also runs its step in
 float64, and a plan's tensor outside rtol / atol is accepted when its distance to the float64 step is within
-`FLOAT64_FACTOR` x eager's own (tasks/validate.py, `float64_problem`). A step that rounds otherwise passes; a
+`FLOAT64_FACTOR` x eager's own (tasks/validate/stage.py, `float64_problem`). A step that rounds otherwise passes; a
 gradient a few percent off, or missing a term, does not; where there is no float64 step, rtol / atol alone judge."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch import nn
 
 from memplan.tasks.config import ModelConfig, ValidateConfig
 from memplan.tasks.records import Referenced
-from memplan.tasks.reference import RandomTape, float64_deltas, float64_step, step_state
-from memplan.tasks.validate import FLOAT64_FACTOR, compare_tensors
+from memplan.tasks.validate.reference import RandomTape, float64_deltas, float64_step, step_state
+from memplan.tasks.validate.stage import FLOAT64_FACTOR, compare_tensors
 
 RTOL, ATOL = 1e-4, 1e-5
 BF16_RTOL = 1.6e-2
@@ -204,7 +204,7 @@ def specs():
 
 
 def _reference(spec, tmp_path):
-    from memplan.tasks.reference import measure_reference
+    from memplan.tasks.validate.reference import measure_reference
 
     return measure_reference(spec, 8, "cpu", 0, tmp_path / f"{spec.name}.safetensors", steps=1)
 
@@ -213,10 +213,10 @@ def test_a_model_without_float64_falls_back_to_rtol_atol_and_says_why(specs, tmp
     from safetensors import safe_open
 
     from memplan import runtime
-    from memplan.runtime.plan import default_plan
+    from memplan.runtime.format.plan import default_plan
     from memplan.tasks.models import build_batch, build_loss, build_model
-    from memplan.tasks.reference import reference_float64
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.reference import reference_float64
+    from memplan.tasks.validate.stage import validate_plan
 
     spec = specs("float32_only")
     reference = _reference(spec, tmp_path)
@@ -233,7 +233,7 @@ def test_a_model_without_float64_falls_back_to_rtol_atol_and_says_why(specs, tmp
 
 
 def test_random_ops_replay_the_reference_steps_draws_in_float64(specs, tmp_path):
-    from memplan.tasks.reference import reference_float64
+    from memplan.tasks.validate.reference import reference_float64
 
     reference = _reference(specs("random_mask"), tmp_path)
     assert reference.float64_skipped is None and reference.float64_tensors == 5
@@ -265,7 +265,7 @@ def test_a_float64_step_whose_loss_is_not_eager_s_is_not_a_yardstick():
     """A loss that changes between calls would give eager a distance to the float64 step that excuses any plan:
     such a float64 step is discarded (plans are then judged by rtol / atol alone)."""
     from memplan.tasks.config import ModelConfig
-    from memplan.tasks.reference import Float64Unavailable, check_same_loss
+    from memplan.tasks.validate.reference import Float64Unavailable, check_same_loss
 
     spec = ModelConfig.model_validate({"name": "m", "factory": "torch.nn:Linear", "loss": "mse",
                                        "kwargs": {"in_features": 2, "out_features": 2},

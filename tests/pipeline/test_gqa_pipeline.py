@@ -47,10 +47,10 @@ def quiet_prefect():
 
 
 def test_a_grouped_query_attention_decoder_publishes_its_plans(tmp_path, harness, quiet_prefect):
-    from memplan.runtime.graph import OpGraph
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.graph import OpGraph
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.publish import read_index
-    from memplan.tasks.store_query import connect
+    from memplan.tasks.store.query import connect
 
     config = tmp_path / "pipeline.toml"
     config.write_text(PIPELINE)

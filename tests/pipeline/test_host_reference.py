@@ -1,4 +1,4 @@
-"""The references past per-block checkpointing (tasks/fitting_reference.py): nested checkpointing, and eager's
+"""The references past per-block checkpointing (tasks/fit/reference.py): nested checkpointing, and eager's
 step on the host without the device memory limit, which validates a BatchNorm model that no in-device
 reference fits (micro-batches change its batch statistics)."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memplan.runtime.meter import DeviceMemoryExceeded, PeakMeter
-from memplan.tasks.fitting_reference import (HOST, HOST_ATOL, HOST_RTOL, NESTED_CHECKPOINT, NoFittingReference,
+from memplan.runtime.measure.meter import DeviceMemoryExceeded, PeakMeter
+from memplan.tasks.fit.reference import (HOST, HOST_ATOL, HOST_RTOL, NESTED_CHECKPOINT, NoFittingReference,
                                      checkpoint_blocks, checkpoint_nested, reference_step, training_step)
-from memplan.tasks.memory_limit import MemoryLimit
+from memplan.tasks.fit.memory_limit import MemoryLimit
 from tests.pipeline.fit_blocks import bn_convnet, wide_blocks
 
 BLOCKS = Path(__file__).with_name("fit_blocks.py")
@@ -118,7 +118,7 @@ def test_the_host_is_the_last_reference_and_can_be_refused():
 def test_a_host_reference_for_a_gpu_runs_on_the_cpu_with_the_cross_device_tolerance(monkeypatch):
     """Perturbs the device: the model and batch are on the CPU, the reference is asked for `cuda:0`, and a meter
     stub refuses every in-device reference as a GPU's limit would."""
-    import memplan.tasks.fitting_reference as fitting
+    import memplan.tasks.fit.reference as fitting
 
     class Refusing:
         def __init__(self, *args, **kwargs):
@@ -152,7 +152,7 @@ def test_host_reference_must_be_a_boolean():
 @pytest.mark.parametrize("host", [True, False])
 def test_a_batchnorm_step_no_device_reference_fits_is_validated_on_the_host_and_published(tmp_path, harness, host):
     from memplan.flows.plan import PipelineFailed, run_plan
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     model, batch = convnet_and_batch()
     resident = UNLIMITED.module_resident_bytes(model, batch)

@@ -1,12 +1,12 @@
 """A `max_overhead` plan outside the plan flow: which no-recomputation plan it is measured against
-(`tasks.overhead_refine.no_recompute_beside`) and the verdict against its limit (`flows.report.limit_verdict`)."""
+(`tasks.validate.overhead.no_recompute_beside`) and the verdict against its limit (`flows.report.limit_verdict`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from memplan.flows.report import limit_verdict
-from memplan.tasks.overhead_refine import no_recompute_beside, no_recompute_path
+from memplan.tasks.validate.overhead import no_recompute_beside, no_recompute_path
 
 
 def test_the_no_recompute_plan_lies_beside_the_cell_plan_and_its_rungs(tmp_path):
@@ -17,7 +17,7 @@ def test_the_no_recompute_plan_lies_beside_the_cell_plan_and_its_rungs(tmp_path)
 
 def eager_order(plan):
     """`plan` (the toy plan, which recomputes node 1) with every node computed once, in order."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     return Plan(plan.fingerprint, [{"compute": n} for n in range(4)], provenance=dict(plan.provenance))
 

@@ -11,18 +11,18 @@ import pytest
 import torch
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, decisions, policy_schedule
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, decisions, policy_schedule
 from memplan.tasks.config import ModelConfig, ValidateConfig
 from memplan.tasks.models import build_batch, build_loss, build_model
-from memplan.tasks.profile import ProfileSettings, measure_graph
+from memplan.tasks.profile.stage import ProfileSettings, measure_graph
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 from memplan.tasks.trace import capture_model
-from memplan.tasks.validate import step_tolerance
+from memplan.tasks.validate.stage import step_tolerance
 
 GPT2 = dict(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0,
             activation_function="gelu_pytorch_tanh", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -51,7 +51,7 @@ def float_dtypes(graph) -> set[torch.dtype]:
                                             ({"dtype": "bfloat16"}, torch.bfloat16),
                                             ({"dtype": "float16"}, torch.float16)])
 def test_low_precision_plan_validates_at_its_predicted_peak(precision, low):
-    from memplan.tasks.validate import validate_alone
+    from memplan.tasks.validate.stage import validate_alone
 
     model = spec(**precision)
     graph = capture_model(model, 4, "cpu", seed=0)

@@ -107,7 +107,7 @@ def test_the_walk_publishes_the_least_memory_rung_measured_within_the_limit(walk
     measured is within the limit and to less memory (within the margin) once something is, validates at most
     `EXTRA_VALIDATIONS` rungs more, and the run publishes the least-memory rung it measured within the limit
     (else the least measured overhead), reporting the overhead the walk judged."""
-    from memplan.tasks.overhead_refine import EXTRA_VALIDATIONS, MARGIN, predicted_choice
+    from memplan.tasks.validate.overhead import EXTRA_VALIDATIONS, MARGIN, predicted_choice
 
     outcomes, seen = walked
     outcome, = outcomes
@@ -141,10 +141,10 @@ def test_a_policy_form_cell_writes_its_rungs_in_that_form_and_no_separate_no_rec
     import torch
     from torch import nn
 
-    from memplan.runtime.plan import Plan
-    from memplan.runtime.policy import capture_eager
+    from memplan.runtime.format.plan import Plan
+    from memplan.runtime.policy.apply import capture_eager
     from memplan.tasks.config import Budget, PlanSettings
-    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.profile.stage import ProfileSettings, profile_graph
     from memplan.tasks.solve_stage import solve_case
 
     class Net(nn.Module):

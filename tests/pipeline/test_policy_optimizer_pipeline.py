@@ -32,7 +32,7 @@ def project(tmp_path_factory, harness):
 
 
 def test_the_plan_is_solved_with_the_updates_validated_and_published(project):
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.publish import read_index
 
     folder, outcomes = project

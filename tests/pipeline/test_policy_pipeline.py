@@ -187,8 +187,8 @@ def project(tmp_path_factory, harness):
 
 
 def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
-    from memplan.runtime.graph import OpGraph
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.graph import OpGraph
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.publish import read_index
 
     folder, outcomes = project
@@ -216,7 +216,7 @@ def test_the_policy_plan_is_solved_on_the_eager_graph_and_published(project):
 def test_a_compiled_cell_is_published_by_its_measured_search(project):
     """The pipeline runs the measured search for a cell solved compiled, between solve and validation: the published
     plan is the search's, its compiled peak (validation's, measured again) within the budget."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     folder, outcomes = project
     outcome = next(o for o in outcomes if o["alias"] == "blocknet-b128-selective-policy-75pct")
@@ -254,7 +254,7 @@ def test_the_profile_flow_profiles_the_eager_graph_too(project):
 
 
 def policy_fingerprint(folder: Path) -> str:
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     return Plan.load(folder / "plans" / "blocknet-b128-selective-policy-70pct.json").fingerprint
 
@@ -313,13 +313,13 @@ def test_a_policy_plan_is_validated_the_way_it_runs(tmp_path, monkeypatch):
     """Under runtime.apply a checkpointed block's recomputation updates its BatchNorm statistics a second time
     (the executor form would not): validation runs the plan that way, so it finds the gradients equal and
     the buffers not."""
-    from memplan.runtime.plan import graph_provenance
+    from memplan.runtime.format.plan import graph_provenance
     from memplan.tasks.config import ModelConfig, ValidateConfig
     from memplan.tasks.solve import solve
     from memplan.tasks.solve.core.problem import Problem
     from memplan.tasks.solve.core.simulator import default_schedule, simulate
     from memplan.tasks.trace import capture_model
-    from memplan.tasks.validate import validate_alone
+    from memplan.tasks.validate.stage import validate_alone
 
     (tmp_path / "bnnet.py").write_text(BN_BLOCKS)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -359,18 +359,18 @@ def _scratch_backend(extra_bytes: int) -> str:
 
 def test_a_compiled_policy_plan_is_validated_under_torch_compile_too(tmp_path, monkeypatch):
     """A policy plan solved with `compiled = true` (provenance `compiled`) is measured under torch.compile as well:
-    validation records that peak (the same bytes `runtime.compiled_peak` measures) and passes the plan where it is
+    validation records that peak (the same bytes `runtime.policy.compiled_peak` measures) and passes the plan where it is
     within the budget; a compiler that holds more (a backend with scratch as large as the budget) fails the same
     plan, naming the compiled check, while its eager peak still passes."""
-    from memplan.runtime.compiled_peak import compiled_peak
-    from memplan.runtime.plan import graph_provenance
+    from memplan.runtime.policy.compiled_peak import compiled_peak
+    from memplan.runtime.format.plan import graph_provenance
     from memplan.tasks.config import ModelConfig, ValidateConfig
     from memplan.tasks.models import build_batch, build_loss, build_model
     from memplan.tasks.solve import solve
     from memplan.tasks.solve.core.problem import Problem
     from memplan.tasks.solve.core.simulator import default_schedule, simulate
     from memplan.tasks.trace import capture_model
-    from memplan.tasks.validate import validate_alone
+    from memplan.tasks.validate.stage import validate_alone
 
     (tmp_path / "blocknet.py").write_text(BLOCKNET)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -394,14 +394,14 @@ def test_a_compiled_policy_plan_is_validated_under_torch_compile_too(tmp_path, m
     budget = plan.provenance["budget_bytes"]
     assert over.compiled_peak_bytes > 1.05 * budget >= over.measured_peak_bytes
     assert [r for r in over.reasons if not r.startswith("under torch.compile (backend 'memplan_test_scratch")] == []
-    assert "plan with the measured search (tasks.compiled_search)" in over.reasons[0]
+    assert "plan with the measured search (tasks.compiled.policy_search)" in over.reasons[0]
 
 
 def profiled_blocknet(tmp_path, monkeypatch):
     """BlockNet's spec and its graph captured for the policy form at batch 128, saved as tmp_path/graph.json and
     profiled once into the store at tmp_path."""
     from memplan.tasks.config import ModelConfig
-    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.profile.stage import ProfileSettings, profile_graph
     from memplan.tasks.trace import capture_model
 
     (tmp_path / "blocknet.py").write_text(BLOCKNET)
@@ -416,7 +416,7 @@ def profiled_blocknet(tmp_path, monkeypatch):
 
 def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
     """`options = { compiled = true }` is recorded in the plan's provenance, which validation reads."""
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.config import Budget, PlanSettings
     from memplan.tasks.solve_stage import solve_case
 
@@ -428,23 +428,23 @@ def test_the_solve_stage_marks_a_plan_solved_compiled(tmp_path, monkeypatch):
 
 
 def test_a_compiled_cell_is_planned_by_its_measured_compiled_peak(tmp_path, monkeypatch):
-    """A compiled cell's measured search (tasks/compiled_cell.py) answers to the compiler the model trains with.
+    """A compiled cell's measured search (tasks/compiled/policy_cell.py) answers to the compiler the model trains with.
     Under a compiler that holds scratch while the forward and the backward run, the plan solved at the budget
     measures over it; the search's plan measures within it (measured again here), records what the search measured,
     and passes validation under that compiler, where its eager peak is judged by its prediction."""
-    from memplan.runtime.compiled_peak import compiled_peak
-    from memplan.runtime.graph import OpGraph
-    from memplan.runtime.plan import Plan, graph_provenance
-    from memplan.runtime.policy_form import Regions, policy_schedule
-    from memplan.tasks.compiled_cell import search_cell
-    from memplan.tasks.compiled_search import COMPILED
+    from memplan.runtime.policy.compiled_peak import compiled_peak
+    from memplan.runtime.format.graph import OpGraph
+    from memplan.runtime.format.plan import Plan, graph_provenance
+    from memplan.runtime.policy.form import Regions, policy_schedule
+    from memplan.tasks.compiled.policy_cell import search_cell
+    from memplan.tasks.compiled.policy_search import COMPILED
     from memplan.tasks.config import Budget, PlanSettings, ValidateConfig
     from memplan.tasks.models import build_batch, build_loss, build_model
     from memplan.tasks.solve import solve
     from memplan.tasks.solve.core.problem import Problem
     from memplan.tasks.solve.core.simulator import simulate
     from memplan.tasks.solve_stage import solve_case
-    from memplan.tasks.validate import validate_alone
+    from memplan.tasks.validate.stage import validate_alone
 
     spec, graph = profiled_blocknet(tmp_path, monkeypatch)
     settings = PlanSettings(form="policy", params={"compiled": True})
@@ -478,12 +478,12 @@ def test_a_compiled_cell_is_planned_by_its_measured_compiled_peak(tmp_path, monk
 
 
 def test_the_prediction_bounds_a_policy_plans_measured_peak():
-    from memplan.tasks.validate import prediction_problem
+    from memplan.tasks.validate.stage import prediction_problem
 
     assert prediction_problem(1050, 1000, 0.05) is None
     assert prediction_problem(1051, 1000, 0.05) == (
         "measured peak 1,051 B exceeds the predicted 1,000 B by 5.1% (allowed 5.0%): autograd keeps more than the "
-        "policy form predicts (runtime/policy_form.py: an op whose backward is several graph ops)")
+        "policy form predicts (runtime/policy/form.py: an op whose backward is several graph ops)")
     assert "no predicted.peak_bytes" in prediction_problem(10, None, 0.05)
 
 

@@ -27,7 +27,7 @@ def test_plan_id_ignores_creation_time_but_not_content(make_plan):
 
 
 def test_publish_writes_plan_alias_and_index_row(tmp_path, make_plan, make_validation):
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     plan = make_plan()
     done = publish_toy(tmp_path, plan, make_validation(plan))

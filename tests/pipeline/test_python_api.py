@@ -40,8 +40,8 @@ def small_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_five_line_script_trains_as_eager_and_reuses_the_stored_profile(tmp_path):
-    from memplan.runtime.plan import Plan
-    from memplan.tasks.store import run_files
+    from memplan.runtime.format.plan import Plan
+    from memplan.tasks.store.profiles import run_files
 
     torch.set_num_threads(1)
     model, batch = small_model(), small_batch()
@@ -84,10 +84,10 @@ def test_five_line_script_trains_as_eager_and_reuses_the_stored_profile(tmp_path
 def test_gpt2_tiny_plan_equals_the_pipeline_solve_on_the_same_profile(tmp_path):
     """The default pipeline.toml's gpt2-tiny, its dtr cell at 5% overhead: `memplan.plan` (profiling into a fresh
     store) and the pipeline's own trace and solve stages on that store give one plan (content address and schedule)."""
-    from memplan.runtime.plan import plan_id
+    from memplan.runtime.format.plan import plan_id
     from memplan.tasks.config import Budget, load_config
     from memplan.tasks.models import build_batch, build_loss, build_model, resolve_device
-    from memplan.tasks.profile import device_info
+    from memplan.tasks.profile.stage import device_info
     from memplan.tasks.solve_stage import solve_case
     from memplan.tasks.trace import trace
 
@@ -108,7 +108,7 @@ def test_gpt2_tiny_plan_equals_the_pipeline_solve_on_the_same_profile(tmp_path):
                         str(tmp_path / "pipeline" / "plan.json"))
     assert traced.fingerprint == plan.fingerprint
     assert solved.feasible and solved.plan_id == plan_id(plan)
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     assert Plan.load(solved.plan_path).schedule == plan.schedule
 

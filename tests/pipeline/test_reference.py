@@ -30,7 +30,7 @@ def spec():
 
 @pytest.fixture(scope="module")
 def reference(spec, tmp_path_factory):
-    from memplan.tasks.reference import measure_reference
+    from memplan.tasks.validate.reference import measure_reference
 
     return measure_reference(spec, 16, "cpu", 0, tmp_path_factory.mktemp("reference") / "net.safetensors")
 
@@ -39,7 +39,7 @@ def reference(spec, tmp_path_factory):
 def plans(spec):
     """The checkpoint-all plan of the net's graph, within a generous budget and within 1 byte."""
     from memplan import runtime
-    from memplan.runtime.plan import default_plan
+    from memplan.runtime.format.plan import default_plan
     from memplan.tasks.models import build_batch, build_loss, build_model
 
     plan = default_plan(runtime.capture(build_model(spec, 0), build_loss(spec), build_batch(spec, 16, 0, "cpu")))
@@ -53,7 +53,7 @@ def test_the_reference_holds_eager_state_after_one_step_in_a_safetensors_file(sp
     from safetensors import safe_open
 
     from memplan.tasks.models import build_batch, build_loss, build_model
-    from memplan.tasks.reference import reference_state, step_state
+    from memplan.tasks.validate.reference import reference_state, step_state
 
     model = build_model(spec, 0)
     loss = build_loss(spec)(model, *build_batch(spec, 16, 0, "cpu"))
@@ -75,7 +75,7 @@ def test_the_reference_holds_eager_state_after_one_step_in_a_safetensors_file(sp
 
 def test_absent_gradients_come_back_as_none_in_report_order(reference, tmp_path):
     """A gradient that does not exist is not stored; reading the file gives it back as None, the loss first."""
-    from memplan.tasks.reference import reference_state, write_state
+    from memplan.tasks.validate.reference import reference_state, write_state
 
     state = {"buffer:b": torch.arange(3), "grad:w": None, "loss": torch.tensor(2.0), "grad:a": torch.ones(2)}
     stored = reference.model_copy(update={"path": str(write_state(tmp_path / "s.safetensors", state)),
@@ -87,7 +87,7 @@ def test_absent_gradients_come_back_as_none_in_report_order(reference, tmp_path)
 
 def test_a_plan_checked_against_the_reference_keeps_its_verdicts(spec, reference, plans):
     """The plan that reproduces eager passes; the same plan within 1 byte fails on its peak alone."""
-    from memplan.tasks.validate import peak_problem, validate_plan
+    from memplan.tasks.validate.stage import peak_problem, validate_plan
 
     fits, over = (validate_plan(p, spec, 16, "cpu", 0, SETTINGS, reference) for p in plans)
     assert fits.passed and fits.reasons == [] and fits.max_abs_error == 0.0 and fits.tensors_compared == 10
@@ -97,8 +97,8 @@ def test_a_plan_checked_against_the_reference_keeps_its_verdicts(spec, reference
 
 def test_a_reference_whose_gradient_differs_fails_the_plan_naming_the_gradient(spec, reference, plans, tmp_path):
     """Equivalently, a plan whose gradient differs from eager's by more than the tolerance fails."""
-    from memplan.tasks.reference import reference_state, write_state
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.reference import reference_state, write_state
+    from memplan.tasks.validate.stage import validate_plan
 
     state = reference_state(reference, "cpu")
     state["grad:3.weight"] = state["grad:3.weight"] + 1e-3
@@ -109,7 +109,7 @@ def test_a_reference_whose_gradient_differs_fails_the_plan_naming_the_gradient(s
 
 
 def test_plans_validated_together_get_the_verdicts_they_get_alone(spec, reference, plans):
-    from memplan.tasks.validate import validate_plan, validate_plans
+    from memplan.tasks.validate.stage import validate_plan, validate_plans
 
     together = validate_plans(plans, spec, 16, "cpu", 0, ValidateConfig(steps=2, max_steps=2, warmup=0), reference)
     alone = [validate_plan(p, spec, 16, "cpu", 0, SETTINGS, reference) for p in plans]
@@ -119,14 +119,14 @@ def test_plans_validated_together_get_the_verdicts_they_get_alone(spec, referenc
 
 
 def test_a_reference_of_another_cell_is_refused(spec, reference, plans):
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.stage import validate_plan
 
     with pytest.raises(MemplanError, match="is of model net at batch 16 on cpu with seed 0, not of net at batch 8"):
         validate_plan(plans[0], spec, 8, "cpu", 0, SETTINGS, reference)
 
 
 def test_a_missing_reference_file_says_how_to_rebuild_it(spec, reference, plans):
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.stage import validate_plan
 
     gone = reference.model_copy(update={"path": "/nonexistent/net.safetensors"})
     with pytest.raises(MemplanError, match="re-run with `memplan run --refresh`"):
@@ -136,7 +136,7 @@ def test_a_missing_reference_file_says_how_to_rebuild_it(spec, reference, plans)
 def _in_step_plan(spec, optimizer: str):
     """A plan of the net with `optimizer` inside the step (no recomputation), as the solve stage records it."""
     from memplan import runtime
-    from memplan.runtime.plan import graph_provenance
+    from memplan.runtime.format.plan import graph_provenance
     from memplan.tasks.models import build_batch, build_loss, build_model
     from memplan.tasks.solve.core.optimizer import in_step
     from memplan.tasks.solve.core.problem import Problem
@@ -154,8 +154,8 @@ def test_a_cell_mixing_the_optimizer_inside_and_outside_the_step_is_validated_ag
         spec, plans, tmp_path):
     """The reference measured with the optimizer also holds its parameters after the update: the plan updating
     inside the step is compared on parameters, the other on gradients, both against that one reference."""
-    from memplan.tasks.reference import measure_reference, reference_state
-    from memplan.tasks.validate import validate_plans
+    from memplan.tasks.validate.reference import measure_reference, reference_state
+    from memplan.tasks.validate.stage import validate_plans
 
     reference = measure_reference(spec, 16, "cpu", 0, tmp_path / "r.safetensors", optimizer="sgd-momentum")
     state = reference_state(reference, "cpu")
@@ -169,7 +169,7 @@ def test_a_cell_mixing_the_optimizer_inside_and_outside_the_step_is_validated_ag
 
 
 def test_a_plan_updating_inside_the_step_needs_a_reference_with_that_optimizer(spec, reference):
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.stage import validate_plan
 
     with pytest.raises(MemplanError, match=r"optimizer \['adamw'\] inside the step need a reference with that"):
         validate_plan(_in_step_plan(spec, "adamw"), spec, 16, "cpu", 0, SETTINGS, reference)
@@ -238,9 +238,9 @@ def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_p
     """Two plans of one cell: one reference (a second run takes it from the cache); the eager budget is
     eager's measured peak in bytes; one validation of the cell's two plans, timed together (an overhead
     search validates only the plan it returns: the solve stage cannot even import the validation), then
-    the measured walk's validations of the max_overhead plan's rungs (tasks/overhead_refine.py), alone."""
-    from memplan.tasks import reference
-    from memplan.tasks import validate as validate_module
+    the measured walk's validations of the max_overhead plan's rungs (tasks/validate/overhead.py), alone."""
+    from memplan.tasks.validate import reference
+    from memplan.tasks.validate import stage as validate_module
     from memplan.flows.codehash import ROOT, import_closure
     from memplan.flows.plan import run_plan
     from memplan.flows.report import Outcome, markdown_table
@@ -257,7 +257,7 @@ def test_one_reference_serves_every_plan_of_a_cell_and_sizes_eager_budgets(tmp_p
     assert [(spec.name, batch) for spec, batch in references] == [("mlp", 256)]
     assert [o["alias"] for o in outcomes] == ["mlp-b256-chen-sqrt-n-100pct-eager", "mlp-b256-ap-greedy-ovh25pct"]
     assert all(o["status"] == "published" for o in outcomes), outcomes
-    from memplan.tasks.overhead_refine import EXTRA_VALIDATIONS
+    from memplan.tasks.validate.overhead import EXTRA_VALIDATIONS
 
     first, *walked = [[p.provenance.get("max_overhead") for p in plans] for plans in validations]
     assert first == [None, 0.25] and walked == [[0.25]] * len(walked) and len(walked) <= EXTRA_VALIDATIONS

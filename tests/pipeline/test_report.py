@@ -99,10 +99,10 @@ def test_no_plan_messages_say_what_to_change():
 
 
 def _measured(ratios: list[float]) -> tuple[float, list[float]]:
-    """The overhead and its 95% interval from per-round plan/eager time ratios, as tasks.validate computes them."""
+    """The overhead and its 95% interval from per-round plan/eager time ratios, as tasks.validate.stage computes them."""
     import statistics
 
-    from memplan.tasks.step_timing import median_interval
+    from memplan.tasks.validate.step_timing import median_interval
 
     low, high = median_interval(ratios)
     return statistics.median(ratios) - 1, [low - 1, high - 1]

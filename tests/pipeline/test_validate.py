@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memplan.tasks.reference import step_state
-from memplan.tasks.validate import compare_tensors, peak_problem
+from memplan.tasks.validate.reference import step_state
+from memplan.tasks.validate.stage import compare_tensors, peak_problem
 
 
 def test_equal_tensors_pass_and_are_counted():
@@ -68,17 +68,17 @@ def test_a_plan_with_addresses_is_validated_in_arena_mode_too(tmp_path):
     import numpy as np
 
     from memplan import runtime
-    from memplan.runtime.arena import in_place_nodes
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.execute.arena import in_place_nodes
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.config import ModelConfig, ValidateConfig
     from memplan.tasks.models import build_batch, build_loss, build_model
     from memplan.tasks.solve.core.addresses import greedy_addresses
     from memplan.tasks.solve.core.problem import Problem
-    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.profile.stage import ProfileSettings, profile_graph
     from memplan.tasks.solve.core.simulator import default_schedule, simulate
-    from memplan.tasks.reference import measure_reference
-    from memplan.tasks.store_query import load_costs
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.reference import measure_reference
+    from memplan.tasks.store.query import load_costs
+    from memplan.tasks.validate.stage import validate_plan
 
     spec = ModelConfig(name="r18", torchvision="resnet18", kwargs={"num_classes": 4},
                        inputs=[{"shape": [3, 32, 32]}, {"shape": [], "dtype": "int64", "high": 4}])
@@ -128,7 +128,7 @@ def test_median_interval_is_the_binomial_order_statistic_interval():
     k is the largest whose coverage reaches 95%, and a sample whose whole range falls short gives None."""
     from itertools import product
 
-    from memplan.tasks.step_timing import median_interval
+    from memplan.tasks.validate.step_timing import median_interval
 
     def coverage(n: int, rank: int) -> float:
         return sum(rank <= sum(p) <= n - rank for p in product((0, 1), repeat=n)) / 2**n
@@ -166,7 +166,7 @@ class _FakeClock:
 def test_timing_stops_at_steps_on_a_quiet_host_and_goes_on_to_max_steps_on_a_noisy_one():
     from torch import nn
 
-    from memplan.tasks.step_timing import paired_step_times
+    from memplan.tasks.validate.step_timing import paired_step_times
 
     model = nn.Linear(1, 1)
     clock = _FakeClock()
@@ -196,17 +196,17 @@ def test_a_plan_recomputing_dropout_is_validated_bit_for_bit(tmp_path):
     alike, and a plan that recomputes dropout outputs (from their kept masks) or masks (replaying the
     generator) reproduces eager's loss and gradients exactly."""
     from memplan import runtime
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.config import ModelConfig, ValidateConfig
     from memplan.tasks.models import build_batch, build_loss, build_model
-    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.profile.stage import ProfileSettings, profile_graph
     from memplan.tasks.solve import solve
     from memplan.tasks.solve.core.problem import Problem
     from memplan.tasks.solve.core.simulator import default_schedule, simulate
     from memplan.tasks.solve.core.solution import SolveOptions
-    from memplan.tasks.reference import measure_reference
-    from memplan.tasks.store_query import load_costs
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.reference import measure_reference
+    from memplan.tasks.store.query import load_costs
+    from memplan.tasks.validate.stage import validate_plan
 
     spec = ModelConfig(name="gpt2-dropout", transformers="gpt2", loss="causal_lm",
                        kwargs={"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 16,
@@ -237,12 +237,12 @@ def test_a_plan_with_the_optimizer_inside_the_step_is_solved_and_validated_on_pa
     are freed in the step) and finds the measured peak within the budget: the prediction, within 0.1%. GPT-2 ties its token embedding and
     output weights: the graph has a gradient per name, summed for one update after the last of them."""
     from memplan import runtime
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
     from memplan.tasks.config import Budget, ModelConfig, PlanSettings, ValidateConfig
     from memplan.tasks.models import build_batch, build_loss, build_model
-    from memplan.tasks.profile import ProfileSettings, profile_graph
+    from memplan.tasks.profile.stage import ProfileSettings, profile_graph
     from memplan.tasks.solve_stage import solve_case
-    from memplan.tasks.validate import validate_alone
+    from memplan.tasks.validate.stage import validate_alone
 
     spec = ModelConfig(name="gpt2-tiny", transformers="gpt2", loss="causal_lm",
                        kwargs={"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 16,

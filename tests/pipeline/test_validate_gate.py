@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from memplan.tasks.records import Validated
-from memplan.tasks.validate import compare_tensors, peak_problem
+from memplan.tasks.validate.stage import compare_tensors, peak_problem
 
 RTOL, ATOL = 1e-4, 1e-5                        # the defaults of [validate]
 
@@ -95,7 +95,7 @@ def mlp_spec():
 @pytest.fixture(scope="module")
 def mlp_plan(mlp_spec):
     from memplan import runtime
-    from memplan.runtime.plan import default_plan
+    from memplan.runtime.format.plan import default_plan
     from memplan.tasks.models import build_batch, build_loss, build_model
 
     graph = runtime.capture(build_model(mlp_spec, 0), build_loss(mlp_spec), build_batch(mlp_spec, 32, 0, "cpu"))
@@ -104,7 +104,7 @@ def mlp_plan(mlp_spec):
 
 @pytest.fixture(scope="module")
 def mlp_reference(mlp_spec, tmp_path_factory):
-    from memplan.tasks.reference import measure_reference
+    from memplan.tasks.validate.reference import measure_reference
 
     return measure_reference(mlp_spec, 32, "cpu", 0, tmp_path_factory.mktemp("reference") / "mlp.safetensors")
 
@@ -113,7 +113,7 @@ def _validate(plan, spec, budget, reference, **settings):
     from dataclasses import replace
 
     from memplan.tasks.config import ValidateConfig
-    from memplan.tasks.validate import validate_plan
+    from memplan.tasks.validate.stage import validate_plan
 
     plan = replace(plan, provenance=dict(plan.provenance, budget_bytes=budget) if budget else {})
     return validate_plan(plan, spec, 32, "cpu", 0, ValidateConfig(steps=1, max_steps=1, warmup=0, **settings),
@@ -124,7 +124,7 @@ def test_a_plan_over_its_budget_fails_with_the_tolerances_in_their_places(mlp_sp
                                                                           monkeypatch):
     """Budget 1 B: the plan reproduces eager exactly, so the peak is the one reason it fails; the
     comparison receives rtol and atol from the settings in their own places."""
-    from memplan.tasks import validate
+    from memplan.tasks.validate import stage as validate
     seen = []
     real = validate.compare_tensors
 

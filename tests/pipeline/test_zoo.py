@@ -1,7 +1,7 @@
 """The model zoo (issue #53): one small model per family, each built from its `[[models]]` entry (`ModelConfig`),
 planned by `memplan.plan` (trace, profile, dtr at 10% overhead, validation against eager PyTorch), then trained three
 SGD steps with `memplan.load` beside three eager steps: losses, gradients and parameters within the tolerances
-validation uses (`tasks.validate.step_tolerance`: wider for a bfloat16 model or an autocast loss)."""
+validation uses (`tasks.validate.stage.step_tolerance`: wider for a bfloat16 model or an autocast loss)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import memplan
 from memplan.tasks.config import ModelConfig, ValidateConfig
 from memplan.tasks.models import build_batch, build_loss, build_model
-from memplan.tasks.validate import float64_problem, step_tolerance
+from memplan.tasks.validate.stage import float64_problem, step_tolerance
 
 VOCAB, SEQ, BATCH = 256, 16, 2
 TOKENS = {"shape": [SEQ], "dtype": "int64", "high": VOCAB}
@@ -126,7 +126,7 @@ def test_each_family_plans_validates_and_trains_as_eager(family, tmp_path, facto
 
 def float64_grads(eager: torch.nn.Module, loss_fn, batch: tuple, seed: int) -> dict[str, torch.Tensor]:
     """The gradients of eager's step in float64 from eager's present parameters (the float64 step validation
-    compares a low-precision plan against, tasks/reference.py)."""
+    compares a low-precision plan against, tasks/validate/reference.py)."""
     wide = copy.deepcopy(eager).double()
     wide.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -137,7 +137,7 @@ def float64_grads(eager: torch.nn.Module, loss_fn, batch: tuple, seed: int) -> d
 def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float, what: str,
           exact: torch.Tensor | None = None) -> None:
     """`actual` within rtol / atol of `expected`, or, with the float64 step's `exact`, as validation accepts a
-    low-precision tensor beyond them (`tasks.validate.float64_problem`: no farther from the float64 value than a
+    low-precision tensor beyond them (`tasks.validate.stage.float64_problem`: no farther from the float64 value than a
     small multiple of eager's own distance)."""
     if torch.allclose(actual.detach(), expected.detach(), rtol=rtol, atol=atol, equal_nan=True):
         return

@@ -6,8 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from memplan.tasks.store import ENV_VAR, new_run_id
-from memplan.tasks.store_schema import SCHEMA_VERSION
+from memplan.tasks.store.profiles import ENV_VAR, new_run_id
+from memplan.tasks.store.schema import SCHEMA_VERSION
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

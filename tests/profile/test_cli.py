@@ -15,7 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 from memplan.flows.commands import profiles, query
-from memplan.tasks.store import write_run
+from memplan.tasks.store.profiles import write_run
 
 
 @pytest.fixture

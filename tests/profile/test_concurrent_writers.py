@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from memplan.tasks.store_query import connect, load_costs
+from memplan.tasks.store.query import connect, load_costs
 
 WORKERS = 8
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from memplan import runtime
-from memplan.tasks.profile import ProfileSettings, measure_graph
-from memplan.tasks.store import write_run
+from memplan.tasks.profile.stage import ProfileSettings, measure_graph
+from memplan.tasks.store.profiles import write_run
 
 root, barrier, out, workers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 

@@ -11,12 +11,12 @@ from scipy.stats import spearmanr
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.graph import Node, OpGraph, Value
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.variants import graph_variants
-from memplan.tasks.profile import ProfileSettings, measure_graph, profile_graph
+from memplan.runtime.format.graph import Node, OpGraph, Value
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.variants.offered import graph_variants
+from memplan.tasks.profile.stage import ProfileSettings, measure_graph, profile_graph
 from memplan.tasks.solve.core.problem import Problem
-from memplan.tasks.store_query import connect, load_costs
+from memplan.tasks.store.query import connect, load_costs
 
 # One thread: on a shared 2-core machine, OpenMP threads waiting for a descheduled peer make timings vary
 # by orders of magnitude between runs.
@@ -154,7 +154,7 @@ def test_threads_setting_is_applied_recorded_and_restored(cnn_graph):
 
 
 def test_a_bound_on_kept_values_profiles_the_same_memory_in_less():
-    """A round that may keep no computed value between nodes (a step larger than its device: tasks.profile_values)
+    """A round that may keep no computed value between nodes (a step larger than its device: tasks.profile.values)
     reads stand-ins of the values it dropped: its memory columns, variants' exactness and availability are the
     unbounded round's, and the round itself peaks lower (a tanh MLP: few of its nodes have variants, whose
     inputs stay)."""

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.variants import graph_variants
-from memplan.tasks.profile import ProfileSettings, profile_graph
+from memplan.runtime.variants.offered import graph_variants
+from memplan.tasks.profile.stage import ProfileSettings, profile_graph
 from memplan.tasks.solve.core.problem import Problem
-from memplan.tasks.store_query import connect, load_costs
+from memplan.tasks.store.query import connect, load_costs
 
 FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)
 SCALARS = 16

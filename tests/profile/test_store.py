@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from memplan.tasks.store import ProfileNotFoundError, ProfileStoreWarning, run_files, store_root, write_run
-from memplan.tasks.store_query import connect, load_costs
+from memplan.tasks.store.profiles import ProfileNotFoundError, ProfileStoreWarning, run_files, store_root, write_run
+from memplan.tasks.store.query import connect, load_costs
 
 
 def test_write_run_is_hive_partitioned_and_leaves_no_temp_files(store, make_run):

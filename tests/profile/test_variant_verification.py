@@ -12,16 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-import memplan.runtime.variant_kernels as variant_kernels
-from memplan.runtime.exact import exact_fp32
-from memplan.runtime.plan import Plan
-from memplan.runtime.variant_kernels import attention_math_backward, attention_math_forward
+import memplan.runtime.variants.kernels as variant_kernels
+from memplan.runtime.measure.exact import exact_fp32
+from memplan.runtime.format.plan import Plan
+from memplan.runtime.variants.kernels import attention_math_backward, attention_math_forward
 from memplan.tasks.problems import load_problem
-from memplan.tasks.profile import ProfileSettings, VariantUnavailableWarning, profile_graph
+from memplan.tasks.profile.stage import ProfileSettings, VariantUnavailableWarning, profile_graph
 from memplan.tasks.solve.core.simulator import simulate
 from memplan.tasks.solve.core.solution import checked_solution
 from memplan.tasks.solve_stage import plan_of
-from memplan.tasks.store_query import connect, load_costs
+from memplan.tasks.store.query import connect, load_costs
 
 aten = torch.ops.aten
 FAST = ProfileSettings(warmup=0, repeats=1, rounds=2, threads=1)

@@ -5,8 +5,8 @@ imports).
 Models and batches live on $MEMPLAN_TEST_DEVICE (default cpu): `MEMPLAN_TEST_DEVICE=cuda pytest
 tests/runtime/test_{executor,acg_plans,hierarchical_plans,monet_plans,olla_plans,fused_loss,fused_gelu}.py
 tests/runtime/test_cuda_graph.py` runs the equivalence tests, the fused ops' bit-identity tests and the
-CUDA-graph replay tests on a GPU, each step with ATen's own kernels in IEEE fp32 (`runtime.exact.exact_fp32`,
-as tasks/validate.py compares); docs/measurements/peers-gpu.md has the last such run."""
+CUDA-graph replay tests on a GPU, each step with ATen's own kernels in IEEE fp32 (`runtime.measure.exact.exact_fp32`,
+as tasks/validate/stage.py compares); docs/measurements/peers-gpu.md has the last such run."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.exact import exact_fp32
-from memplan.runtime.meter import PeakMeter
+from memplan.runtime.measure.exact import exact_fp32
+from memplan.runtime.measure.meter import PeakMeter
 
 DEVICE = torch.device(os.environ.get("MEMPLAN_TEST_DEVICE", "cpu"))
 

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from memplan import runtime
 from gloo_ranks import join, report, spawn
-from memplan.runtime.plan import Plan, PlanError
+from memplan.runtime.format.plan import Plan, PlanError
 
 
 def loss_fn(model, x, y):

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from memplan import runtime
 from gloo_ranks import join, report, spawn
-from memplan.runtime.meter import PeakMeter
+from memplan.runtime.measure.meter import PeakMeter
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.ddp import under_ddp
 from memplan.tasks.solve.core.problem import Problem

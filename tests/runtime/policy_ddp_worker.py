@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from memplan import runtime
 from gloo_ranks import join, report, spawn
-from memplan.runtime.plan import graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import PolicyFormError, Regions, policy_schedule
+from memplan.runtime.format.plan import graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import PolicyFormError, Regions, policy_schedule
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate

@@ -16,10 +16,10 @@ from torch.distributed.fsdp import fully_shard
 
 from memplan import runtime
 from gloo_ranks import join, report, spawn
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, policy_schedule
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, policy_schedule
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from memplan import runtime
-from memplan.runtime.arena import ArenaFallbackWarning, out_overload
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan
+from memplan.runtime.execute.arena import ArenaFallbackWarning, out_overload
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.solve.core.addresses import greedy_addresses
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate
@@ -96,7 +96,7 @@ def test_addresses_for_in_place_nodes_only_leave_nothing_outside_the_arena(captu
     the arena is the placed copies' extent, at least their live peak."""
     import numpy as np
 
-    from memplan.runtime.arena import in_place_nodes
+    from memplan.runtime.execute.arena import in_place_nodes
 
     model, loss_fn, batch, g = captured(name)
     schedule = runtime.default_plan(g).schedule

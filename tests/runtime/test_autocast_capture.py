@@ -3,7 +3,7 @@
 Traced, SiLU's and Mish's backward are their CompositeImplicitAutograd form, pointwise ops each rounded to
 bfloat16 under autocast, where eager autograd runs the device's kernel (float32 inside, one rounding):
 EfficientNet-B0's captured gradients were up to 1.36 from eager's (largest 60.5) with the same loss. Capture
-puts the kernels back (runtime/composite_backward.py), and the captured step is then eager's, bit for bit.
+puts the kernels back (runtime/tracing/composite_backward.py), and the captured step is then eager's, bit for bit.
 """
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 from torch import fx, nn
 
 from memplan import runtime
-from memplan.runtime.composite_backward import restore_backward_kernels
+from memplan.runtime.tracing.composite_backward import restore_backward_kernels
 
 
 def _step_gradients(model, loss_fn, batch, state, captured):

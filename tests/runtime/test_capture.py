@@ -11,13 +11,13 @@ import torch
 from torch import fx, nn
 
 from memplan import runtime
-import memplan.runtime.capture as capture_module
-from memplan.runtime import fused_loss
-from memplan.runtime.capture import CaptureError
-from memplan.runtime.executor import replayed_random_nodes
-from memplan.runtime.graph import OpGraph
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.policy import capture_eager
+import memplan.runtime.tracing.capture as capture_module
+from memplan.runtime.tracing import fused_loss
+from memplan.runtime.tracing.capture import CaptureError
+from memplan.runtime.execute.executor import replayed_random_nodes
+from memplan.runtime.format.graph import OpGraph
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.policy.apply import capture_eager
 
 VIEW_TARGETS = {"aten.t.default", "aten.view.default", "aten.alias.default", "aten._unsafe_view.default",
                 "aten.expand.default", "aten.permute.default", "aten.transpose.int", "aten.slice.Tensor"}

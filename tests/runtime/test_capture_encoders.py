@@ -153,9 +153,9 @@ class _ULPOff(nn.Module):
 def test_capture_checks_its_rewrites_on_the_device_by_default(monkeypatch):
     """Issue #53 item 3: a rewrite that is not bit-identical here is not applied unless `verify=False`; an
     explicit selection (a plan's) is applied as recorded, without a check."""
-    from memplan.runtime.rewrites import PASSES, _fake_call
+    from memplan.runtime.tracing.rewrites import PASSES, _fake_call
 
-    capture_module = importlib.import_module("memplan.runtime.capture")  # `runtime.capture` is the function
+    capture_module = importlib.import_module("memplan.runtime.tracing.capture")  # `runtime.capture` is the function
 
     def ulp_up(graph, rw, on_cpu):                       # each ReLU's output one ulp up: never exact
         aten = torch.ops.aten

@@ -1,11 +1,11 @@
-"""Module boundaries recorded at capture (runtime/modules.py): which modules, which nodes, the graph
+"""Module boundaries recorded at capture (runtime/tracing/modules.py): which modules, which nodes, the graph
 unchanged by the markers, and a per-module checkpointing plan that trains like eager."""
 
 import torch
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.modules import marked_modules
+from memplan.runtime.tracing.modules import marked_modules
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.baselines import module_instances
 from memplan.tasks.solve.core.problem import Problem

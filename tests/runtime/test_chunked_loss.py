@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from memplan.runtime.chunked_loss import (ChunkedCausalLMLoss, causal_lm_chunked_loss, chunked_causal_lm_loss,
                                           chunked_linear_cross_entropy)
-from memplan.runtime.meter import PeakMeter
+from memplan.runtime.measure.meter import PeakMeter
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 

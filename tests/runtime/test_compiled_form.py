@@ -12,8 +12,8 @@ from torch import nn
 
 from memplan.runtime.compiled.records import Decision
 from memplan.runtime.compiled.step import CompiledStep
-from memplan.runtime.meter import PeakMeter
-from memplan.tasks.compiled_form import FractionDecision, joint_problem, recomputed_forward
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.tasks.compiled.form import FractionDecision, joint_problem, recomputed_forward
 
 
 class Decoder(nn.Module):
@@ -113,7 +113,7 @@ def test_a_value_one_fusible_reader_of_its_phase_alone_reads_takes_no_memory():
     only exp's result, which neg alone reads, never exists; mm's is a library kernel's, neg's has two readers,
     add's is read by the backward and mul's is a graph output."""
     from memplan.runtime.compiled.records import JointGraph, JointNode
-    from memplan.tasks.compiled_form import fused_values
+    from memplan.tasks.compiled.form import fused_values
 
     nodes = (JointNode("mm", "aten.mm.default", "forward", (0, 1), (2,), 64),     # extern: always materialized
              JointNode("exp", "aten.exp.default", "forward", (2,), (3,), 0),      # read by neg alone: fused

@@ -1,5 +1,5 @@
 """Compiled-form plans: the plan format's `compiled` key, loading one with `runtime.load`, and the measured search
-that picks each budget's plan (tasks/compiled_plans.py)."""
+that picks each budget's plan (tasks/compiled/plans.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from torch import nn
 from memplan import runtime
 from memplan.runtime.compiled.records import Decision, RegionDecision
 from memplan.runtime.compiled.step import CompiledPlanWarning, CompiledStep, PlannedDecide
-from memplan.runtime.plan import Plan, PlanError
-from memplan.tasks.compiled_form import FractionDecision
-from memplan.tasks.compiled_plans import LEAST_FRACTION, RESOLUTION, CompiledModel, Probe
+from memplan.runtime.format.plan import Plan, PlanError
+from memplan.tasks.compiled.form import FractionDecision
+from memplan.tasks.compiled.plans import LEAST_FRACTION, RESOLUTION, CompiledModel, Probe
 
 FINGERPRINT = "ab" * 32
 

@@ -1,4 +1,4 @@
-"""`tasks.compiled_search`: the cheapest policy-form plan whose measured peak fits the budget, where the measured
+"""`tasks.compiled.policy_search`: the cheapest policy-form plan whose measured peak fits the budget, where the measured
 peak is not the predicted one (torch.compile's partitioner keeps less, or more, than eager autograd).
 
 With a measurement that is an exact function of the predicted peak, the answer is computed independently: the
@@ -12,12 +12,12 @@ import copy
 import pytest
 import torch
 
-from memplan.runtime.compiled_peak import compiled_peak
-from memplan.runtime.plan import graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, policy_schedule
-from memplan.tasks import compiled_search
-from memplan.tasks.compiled_search import COMPILED, search
+from memplan.runtime.policy.compiled_peak import compiled_peak
+from memplan.runtime.format.plan import graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, policy_schedule
+from memplan.tasks.compiled import policy_search as compiled_search
+from memplan.tasks.compiled.policy_search import COMPILED, search
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate

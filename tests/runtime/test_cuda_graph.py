@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from memplan import runtime
-from memplan.runtime.exact import exact_fp32
-from memplan.runtime.executor import replayed_random_nodes
-from memplan.runtime.plan import Plan
+from memplan.runtime.measure.exact import exact_fp32
+from memplan.runtime.execute.executor import replayed_random_nodes
+from memplan.runtime.format.plan import Plan
 
 on_gpu = pytest.mark.skipif(torch.device(os.environ.get("MEMPLAN_TEST_DEVICE", "cpu")).type != "cuda",
                             reason="CUDA graphs need MEMPLAN_TEST_DEVICE=cuda")

@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from memplan import runtime
-from memplan.runtime.program import CaptureError
-from memplan.runtime.schedule import GradientBucket, gradient_buckets
+from memplan.runtime.tracing.program import CaptureError
+from memplan.runtime.format.schedule import GradientBucket, gradient_buckets
 from memplan.tasks.solve.core.ddp import bucket_cap_bytes, under_ddp
 from memplan.tasks.solve.core.problem import ParamUpdate, Problem, ProblemError
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

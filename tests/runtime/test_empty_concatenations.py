@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from memplan import runtime
-import memplan.runtime.capture as capture_module
+import memplan.runtime.tracing.capture as capture_module
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from memplan import runtime
-from memplan.runtime.plan import Plan, PlanError
+from memplan.runtime.format.plan import Plan, PlanError
 
 MODELS = ["mlp", "resnet18", "vgg11", "mobilenet_v2", "small_densenet", "gpt2"]
 CNNS = ["resnet18", "vgg11", "mobilenet_v2"]   # for the peak tests

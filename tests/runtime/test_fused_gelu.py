@@ -1,5 +1,5 @@
 """The written-out tanh GELU (transformers' `gelu_new`) is fused at capture into three bit-identical ops
-whose backward keeps two of the four tensors it kept (runtime/fused_gelu.py)."""
+whose backward keeps two of the four tensors it kept (runtime/tracing/fused_gelu.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from memplan import runtime
-import memplan.runtime.capture as capture_module
-from memplan.runtime import fused_gelu
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan
+import memplan.runtime.tracing.capture as capture_module
+from memplan.runtime.tracing import fused_gelu
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
@@ -113,7 +113,7 @@ def test_gpt2_gelu_is_fused_and_trains_like_eager_with_and_without_recomputation
     as_traced = runtime.capture(model, lm_loss, batch, rewrites={**g.meta["rewrites"]["applied"], "fuse_tanh_gelu": []})
 
     targets = _targets(g)
-    if helpers.device.type != "cpu":                  # fused in CPU graphs only (runtime/capture.py)
+    if helpers.device.type != "cpu":                  # fused in CPU graphs only (runtime/tracing/capture.py)
         assert not set(FUSED) & set(targets) and len(g.nodes) == len(as_traced.nodes)
         return
     assert [targets.count(t) for t in FUSED] == [2, 2, 2]
@@ -167,7 +167,7 @@ def test_gelu_is_fused_only_where_its_intermediates_feed_nothing_else_in_gelu_ne
     loss_fn = lambda m, x: m(x).square().sum()               # noqa: E731
     g = runtime.capture(model, loss_fn, batch)
     targets = _targets(g)
-    fused = fused and helpers.device.type == "cpu"        # fused in CPU graphs only (runtime/capture.py)
+    fused = fused and helpers.device.type == "cpu"        # fused in CPU graphs only (runtime/tracing/capture.py)
     assert [op in targets for op in (*FUSED, "aten.tanh_backward.default")] == [fused] * 3 + [not fused]
     planned = helpers.train_like_eager_bitwise(model, loss_fn, batch, g)
     helpers.assert_peak_matches(planned.peak, _peak(g))
@@ -233,7 +233,7 @@ def test_sigmoid_variant_runs_every_fused_tanh_within_tolerance_at_the_simulated
     """Rule `sigmoid` offers itself on each fused tanh (a GPU graph, not fused, on each `aten.tanh`); a plan running
     it there trains like eager within the tolerance (and not bit for bit: the variant did run), at the peak the
     simulator predicts for it."""
-    from memplan.runtime.variants import graph_variants
+    from memplan.runtime.variants.offered import graph_variants
     model, batch = _gpt2(helpers.device)
     g = runtime.capture(model, lm_loss, batch)
     variants = graph_variants(g, ("sigmoid",))

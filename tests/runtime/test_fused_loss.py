@@ -1,4 +1,4 @@
-"""Cross-entropy with fewer logits-sized tensors (runtime/fused_loss.py) and its capture rewrite."""
+"""Cross-entropy with fewer logits-sized tensors (runtime/tracing/fused_loss.py) and its capture rewrite."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-import memplan.runtime.fused_loss as fused_loss
-from memplan.runtime.meter import PeakMeter
+import memplan.runtime.tracing.fused_loss as fused_loss
+from memplan.runtime.measure.meter import PeakMeter
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 
@@ -137,7 +137,7 @@ def test_capture_fuses_the_loss_saving_logits_tensors_with_eager_gradients(helpe
     model, batch = TinyLM(bias).to(helpers.device), (torch.randint(0, 4096, (2, 64)).to(helpers.device),)
     g = runtime.capture(model, loss_fn, batch)
     fused = [n for n in g.nodes if n.targets[0].startswith("memplan.")]
-    if helpers.device.type != "cpu":                  # fused in CPU graphs only (runtime/capture.py)
+    if helpers.device.type != "cpu":                  # fused in CPU graphs only (runtime/tracing/capture.py)
         assert fused == []
         _check_trains_like_eager(helpers, model, loss_fn, batch, g)
         return
@@ -172,8 +172,8 @@ def test_the_whole_loss_fuses_when_the_backward_seed_comes_through_an_alias():
     one `memplan::linear_cross_entropy` and leave the same ops (the graph's fingerprint must not depend on it)."""
     from torch._functorch.aot_autograd import aot_export_module
 
-    from memplan.runtime.capture import _LossStep
-    from memplan.runtime.rewrites import Rewriter, fuse_cross_entropy
+    from memplan.runtime.tracing.capture import _LossStep
+    from memplan.runtime.tracing.rewrites import Rewriter, fuse_cross_entropy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))

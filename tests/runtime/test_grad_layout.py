@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.plan import Plan
+from memplan.runtime.format.plan import Plan
 
 
 class ChannelsLastConv(nn.Module):
@@ -146,7 +146,7 @@ class SummedParameters(nn.Module):
 
 
 def test_parameters_sharing_one_gradient_tensor_get_a_clear_capture_error():
-    from memplan.runtime.capture import CaptureError
+    from memplan.runtime.tracing.capture import CaptureError
 
     with pytest.raises(CaptureError, match=r"two parameters receive the very same gradient tensor .*\(`a \+ b \* 1`\)"):
         runtime.capture(SummedParameters(scaled=False), cross_entropy, batches((6, 8), 1)[0])

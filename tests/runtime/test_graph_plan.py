@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from memplan.runtime.graph import GraphFormatError, Node, OpGraph, Value
-from memplan.runtime.plan import Plan, PlanError, default_plan
+from memplan.runtime.format.graph import GraphFormatError, Node, OpGraph, Value
+from memplan.runtime.format.plan import Plan, PlanError, default_plan
 
 
 def chain_graph(n=4, nbytes=100):
@@ -111,7 +111,7 @@ def test_addresses_must_name_copies_inside_the_step(addresses, message):
 
 def _v1_file(tmp_path, schedule, offsets=None):
     """A plan file as memplan 0.1 wrote it (format version 1)."""
-    from memplan.runtime.jsonio import sha256_hex
+    from memplan.runtime.format.jsonio import sha256_hex
 
     body = {"format": "memplan-plan", "version": 1, "fingerprint": chain_graph().fingerprint, "schedule": schedule}
     if offsets is not None:
@@ -211,7 +211,7 @@ def test_missing_plan_file_names_the_path(tmp_path):
 
 
 def test_graph_and_plan_modules_do_not_import_torch():
-    code = ("import sys, runtime, runtime.graph, runtime.plan, runtime.variants; "
+    code = ("import sys, runtime, runtime.format.graph, runtime.format.plan, runtime.variants.offered; "
             "from memplan.runtime import Plan, OpGraph, default_plan; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -5,7 +5,7 @@ sees buffers made outside the dispatcher."""
 import pytest
 import torch
 
-from memplan.runtime.meter import PeakMeter
+from memplan.runtime.measure.meter import PeakMeter
 
 MB = 1 << 20
 METERS = pytest.mark.parametrize("allocator", [False, True], ids=["dispatch", "allocator"])

@@ -1,4 +1,4 @@
-"""Each step checks the model it runs on (runtime/model_state.py): after its first step, a model whose module is
+"""Each step checks the model it runs on (runtime/execute/model_state.py): after its first step, a model whose module is
 swapped, whose parameter is replaced or frozen is followed (captured again: gradients equal eager's) or refused
 naming the change, in the executor form (runtime.load) and the policy form (runtime.apply)."""
 
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.model_state import ModelChanged
-from memplan.runtime.plan import Plan, PlanError, graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, policy_schedule
+from memplan.runtime.execute.model_state import ModelChanged
+from memplan.runtime.format.plan import Plan, PlanError, graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, policy_schedule
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.solution import checked_solution
 

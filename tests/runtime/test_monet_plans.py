@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.variants import graph_variants
+from memplan.runtime.variants.offered import graph_variants
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan
-from memplan.runtime.variant_kernels import convolution_backward_native
-from memplan.runtime.variants import graph_variants
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan
+from memplan.runtime.variants.kernels import convolution_backward_native
+from memplan.runtime.variants.offered import graph_variants
 from memplan.tasks.solve.core.optimizer import in_step
 from memplan.tasks.solve.core.orders import update_order
 from memplan.tasks.solve.core.problem import Problem

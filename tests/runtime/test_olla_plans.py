@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from memplan import runtime
-from memplan.runtime.arena import ArenaFallbackWarning, in_place_nodes
-from memplan.runtime.exact import exact_fp32
-from memplan.runtime.plan import Plan
+from memplan.runtime.execute.arena import ArenaFallbackWarning, in_place_nodes
+from memplan.runtime.measure.exact import exact_fp32
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.olla import olla_addresses
 from memplan.tasks.solve.core.problem import Problem
@@ -70,9 +70,9 @@ def test_olla_order_and_addresses_train_like_eager(captured, helpers, name):
 
 
 def test_random_nodes_of_a_graph_loaded_from_json_are_the_captured_ones(captured):
-    from memplan.runtime.graph import OpGraph
-    from memplan.runtime.ops import random_nodes
-    from memplan.runtime.policy_form import Regions
+    from memplan.runtime.format.graph import OpGraph
+    from memplan.runtime.tracing.ops import random_nodes
+    from memplan.runtime.policy.form import Regions
 
     *_, graph = captured("gpt2")
     loaded = OpGraph.from_json(graph.to_json())

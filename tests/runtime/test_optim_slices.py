@@ -1,4 +1,4 @@
-"""The optimizer inside the step updates large parameters in elementwise slices (runtime.optim_functional,
+"""The optimizer inside the step updates large parameters in elementwise slices (runtime.execute.optim_functional,
 `runtime.load(..., update_slice_bytes=)`): forced on small parameters with a tiny slice bound, parameters and
 optimizer state equal eager's bit for bit after three steps, and the measured peak is the planner's prediction,
 lower than the whole update's by the temporaries of all but a slice."""
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.optim_functional import FUNCTIONAL
-from memplan.runtime.plan import Plan
-from memplan.runtime.schedule import SLICE_ALIGN, update_slices
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.execute.optim_functional import FUNCTIONAL
+from memplan.runtime.format.plan import Plan
+from memplan.runtime.format.schedule import SLICE_ALIGN, update_slices
 from memplan.tasks.solve.core.optimizer import in_step
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

@@ -15,8 +15,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.solve.core.optimizer import in_step
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate
@@ -193,11 +193,11 @@ BITWISE_OPTIMIZERS = {
 @pytest.mark.parametrize("name", sorted(BITWISE_OPTIMIZERS))
 def test_grouped_updates_give_eager_parameters_bitwise(name, monkeypatch):
     """The parameters updated after the same schedule step are updated together (fewer updates than parameters):
-    for SGD, Adam and AdamW by the class's functional update (runtime.optim_functional) once their state exists,
+    for SGD, Adam and AdamW by the class's functional update (runtime.execute.optim_functional) once their state exists,
     before that (Adam's first step) and for other classes by one `step()` of the class over them. After three
     steps every parameter and optimizer state equals eager's bit for bit."""
-    from memplan.runtime.optim_functional import FUNCTIONAL
-    from memplan.runtime.optim_step import update_points
+    from memplan.runtime.execute.optim_functional import FUNCTIONAL
+    from memplan.runtime.execute.optim_step import update_points
     from memplan.tasks.solve.core.simulator import default_schedule
 
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memplan import runtime
-from memplan.runtime.plan import Plan, PlanError
+from memplan.runtime.format.plan import Plan, PlanError
 from memplan.tasks.solve.core.addresses import greedy_addresses
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import AddressConflict, check_addresses, simulate

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from memplan.runtime.graph import Value
-from memplan.runtime.jsonio import sha256_hex
-from memplan.runtime.plan import Plan, PlanError, default_plan, normalize_step
+from memplan.runtime.format.graph import Value
+from memplan.runtime.format.jsonio import sha256_hex
+from memplan.runtime.format.plan import Plan, PlanError, default_plan, normalize_step
 
 from .test_graph_plan import chain_graph
 
@@ -301,7 +301,7 @@ def test_compute_steps_are_the_computed_nodes_in_order():
 
 def _fan_out_graph(n_outputs):
     """x -> node 0 -> o0, o1, ... (every value a graph output)."""
-    from memplan.runtime.graph import Node, OpGraph, Value
+    from memplan.runtime.format.graph import Node, OpGraph, Value
 
     values = [Value(0, 4, (1,), "float32", "input", "x", None)]
     values += [Value(i + 1, 4, (1,), "float32", "output", f"o{i}", 0) for i in range(n_outputs)]
@@ -327,7 +327,7 @@ def test_refusals_of_invalid_schedules_name_the_valid_ranges_and_the_missing_out
 def test_validation_uses_the_variants_it_is_given_and_their_values():
     """A variant (here a hand-made `mask` of node 1 that also allocates value 5) is known only to the
     variants passed in; its value may be freed, the next id does not exist."""
-    from memplan.runtime.variants import GraphVariants, VariantSpec
+    from memplan.runtime.variants.offered import GraphVariants, VariantSpec
 
     g = chain_graph()
     mask = Value(5, 8, (8,), "uint8", "activation", "a0.mask", 1)

@@ -2,8 +2,8 @@
 
 import json
 
-from memplan.runtime.jsonio import sha256_hex
-from memplan.runtime.plan import Plan
+from memplan.runtime.format.jsonio import sha256_hex
+from memplan.runtime.format.plan import Plan
 
 
 def write_v1_plan(path, fingerprint, schedule):

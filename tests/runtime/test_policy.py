@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan, graph_provenance
-from memplan.runtime.policy import PolicyMismatch, capture_eager
-from memplan.runtime.policy_form import PolicyFormError, Regions, decisions, policy_schedule
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan, graph_provenance
+from memplan.runtime.policy.apply import PolicyMismatch, capture_eager
+from memplan.runtime.policy.form import PolicyFormError, Regions, decisions, policy_schedule
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
@@ -259,7 +259,7 @@ def test_no_single_change_to_the_solvers_decision_fits_and_costs_less(fraction):
 
     import numpy as np
 
-    from memplan.runtime.policy_form import dispatch_cost
+    from memplan.runtime.policy.form import dispatch_cost
 
     _, _, _, graph, unit, _ = setup("gpt2")
     problem = dataclasses.replace(unit, cost=np.array([1.0 + (n * 7919) % 13 for n in range(unit.num_nodes)]),

@@ -1,4 +1,4 @@
-"""Selective checkpointing's dispatch cost (runtime/dispatch_cost.py, runtime.policy_form.dispatch_cost): the
+"""Selective checkpointing's dispatch cost (runtime/policy/dispatch_cost.py, runtime.policy.form.dispatch_cost): the
 profile measures it for a graph captured for the policy form and stores it with the run; `selective-policy`
 counts it for the regions it runs with a policy, so where it outweighs what a policy saves, the plan
 checkpoints those regions whole (plain `torch.utils.checkpoint`) instead; plans carry it in `predicted`."""
@@ -10,16 +10,16 @@ import dataclasses
 import pytest
 import torch
 
-from memplan.runtime.capture import capture
-from memplan.runtime.plan import Plan
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, decisions, policy_schedule
-from memplan.tasks.profile import ProfileSettings, measure_graph, profile_graph
+from memplan.runtime.tracing.capture import capture
+from memplan.runtime.format.plan import Plan
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, decisions, policy_schedule
+from memplan.tasks.profile.stage import ProfileSettings, measure_graph, profile_graph
 from memplan.tasks.solve import SOLVERS, parse_options, solve
 from memplan.tasks.solve.core.problem import Problem, ProblemError
 from memplan.tasks.solve.core.simulator import simulate
 from memplan.tasks.solve.core.solution import SolveOptions
-from memplan.tasks.store_query import load_costs
+from memplan.tasks.store.query import load_costs
 from tests.runtime.test_policy import build
 
 SETTINGS = ProfileSettings(warmup=1, repeats=2, rounds=1)
@@ -127,8 +127,8 @@ def test_a_malformed_dispatch_cost_is_refused(bad):
 def test_the_measurement_needs_a_recorded_region():
     """A graph with no repeated module has no region to replay: no measurement, not a guess."""
     from memplan.runtime import node_function
-    from memplan.runtime.dispatch_cost import policy_dispatch_ms
-    from memplan.tasks.profile import graph_inputs
+    from memplan.runtime.policy.dispatch_cost import policy_dispatch_ms
+    from memplan.tasks.profile.stage import graph_inputs
 
     class Net(torch.nn.Module):
         def __init__(self):

@@ -1,4 +1,4 @@
-"""Checkpoint's frame holds a region's inputs (runtime/policy_form.py, `Regions.frame_inputs`): non-reentrant
+"""Checkpoint's frame holds a region's inputs (runtime/policy/form.py, `Regions.frame_inputs`): non-reentrant
 `torch.utils.checkpoint` keeps the values a region was called with until the last autograd Node saving a
 tensor under it has run, so an input only the regions' forwards read (Llama's 4-D attention mask) lives
 through the region's backward. The policy form's schedule says so with `holds`, which the one simulator
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan, graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import FORM, PolicyFormError, Regions, decisions, policy_schedule
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan, graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import FORM, PolicyFormError, Regions, decisions, policy_schedule
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate

@@ -1,6 +1,6 @@
 """The policy form with the optimizer inside the step (runtime.apply(..., optimizer=opt)): autograd's
 post-accumulate-grad hooks update each parameter by a call of its own once its gradient is accumulated
-(runtime.optim_step.step_in_backward), so the problem a policy plan is solved on says so
+(runtime.execute.optim_step.step_in_backward), so the problem a policy plan is solved on says so
 (`in_step(..., each_alone=True)`): nothing carried from one parameter's update to the next, a parameter over
 1 MiB updated in slices as the executor does, each update after the whole autograd Node making its gradient.
 A `selective-policy` plan solved on that problem then has the measured peak of a step (after a warm-up step
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import Plan, graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, decisions, policy_schedule
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import Plan, graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, decisions, policy_schedule
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.optimizer import in_step
 from memplan.tasks.solve.core.problem import Problem
@@ -135,7 +135,7 @@ def test_an_update_follows_the_autograd_node_that_makes_its_gradient():
     so the policy form's problem updates the weight after the `sum`, not after its `mm` (as the executor does)."""
     from types import SimpleNamespace
 
-    from memplan.runtime.schedule import update_steps
+    from memplan.runtime.format.schedule import update_steps
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))

@@ -1,4 +1,4 @@
-"""What a policy-form decision may save (runtime/policy_form.py): any allocating node of a region up to the
+"""What a policy-form decision may save (runtime/policy/form.py): any allocating node of a region up to the
 last its backward reads, e.g. a projection only recomputed ops read (torchtitan's op lists keep those); a
 save nothing reads before the recomputation reaches it is refused (`idle_saves`) or dropped (`settled`);
 dropout's mask buffer is never saved. Such a plan runs under `runtime.apply` like eager at its predicted
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan import runtime
-from memplan.runtime.meter import PeakMeter
-from memplan.runtime.plan import graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import FORM, PolicyFormError, Regions, decisions, held_reads, policy_schedule
+from memplan.runtime.measure.meter import PeakMeter
+from memplan.runtime.format.plan import graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import FORM, PolicyFormError, Regions, decisions, held_reads, policy_schedule
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate
@@ -137,7 +137,7 @@ def test_a_region_recomputes_before_the_first_op_of_the_autograd_node_that_reads
 
 
 def test_backward_calls_align_with_the_graph_past_ops_only_one_side_has():
-    from memplan.runtime.autograd_nodes import match_nodes
+    from memplan.runtime.tracing.autograd_nodes import match_nodes
 
     graph_ops = [("mul", 0), ("pow", 1), ("mul", 1), ("div", 1), ("sum", 2), ("mul", 2), ("add", 3), ("mm", 4),
                  ("mm", 4)]
@@ -151,8 +151,8 @@ def test_an_eager_matmuls_unsafe_view_neither_skips_graph_ops_nor_saves_them():
     to the projection's would skip the clone and mm and give them the saved add's MUST_SAVE (Llama: 1 MiB
     a layer above the prediction). `_unsafe_view` allocates nothing: a view on both sides."""
     from torch.utils.checkpoint import CheckpointPolicy
-    from memplan.runtime.ops import is_view
-    from memplan.runtime.policy import _Matcher
+    from memplan.runtime.tracing.ops import is_view
+    from memplan.runtime.policy.apply import _Matcher
 
     aten = torch.ops.aten
     graph_ops = [(aten.bmm.default, 93), (aten.clone.default, 94), (aten.mm.default, 95),

@@ -10,10 +10,10 @@ import torch
 import transformers
 
 from memplan import runtime
-from memplan.runtime import policy
-from memplan.runtime.plan import graph_provenance
-from memplan.runtime.policy import capture_eager
-from memplan.runtime.policy_form import Regions, decisions, policy_schedule
+from memplan.runtime.policy import apply as policy
+from memplan.runtime.format.plan import graph_provenance
+from memplan.runtime.policy.apply import capture_eager
+from memplan.runtime.policy.form import Regions, decisions, policy_schedule
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

@@ -1,4 +1,4 @@
-"""Capture's rewrites checked on the device that runs them (runtime/rewrite_check.py): exact instances are
+"""Capture's rewrites checked on the device that runs them (runtime/tracing/rewrite_check.py): exact instances are
 applied, inexact ones keep the op they would replace, and the selection travels with the plan."""
 
 import pytest
@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-import memplan.runtime.capture as capture_module
-import memplan.runtime.rewrite_check as rewrite_check
-from memplan.runtime.plan import PlanError
-from memplan.runtime.rewrites import PASSES, _fake_call
+import memplan.runtime.tracing.capture as capture_module
+import memplan.runtime.tracing.rewrite_check as rewrite_check
+from memplan.runtime.format.plan import PlanError
+from memplan.runtime.tracing.rewrites import PASSES, _fake_call
 
 
 class _SmallCNN(nn.Module):

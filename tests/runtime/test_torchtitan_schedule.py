@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from memplan import runtime
-from memplan.runtime.policy_form import Regions
+from memplan.runtime.policy.form import Regions
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate

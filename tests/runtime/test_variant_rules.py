@@ -1,4 +1,4 @@
-"""MONeT's operator variants (runtime.variants) on real models: each rule alone and all at once train like
+"""MONeT's operator variants (runtime.variants.offered) on real models: each rule alone and all at once train like
 eager PyTorch at the simulated peak, and so do `monet` plans at three budgets (one module: the models are
 traced once); the split convolution backward; the arithmetic of each variant's code against ATen's own
 backward."""
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from memplan import runtime
-from memplan.runtime.fused_gelu import tanh_by_sigmoid
-from memplan.runtime.plan import Plan
-from memplan.runtime.variant_kernels import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
+from memplan.runtime.tracing.fused_gelu import tanh_by_sigmoid
+from memplan.runtime.format.plan import Plan
+from memplan.runtime.variants.kernels import (batch_norm_backward_from_output, dense_order, layer_norm_backward_from_output,
                                      max_pool_backward_from_windows, pack_zero_bits, unpack_zero_bits,
                                      window_positions)
-from memplan.runtime.variants import RULES, graph_variants
+from memplan.runtime.variants.offered import RULES, graph_variants
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from memplan import runtime
-from memplan.runtime.plan import Plan, PlanError
-from memplan.runtime.variant_ops import VariantError
-from memplan.runtime.variants import graph_variants
+from memplan.runtime.format.plan import Plan, PlanError
+from memplan.runtime.variants.ops import VariantError
+from memplan.runtime.variants.offered import graph_variants
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import InvalidSchedule, simulate
 

@@ -7,13 +7,13 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.flows.cli import app
-from memplan.runtime.facts import graph_facts
-from memplan.runtime.graph import Node, OpGraph, Value
-from memplan.runtime.plan import Plan
+from memplan.runtime.tracing.facts import graph_facts
+from memplan.runtime.format.graph import Node, OpGraph, Value
+from memplan.runtime.format.plan import Plan
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import simulate
-from memplan.tasks.store import ENV_VAR, new_run_id, write_run
-from memplan.tasks.store_schema import SCHEMA_VERSION
+from memplan.tasks.store.profiles import ENV_VAR, new_run_id, write_run
+from memplan.tasks.store.schema import SCHEMA_VERSION
 
 REPORT_KEYS = {"feasible", "objective", "predicted_peak_bytes", "bound", "gap", "status", "solve_seconds", "backend",
                "num_variables", "num_constraints"}

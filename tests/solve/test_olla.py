@@ -186,7 +186,7 @@ def test_memplan_solve_olla_with_olla_addresses(tmp_path):
     from typer.testing import CliRunner
 
     from memplan.flows.cli import app
-    from memplan.runtime.plan import Plan
+    from memplan.runtime.format.plan import Plan
 
     sizes, links = [192, 320, 192, 192, 128], [(0, 3), (2, 3), (3, 4), (1, 4)]
     graph = tmp_path / "tiny.json"

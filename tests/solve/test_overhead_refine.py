@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from memplan.tasks.overhead_refine import EXTRA_VALIDATIONS, MARGIN, Rung, predicted_choice, refine, written_rungs
+from memplan.tasks.validate.overhead import EXTRA_VALIDATIONS, MARGIN, Rung, predicted_choice, refine, written_rungs
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
 from memplan.tasks.solve_stage import overhead_ladder

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from memplan.runtime.facts import graph_facts
-from memplan.runtime.graph import Node, OpGraph, Value
+from memplan.runtime.tracing.facts import graph_facts
+from memplan.runtime.format.graph import Node, OpGraph, Value
 from memplan.tasks.solve.core.problem import Problem, ProblemError
 
 
@@ -102,8 +102,8 @@ def test_load_dispatches_on_format(tmp_path, benchmark_paths):
     from datetime import datetime, timezone
 
     from memplan.tasks.problems import load_problem
-    from memplan.tasks.store import ProfileNotFoundError, new_run_id, write_run
-    from memplan.tasks.store_schema import SCHEMA_VERSION
+    from memplan.tasks.store.profiles import ProfileNotFoundError, new_run_id, write_run
+    from memplan.tasks.store.schema import SCHEMA_VERSION
 
     graph = _tiny_opgraph()
     graph.save(tmp_path / "g.json")
@@ -140,10 +140,10 @@ def test_load_offers_the_variants_a_plan_allows(tmp_path, choice, offered):
     import torch
 
     from memplan import runtime
-    from memplan.runtime.variants import graph_variants
+    from memplan.runtime.variants.offered import graph_variants
     from memplan.tasks.problems import load_problem
-    from memplan.tasks.store import new_run_id, write_run
-    from memplan.tasks.store_schema import SCHEMA_VERSION
+    from memplan.tasks.store.profiles import new_run_id, write_run
+    from memplan.tasks.store.schema import SCHEMA_VERSION
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Tanh(),

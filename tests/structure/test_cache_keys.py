@@ -12,15 +12,15 @@ from memplan.flows import codehash
 from memplan.flows.codehash import PACKAGES, ROOT, STAGE_MODULES, code_hash, import_closure
 
 DEPENDENCIES = {
-    "profile": ["tasks/profile.py", "tasks/store.py", "tasks/config/schema.py", "runtime/capture.py", "runtime/arena.py"],
+    "profile": ["tasks/profile/stage.py", "tasks/store/profiles.py", "tasks/config/schema.py", "runtime/tracing/capture.py", "runtime/execute/arena.py"],
     "solve": ["tasks/solve_stage.py", "tasks/solve/core/simulator.py", "tasks/solve/olla/location.py",
-              "tasks/problems.py", "tasks/store.py", "tasks/config/schema.py", "runtime/plan.py", "runtime/variants.py"],
-    "reference": ["tasks/reference.py", "tasks/models.py", "tasks/records.py", "runtime/exact.py", "runtime/meter.py"],
-    "validate": ["tasks/validate.py", "tasks/reference.py", "tasks/models.py", "tasks/config/schema.py", "runtime/executor.py",
-                 "runtime/arena.py", "runtime/capture.py", "runtime/cuda_graph.py"],
-    "compiled_search": ["tasks/compiled_cell.py", "tasks/compiled_search.py", "tasks/solve_stage.py",
-                        "tasks/solve/policy_solver.py", "runtime/compiled_peak.py", "runtime/policy.py", "tasks/models.py"],
-    "compiled_plans": ["tasks/compiled_plans.py", "tasks/compiled_form.py", "runtime/compiled/step.py",
+              "tasks/problems.py", "tasks/store/profiles.py", "tasks/config/schema.py", "runtime/format/plan.py", "runtime/variants/offered.py"],
+    "reference": ["tasks/validate/reference.py", "tasks/models.py", "tasks/records.py", "runtime/measure/exact.py", "runtime/measure/meter.py"],
+    "validate": ["tasks/validate/stage.py", "tasks/validate/reference.py", "tasks/models.py", "tasks/config/schema.py", "runtime/execute/executor.py",
+                 "runtime/execute/arena.py", "runtime/tracing/capture.py", "runtime/execute/cuda_graph.py"],
+    "compiled_search": ["tasks/compiled/policy_cell.py", "tasks/compiled/policy_search.py", "tasks/solve_stage.py",
+                        "tasks/solve/policy_solver.py", "runtime/policy/compiled_peak.py", "runtime/policy/apply.py", "tasks/models.py"],
+    "compiled_plans": ["tasks/compiled/plans.py", "tasks/compiled/form.py", "runtime/compiled/step.py",
                        "runtime/compiled/partition.py", "runtime/compiled/joint.py", "tasks/models.py"],
 }
 

@@ -34,7 +34,7 @@ def test_a_users_own_runtime_and_tasks_do_not_shadow_memplan(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["memplan.runtime.executor", "Plan"]
+    assert done.stdout.split() == ["memplan.runtime.execute.executor", "Plan"]
 
 
 def test_every_room_is_a_subpackage_of_memplan():

@@ -6,7 +6,7 @@ gap ("best fit") among the copies already placed whose lifetimes overlap its own
 Every copy a step allocates is placed except the final copy of a graph output, which outlives the step
 (the simulator's `check_addresses` refuses such an address), the copies an in-place step overwrites or
 writes (they share storage beyond one copy's lifetime; refused likewise), empty copies, and the copies of steps the
-runtime cannot write in place (`steps`, from `runtime.arena.in_place_nodes`): a slot for those would
+runtime cannot write in place (`steps`, from `runtime.execute.arena.in_place_nodes`): a slot for those would
 stay an unused hole in the arena.
 """
 

@@ -37,7 +37,7 @@ class SolverSpec:
     dataclass of its `options` (None: it takes none), whether it chooses implementation `variants`
     (otherwise it sees `problem.without_variants()`) and whether its answers are checked against the
     cheap solvers' (`portfolio`, for the MILP/LP solvers); whether its schedules are ones selective
-    checkpointing runs (`policy_form`, runtime/policy_form.py: its plans may take the policy form,
+    checkpointing runs (`policy_form`, runtime/policy/form.py: its plans may take the policy form,
     `runtime.apply`); `peers`: the solvers it may call (warm starts, blocks), handed to it in
     `SolveOptions.peers`. Calling the spec checks the options first."""
 

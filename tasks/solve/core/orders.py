@@ -47,7 +47,7 @@ def update_order(problem: Problem) -> np.ndarray:
     """The default order with each parameter's later readers moved to just before the node that makes its
     gradient, where the graph allows (every value such a reader reads, in any of its implementations, is made
     earlier; random nodes stay put). With the optimizer inside the step a parameter is updated after its last
-    read (`runtime.schedule.update_steps`): a convolution's input gradient, which reads the weight, then runs
+    read (`runtime.format.schedule.update_steps`): a convolution's input gradient, which reads the weight, then runs
     before its weight gradient, and the weight is updated, and its gradient freed, right after the gradient is
     made. Equal to the default order for a problem without updates."""
     order = [int(v) for v in problem.order]

@@ -3,7 +3,7 @@
 A `Problem` is an operator graph (nodes reading and allocating values) plus a compute cost and a
 workspace per node, and per node its implementation variants (`Variant`: another cost, workspace and
 set of values read and allocated; MONeT's operator implementations). It is built from the project's
-operator graph, its variants (`runtime.variants`) and its profiled costs (`Problem.from_graph`) or from
+operator graph, its variants (`runtime.variants.offered`) and its profiled costs (`Problem.from_graph`) or from
 the node-link JSON of the public benchmarks (`Problem.from_node_link`). Memory is defined by
 `tasks.solve.core.simulator.simulate`, never here.
 """
@@ -20,8 +20,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from memplan.runtime.policy_form import held_reads
-from memplan.runtime.variants import DEFAULT
+from memplan.runtime.policy.form import held_reads
+from memplan.runtime.variants.offered import DEFAULT
 
 PHASES = ("forward", "loss", "backward")
 
@@ -52,7 +52,7 @@ class ParamUpdate:
     outputs: they die at the update), with `workspace` bytes of temporaries while it runs, `carried` of which
     it still holds while the next parameter of the same optimizer step is updated (torch.optim's single-tensor
     loop keeps its last temporary until the next parameter's replaces it) (`tasks.solve.core.optimizer`; the
-    simulator charges them). A parameter updated in slices (`runtime.schedule.update_slices`), each by an
+    simulator charges them). A parameter updated in slices (`runtime.format.schedule.update_slices`), each by an
     optimizer call of its own (after the parameters before it, whose temporaries are then freed), holds
     `sliced_workspace` bytes of temporaries while its largest slice is updated (its `workspace` and `carried`
     are 0; 0 when it is updated whole)."""
@@ -96,11 +96,11 @@ class Problem:
     `random_nodes`: nodes drawing from a random generator. The runtime replays the generator only for
     recomputations, so a solver that reorders nodes (OLLA) keeps these in their default relative order.
     `node_modules[i]`: the repeated module (a transformer layer, a residual block) whose forward
-    computed node i, recorded at capture (`runtime.modules`); None outside them; empty: not recorded.
+    computed node i, recorded at capture (`runtime.tracing.modules`); None outside them; empty: not recorded.
     `node_parts[i]`: the child of that module (a layer's attention, MLP) whose forward computed node i;
     None outside one; empty: not recorded.
     `autograd_nodes[i]`: a number shared by the consecutive backward nodes one autograd Node runs (the
-    policy form's eager capture, runtime/autograd_nodes.py; `node_inputs` already hold a Node's reads to its
+    policy form's eager capture, runtime/tracing/autograd_nodes.py; `node_inputs` already hold a Node's reads to its
     last op); None elsewhere; empty: not recorded.
     `updates`: with the optimizer inside the step, one `ParamUpdate` per parameter it updates (empty: the
     optimizer runs after the step); `optimizer_state_bytes` its resident state, reported like `constant_bytes`;
@@ -108,7 +108,7 @@ class Problem:
     one parameter after another).
     `gradient_sync`: under DistributedDataParallel, the gradients all-reduced in buckets (None: not DDP).
     `policy_dispatch`: (forward, recomputation) cost selective checkpointing's dispatch adds per forward node of
-    a region run with a policy (the policy form, runtime/dispatch_cost.py); (0, 0) when not profiled.
+    a region run with a policy (the policy form, runtime/policy/dispatch_cost.py); (0, 0) when not profiled.
     """
 
     name: str
@@ -226,10 +226,10 @@ class Problem:
     @classmethod
     def from_graph(cls, graph: Any, costs: Mapping[int, Sequence[float]] | None = None,
                    variants: Any = None, random_nodes: Iterable[int] | None = None) -> "Problem":
-        """Problem of a `runtime.graph.OpGraph`; `costs[node_id] = (time, workspace_bytes)` from the
-        profile store (a `tasks.store_query.CostTable`, whose `.variants[node][impl]` prices the variants).
+        """Problem of a `runtime.format.graph.OpGraph`; `costs[node_id] = (time, workspace_bytes)` from the
+        profile store (a `tasks.store.query.CostTable`, whose `.variants[node][impl]` prices the variants).
         Without `costs`, every node costs 1 and each workspace is the variant's analytic one (0 for the
-        default). `variants` is a `runtime.variants.GraphVariants` of the graph (None: no variants);
+        default). `variants` is a `runtime.variants.offered.GraphVariants` of the graph (None: no variants);
         `random_nodes` (None: those the graph recorded at capture, `OpGraph.recorded_random_nodes`). With
         costs, a variant the profile did not measure is left out (it has no price)."""
         n = len(graph.nodes)

@@ -7,7 +7,7 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
 - a copy is live from the step computing it through the step holding its last read before the value
   is computed again (a copy never read lives during its own step only); an explicit free can only
   come after that last read, so it releases nothing earlier; a compute step's `holds` count as reads
-  (values something outside the graph keeps live, a checkpoint's frame: runtime/policy_form.py);
+  (values something outside the graph keeps live, a checkpoint's frame: runtime/policy/form.py);
 - the final copy of a graph output stays live to the end;
 - live memory during a compute step = live copies + the node's workspace; the peak is its maximum;
 - a compute step runs the implementation variant its `impl` names (default: the node as listed): the
@@ -18,7 +18,7 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   schedule is invalid (InvalidSchedule) if a later step reads it or frees it before it is computed again;
   the problem refuses an overwritten input that is a graph input or a graph output;
 - with the optimizer inside the step (`Problem.updates`, `tasks.solve.core.optimizer`), each updated
-  gradient's last copy lives through its update step u (`runtime.schedule.update_steps`: the last step that
+  gradient's last copy lives through its update step u (`runtime.format.schedule.update_steps`: the last step that
   computes it or reads it or its parameter); the updates run after u's node, when its scratch and the copies
   ending with u are gone, as one optimizer step over them (in `Problem.updates` order): live then = the
   copies live into step u + 1 + the gradients updated after u + their scratch: one parameter after another,
@@ -28,7 +28,7 @@ A schedule is a list of steps, `("compute", node)` / `("free", value)` tuples or
   step per group, which holds no more); step u counts the larger of that and its node's live bytes; a
   gradient never computed is an InvalidSchedule;
 - under DistributedDataParallel (`Problem.gradient_sync`, `tasks.solve.core.ddp`), each bucket's flat buffer
-  (`runtime.schedule.gradient_buckets`) is allocated after its launch step's node, when its scratch and the
+  (`runtime.format.schedule.gradient_buckets`) is allocated after its launch step's node, when its scratch and the
   copies ending with that step are gone, and lives to the end of the step: step u launching buckets counts
   the larger of its node's live bytes (+ the buffers launched before) and the copies live into step u + 1 + the
   buffers launched up to u; later steps count every buffer launched before them;
@@ -45,9 +45,9 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from memplan.runtime.plan import PlanError, normalize_step
-from memplan.runtime.schedule import Absence, Walk, gradient_buckets, update_steps, walk
-from memplan.runtime.variants import DEFAULT
+from memplan.runtime.format.plan import PlanError, normalize_step
+from memplan.runtime.format.schedule import Absence, Walk, gradient_buckets, update_steps, walk
+from memplan.runtime.variants.offered import DEFAULT
 from memplan.tasks.solve.core.problem import Problem
 
 
@@ -272,7 +272,7 @@ def _step_io(problem: Problem, i: int, node: int, impl: str | None) -> Any:
 
 
 class _Complaints:
-    """The simulator's wording of an invalid schedule (`runtime.schedule.Complaints`)."""
+    """The simulator's wording of an invalid schedule (`runtime.format.schedule.Complaints`)."""
 
     def __init__(self, problem: Problem):
         self.problem = problem

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Callable, Mapping
 import numpy as np
 from pydantic import Field, TypeAdapter, ValidationError
 
-from memplan.runtime.plan import Plan, memplan_version, normalize_step
+from memplan.runtime.format.plan import Plan, memplan_version, normalize_step
 from memplan.tasks.solve.core.milp import Progress, relative_gap
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import Simulation, simulate
@@ -84,10 +84,10 @@ class Solution:
     progress: list[Progress] = field(default_factory=list)
     message: str = ""
     source: str | None = None
-    form: str = "executor"          # "policy": runtime.apply runs it too (provenance["form"], runtime/policy_form.py)
+    form: str = "executor"          # "policy": runtime.apply runs it too (provenance["form"], runtime/policy/form.py)
     policy_split: tuple[str, ...] = ()  # the policy form's layers checkpointed by their parts (provenance["split"])
     policy_nest: tuple[str, ...] = ()   # ... and of those, the ones also checkpointed whole (provenance["nest"])
-    dispatch_cost: float = 0.0          # the policy form's dispatch modes (runtime.policy_form.dispatch_cost)
+    dispatch_cost: float = 0.0          # the policy form's dispatch modes (runtime.policy.form.dispatch_cost)
 
     @property
     def feasible(self) -> bool:

@@ -1,0 +1,1 @@
+"""Measured memory and exact arithmetic for comparing steps."""

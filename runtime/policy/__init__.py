@@ -1,0 +1,1 @@
+"""The policy form: selective activation checkpointing in the user's own loop."""

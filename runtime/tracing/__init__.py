@@ -1,0 +1,1 @@
+"""Capture: a training step as a joint ATen graph folded into an operator graph, with its rewrites."""

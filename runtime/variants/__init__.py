@@ -1,0 +1,1 @@
+"""Implementation variants of operator nodes: data (torch-free), rules and kernels."""

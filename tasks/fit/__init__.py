@@ -1,0 +1,1 @@
+"""The largest batch that fits a device memory limit (`memplan fit`)."""

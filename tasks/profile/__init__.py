@@ -1,0 +1,1 @@
+"""The profile stage: every node's time and bytes on one device."""

@@ -1,0 +1,1 @@
+"""The profile store: Parquet files, their schema, DuckDB queries, reachability."""

@@ -1,0 +1,1 @@
+"""Validation: the reference step, step timing, the overhead walk, the validate stage."""
