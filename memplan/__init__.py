@@ -11,6 +11,9 @@ runtime/chunked_loss.py).
 
 `plan(model, loss_fn, batch, max_overhead=... | budget=...)` makes one validated plan in this process by the stages
 `memplan run` runs (flows/python_api.py); `plan.save(path)`, then `load(path, model, loss_fn)`.
+
+`fit("pipeline.toml", model=..., max_overhead=0.10, device_memory="16 GiB")` is `memplan fit`: the largest batch
+(or sequence) that eager, per-block checkpointing and memplan fit, as a `FitAnswer` record (flows/fit.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["ChunkedCausalLMLoss", "OpGraph", "Plan", "apply", "capture", "chunked_causal_lm_loss",
-           "chunked_linear_cross_entropy", "compile_step", "default_plan", "load", "plan"]
+           "chunked_linear_cross_entropy", "compile_step", "default_plan", "fit", "load", "plan"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +31,10 @@ def __getattr__(name: str) -> Any:
         from memplan.tasks.compiled.form import compile_step
 
         return compile_step
+    if name == "fit":                           # memplan.fit: `memplan fit` as a call returning its FitAnswer
+        from memplan.flows.fit import run_fit
+
+        return run_fit
     if name == "plan":                          # memplan.plan: trace, profile, solve, validate (flows/python_api.py)
         from memplan.flows.python_api import plan
 

@@ -7,8 +7,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-FORM = "compiled"
-"""The compiled form's name (`Plan.form`, `[[plans]] form`)."""
+from memplan.runtime.format.forms import COMPILED as FORM  # noqa: F401  (the compiled form's name)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any, Iterable, Mapping, NamedTuple
 
-from memplan.runtime.compiled.records import FORM as COMPILED, Decision, RegionDecision
+from memplan.runtime.compiled.records import Decision, RegionDecision
+from memplan.runtime.format.forms import COMPILED, EXECUTOR, POLICY, PlanForm
 from memplan.runtime.format.graph import OpGraph
 from memplan.runtime.format.jsonio import read_json, sha256_hex, write_json_atomic
 from memplan.runtime.format.schedule import Absence, walk
@@ -114,6 +115,10 @@ class Plan:
             raise PlanError(f"plan provenance['budget_bytes'] = {budget!r:.80} is not a number of bytes (a non-negative "
                             f"integer); the plan was edited after it was made: regenerate it.")
         self.provenance = dict(self.provenance)
+        if self.provenance.get("form", POLICY) != POLICY:
+            raise PlanError(f"plan provenance['form'] = {self.provenance['form']!r:.80}: a plan records only the policy "
+                            f"form there (\"policy\"; a compiled plan has the key 'compiled', an executor plan neither); "
+                            f"the plan was edited after it was made: regenerate it.")
         if self.compiled is not None:
             self.compiled = _region_decisions(self.compiled)
             if self.schedule or self.addresses:
@@ -210,10 +215,12 @@ class Plan:
         return "the plan was made for another model, loss, input shape, dtype or training mode."
 
     @property
-    def form(self) -> str:
+    def form(self) -> PlanForm:
         """How the plan runs: "compiled" (`compiled`: `runtime.load` compiles the step with inductor), "policy"
         (`runtime.apply`, `provenance.form`) or "executor" (`runtime.load`)."""
-        return COMPILED if self.compiled is not None else str(self.provenance.get("form", "executor"))
+        if self.compiled is not None:
+            return COMPILED
+        return POLICY if self.provenance.get("form") == POLICY else EXECUTOR
 
     @property
     def rewrites(self) -> dict[str, list[int]] | None:

@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Iterable, Mapping, Sequence
 
-FORM = "policy"
+from memplan.runtime.format.forms import POLICY as FORM  # noqa: F401  (the policy form's name)
 
 
 class PolicyFormError(ValueError):

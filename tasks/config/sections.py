@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from memplan.runtime.format.forms import PlanForm
 from memplan.runtime.variants.offered import BIT_IDENTICAL_RULES
 from memplan.tasks.config.values import (Budget, DTYPES, IMPORT_PATH, NAMED_LOSSES,
     TRANSFORMERS_AUTO_CLASSES, parse_budget, parse_max_overhead)
@@ -178,10 +179,6 @@ OptimizerChoice = Literal[("none", *OPTIMIZERS)]  # type: ignore[valid-type]
 Addresses = Literal["none", "greedy", "olla"]
 """A plan's `addresses` setting: how its value copies get arena offsets (`tasks.solve_stage.solve_loaded`)."""
 
-PlanForm = Literal["executor", "policy", "compiled"]
-"""How a plan runs: "executor" (`runtime.load`, on the graph memplan's executor runs), "policy" (selective
-checkpointing in the user's own loop, `runtime.apply`, on `runtime.policy.apply.capture_eager`'s graph) or "compiled"
-(`runtime.load` compiles the step with inductor under the plan's decisions, on torch.compile's joint graph)."""
 
 
 class PlanSettings(BaseModel):

@@ -121,8 +121,9 @@ def test_a_limit_too_small_for_batch_1_is_explained(tmp_path, harness):
 def test_memplan_fits_a_larger_batch_than_eager_and_its_plan_runs_under_the_limit(tmp_path, harness):
     import torch.nn.functional as F
 
+    import memplan
     from memplan import runtime
-    from memplan.flows.fit import markdown_fit, run_fit
+    from memplan.flows.fit import markdown_fit
     from memplan.runtime.measure.meter import PeakMeter
     from tests.pipeline.fit_blocks import blocks
 
@@ -140,7 +141,7 @@ def test_memplan_fits_a_larger_batch_than_eager_and_its_plan_runs_under_the_limi
     config = tmp_path / "pipeline.toml"
     config.write_text(PIPELINE.format(limit=f"device_memory = {limit}", width=WIDTH, depth=DEPTH))
 
-    answer = run_fit(config, max_overhead=10.0, max_size=256)
+    answer = memplan.fit(config, max_overhead=10.0, max_size=256)       # `memplan fit` as a call
     search = answer.search
     assert answer.validated, answer.verdict
     assert eager_fits - 2 <= search.eager_largest < search.memplan_largest       # the simulator predicts eager's peak

@@ -109,6 +109,20 @@ def test_addresses_must_name_copies_inside_the_step(addresses, message):
         Plan(g.fingerprint, default_plan(g).schedule, addresses=addresses).validate(g)
 
 
+@pytest.mark.parametrize("form, expected", [(None, "executor"), ("policy", "policy")])
+def test_a_plans_form_is_typed_from_its_keys(form, expected):
+    g = chain_graph()
+    provenance = {} if form is None else {"form": form}
+    assert Plan(g.fingerprint, default_plan(g).schedule, provenance=provenance).form == expected
+
+
+@pytest.mark.parametrize("form", ["executor", "compiled", "Policy", 3])
+def test_a_form_the_provenance_cannot_hold_is_refused(form):
+    g = chain_graph()
+    with pytest.raises(PlanError, match=r"provenance\['form'\] = .*records only the policy form"):
+        Plan(g.fingerprint, default_plan(g).schedule, provenance={"form": form})
+
+
 def _v1_file(tmp_path, schedule, offsets=None):
     """A plan file as memplan 0.1 wrote it (format version 1)."""
     from memplan.runtime.format.jsonio import sha256_hex
