@@ -134,6 +134,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_ctrl_c_stops_the_run_within_seconds_with_one_line_and_no_process_left",
         "test_sighup_ends_a_run_and_its_prefect_server",
         "test_every_long_command_stops_within_seconds",
+        "test_a_signal_during_validation_stops_the_run_within_two_seconds",
     ),
     "tests/adversarial/test_readonly_sql.py": (
         "`memplan query` processes over a profiled store",
@@ -562,6 +563,10 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "edits each dependency and recomputes the keys",
         "test_an_edit_to_each_dependency_misses_the_cache",
         "test_an_edit_outside_the_closure_keeps_the_key",
+    ),
+    "tests/structure/test_lint.py": (
+        "mypy reads the solver core and what it imports, ~30 s without its cache",
+        "test_mypy_passes_on_the_solver_core",
     ),
     "tests/structure/test_package.py": (
         "a process importing memplan from elsewhere",

@@ -186,12 +186,15 @@ def _list(data: dict, key: str, source: str) -> list:
     return data[key]
 
 
-def _int(x: Any, where: str, source: str, *, optional: bool = False) -> int | None:
-    if optional and x is None:
-        return None
+def _int(x: Any, where: str, source: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise GraphFormatError(f"{source}: {where} must be an integer, got {x!r:.80}.")
     return x
+
+
+def _optional_int(x: Any, where: str, source: str) -> int | None:
+    """`_int`, or None for a JSON null."""
+    return None if x is None else _int(x, where, source)
 
 
 def _field(d: Any, key: str, where: str, source: str) -> Any:
@@ -213,7 +216,7 @@ def _value(d: Any, i: int, source: str) -> Value:
         bytes=_int(_field(d, "bytes", where, source), f"{where}.bytes", source),
         shape=tuple(_int(s, f"{where}.shape", source) for s in shape),
         dtype=d["dtype"], kind=d["kind"], name=d["name"],
-        producer=_int(_field(d, "producer", where, source), f"{where}.producer", source, optional=True),
+        producer=_optional_int(_field(d, "producer", where, source), f"{where}.producer", source),
     )
 
 
@@ -241,16 +244,16 @@ def _check_structure(graph: OpGraph) -> None:
     """Dense ids; kinds and phases known; every value produced by exactly the node that lists it;
     graph inputs have no producer; nodes in a topological order; graph outputs exist."""
     n_values = len(graph.values)
-    for i, v in enumerate(graph.values):
-        if v.id != i:
-            raise GraphFormatError(f"values[{i}] has id {v.id}; value ids must be 0..{n_values - 1} in order.")
-        if v.kind not in KINDS:
-            raise GraphFormatError(f"value {i} has kind {v.kind!r}; expected one of {', '.join(KINDS)}.")
-        if v.bytes < 0:
-            raise GraphFormatError(f"value {i} has negative bytes {v.bytes}.")
-        if (v.producer is None) != (v.kind in INPUT_KINDS):
+    for i, value in enumerate(graph.values):
+        if value.id != i:
+            raise GraphFormatError(f"values[{i}] has id {value.id}; value ids must be 0..{n_values - 1} in order.")
+        if value.kind not in KINDS:
+            raise GraphFormatError(f"value {i} has kind {value.kind!r}; expected one of {', '.join(KINDS)}.")
+        if value.bytes < 0:
+            raise GraphFormatError(f"value {i} has negative bytes {value.bytes}.")
+        if (value.producer is None) != (value.kind in INPUT_KINDS):
             raise GraphFormatError(
-                f"value {i} of kind {v.kind!r} has producer {v.producer!r}; graph inputs (input, param, "
+                f"value {i} of kind {value.kind!r} has producer {value.producer!r}; graph inputs (input, param, "
                 f"buffer) have producer null, every other value names the node allocating it.")
     produced_by: dict[int, int] = {}
     for j, node in enumerate(graph.nodes):
@@ -272,9 +275,9 @@ def _check_structure(graph: OpGraph) -> None:
                     f"node {j} lists output value {v}, whose producer is {graph.values[v].producer!r}; "
                     f"each value must be the output of exactly its producer node.")
             produced_by[v] = j
-    for v in graph.values:
-        if v.producer is not None and v.id not in produced_by:
-            raise GraphFormatError(f"value {v.id} names producer {v.producer} but that node does not list it.")
+    for value in graph.values:
+        if value.producer is not None and value.id not in produced_by:
+            raise GraphFormatError(f"value {value.id} names producer {value.producer} but that node does not list it.")
     for v in graph.outputs:
         if not 0 <= v < n_values:
             raise GraphFormatError(f"graph output {v} is not a value id (0..{n_values - 1}).")

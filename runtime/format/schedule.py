@@ -23,9 +23,14 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 class StepIO(Protocol):
     """What a compute step reads, allocates and overwrites in place ((output, overwritten input) pairs)."""
 
-    inputs: Sequence[int]
-    outputs: Sequence[int]
-    overwrites: Sequence[tuple[int, int]]
+    @property
+    def inputs(self) -> Sequence[int]: ...
+
+    @property
+    def outputs(self) -> Sequence[int]: ...
+
+    @property
+    def overwrites(self) -> Sequence[tuple[int, int]]: ...
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +68,54 @@ def test_ctrl_c_stops_the_run_within_seconds_with_one_line_and_no_process_left(t
     assert run.returncode == 130
     assert err == MESSAGE + "\n" and out == ""
     assert _left_after(tree) == []
+
+
+LONG_VALIDATION = """
+[[models]]
+name = "wide"
+factory = "torch.nn:Linear"
+kwargs = {{ in_features = 1024, out_features = 1024 }}
+loss = "mse"
+batch_sizes = [256]
+inputs = [{{ shape = [1024] }}, {{ shape = [1024] }}]
+[[plans]]
+solver = "checkpoint-all"
+budgets = [1.0]
+[validate]
+steps = {steps}
+max_steps = {steps}
+"""
+
+
+def _stderr_lines(process: subprocess.Popen) -> list[str]:
+    """The lines `process` writes to stderr, collected by a thread as they come."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(process.stderr.readline, "")), daemon=True).start()
+    return lines
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
+def test_a_signal_during_validation_stops_the_run_within_two_seconds(tmp_path, signum):
+    (tmp_path / "pipeline.toml").write_text('device = "cpu"\n' + LONG_VALIDATION.format(steps=5000))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    run = subprocess.Popen([sys.executable, "-m", "memplan.flows.cli", "run"], cwd=tmp_path, env=env,
+                           start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = _stderr_lines(run)
+    deadline = time.monotonic() + 300
+    while run.poll() is None and time.monotonic() < deadline and not any(
+            "validate" in line and line.rstrip().endswith(": started") for line in lines):
+        time.sleep(0.2)
+    assert run.poll() is None, (run.returncode, lines)
+    time.sleep(1.0)                                            # inside the timing rounds' torch kernels
+    tree = [psutil.Process(run.pid), *psutil.Process(run.pid).children(recursive=True)]
+    sent = time.monotonic()
+    os.killpg(run.pid, signum)
+    run.wait(timeout=30)
+    stopped_s = time.monotonic() - sent
+    assert run.returncode == 128 + signum, lines
+    assert stopped_s < 2, f"the run took {stopped_s:.1f} s to stop"
+    assert _left_after(tree) == []
+    assert lines[-1].strip() == MESSAGE, lines[-3:]
 
 
 def test_the_next_run_ends_the_processes_of_a_killed_run_and_no_other(tmp_path):

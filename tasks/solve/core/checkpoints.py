@@ -9,7 +9,7 @@ resident is recomputed, recursively (eq. 1b). Each entry set is forced, so R is 
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol
 
 import numpy as np
 
@@ -23,7 +23,13 @@ def forward_nodes(problem: Problem) -> list[int]:
     return [int(v) for v in problem.order if problem.is_recomputable[v]]
 
 
-def recompute_closure(problem: Problem, targets: Iterable[int], resident: Sequence[bool] | np.ndarray) -> list[int]:
+class ValueMask(Protocol):
+    """A boolean mask over values, or anything indexed like one (a list, an array, `_ResidentAt`)."""
+
+    def __getitem__(self, value: int, /) -> object: ...
+
+
+def recompute_closure(problem: Problem, targets: Iterable[int], resident: ValueMask) -> list[int]:
     """Nodes to run, in default-order position, so that every node in `targets` can run: a target's
     input that is not `resident` (a boolean mask over values, or anything indexed like one; graph inputs
     always are) has its producer added, and so on recursively (the eq. 1b fix of Algorithm 2 for one stage)."""

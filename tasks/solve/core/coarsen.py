@@ -104,7 +104,7 @@ def solve_coarsened(run: Callable[[Problem, int, SolveOptions], Solution], probl
     sol = run(c.problem, budget, replace(options, mip_start=None))
     floor = float(problem.cost.sum())
     note = f"solved on {c.problem.num_nodes} coarse nodes for {problem.num_nodes}"
-    if not sol.feasible:
+    if sol.schedule is None:                                    # not feasible
         return replace(sol, status="no_solution" if sol.status == "infeasible" else sol.status, bound=floor,
                        min_budget_lower_bound=None, solve_seconds=time.perf_counter() - start,
                        message=f"{note}: {sol.message}".strip(": "))

@@ -75,7 +75,7 @@ def family_choice(problem: Problem, families: tuple[str, ...]) -> Choice:
               for names in [[f for f in families if f in problem.impls(node)
                              and not problem.variant(node, f).overwrites]] if names}
     while True:
-        made = set()
+        made: set[int] = set()
         for node in range(problem.num_nodes):
             made.update(problem.variant(node, choice.get(node)).outputs)
         broken = [node for node in range(problem.num_nodes)

@@ -123,7 +123,8 @@ class MilpResult:
     def seconds_to_gap(self, gap: float) -> float | None:
         """First time the logged incumbent was proven within `gap` of the bound (or of the final bound)."""
         for p in self.progress:
-            if p.incumbent is not None and p.bound is not None and relative_gap(p.incumbent, p.bound) <= gap:
+            reached = p.gap                                  # None without a finite incumbent and bound
+            if reached is not None and reached <= gap:
                 return p.seconds
         return self.solve_seconds if self.status == "optimal" and (self.gap or 0.0) <= gap else None
 
@@ -378,7 +379,8 @@ def _solve_gurobi(model: MilpModel, options: MilpOptions) -> MilpResult:
         if options.threads is not None:
             m.Params.Threads = options.threads
         if options.mip_start is not None and not options.relax:
-            x.Start = options.mip_start
+            # gurobipy's stub declares MVar.Start a float, but an MVar's attributes are arrays of its shape
+            x.Start = options.mip_start  # type: ignore[assignment]
         progress: list[Progress] = []
         start = time.perf_counter()
 

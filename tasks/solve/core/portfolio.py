@@ -33,14 +33,21 @@ def best_known(problem: Problem, budget: int, solution: Solution, options: Solve
     start = time.perf_counter()
     found = [s for s in (run(problem, budget, SolveOptions(time_limit=CHEAP_TIME_LIMIT_S, threads=options.threads))
                          for run in cheap.values()) if s.feasible]
-    best = min(found, key=lambda s: (s.objective, s.predicted_peak_bytes), default=None)
+    best = min(found, key=lambda s: (_cost(s), s.predicted_peak_bytes), default=None)
     seconds = solution.solve_seconds + time.perf_counter() - start
-    if best is None or (solution.feasible and solution.objective <= best.objective):
+    if best is None or (solution.feasible and _cost(solution) <= _cost(best)):
         return replace(solution, solve_seconds=seconds)
     why = (f"{solution.solver} found no schedule ({solution.status}: {solution.message})" if not solution.feasible
            else f"{best.solver}'s schedule costs {best.objective:.6g}, {solution.solver}'s {solution.objective:.6g}")
     stopped = solution.status == "time_limit" or (solution.status == "no_solution" and "time limit" in solution.message)
     status = ("time_limit" if stopped else
-              "optimal" if solution.bound is not None and best.objective <= solution.bound * (1 + 1e-9) else "feasible")
+              "optimal" if solution.bound is not None and _cost(best) <= solution.bound * (1 + 1e-9) else "feasible")
     return replace(solution, status=status, schedule=best.schedule, simulation=best.simulation, addresses=None,
                    source=best.solver, solve_seconds=seconds, message=f"{why}: returned {best.solver}'s schedule")
+
+
+def _cost(solution: Solution) -> float:
+    """A feasible solution's objective: a checked schedule always carries its simulation (`checked_solution`)."""
+    cost = solution.objective
+    assert cost is not None, f"{solution.solver}'s schedule has no simulation"
+    return cost

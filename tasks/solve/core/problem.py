@@ -253,9 +253,10 @@ class Problem:
             specs = [] if variants is None else variants.specs.get(node.id, {}).values()
             measured = getattr(costs, "variants", {}).get(node.id, {}) if costs is not None else {}
             offered.append(tuple(
-                Variant(s.name, *((1.0, s.workspace) if costs is None else
-                                  (float(measured[s.name].time_ms), int(measured[s.name].workspace_bytes))),
-                        s.inputs, s.outputs, s.overwrites)
+                Variant(s.name,
+                        cost=1.0 if costs is None else float(measured[s.name].time_ms),
+                        workspace=s.workspace if costs is None else int(measured[s.name].workspace_bytes),
+                        inputs=s.inputs, outputs=s.outputs, overwrites=s.overwrites)
                 for s in specs if costs is None or s.name in measured))
         if random_nodes is None:
             random_nodes = graph.recorded_random_nodes()
@@ -318,18 +319,19 @@ class Problem:
         if sorted(ids) != list(range(n)):
             raise ProblemError(f"{path}: node ids must be 0..{n - 1}, got {sorted(ids)[:5]}...")
         by_id = np.argsort(ids)
-        cost, nbytes = _numbers(cost, float, "cost", path), _numbers(nbytes, np.int64, "byte size", path)
+        cost_array, nbytes_array = _numbers(cost, float, "cost", path), _numbers(nbytes, np.int64, "byte size", path)
         try:
             return cls.from_edges(
-                cost[by_id], nbytes[by_id], edges,
+                cost_array[by_id], nbytes_array[by_id], edges,
                 order=order, backward=np.asarray(backward, dtype=bool)[by_id], terminal=terminal, name=path.stem,
                 names=[names[i] for i in by_id])
         except ProblemError as exc:
             raise ProblemError(f"{path}: {exc}") from None
 
     @classmethod
-    def from_edges(cls, cost: Sequence[float], nbytes: Sequence[int], edges: Iterable[tuple[int, int]], *,
-                   order: Sequence[int] | None = None, backward: Sequence[bool] | None = None,
+    def from_edges(cls, cost: Sequence[float] | np.ndarray, nbytes: Sequence[int] | np.ndarray,
+                   edges: Iterable[tuple[int, int]], *,
+                   order: Sequence[int] | None = None, backward: Sequence[bool] | np.ndarray | None = None,
                    terminal: int | None = None, name: str = "graph",
                    names: Sequence[str] | None = None) -> "Problem":
         """Checkmate's data-flow graph (sec. 4.1): node i outputs one value (id i) of `nbytes[i]` bytes and
@@ -343,13 +345,13 @@ class Problem:
                 raise ProblemError(f"edge {s}->{t} names a node that does not exist (0..{n - 1}).")
             if s not in inputs[t]:
                 inputs[t].append(s)
-        backward = np.zeros(n, dtype=bool) if backward is None else np.asarray(backward, dtype=bool)
+        is_backward = np.zeros(n, dtype=bool) if backward is None else np.asarray(backward, dtype=bool)
         terminal = (order[-1] if order else None) if terminal is None else terminal
         return cls(
             name=name,
             cost=np.asarray(cost, dtype=float),
             workspace=np.zeros(n, dtype=np.int64),
-            phase=tuple("backward" if b else "forward" for b in backward),
+            phase=tuple("backward" if b else "forward" for b in is_backward),
             node_inputs=tuple(tuple(sorted(x)) for x in inputs),
             node_outputs=tuple((i,) for i in range(n)),
             value_bytes=np.asarray(nbytes, dtype=np.int64),
@@ -439,13 +441,14 @@ def _check(p: Problem) -> None:
         if DEFAULT in names or len(set(names)) != len(names):
             raise ProblemError(f"problem {p.name!r}: {p.node_label(node)} has variant names {names}; each must be "
                                f"unique and not {DEFAULT!r}.")
-        for v in offered:
-            if not (np.isfinite(v.cost) and v.cost >= 0 and v.workspace >= 0) or \
-                    any(not 0 <= x < nv for x in (*v.inputs, *v.outputs)) or \
-                    any(p.value_producer[x] != node for x in v.outputs):
-                raise ProblemError(f"problem {p.name!r}: variant {v.name!r} of {p.node_label(node)} needs a finite "
-                                   f"non-negative cost and workspace, existing values, and outputs produced by the node.")
-            _check_overwrites(p, node, v)
+        for variant in offered:
+            if not (np.isfinite(variant.cost) and variant.cost >= 0 and variant.workspace >= 0) or \
+                    any(not 0 <= x < nv for x in (*variant.inputs, *variant.outputs)) or \
+                    any(p.value_producer[x] != node for x in variant.outputs):
+                raise ProblemError(f"problem {p.name!r}: variant {variant.name!r} of {p.node_label(node)} needs a "
+                                   f"finite non-negative cost and workspace, existing values, and outputs produced "
+                                   f"by the node.")
+            _check_overwrites(p, node, variant)
     if np.any(p.value_producer[base:] < 0):
         raise ProblemError(f"problem {p.name!r}: variant-only values must name their producer node.")
     if sorted(p.order.tolist()) != list(range(n)):

@@ -47,7 +47,7 @@ def expand_ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return item, np.arange(counts.sum()) - starts + np.repeat(lo, counts)
 
 
-def _tri(t: np.ndarray, k: np.ndarray) -> np.ndarray:
+def _tri(t: np.ndarray, k: np.ndarray | int) -> np.ndarray:
     return t * (t + 1) // 2 + k
 
 
@@ -103,14 +103,15 @@ def layout(problem: Problem) -> CheckmateLayout:
     iv_of = np.full(problem.num_values, -1, dtype=np.int64)
     iv_of[vals] = np.arange(len(vals))
     pp = pos[producer[vals]]
-    edge_v, edge_k = [], []
+    edge_v_parts: list[np.ndarray] = []
+    edge_k_parts: list[np.ndarray] = []
     for k, node in enumerate(order.tolist()):
         ivs = iv_of[list(problem.node_inputs[node])] if problem.node_inputs[node] else np.zeros(0, np.int64)
         ivs = ivs[ivs >= 0]
-        edge_v.append(ivs)
-        edge_k.append(np.full(len(ivs), k, dtype=np.int64))
-    edge_v = np.concatenate(edge_v) if edge_v else np.zeros(0, np.int64)
-    edge_k = np.concatenate(edge_k) if edge_k else np.zeros(0, np.int64)
+        edge_v_parts.append(ivs)
+        edge_k_parts.append(np.full(len(ivs), k, dtype=np.int64))
+    edge_v = np.concatenate(edge_v_parts) if edge_v_parts else np.zeros(0, np.int64)
+    edge_k = np.concatenate(edge_k_parts) if edge_k_parts else np.zeros(0, np.int64)
     freeable = ~problem.is_output[vals]
     multi = np.array([len(problem.node_outputs[p]) > 1 for p in producer[vals]], dtype=bool)
     count = np.bincount(edge_v, minlength=len(vals))
@@ -141,7 +142,11 @@ class _Rows:
     """Accumulates constraint rows as COO triplets."""
 
     def __init__(self) -> None:
-        self.rows, self.cols, self.vals, self.lo, self.hi = [], [], [], [], []
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.vals: list[np.ndarray] = []
+        self.lo: list[np.ndarray] = []
+        self.hi: list[np.ndarray] = []
         self.count = 0
 
     def block(self, num: int, lo: float | np.ndarray, hi: float | np.ndarray) -> int:
@@ -217,8 +222,8 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight",
         stage, limit = retained
         held = np.flatnonzero(st == stage)
         scale = max(float(limit), float(L.mb[sv[held]].min(initial=1.0)), 1.0)   # coefficients near 1
-        r0 = rows.block(1, -np.inf, float(limit) / scale)
-        rows.add(np.full(len(held), r0), L.s(st[held], sv[held]), L.mb[sv[held]] / scale)
+        limit_row = rows.block(1, -np.inf, float(limit) / scale)
+        rows.add(np.full(len(held), limit_row), L.s(st[held], sv[held]), L.mb[sv[held]] / scale)
 
     # FREE linearization; the F variable (tf, e) has hazards R[tf, fk], S[tf+1, fv], R[tf, j > fk]
     fcol = L.f(tf, e)
@@ -240,13 +245,15 @@ def build_model(problem: Problem, budget: float, formulation: str = "tight",
     else:
         kappa = 1.0 + has_next + np.bincount(lfcol - L.f_base, minlength=len(e))[fcol - L.f_base]
         lrow = lfcol - L.f_base                                                  # row of F var within block
-        for sign, lo, hi in ((1.0, -np.inf, kappa - 1.0), (-1.0, -np.inf, 0.0)):
+        hazard_blocks: tuple[tuple[float, float, float | np.ndarray], ...] = (
+            (1.0, -np.inf, kappa - 1.0), (-1.0, -np.inf, 0.0))
+        for sign, block_lo, block_hi in hazard_blocks:
             # (7c): -R[t,k] + S + sum R[t,j] + kappa FREE <= kappa - 1;  (7b): R - S - sum R - FREE <= 0
-            r0 = rows.block(len(e), lo, hi)
-            rows.add(r0 + np.arange(len(e)), fcol, kappa if sign > 0 else -1.0)
-            rows.add(r0 + np.arange(len(e)), L.r(tf, L.fk[e]), -sign)
-            rows.add(r0 + np.flatnonzero(has_next), L.s(tf[has_next] + 1, L.fv[e[has_next]]), sign)
-            rows.add(r0 + lrow, lrcol, sign)
+            first_row = rows.block(len(e), block_lo, block_hi)
+            rows.add(first_row + np.arange(len(e)), fcol, kappa if sign > 0 else -1.0)
+            rows.add(first_row + np.arange(len(e)), L.r(tf, L.fk[e]), -sign)
+            rows.add(first_row + np.flatnonzero(has_next), L.s(tf[has_next] + 1, L.fv[e[has_next]]), sign)
+            rows.add(first_row + lrow, lrcol, sign)
 
     A, lo, hi = rows.matrix(N)
     c = np.zeros(N)

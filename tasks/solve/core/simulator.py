@@ -48,7 +48,7 @@ import numpy as np
 from memplan.runtime.format.plan import PlanError, normalize_step
 from memplan.runtime.format.schedule import Absence, Walk, gradient_buckets, update_steps, walk
 from memplan.runtime.variants.offered import DEFAULT
-from memplan.tasks.solve.core.problem import Problem
+from memplan.tasks.solve.core.problem import GradientSync, Problem
 
 
 class InvalidSchedule(ValueError):
@@ -151,7 +151,7 @@ def simulate(problem: Problem, schedule: Iterable[Any],
         timeline = np.where(grads > 0, np.maximum(timeline, during), timeline)
     buffers = np.zeros(len(steps), dtype=np.int64)
     if problem.gradient_sync is not None:
-        launched = _bucket_launches(problem, w)
+        launched = _bucket_launches(problem, problem.gradient_sync, w)
         buffers = np.cumsum(launched)
         after = _live_bytes(starts, ends - 1 + outlive, nbytes, len(steps)) + buffers
         timeline = timeline + buffers - launched
@@ -204,11 +204,10 @@ def _in_step_updates(problem: Problem, w: Walk, ends: np.ndarray) -> tuple[np.nd
     return scratch, grads
 
 
-def _bucket_launches(problem: Problem, w: Walk) -> np.ndarray:
-    """Per step, the bytes of the DDP bucket buffers launched right after it."""
-    sync = problem.gradient_sync
+def _bucket_launches(problem: Problem, sync: GradientSync, w: Walk) -> np.ndarray:
+    """Per step, the bytes of the DDP bucket buffers launched right after it (`sync`: the problem's)."""
     launched = np.zeros(len(w.io), dtype=np.int64)
-    sizes = problem.value_bytes[list(sync.grads)]
+    sizes = problem.value_bytes[list(sync.grads)].tolist()
     for bucket in gradient_buckets(w.io, sync.grads, sizes, sync.cap_bytes):
         launched[bucket.step] += bucket.nbytes
     return launched
@@ -301,7 +300,7 @@ def _why_absent(problem: Problem, v: int, why: Absence) -> str:
     """Why value `v` has no resident copy: freed, overwritten in place, or never computed."""
     if why.freed is not None:
         return f"it was freed at schedule[{why.freed}]"
-    if why.overwritten is not None:
+    if why.overwritten is not None and why.by is not None:     # set together (runtime.format.schedule.walk)
         return (f"schedule[{why.overwritten}] ran {problem.node_label(why.by)} in place, overwriting it; compute "
                 f"value {v} again before this step or run that step without overwriting it")
     return (f"its producer {problem.node_label(int(problem.value_producer[v]))} has not been computed "
