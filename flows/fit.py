@@ -15,6 +15,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from memplan.flows.report import artifact_key
+from memplan.flows.run_events import announce_scheduled_state
 from memplan.tasks.config import MAX_OVERHEAD, PipelineConfig, load_config
 from memplan.tasks.fit.search import Dimension, FitError, FitSearch, at_size, search_fit, sequence_inputs
 from memplan.tasks.fit.reference import NoFittingReference
@@ -95,7 +96,8 @@ def check_fit_settings(config: PipelineConfig, model: str | None, max_overhead: 
 
 
 @flow(name="fit", description="The largest batch that fits the device memory limit: eager, per-block "
-      "checkpointing and memplan.", persist_result=False, result_serializer="json")
+      "checkpointing and memplan.", persist_result=False, result_serializer="json",
+      on_running=[announce_scheduled_state])
 def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_overhead: float = 0.10,
              solver: str = "dtr", max_size: int = 4096, dimension: Dimension = "batch", batch_size: int | None = None,
              config: PipelineConfig | None = None) -> dict[str, Any]:

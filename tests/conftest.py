@@ -51,7 +51,7 @@ def _work_unit(nodeid: str) -> str:
     return "shared-captures" if module in SHARED_CAPTURES else module
 
 
-WAITING = ("tests/fleet/test_fleet_ops.py", "tests/fleet/test_scheduler.py")
+WAITING = ("tests/fleet/test_fleet_ops.py", "tests/fleet/test_scheduler.py", "tests/fleet/test_scheduled_zombies.py")
 """Modules that mostly wait on Prefect's clocks (a dead host's run is marked crashed after `zombie_after_s`
 without a heartbeat; a cron run starts on the minute): about 80 of their 140 s. With 3 or more xdist workers
 the last one runs only these, beside the others' CPU-bound tests, so the waits overlap with work."""
