@@ -63,12 +63,13 @@ def known_errors() -> tuple[type[BaseException], ...]:
 
 
 @contextmanager
-def exit_on_error() -> Iterator[None]:
-    """Print a known failure as one paragraph on stderr and exit with status 1."""
+def exit_on_error(debug: bool = False) -> Iterator[None]:
+    """Print a known failure as one paragraph on stderr and exit with status 1 (with `debug`, raise it: its
+    traceback)."""
     try:
         yield
     except Exception as exc:
-        if not isinstance(exc, known_errors()):
+        if debug or not isinstance(exc, known_errors()):
             raise
         errors().print(f"error: {escape(str(exc))}", style="red")
         raise typer.Exit(1) from None

@@ -20,36 +20,11 @@ from typing import Annotated, Any
 import typer
 
 from memplan.flows.automations import ensure_automations, pool_tag
-from memplan.tasks.config import DeployConfig, MemplanError
+from memplan.flows.prefect_server import DeployError, api_url, server_errors
+from memplan.tasks.config import DeployConfig
 from memplan.tasks.publish import DEVICE_CLASS_VAR
 
 ENTRYPOINTS = {"profile": "memplan.flows.profile:profile_flow", "plan": "memplan.flows.plan:plan_flow", "fit": "memplan.flows.fit:fit_flow"}
-
-
-class DeployError(MemplanError):
-    """No Prefect server to deploy to, or one whose pool does not fit."""
-
-
-def api_url() -> str:
-    """The server's API URL, checked to answer within a few seconds; `DeployError` says how to get one."""
-    import httpx
-    from prefect.settings import PREFECT_API_URL
-
-    url = PREFECT_API_URL.value()
-    if not url:
-        raise DeployError(
-            "PREFECT_API_URL is not set: `memplan deploy` creates deployments on a Prefect server, and "
-            "Prefect's temporary local server forgets them when the command ends. Start a server (`prefect "
-            "server start`, backed by PostgreSQL for a fleet: docs/fleet.md) and point memplan at it with "
-            "`export PREFECT_API_URL=http://<host>:4200/api`.")
-    try:
-        httpx.get(f"{url.rstrip('/')}/health", timeout=5).raise_for_status()
-    except httpx.HTTPError as exc:
-        raise DeployError(
-            f"The Prefect server at PREFECT_API_URL={url} cannot be reached ({type(exc).__name__}: {exc}). "
-            "Check that `prefect server start` is running there and that the URL ends in /api, or set "
-            "PREFECT_API_URL to the server's address (docs/fleet.md).") from None
-    return url
 
 
 def results_env(deploy: DeployConfig, directory: Path, config_path: Path, cache_dir: str | None) -> dict[str, str]:
@@ -155,7 +130,7 @@ def deploy(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False
     from prefect.client.schemas.schedules import CronSchedule
 
     api_url()
-    with get_client(sync_client=True) as client:
+    with server_errors(), get_client(sync_client=True) as client:
         done = _ensure_pool(client, deploy_config, dry_run)
         for want in desired_deployments(deploy_config, config_path, cache_dir):
             label = f"deployment {want['flow']}/{want['name']}"
@@ -180,7 +155,7 @@ def remove(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False
 
     api_url()
     done = []
-    with get_client(sync_client=True) as client:
+    with server_errors(), get_client(sync_client=True) as client:
         for want in desired_deployments(deploy_config, config_path):
             label = f"deployment {want['flow']}/{want['name']}"
             if _current(client, want["flow"], want["name"]) is None:
@@ -204,12 +179,13 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would change on the server; change nothing.")] = False,
         remove_all: Annotated[bool, typer.Option("--remove", help="Delete the deployments and automations of "
                                                  "\\[deploy] instead (runs, pool and queues stay).")] = False,
+        debug: Annotated[bool, typer.Option(help="Show the traceback of a failure.")] = False,
     ) -> None:
         """Create the fleet's Prefect deployments (profile, plan and fit flows per device class) and automations
         from \\[deploy]."""
         from memplan.flows.console import console, exit_on_error
 
-        with exit_on_error():
+        with exit_on_error(debug):
             from rich.table import Table
 
             from memplan.tasks.config import ConfigError, load_config

@@ -47,7 +47,8 @@ def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[t
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from memplan.flows.commands.deploy import ENTRYPOINTS, api_url
+    from memplan.flows.commands.deploy import ENTRYPOINTS
+    from memplan.flows.prefect_server import api_url, server_errors
     from memplan.tasks.config import ConfigError
 
     names = [c.name for c in deploy.classes]
@@ -56,7 +57,7 @@ def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[t
         raise ConfigError(f"--class {unknown[0]!r} is not a device class of [deploy]; classes: {', '.join(names)}.")
     api_url()
     done = []
-    with get_client(sync_client=True) as client:
+    with server_errors(), get_client(sync_client=True) as client:
         for name in classes or names:
             for flow in ENTRYPOINTS:
                 try:
@@ -120,13 +121,14 @@ def register(app: typer.Typer) -> None:
         def command(
             config: Annotated[Path, typer.Argument(help="The pipeline file with a \\[deploy] section.")] = Path("pipeline.toml"),
             classes: Annotated[Optional[list[str]], typer.Option("--class", help="Only this device class (repeatable).")] = None,
+            debug: Annotated[bool, typer.Option(help="Show the traceback of a failure.")] = False,
         ) -> None:
             from rich.table import Table
 
             from memplan.flows.console import console, exit_on_error
             from memplan.tasks.config import ConfigError, load_config
 
-            with exit_on_error():
+            with exit_on_error(debug):
                 loaded = load_config(config)
                 if loaded.deploy is None:
                     raise ConfigError(f"{config} has no [deploy] section, so it declares no deployments.")

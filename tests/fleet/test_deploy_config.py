@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from memplan.flows.commands.deploy import DeployError, api_url, desired_deployments
+from memplan.flows.commands.deploy import desired_deployments
+from memplan.flows.prefect_server import DeployError, api_url
 from memplan.flows.commands.fleet import fleet_status
 from memplan.tasks.config import ConfigError, parse_config
 from memplan.tasks.store.profiles import write_run
