@@ -41,35 +41,6 @@ def fleet_status(config, store: str | None = None, now: datetime | None = None) 
     return rows
 
 
-def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[tuple[str, str]]:
-    """Pause (their schedules create no new runs) or resume the profile, plan and fit deployments of
-    `classes` (default: all of `deploy`); return (deployment, paused|resumed|absent)."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    from memplan.flows.commands.deploy import ENTRYPOINTS
-    from memplan.flows.prefect_server import api_url, server_errors
-    from memplan.tasks.config import ConfigError
-
-    names = [c.name for c in deploy.classes]
-    unknown = sorted(set(classes or []) - set(names))
-    if unknown:
-        raise ConfigError(f"--class {unknown[0]!r} is not a device class of [deploy]; classes: {', '.join(names)}.")
-    api_url()
-    done = []
-    with server_errors(), get_client(sync_client=True) as client:
-        for name in classes or names:
-            for flow in ENTRYPOINTS:
-                try:
-                    found = client.read_deployment_by_name(f"{flow}/{name}")
-                except ObjectNotFound:
-                    done.append((f"{flow}/{name}", "absent (run `memplan deploy`)"))
-                    continue
-                (client.pause_deployment if paused else client.resume_deployment)(found.id)
-                done.append((f"{flow}/{name}", "paused" if paused else "resumed"))
-    return done
-
-
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "never"
@@ -128,6 +99,8 @@ def register(app: typer.Typer) -> None:
             from memplan.flows.console import console, exit_on_error
             from memplan.tasks.config import ConfigError, load_config
 
+            from memplan.flows.pause import set_paused
+
             with exit_on_error(debug):
                 loaded = load_config(config)
                 if loaded.deploy is None:
@@ -137,8 +110,9 @@ def register(app: typer.Typer) -> None:
                     table.add_row(name, status)
             console().print(table)
 
-        command.__doc__ = ("Pause the profile, plan and fit deployments: their schedules create no new runs (a running "
-                           "one finishes)." if paused else "Resume paused deployments: their schedules run again.")
+        command.__doc__ = ("Pause the profile, plan and fit deployments: their schedules create no new runs and their "
+                           "scheduled and late runs are cancelled (a running one finishes)." if paused else
+                           "Resume paused deployments: their schedules run again.")
         return command
 
     fleet.command("pause")(pausing(True))

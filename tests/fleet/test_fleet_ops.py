@@ -1,5 +1,6 @@
 """What operators meet on a running fleet, on loopback with every Prefect server service at its default:
-`memplan deploy --dry-run` changes nothing, pausing stops a class's schedules; a host runs one profile at a
+`memplan deploy --dry-run` changes nothing, pausing stops a class's schedules and cancels its scheduled
+and late runs (resuming says which were paused); a host runs one profile at a
 time (`--limit 1`); a host killed mid-run (worker and flow process, SIGKILL) leaves a run that the zombie
 automation marks crashed (no heartbeat) and runs again on the surviving host, with nothing partial in the
 store. Every process started here is stopped in teardown; every wait is bounded.
@@ -8,10 +9,12 @@ store. Every process started here is stopped in teardown; every wait is bounded.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
 import textwrap
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -112,7 +115,12 @@ def _logs(project: Path) -> str:
 @pytest.mark.fleet_e2e
 def test_dry_run_changes_nothing_and_pause_stops_a_class(server, project):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Scheduled
+
+    def of(deployment) -> DeploymentFilter:
+        return DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
 
     config = project / "pipeline.toml"
     dry = _deploy(server, config, "--dry-run")
@@ -131,11 +139,25 @@ def test_dry_run_changes_nothing_and_pause_stops_a_class(server, project):
         assert deployment.job_variables["env"]["MEMPLAN_DEVICE_CLASS"] == CLASS
         fit = client.read_deployment_by_name(f"fit/{CLASS}")           # on demand: no schedule
         assert fit.entrypoint == "memplan.flows.fit:fit_flow" and not fit.schedules
+        now = datetime.now(timezone.utc)
+        waiting = [client.create_flow_run_from_deployment(deployment.id, state=Scheduled(scheduled_time=at))
+                   for at in (now - timedelta(minutes=10), now + timedelta(hours=1))]       # a late slot, a later run
+        waiting.append(client.create_flow_run_from_deployment(fit.id))                   # as the zombie re-run makes
+        wait_until(lambda: any(r.auto_scheduled for r in client.read_flow_runs(deployment_filter=of(deployment))),
+                   30, "the scheduler creating the cron runs")
         paused = _memplan(server, "fleet", "pause", str(config), "--class", CLASS)
         assert paused.exit_code == 0 and client.read_deployment(deployment.id).paused, paused.output
         assert client.read_deployment(fit.id).paused
+        assert re.search(rf"profile/{CLASS}\s+│ paused; 2 scheduled or late runs cancelled", paused.output), paused.output
+        assert re.search(rf"fit/{CLASS}\s+│ paused; 1 scheduled or late run cancelled", paused.output), paused.output
+        assert all(client.read_flow_run(r.id).state.is_cancelled() for r in waiting)
+        assert not [r for d in (deployment, fit) for r in client.read_flow_runs(deployment_filter=of(d))
+                    if r.state.is_scheduled()], "a paused deployment keeps a run that would start"
         resumed = _memplan(server, "fleet", "resume", str(config))
         assert resumed.exit_code == 0 and not client.read_deployment(deployment.id).paused, resumed.output
+        assert re.search(rf"profile/{CLASS}\s+│ resumed \(was paused\)", resumed.output), resumed.output
+        for run in waiting:                             # the next test counts the runs of the deployment
+            client.delete_flow_run(run.id)
 
 
 @pytest.mark.fleet_e2e
