@@ -64,7 +64,9 @@ def check_fit_settings(config: PipelineConfig, model: str | None, max_overhead: 
     names = [m.name for m in config.models]
     if model is None:
         if len(names) > 1:
-            raise FitError(f"the pipeline file declares {len(names)} models ({', '.join(names)}); name one with --model.")
+            raise FitError(f"the pipeline file declares {len(names)} models ({', '.join(names)}); name one: `memplan fit "
+                           f"--model NAME`, or for a deployment run `prefect deployment run fit/<class> --param "
+                           f"model=NAME` (or fit_parameters = {{ model = \"NAME\" }} in its [[deploy.classes]]).")
         model = names[0]
     if model not in names:
         raise FitError(f"unknown model {model!r}; the pipeline file declares {', '.join(names)}: pass one of them "

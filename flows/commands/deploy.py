@@ -14,6 +14,7 @@ queues stay).
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -43,6 +44,34 @@ def results_env(deploy: DeployConfig, directory: Path, config_path: Path, cache_
     return {**env, "PREFECT_LOCAL_STORAGE_PATH": str(directory / cache / "prefect")}
 
 
+@cache
+def parameter_schema(flow: str) -> dict[str, Any]:
+    """The JSON schema of what a run of `flow`'s deployment may set (`prefect deployment run --param`, the UI's
+    form): every parameter of the flow function but `config` (the parsed file, for in-process callers), read
+    from its source (nothing imported)."""
+    from prefect.utilities.callables import parameter_schema_from_entrypoint
+
+    schema = parameter_schema_from_entrypoint(ENTRYPOINTS[flow].replace(":", ".")).model_dump_for_openapi()
+    schema["properties"].pop("config")
+    schema.pop("definitions", None)             # only `config`'s types
+    return schema
+
+
+def check_scheduled_fits(config) -> None:
+    """Refuse a `fit_cron` that would fail every time: a pipeline of several models whose class does not name
+    one in `fit_parameters` (a scheduled run gets no parameters of its own)."""
+    from memplan.tasks.config import ConfigError
+
+    names = [m.name for m in config.models]
+    for cls in config.deploy.classes:
+        if cls.fit_cron and len(names) > 1 and "model" not in cls.fit_parameters:
+            raise ConfigError(
+                f"[[deploy.classes]] {cls.name!r} has fit_cron = {cls.fit_cron!r} but no model to fit: the pipeline "
+                f"declares {len(names)} models ({', '.join(names)}). Name one in its fit_parameters, e.g. "
+                f"fit_parameters = {{ model = \"{names[0]}\" }}, or remove fit_cron and run `prefect deployment run "
+                f"fit/{cls.name} --param model=NAME` when needed (docs/fleet.md).")
+
+
 def desired_deployments(deploy: DeployConfig, config_path: Path, cache_dir: str | None = None) -> list[dict[str, Any]]:
     """What `memplan deploy` puts on the server: one dict of `create_deployment` arguments (plus `flow`)
     per (flow, device class); `cache_dir` is the pipeline's (its results go to `<cache_dir>/prefect`)."""
@@ -58,7 +87,7 @@ def desired_deployments(deploy: DeployConfig, config_path: Path, cache_dir: str 
                 flow=flow, name=cls.name, work_pool_name=deploy.work_pool, work_queue_name=cls.name,
                 entrypoint=ENTRYPOINTS[flow], path=str(directory),
                 pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(directory)}}],
-                parameters={"config_path": config_file, **extra},
+                parameters={"config_path": config_file, **extra}, parameter_openapi_schema=parameter_schema(flow),
                 schedules=[] if cron is None else [(cron, cls.timezone)],
                 job_variables={"env": {DEVICE_CLASS_VAR: cls.name,
                                        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(deploy.heartbeat_s),
@@ -80,6 +109,7 @@ def _current(client, flow: str, name: str) -> dict[str, Any] | None:
     return dict(
         flow=flow, name=name, work_pool_name=found.work_pool_name, work_queue_name=found.work_queue_name,
         entrypoint=found.entrypoint, path=found.path, pull_steps=found.pull_steps, parameters=found.parameters,
+        parameter_openapi_schema=found.parameter_openapi_schema,
         schedules=[(s.schedule.cron, s.schedule.timezone) for s in found.schedules],
         job_variables=found.job_variables, tags=sorted(found.tags), description=found.description,
     )
@@ -194,6 +224,8 @@ def register(app: typer.Typer) -> None:
             if loaded.deploy is None:
                 raise ConfigError(f"{config} has no [deploy] section: declare the work pool and the device "
                                   f"classes to deploy (docs/config.md, docs/fleet.md).")
+            if not remove_all:
+                check_scheduled_fits(loaded)
             title = f"memplan deploy {config}" + (" --remove" if remove_all else "") + (" --dry-run" if dry_run else "")
             table = Table("object", "status", title=title)
             done = remove(config, loaded.deploy, dry_run) if remove_all else \
