@@ -37,7 +37,7 @@ def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[t
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from memplan.flows.commands.deploy import ENTRYPOINTS
+    from memplan.flows.commands.deploy import ENTRYPOINTS, deployment_name
     from memplan.flows.prefect_server import api_url, server_errors
     from memplan.tasks.config import ConfigError
 
@@ -50,7 +50,7 @@ def set_paused(deploy, paused: bool, classes: list[str] | None = None) -> list[t
     with server_errors(), get_client(sync_client=True) as client:
         for name in classes or names:
             for flow in ENTRYPOINTS:
-                label = f"{flow}/{name}"
+                label = f"{flow}/{deployment_name(deploy, name)}"
                 try:
                     found = client.read_deployment_by_name(label)
                 except ObjectNotFound:

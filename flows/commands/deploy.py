@@ -69,7 +69,13 @@ def check_scheduled_fits(config) -> None:
                 f"[[deploy.classes]] {cls.name!r} has fit_cron = {cls.fit_cron!r} but no model to fit: the pipeline "
                 f"declares {len(names)} models ({', '.join(names)}). Name one in its fit_parameters, e.g. "
                 f"fit_parameters = {{ model = \"{names[0]}\" }}, or remove fit_cron and run `prefect deployment run "
-                f"fit/{cls.name} --param model=NAME` when needed (docs/fleet.md).")
+                f"fit/{deployment_name(config.deploy, cls.name)} --param model=NAME` when needed (docs/fleet.md).")
+
+
+def deployment_name(deploy: DeployConfig, class_name: str) -> str:
+    """The name of a class's deployments, `<class>@<work pool>` (`prefect deployment run fit/h100@gpu-fleet`): a
+    deployment's name is unique per flow on the whole server, so two fleets (work pools) keep apart."""
+    return f"{class_name}@{deploy.work_pool}"
 
 
 def desired_deployments(deploy: DeployConfig, config_path: Path, cache_dir: str | None = None) -> list[dict[str, Any]]:
@@ -84,7 +90,8 @@ def desired_deployments(deploy: DeployConfig, config_path: Path, cache_dir: str 
                                   ("plan", cls.plan_cron, cls.plan_parameters),
                                   ("fit", cls.fit_cron, cls.fit_parameters)):
             wanted.append(dict(
-                flow=flow, name=cls.name, work_pool_name=deploy.work_pool, work_queue_name=cls.name,
+                flow=flow, name=deployment_name(deploy, cls.name), work_pool_name=deploy.work_pool,
+                work_queue_name=cls.name,
                 entrypoint=ENTRYPOINTS[flow], path=str(directory),
                 pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(directory)}}],
                 parameters={"config_path": config_file, **extra}, parameter_openapi_schema=parameter_schema(flow),
@@ -113,6 +120,25 @@ def _current(client, flow: str, name: str) -> dict[str, Any] | None:
         schedules=[(s.schedule.cron, s.schedule.timezone) for s in found.schedules],
         job_variables=found.job_variables, tags=sorted(found.tags), description=found.description,
     )
+
+
+def _remove_unnamespaced(client, deploy: DeployConfig, dry_run: bool) -> list[tuple[str, str]]:
+    """Delete this pool's deployments named `<flow>/<class>` (memplan before the pool was in the name): they
+    would keep their schedules beside the new ones. Another pool's are left alone."""
+    from prefect.exceptions import ObjectNotFound
+
+    done = []
+    for cls in deploy.classes:
+        for flow in ENTRYPOINTS:
+            try:
+                old = client.read_deployment_by_name(f"{flow}/{cls.name}")
+            except ObjectNotFound:
+                continue
+            if old.work_pool_name == deploy.work_pool and pool_tag(deploy.work_pool) in old.tags:
+                if not dry_run:
+                    client.delete_deployment(old.id)
+                done.append((f"deployment {flow}/{cls.name} (old name)", "would be removed" if dry_run else "removed"))
+    return done
 
 
 def _ensure_pool(client, deploy: DeployConfig, dry_run: bool) -> list[tuple[str, str]]:
@@ -175,6 +201,7 @@ def deploy(config_path: Path, deploy_config: DeployConfig, dry_run: bool = False
                     schedules=[DeploymentScheduleCreate(schedule=CronSchedule(cron=cron, timezone=zone))
                                for cron, zone in want["schedules"]])
             done.append((label, ("would be " if dry_run else "") + ("created" if have is None else "updated")))
+        done += _remove_unnamespaced(client, deploy_config, dry_run)
         done += ensure_automations(client, deploy_config, dry_run)
     return done
 

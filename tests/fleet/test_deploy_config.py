@@ -75,9 +75,11 @@ def test_deployments_per_class_and_flow():
                      "classes": [{"name": "h100", "plan_cron": "0 5 * * *", "profile_parameters": {"reuse": True},
                                   "fit_parameters": {"model": "gpt2-tiny", "max_overhead": 0.1}},
                                  {"name": "a100", "timezone": "Europe/Paris", "fit_cron": "0 6 * * 1"}]}).deploy
-    wanted = {(d["flow"], d["name"]): d for d in desired_deployments(deploy, Path("conf/fleet.toml"))}
+    wanted = {(d["flow"], d["name"].removesuffix("@gpu-fleet")): d
+              for d in desired_deployments(deploy, Path("conf/fleet.toml"))}
     assert sorted(wanted) == [("fit", "a100"), ("fit", "h100"), ("plan", "a100"), ("plan", "h100"),
                               ("profile", "a100"), ("profile", "h100")]
+    assert wanted["fit", "h100"]["name"] == "h100@gpu-fleet"          # deployment names are per server, pools not
     fit = wanted["fit", "h100"]
     assert (fit["entrypoint"], fit["schedules"], fit["work_queue_name"]) == ("memplan.flows.fit:fit_flow", [], "h100")
     assert fit["parameters"] == {"config_path": "/mnt/shared/memplan/fleet.toml", "model": "gpt2-tiny",

@@ -105,7 +105,7 @@ def test_two_hosts_profile_on_schedule_into_one_store(prefect_server, project, t
     api, config = prefect_server, project / "pipeline.toml"
     first = _deploy(config, api)
     assert first == {"work pool gpu-fleet": "created", "work queue cpu-a": "created", "work queue cpu-b": "created",
-                     **{f"deployment {f}/{c}": "created" for c in CLASSES for f in ("profile", "plan", "fit")},
+                     **{f"deployment {f}/{c}@gpu-fleet": "created" for c in CLASSES for f in ("profile", "plan", "fit")},
                      "automation memplan gpu-fleet: zombie runs": "created"}
     assert set(_deploy(config, api).values()) == {"unchanged"}          # idempotent
 
@@ -118,10 +118,10 @@ def test_two_hosts_profile_on_schedule_into_one_store(prefect_server, project, t
                                            "--pool", "gpu-fleet", "--work-queue", cls, "--type", "process",
                                            "--limit", "1"], tmp_path / f"worker-{cls}.log", env=env, cwd=project))
         with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
-            deployments = {c: client.read_deployment_by_name(f"profile/{c}") for c in CLASSES}
+            deployments = {c: client.read_deployment_by_name(f"profile/{c}@gpu-fleet") for c in CLASSES}
             assert [s.schedule.cron for s in deployments["cpu-a"].schedules] == ["0 * * * *"]
-            assert client.read_deployment_by_name("plan/cpu-b").schedules[0].schedule.cron == "0 4 * * *"
-            assert client.read_deployment_by_name("plan/cpu-a").schedules == []
+            assert client.read_deployment_by_name("plan/cpu-b@gpu-fleet").schedules[0].schedule.cron == "0 4 * * *"
+            assert client.read_deployment_by_name("plan/cpu-a@gpu-fleet").schedules == []
             runs = {c: client.create_flow_run_from_deployment(d.id) for c, d in deployments.items()}
 
             def finished() -> bool:

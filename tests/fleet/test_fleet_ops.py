@@ -125,7 +125,7 @@ def test_dry_run_changes_nothing_and_pause_stops_a_class(server, project):
     config = project / "pipeline.toml"
     dry = _deploy(server, config, "--dry-run")
     assert dry.exit_code == 0, dry.output
-    for what in ("work pool ops-fleet", f"deployment profile/{CLASS}", "automation memplan ops-fleet: zombie runs"):
+    for what in ("work pool ops-fleet", f"deployment profile/{CLASS}@ops-fleet", "automation memplan ops-fleet: zombie runs"):
         assert f"{what}" in dry.output and "would be created" in dry.output, dry.output
     with temporary_settings({PREFECT_API_URL: server}), get_client(sync_client=True) as client:
         assert [d.name for d in client.read_deployments()] == [] and client.read_automations() == []
@@ -135,9 +135,9 @@ def test_dry_run_changes_nothing_and_pause_stops_a_class(server, project):
         zombie, = client.read_automations_by_name("memplan ops-fleet: zombie runs")
         assert zombie.trigger.within.total_seconds() == ZOMBIE_AFTER_S
         assert [a.type for a in zombie.actions] == ["change-flow-run-state", "run-deployment"]
-        deployment = client.read_deployment_by_name(f"profile/{CLASS}")
+        deployment = client.read_deployment_by_name(f"profile/{CLASS}@ops-fleet")
         assert deployment.job_variables["env"]["MEMPLAN_DEVICE_CLASS"] == CLASS
-        fit = client.read_deployment_by_name(f"fit/{CLASS}")           # on demand: no schedule
+        fit = client.read_deployment_by_name(f"fit/{CLASS}@ops-fleet")           # on demand: no schedule
         assert fit.entrypoint == "memplan.flows.fit:fit_flow" and not fit.schedules
         now = datetime.now(timezone.utc)
         waiting = [client.create_flow_run_from_deployment(deployment.id, state=Scheduled(scheduled_time=at))
@@ -148,14 +148,14 @@ def test_dry_run_changes_nothing_and_pause_stops_a_class(server, project):
         paused = _memplan(server, "fleet", "pause", str(config), "--class", CLASS)
         assert paused.exit_code == 0 and client.read_deployment(deployment.id).paused, paused.output
         assert client.read_deployment(fit.id).paused
-        assert re.search(rf"profile/{CLASS}\s+│ paused; 2 scheduled or late runs cancelled", paused.output), paused.output
-        assert re.search(rf"fit/{CLASS}\s+│ paused; 1 scheduled or late run cancelled", paused.output), paused.output
+        assert re.search(rf"profile/{CLASS}@ops-fleet\s+│ paused; 2 scheduled or late runs cancelled", paused.output), paused.output
+        assert re.search(rf"fit/{CLASS}@ops-fleet\s+│ paused; 1 scheduled or late run cancelled", paused.output), paused.output
         assert all(client.read_flow_run(r.id).state.is_cancelled() for r in waiting)
         assert not [r for d in (deployment, fit) for r in client.read_flow_runs(deployment_filter=of(d))
                     if r.state.is_scheduled()], "a paused deployment keeps a run that would start"
         resumed = _memplan(server, "fleet", "resume", str(config))
         assert resumed.exit_code == 0 and not client.read_deployment(deployment.id).paused, resumed.output
-        assert re.search(rf"profile/{CLASS}\s+│ resumed \(was paused\)", resumed.output), resumed.output
+        assert re.search(rf"profile/{CLASS}@ops-fleet\s+│ resumed \(was paused\)", resumed.output), resumed.output
         for run in waiting:                             # the next test counts the runs of the deployment
             client.delete_flow_run(run.id)
 
@@ -172,7 +172,7 @@ def test_one_run_at_a_time_per_host_and_a_dead_hosts_run_is_crashed_and_rerun(se
     assert _deploy(server, project / "pipeline.toml").exit_code == 0
     marker = project / "stalled.pid"
     with temporary_settings({PREFECT_API_URL: server}), get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name(f"profile/{CLASS}")
+        deployment = client.read_deployment_by_name(f"profile/{CLASS}@ops-fleet")
         of_deployment = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
         first, second = (client.create_flow_run_from_deployment(deployment.id) for _ in range(2))
 

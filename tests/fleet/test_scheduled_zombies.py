@@ -122,7 +122,7 @@ def test_completed_cron_runs_are_never_taken_for_zombies(server, alerts, tmp_pat
         done = dict(deploy(config, load_config(config).deploy))
         assert done["automation memplan cron-fleet: zombie runs"] == "created", done
         assert done["automation memplan cron-fleet: failed runs"] == "created", done
-        deployment = client.read_deployment_by_name("profile/cpu-cron")
+        deployment = client.read_deployment_by_name("profile/cpu-cron@cron-fleet")
         of_deployment = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
         log = tmp_path / "worker.log"
 

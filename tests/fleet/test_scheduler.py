@@ -120,8 +120,8 @@ def test_scheduler_creates_and_a_worker_completes_a_cron_profile_run(scheduling_
            "MEMPLAN_DEVICE_KEY": "cpu-cron", "PYTHONPATH": str(REPO), "PREFECT_WORKER_QUERY_SECONDS": "1",
            "PREFECT_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
-        assert dict(deploy(config, load_config(config).deploy))["deployment profile/cpu-cron"] == "created"
-        deployment = client.read_deployment_by_name("profile/cpu-cron")
+        assert dict(deploy(config, load_config(config).deploy))["deployment profile/cpu-cron@scheduled-fleet"] == "created"
+        deployment = client.read_deployment_by_name("profile/cpu-cron@scheduled-fleet")
         of_deployment = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
         with started([str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", "scheduled-fleet",
                       "--work-queue", "cpu-cron", "--type", "process", "--limit", "1"], tmp_path / "worker.log",
