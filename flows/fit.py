@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from memplan.flows.report import artifact_key
 from memplan.flows.run_events import announce_scheduled_state
+from memplan.flows.worker_watch import die_with_worker
 from memplan.tasks.config import MAX_OVERHEAD, PipelineConfig, load_config
 from memplan.tasks.fit.search import Dimension, FitError, FitSearch, at_size, search_fit, sequence_inputs
 from memplan.tasks.fit.reference import NoFittingReference
@@ -99,7 +100,7 @@ def check_fit_settings(config: PipelineConfig, model: str | None, max_overhead: 
 
 @flow(name="fit", description="The largest batch that fits the device memory limit: eager, per-block "
       "checkpointing and memplan.", persist_result=False, result_serializer="json",
-      on_running=[announce_scheduled_state])
+      on_running=[announce_scheduled_state, die_with_worker])
 def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_overhead: float = 0.10,
              solver: str = "dtr", max_size: int = 4096, dimension: Dimension = "batch", batch_size: int | None = None,
              config: PipelineConfig | None = None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from prefect import flow, unmapped
 
 from memplan.flows.preflight import check_locations
 from memplan.flows.run_events import announce_scheduled_state
+from memplan.flows.worker_watch import die_with_worker
 from memplan.flows.refine import PlanToValidate, Validate, measured_choices
 from memplan.flows.report import Outcome, create_artifacts
 from memplan.flows.steps import (compiled_plans_step, compiled_search_step, forget_captured, profile_step, publish_step,
@@ -49,7 +50,7 @@ Graph = tuple[str, int, PlanForm]
 
 
 @flow(name="plan", description="Trace, profile, solve, validate and publish the plans of a pipeline.toml.",
-      persist_result=False, result_serializer="json", on_running=[announce_scheduled_state])
+      persist_result=False, result_serializer="json", on_running=[announce_scheduled_state, die_with_worker])
 def plan_flow(config_path: str = "pipeline.toml", refresh: bool = False,
               config: PipelineConfig | None = None) -> list[dict[str, Any]]:
     """Run the pipeline of `config_path` (already parsed as `config` when given: the TOML is read once per

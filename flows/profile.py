@@ -12,6 +12,7 @@ from prefect import flow
 
 from memplan.flows.preflight import check_locations
 from memplan.flows.run_events import announce_scheduled_state
+from memplan.flows.worker_watch import die_with_worker
 from memplan.flows.steps import profile_step, trace_step
 from memplan.tasks.config import PipelineConfig, expand_matrix, graph_forms, load_config
 from memplan.tasks.models import allow_imports_from, check_model, resolve_device
@@ -19,7 +20,7 @@ from memplan.tasks.store.profiles import check_store
 
 
 @flow(name="profile", description="Trace and profile the models of a pipeline.toml into the profile store.",
-      on_running=[announce_scheduled_state])
+      on_running=[announce_scheduled_state, die_with_worker])
 def profile_flow(config_path: str = "pipeline.toml", reuse: bool = False,
                  config: PipelineConfig | None = None) -> list[dict[str, Any]]:
     """Profile every (model, batch size) of `config_path` (parsed once: `config` when given); a new run is

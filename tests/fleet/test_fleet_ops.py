@@ -3,7 +3,8 @@
 and late runs (resuming says which were paused); a host runs one profile at a
 time (`--limit 1`); a host killed mid-run (worker and flow process, SIGKILL) leaves a run that the zombie
 automation marks crashed (no heartbeat) and runs again on the surviving host, with nothing partial in the
-store. Every process started here is stopped in teardown; every wait is bounded.
+store; a worker killed alone takes its flow process along, and that run too is crashed and re-run. Every
+process started here is stopped in teardown; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -215,3 +216,48 @@ def test_one_run_at_a_time_per_host_and_a_dead_hosts_run_is_crashed_and_rerun(se
     assert not [p for p in store.rglob("*") if p.is_file() and not p.name.endswith(".parquet")]
     assert query("SELECT count(*) AS runs, bool_and(complete) AS complete FROM runs", str(store)).to_pylist() == [
         {"runs": 2, "complete": True}]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (an unreaped zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.fleet_e2e
+def test_a_worker_killed_alone_takes_its_flow_process_along_and_the_run_is_rerun(server, project):
+    from datetime import datetime, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    assert _deploy(server, project / "pipeline.toml").exit_code == 0
+    marker = project / "alone.pid"
+    since = datetime.now(timezone.utc)
+    with temporary_settings({PREFECT_API_URL: server}), get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(f"profile/{CLASS}@ops-fleet")
+        of_deployment = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        run = client.create_flow_run_from_deployment(deployment.id)
+
+        def runs() -> dict:                                 # this test's: the earlier tests' and cron runs left out
+            return {r.id: r for r in client.read_flow_runs(deployment_filter=of_deployment)
+                    if not r.auto_scheduled and r.created >= since}
+
+        with _worker(server, project, "host-c", STALL_FILE=str(marker)) as worker:
+            wait_until(marker.exists, 90, "host-c starting the profile run", interval=0.5)
+            flow_process = int(marker.read_text())
+            worker.send_signal(signal.SIGKILL)                  # the worker alone, not its flow process
+            worker.wait(10)
+            wait_until(lambda: not _alive(flow_process), 15, "the flow process ending with its worker", interval=0.5)
+        with _worker(server, project, "host-d"):
+            try:
+                wait_until(lambda: runs()[run.id].state.is_crashed() and len(runs()) == 2 and all(
+                    r.state.is_completed() for i, r in runs().items() if i != run.id), ZOMBIE_AFTER_S + 150,
+                    "the zombie automation crashing the run and host-d completing its re-run", interval=1)
+            except TimeoutError as exc:
+                seen = [(r.name, r.state.type.value, r.state.message) for r in runs().values()]
+                raise AssertionError(f"{exc}; runs: {seen}\n{_logs(project)}") from None
+        assert "No heartbeat" in runs()[run.id].state.message
