@@ -1,9 +1,10 @@
 """`memplan deploy [pipeline.toml]`: Prefect deployments of the `profile`, `plan` and `fit` flows for a fleet.
 
 From the `[deploy]` section (docs/config.md, docs/fleet.md): one process work pool, one work queue per
-device class, and per class the deployments `profile/<class>` (on its `profile_cron`), `plan/<class>`
-(on its `plan_cron`, or on demand) and `fit/<class>` (on its `fit_cron`, or on demand: what fits this
-class's device), on the Prefect server in `PREFECT_API_URL`. Idempotent: a deployment,
+device class, and per class the deployments `profile/<class>@<pool>` (on its `profile_cron`),
+`plan/<class>@<pool>` (on its `plan_cron`, or on demand) and `fit/<class>@<pool>` (on its `fit_cron`, or on
+demand: what fits this class's device), each with its flow's parameter schema (`prefect deployment run
+--param`), on the Prefect server in `PREFECT_API_URL`. Idempotent: a deployment,
 pool, queue or automation that already matches is left untouched (reported `unchanged`), so deploying twice
 changes nothing on the server; `--dry-run` says what would change and changes nothing. Every run gets
 `$MEMPLAN_DEVICE_CLASS` (the plans index records it), heartbeats every `heartbeat_s` and `flow_retries`
@@ -48,7 +49,7 @@ def results_env(deploy: DeployConfig, directory: Path, config_path: Path, cache_
 def parameter_schema(flow: str) -> dict[str, Any]:
     """The JSON schema of what a run of `flow`'s deployment may set (`prefect deployment run --param`, the UI's
     form): every parameter of the flow function but `config` (the parsed file, for in-process callers), read
-    from its source (nothing imported)."""
+    from its source."""
     from prefect.utilities.callables import parameter_schema_from_entrypoint
 
     schema = parameter_schema_from_entrypoint(ENTRYPOINTS[flow].replace(":", ".")).model_dump_for_openapi()

@@ -97,9 +97,8 @@ def register(app: typer.Typer) -> None:
             from rich.table import Table
 
             from memplan.flows.console import console, exit_on_error
-            from memplan.tasks.config import ConfigError, load_config
-
             from memplan.flows.pause import set_paused
+            from memplan.tasks.config import ConfigError, load_config
 
             with exit_on_error(debug):
                 loaded = load_config(config)
