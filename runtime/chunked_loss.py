@@ -51,31 +51,69 @@ def _chunk_logits(hidden: torch.Tensor, weight32: torch.Tensor, bias32: Optional
     return tanh * softcap, tanh
 
 
+def forward_chunks(hidden: torch.Tensor, weight32: torch.Tensor, bias32: Optional[torch.Tensor],
+                   target: torch.Tensor, lse: torch.Tensor, chunk_tokens: int, ignore_index: int,
+                   softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss's forward, `chunk_tokens` tokens of `hidden` (tokens x hidden size) at a time: fills `lse` (fp32,
+    one per token) and returns (the fp32 sum of the non-ignored tokens' losses, their count)."""
+    tokens = hidden.shape[0]
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    valid = target != ignore_index
+    for start in range(0, tokens, chunk_tokens):
+        end = min(start + chunk_tokens, tokens)
+        ok = valid[start:end]
+        if not bool(ok.any()):
+            lse[start:end] = 0.0                       # never read: the rows' gradients are zero
+            continue
+        logits, tanh = _chunk_logits(hidden[start:end], weight32, bias32, softcap)
+        del tanh
+        chunk_lse = torch.logsumexp(logits, dim=-1)
+        lse[start:end] = chunk_lse
+        picked = logits.gather(1, torch.where(ok, target[start:end], 0).unsqueeze(1)).squeeze(1)
+        del logits
+        total += torch.where(ok, chunk_lse - picked, 0.0).sum()
+    return total, valid.sum()
+
+
+def backward_chunks(hidden: torch.Tensor, weight32: torch.Tensor, bias32: Optional[torch.Tensor],
+                    target: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor, chunk_tokens: int,
+                    ignore_index: int, softcap: Optional[float], grad_hidden: Optional[torch.Tensor],
+                    grad_weight: Optional[torch.Tensor], grad_bias: Optional[torch.Tensor]) -> None:
+    """The loss's backward for the loss gradient `scale` per non-ignored token, a chunk at a time (each chunk's
+    logits computed again): writes `grad_hidden`'s rows and adds into `grad_weight` (fp32, the weight's shape; a
+    transposed view works) and `grad_bias` (fp32); any may be None."""
+    valid = target != ignore_index
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = min(start + chunk_tokens, hidden.shape[0])
+        ok = valid[start:end]
+        if not bool(ok.any()):
+            continue
+        h = hidden[start:end].float()
+        logits, tanh = _chunk_logits(h, weight32, bias32, softcap)
+        grad = logits.sub_(lse[start:end].unsqueeze(1)).exp_()          # softmax, in place over the logits
+        rows = ok.nonzero().squeeze(1)
+        grad[rows, target[start:end][rows]] -= 1.0                      # minus the one-hot target
+        grad.mul_((ok.float() * scale).unsqueeze(1))                     # the loss's scale; ignored rows 0
+        if tanh is not None:                                             # d(cap tanh(z / cap)) / dz
+            grad.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+            del tanh
+        if grad_hidden is not None:
+            grad_hidden[start:end] = (grad @ weight32).to(hidden.dtype)
+        if grad_weight is not None:
+            grad_weight.addmm_(grad.t(), h)
+        if grad_bias is not None:
+            grad_bias += grad.sum(0)
+        del grad, logits
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 target: torch.Tensor, chunk_tokens: int, ignore_index: int, reduction: str,
                 softcap: Optional[float]) -> torch.Tensor:
-        weight32 = weight.float()
-        bias32 = bias.float() if bias is not None else None
-        tokens = hidden.shape[0]
-        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        valid = target != ignore_index
-        for start in range(0, tokens, chunk_tokens):
-            end = min(start + chunk_tokens, tokens)
-            ok = valid[start:end]
-            if not bool(ok.any()):
-                lse[start:end] = 0.0                   # never read: the rows' gradients are zero
-                continue
-            logits, tanh = _chunk_logits(hidden[start:end], weight32, bias32, softcap)
-            del tanh
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            lse[start:end] = chunk_lse
-            picked = logits.gather(1, torch.where(ok, target[start:end], 0).unsqueeze(1)).squeeze(1)
-            del logits
-            total += torch.where(ok, chunk_lse - picked, 0.0).sum()
-        count = valid.sum()
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total, count = forward_chunks(hidden, weight.float(), bias.float() if bias is not None else None, target,
+                                      lse, chunk_tokens, ignore_index, softcap)
         loss = total / count if reduction == "mean" else total
         ctx.save_for_backward(hidden, weight, bias, target, lse, count)
         ctx.has_bias = bias is not None
@@ -88,35 +126,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, target, lse, count = ctx.saved_tensors
         chunk_tokens, ignore_index, reduction, softcap = ctx.settings
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        weight32 = weight.float()
-        bias32 = bias.float() if bias is not None else None
         scale = grad_loss.float() / count if reduction == "mean" else grad_loss.float()
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         grad_bias = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
                      if need_bias and bias is not None else None)
-        valid = target != ignore_index
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            end = min(start + chunk_tokens, hidden.shape[0])
-            ok = valid[start:end]
-            if not bool(ok.any()):
-                continue
-            h = hidden[start:end].float()
-            logits, tanh = _chunk_logits(h, weight32, bias32, softcap)
-            grad = logits.sub_(lse[start:end].unsqueeze(1)).exp_()          # softmax, in place over the logits
-            rows = ok.nonzero().squeeze(1)
-            grad[rows, target[start:end][rows]] -= 1.0                      # minus the one-hot target
-            grad.mul_((ok.float() * scale).unsqueeze(1))                     # the loss's scale; ignored rows 0
-            if tanh is not None:                                             # d(cap tanh(z / cap)) / dz
-                grad.mul_(tanh.mul_(tanh).neg_().add_(1.0))
-                del tanh
-            if grad_hidden is not None:
-                grad_hidden[start:end] = (grad @ weight32).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.t(), h)
-            if grad_bias is not None:
-                grad_bias += grad.sum(0)
-            del grad, logits
+        backward_chunks(hidden, weight.float(), bias.float() if bias is not None else None, target, lse, scale,
+                        chunk_tokens, ignore_index, softcap, grad_hidden, grad_weight, grad_bias)
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None,
