@@ -10,8 +10,10 @@ list of an earlier `cat` along the same dimension reads that result instead of t
 value is the same; the graph becomes the one the ACG paper's DenseNet has (cat(x, new) per layer), and
 each piece is needed only until the next concatenation. Then the rewrite passes of runtime/tracing/rewrites.py
 run (`PASSES`): each convolution backward is split into its weight- and input-gradient halves (a pointwise
-one's input gradient a matrix product), cross-entropy and the written-out tanh GELU are fused into ops that
-keep fewer tensors, and each training dropout is split into its mask's draw and its product. Which
+one's input gradient a matrix product), a language model's head and cross-entropy whose logits are large become
+chunked ops that never hold the logits (checked within tolerance, not bit for bit), cross-entropy and the
+written-out tanh GELU are fused into ops that keep fewer tensors, and each training dropout is split into its
+mask's draw and its product. Which
 instances a capture applies is its rewrite selection: by default the default instances (every instance; the
 matrix product only where ATen takes its GEMM path at this thread count) that runtime/tracing/rewrite_check.py finds
 bit-identical on this step's real values on this device and thread count; an explicit one (`rewrites=`, as a
@@ -48,7 +50,7 @@ from memplan.runtime.format.graph import OpGraph
 from memplan.runtime.tracing.program import CaptureError
 from memplan.runtime.tracing.modules import boundary_hooks, strip_boundaries
 from memplan.runtime.tracing.rewrite_check import exact_instances
-from memplan.runtime.tracing.rewrites import PASSES, Rewriter
+from memplan.runtime.tracing.rewrites import PASSES, WITHIN_TOLERANCE, Rewriter
 
 class _LossStep(nn.Module):
     """`loss_fn(model, *batch)` as a module returning a 1-tuple, the form `aot_export_module` needs.
@@ -386,6 +388,9 @@ def _rewrite(gm: fx.GraphModule, on_cpu: bool, selection: Mapping[str, Sequence[
                                f"{rw.found}: the selection was recorded for another model, loss, batch shape or "
                                f"device. Load the plan with the model and batch it was made for.")
         record["applied"][name], record["found"][name] = rw.applied, rw.found
+        if rw.applied and name in WITHIN_TOLERANCE:
+            rtol, atol = WITHIN_TOLERANCE[name]
+            record.setdefault("within_tolerance", {})[name] = {"rtol": rtol, "atol": atol}
     if inputs is not None:
         record["verified_on"] = verification_host(inputs)
     return record

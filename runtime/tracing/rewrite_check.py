@@ -1,5 +1,5 @@
 """Check capture's rewrites on the device that runs them: which instances of a pass compute, on one step's
-real values, bit for bit what the ops they replace compute.
+real values, bit for bit what the ops they replace compute (a pass of `WITHIN_TOLERANCE`: within its tolerance).
 
 `exact_instances` applies a pass to a copy of the joint graph with every default instance (recording each
 instance's region: runtime/tracing/rewrites.py), runs the graph before the pass once on the step's real inputs
@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 from torch import fx
 
-from memplan.runtime.tracing.rewrites import Instance, Rewriter
+from memplan.runtime.tracing.rewrites import WITHIN_TOLERANCE, Instance, Rewriter
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -37,10 +37,20 @@ def bit_identical(a: object, b: object) -> bool:
     return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
+def within(a: object, b: object, rtol: float, atol: float) -> bool:
+    """Whether two results are tensors of one dtype and shape within `rtol` / `atol` (NaNs where each has them)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a is None and b is None
+    return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+            and torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+
+
 def instance_exact(name: str, index: int, replaced: Sequence[object], results: Sequence[object]) -> bool:
     """Whether instance `index` of pass `name` is exact: each of its results is bit-identical to the value
-    it replaces."""
-    return len(replaced) == len(results) and all(bit_identical(a, b) for a, b in zip(replaced, results))
+    it replaces, or for a pass of `WITHIN_TOLERANCE` (another summation order by design) within its tolerance."""
+    tolerance = WITHIN_TOLERANCE.get(name)
+    same = bit_identical if tolerance is None else lambda a, b: within(a, b, *tolerance)
+    return len(replaced) == len(results) and all(same(a, b) for a, b in zip(replaced, results))
 
 
 def exact_instances(gm: fx.GraphModule, name: str, rewrite: Callable[[fx.Graph, Rewriter, bool], None],

@@ -22,7 +22,7 @@ from typing import Any, Callable, Collection, Union
 import torch
 from torch import fx
 
-from memplan.runtime.tracing import dropout, fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops rewritten into)
+from memplan.runtime.tracing import chunked_head, dropout, fused_gelu, fused_loss  # noqa: F401  (register the memplan:: ops rewritten into)
 
 Ref = Union[fx.Node, tuple]
 """A value of the rewritten graph: a node, or (multi-output node, index)."""
@@ -152,6 +152,118 @@ def _native_gemm(grad: fx.Node) -> bool:
     return g.dtype == torch.float64 or (g.dtype == torch.float32 and g.shape[0] < 16 and torch.get_num_threads() == 1)
 
 
+CHUNK_LOGITS_BYTES = 1 << 26
+"""`chunk_cross_entropy` applies by default where the logits take at least this many bytes (64 MiB) ..."""
+CHUNKS = 16
+"""... in this many chunks of rows: one chunk's logits is the ops' workspace."""
+
+
+def chunk_cross_entropy(graph: fx.Graph, rw: Rewriter, on_cpu: bool) -> None:
+    """Rewrite each language-model head and cross-entropy, from the logits' `mm` / `addmm` through the logits'
+    gradient into the head's input, weight and bias gradients, into the ops of runtime/tracing/chunked_head.py:
+    the loss a chunk of rows at a time, keeping the per-row logsumexp, and a backward that computes each chunk's
+    logits again, so no logits-sized tensor exists. Where `fuse_cross_entropy` could fuse the whole loss (the
+    same conditions: the logits and log-probabilities feed nothing else, the seed is `ones_like(loss)`), with no
+    class weights, a mean or sum reduction, float32 logits, and the logits' gradient read only by the head's
+    backward (`_head_backward`). Another summation order: checked within tolerance, not bit for bit
+    (runtime/tracing/rewrite_check.py); by default only where the logits take `CHUNK_LOGITS_BYTES` or more. CPU
+    graphs only (docs/graph-format.md)."""
+    aten = torch.ops.aten
+    for n in list(graph.nodes) if on_cpu else ():
+        if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
+            continue
+        nll, saved, dim, dtype = n.args
+        log_probs = _alias_base(saved)
+        if not (isinstance(nll, fx.Node) and nll.target is aten.nll_loss_backward.default and len(nll.users) == 1
+                and len(nll.args) == 7 and nll.args[1] is log_probs):
+            continue
+        lp = log_probs.meta["val"]
+        if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != torch.float32 or not lp.is_contiguous():
+            continue
+        whole = _whole_loss(log_probs, nll, n)
+        if whole is None:
+            continue
+        forward, product, chain = whole
+        _, target, weight, reduction, ignore_index = forward.args
+        backward = _head_backward(n, product)
+        if weight is not None or reduction not in (chunked_head.MEAN, chunked_head.SUM) or backward is None:
+            continue
+        if not rw.take(lp.numel() * lp.element_size() >= CHUNK_LOGITS_BYTES):
+            continue
+        grads, views = backward
+        bias, x, weight_t = (None, *product.args) if product.target is aten.mm.default else product.args
+        chunk = -(-lp.shape[0] // CHUNKS)
+        with graph.inserting_before(forward):
+            loss = graph.call_function(torch.ops.memplan.chunked_cross_entropy.default,
+                                       (bias, x, weight_t, target, reduction, ignore_index, chunk))
+            total_weight = graph.call_function(operator.getitem, (loss, 1))
+            lse = graph.call_function(operator.getitem, (loss, 2))
+        loss.meta = {"val": _fake_call(loss, lp)}
+        total_weight.meta, lse.meta = {"val": loss.meta["val"][1]}, {"val": loss.meta["val"][2]}
+        outputs: list[tuple[fx.Node, Ref]] = []
+        for item in list(forward.users):             # the loss and its total weight keep their nodes
+            outputs.append((item, (loss, item.args[1])))
+            item.args = (loss, item.args[1])
+        order = {m: i for i, m in enumerate(graph.nodes)}
+        with graph.inserting_before(min(grads.values(), key=order.__getitem__)):
+            grad = graph.call_function(torch.ops.memplan.chunked_cross_entropy_backward.default,
+                                       (bias, x, weight_t, target, lse, total_weight, reduction, ignore_index, chunk,
+                                        "input" in grads, "weight" in grads))
+        grad.meta = {"val": _fake_call(grad, lp)}
+        for index, which in enumerate(("input", "weight", "bias")):
+            if which in grads:
+                old = grads[which]
+                with graph.inserting_before(old):
+                    item = graph.call_function(operator.getitem, (grad, index))
+                item.meta = {**old.meta, "val": grad.meta["val"][index]}
+                outputs.append((old, item))
+                old.replace_all_uses_with(item)
+        _erase_replaced(graph, [*grads.values(), *views, n, nll, nll.args[0], saved, forward, *chain])
+        rw.done(outputs)
+
+
+def _head_backward(grad: fx.Node, product: fx.Node) -> tuple[dict[str, fx.Node], list[fx.Node]] | None:
+    """({"input": ..., "weight": ..., "bias": ...}: the nodes computing the head's gradients from the logits'
+    gradient `grad`, those present; the views and transposes of `grad` they read through) where the head is
+    `product` (`mm(x, weight_t)` / `addmm(bias, x, weight_t)`) and nothing else reads `grad`: `mm(g, t(weight_t))`
+    (the input's gradient), `mm(t(g), x)` (the weight's, classes x hidden) and `sum(g, [0], True)` (the bias's),
+    `g` a view of `grad` of its shape; None otherwise."""
+    aten = torch.ops.aten
+    bias, x, weight_t = (None, *product.args) if product.target is aten.mm.default else product.args
+    views: list[fx.Node] = []
+    grads: dict[str, fx.Node] = {}
+    frontier, shape = [grad], tuple(grad.meta["val"].shape)
+    while frontier:
+        g = frontier.pop()
+        for user in g.users:
+            if _is_check(user):
+                continue
+            if user.target in (aten.view.default, aten._unsafe_view.default) or _saving_alias(user):
+                views.append(user)
+                frontier.append(user)
+                continue
+            if tuple(g.meta["val"].shape) != shape:
+                return None
+            args = user.args
+            if (user.target is aten.mm.default and args[0] is g and isinstance(args[1], fx.Node)
+                    and args[1].target is aten.t.default and _alias_base(args[1].args[0]) is weight_t):
+                which, read = "input", args[1]
+            elif user.target is aten.t.default and len(user.users) == 1:
+                which, read, user = "weight", user, next(iter(user.users))
+                if not (user.target is aten.mm.default and user.args[0] is read and _alias_base(user.args[1]) is x):
+                    return None
+            elif (bias is not None and user.target is aten.sum.dim_IntList and len(args) == 3 and args[0] is g
+                  and list(args[1]) == [0] and args[2] is True and not user.kwargs):
+                which, read = "bias", None
+            else:
+                return None
+            if which in grads:
+                return None
+            grads[which] = user
+            views.extend([read] if read is not None else [])
+    return (grads, views) if grads else None
+
+
 def fuse_cross_entropy(graph: fx.Graph, rw: Rewriter, on_cpu: bool) -> None:
     """Rewrite each cross-entropy loss into the ops of runtime/tracing/fused_loss.py (the same ATen kernels, fewer
     logits-sized tensors): the whole loss, from the logits' `mm` / `addmm` to the logits' gradient, into
@@ -260,11 +372,16 @@ def split_dropout(graph: fx.Graph, rw: Rewriter, on_cpu: bool) -> None:
 PASSES: list[tuple[str, Callable[[fx.Graph, Rewriter, bool], None]]] = [
     ("split_convolution_backward", split_convolution_backward),
     ("pointwise_input_gradient", pointwise_input_gradient),
+    ("chunk_cross_entropy", chunk_cross_entropy),
     ("fuse_cross_entropy", fuse_cross_entropy),
     ("fuse_tanh_gelu", fuse_tanh_gelu),
     ("split_dropout", split_dropout),
 ]
 """Capture's rewrite passes in the order they run; the names key graph and plan records."""
+
+WITHIN_TOLERANCE: dict[str, tuple[float, float]] = {"chunk_cross_entropy": (1e-4, 1e-5)}
+"""Passes that compute in another summation order by design, and the (rtol, atol) (the validation's float32
+defaults) their instances are checked and recorded within (`meta["rewrites"]["within_tolerance"]`)."""
 
 
 def _tanh_gelu(tb: fx.Node) -> tuple[fx.Node, fx.Node, tuple, list[fx.Node], list[fx.Node]] | None:

@@ -38,7 +38,8 @@ def _build(helpers, name):
 
 @pytest.mark.parametrize("name, passes", [
     ("cnn", {"split_convolution_backward", "pointwise_input_gradient", "fuse_cross_entropy"}),
-    ("gpt2", {"fuse_cross_entropy", "fuse_tanh_gelu", "split_dropout"})])
+    # GPT-2's head and loss is also a candidate of the chunked loss, which by default applies to larger logits
+    ("gpt2", {"chunk_cross_entropy", "fuse_cross_entropy", "fuse_tanh_gelu", "split_dropout"})])
 def test_the_rewrites_check_exact_on_this_cpu_and_the_graph_trains_bit_for_bit(helpers, name, passes):
     """Verified capture applies every default instance (each checked on the step's real values, dropout's
     from the same generator state) and the graph trains like eager to the bit."""
