@@ -164,29 +164,26 @@ def chunk_cross_entropy(graph: fx.Graph, rw: Rewriter, on_cpu: bool) -> None:
     the loss a chunk of rows at a time, keeping the per-row logsumexp, and a backward that computes each chunk's
     logits again, so no logits-sized tensor exists. Where `fuse_cross_entropy` could fuse the whole loss (the
     same conditions: the logits and log-probabilities feed nothing else, the seed is `ones_like(loss)`), with no
-    class weights, a mean or sum reduction, float32 logits, and the logits' gradient read only by the head's
-    backward (`_head_backward`). Another summation order: checked within tolerance, not bit for bit
+    class weights, a mean or sum reduction, float32 logits, a contiguous head input, and the logits' gradient read
+    only by the head's backward (`_head_backward`). Another summation order: checked within tolerance, not bit for bit
     (runtime/tracing/rewrite_check.py); by default only where the logits take `CHUNK_LOGITS_BYTES` or more. CPU
     graphs only (docs/graph-format.md)."""
     aten = torch.ops.aten
     for n in list(graph.nodes) if on_cpu else ():
-        if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
+        loss_backward = _loss_backward(n)
+        if loss_backward is None or loss_backward[2].meta["val"].dtype != torch.float32:
             continue
-        nll, saved, dim, dtype = n.args
-        log_probs = _alias_base(saved)
-        if not (isinstance(nll, fx.Node) and nll.target is aten.nll_loss_backward.default and len(nll.users) == 1
-                and len(nll.args) == 7 and nll.args[1] is log_probs):
-            continue
+        nll, saved, log_probs = loss_backward
         lp = log_probs.meta["val"]
-        if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != torch.float32 or not lp.is_contiguous():
-            continue
         whole = _whole_loss(log_probs, nll, n)
         if whole is None:
             continue
         forward, product, chain = whole
         _, target, weight, reduction, ignore_index = forward.args
         backward = _head_backward(n, product)
-        if weight is not None or reduction not in (chunked_head.MEAN, chunked_head.SUM) or backward is None:
+        x = product.args[-2]
+        if (weight is not None or reduction not in (chunked_head.MEAN, chunked_head.SUM) or backward is None
+                or not x.meta["val"].is_contiguous()):
             continue
         if not rw.take(lp.numel() * lp.element_size() >= CHUNK_LOGITS_BYTES):
             continue
@@ -220,6 +217,24 @@ def chunk_cross_entropy(graph: fx.Graph, rw: Rewriter, on_cpu: bool) -> None:
                 old.replace_all_uses_with(item)
         _erase_replaced(graph, [*grads.values(), *views, n, nll, nll.args[0], saved, forward, *chain])
         rw.done(outputs)
+
+
+def _loss_backward(n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(the `nll_loss_backward`, the saved log-probabilities as the backward reads them, the `_log_softmax`) where
+    `n` is the `_log_softmax_backward_data` of a cross-entropy: over a contiguous rows x classes `_log_softmax` along
+    dimension 1, of `n`'s dtype, reading a loss gradient no other node reads; None otherwise."""
+    aten = torch.ops.aten
+    if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
+        return None
+    nll, saved, dim, dtype = n.args
+    log_probs = _alias_base(saved)
+    if not (isinstance(nll, fx.Node) and nll.target is aten.nll_loss_backward.default and len(nll.users) == 1
+            and len(nll.args) == 7 and nll.args[1] is log_probs):
+        return None
+    lp = log_probs.meta["val"]
+    if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous():
+        return None
+    return nll, saved, log_probs
 
 
 def _head_backward(grad: fx.Node, product: fx.Node) -> tuple[dict[str, fx.Node], list[fx.Node]] | None:
@@ -273,16 +288,11 @@ def fuse_cross_entropy(graph: fx.Graph, rw: Rewriter, on_cpu: bool) -> None:
     other reader. CPU graphs only (docs/graph-format.md)."""
     aten = torch.ops.aten
     for n in list(graph.nodes) if on_cpu else ():
-        if n.op != "call_function" or n.target is not aten._log_softmax_backward_data.default:
+        loss_backward = _loss_backward(n)
+        if loss_backward is None or not rw.take():
             continue
-        nll, saved, dim, dtype = n.args
-        log_probs = _alias_base(saved)
-        if not (isinstance(nll, fx.Node) and nll.target is aten.nll_loss_backward.default and len(nll.users) == 1
-                and len(nll.args) == 7 and nll.args[1] is log_probs):
-            continue
-        lp = log_probs.meta["val"]
-        if lp.dim() != 2 or dim not in (1, -1) or lp.dtype != dtype or not lp.is_contiguous() or not rw.take():
-            continue
+        nll, saved, log_probs = loss_backward
+        dtype = n.args[3]
         whole = _whole_loss(log_probs, nll, n)
         if whole is None:
             with graph.inserting_before(n):
