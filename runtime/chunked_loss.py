@@ -25,8 +25,9 @@ embedding's add up as autograd adds any two uses of a tensor.
 `causal_lm_chunked_loss(hidden, weight, input_ids)` shifts the labels as transformers' `ForCausalLMLoss` does, and
 `chunked_causal_lm_loss(model, input_ids)` (or `ChunkedCausalLMLoss(model)`) runs a transformers `*ForCausalLM` /
 `GPT2LMHeadModel`'s base model to its hidden states and applies the chunked loss with its `lm_head`: the value of
-`model(input_ids, labels=input_ids).loss`, without the logits. Memory plans do not choose this loss yet (it is not
-offered to the planner as an implementation variant): a step calls it in place of the model's own loss.
+`model(input_ids, labels=input_ids).loss`, without the logits. `forward_chunks` and `backward_chunks` are also the
+arithmetic of the ops `runtime.capture` rewrites a large head and loss into in CPU graphs
+(runtime/tracing/chunked_head.py), so executor plans of such a step hold no logits without this function.
 """
 
 from __future__ import annotations
