@@ -37,8 +37,8 @@ def graph_path(cache_dir: str | Path, model: str, batch_size: int, fingerprint: 
 def capture_model(spec: ModelConfig, batch_size: int, device: str, seed: int, form: PlanForm = "executor",
                   built: Built | None = None) -> OpGraph:
     """Capture `spec`'s training step on `device` (the graph carries its FX program, for profiling). For the
-    executor `form`, with only the rewrite instances that are bit-identical on this device
-    (`runtime.capture(..., verify=True)`): the selection lands in `meta["rewrites"]` and from there in every
+    executor `form`, with only the rewrite instances that are bit-identical on this device, and a large chunked
+    head and loss found within the validation tolerance (`runtime.capture(..., verify=True)`): the selection lands in `meta["rewrites"]` and from there in every
     plan made for the graph. For the policy form, as eager PyTorch runs it (`runtime.policy.apply.capture_eager`);
     a step that records no repeated module, which the policy form checkpoints, is refused. `built`: the model
     (on `device`), loss and batch to capture instead of building them from `spec` (`memplan.plan`'s; `spec` then

@@ -110,12 +110,16 @@ VARIANTS = (
     ' a warning; a plan\'s `variants` setting (`"all"`, `"bit-identical"`: only variants found exact, '
     '`"none"`; `memplan solve --variants`) limits what the solver may choose; convolution backward is'
     ' split into weight- and input-gradient nodes at capture (grouped ones on CPU graphs only: CUDA '
-    'rounds their halves differently), cross-entropy fused into ops that hold one logits-sized tensor'
+    'rounds their halves differently), a language model\'s head and cross-entropy whose logits take 64'
+    ' MiB or more chunked into ops that hold no logits-sized tensor (the logits computed again in the '
+    'backward; another summation order, checked within the validation tolerance), cross-entropy fused '
+    'into ops that hold one logits-sized tensor'
     " where the captured loss held three, the written-out tanh GELU (transformers' `gelu_new`) fused "
     'into ops whose backward keeps two of the four tensors it kept (both fusions on CPU graphs only: '
     'on a GPU their blockwise kernels cost more time than they save memory), and the key/value '
     "cache's copies of keys and values dropped, each rewrite instance applied only where the trace "
-    'stage finds it bit-identical on the profiling device (docs/graph-format.md); '
+    'stage finds it bit-identical (the chunked loss: within tolerance) on the profiling device '
+    '(docs/graph-format.md); '
     'docs/plan-format.md), the simulator charges the variant each step names, and a plan can carry an'
     ' arena address for every value copy (`--addresses greedy` or `addresses = "greedy"`: largest '
     "first, best gap; `olla`: OLLA's location ILP), which `runtime.load(plan, model, loss_fn, "
