@@ -8,7 +8,10 @@ backward, no optimizer) per row:
 - eager: `model(ids, labels=ids).loss.backward()`;
 - eager + chunked loss: `chunked_causal_lm_loss(model, ids, chunk_tokens=...)`;
 - per-block checkpointing: transformers' `gradient_checkpointing_enable(use_reentrant=False)`, its own loss;
-- per-block + chunked loss.
+- per-block + chunked loss;
+- memplan's executor, the captured order (`runtime.default_plan`, no recomputation), of the graph whose loss is
+  fused (`fuse_cross_entropy`: one logits-sized tensor) and of the graph whose head and loss are chunked
+  (`chunk_cross_entropy`, 16 chunks, the default at this size: no logits-sized tensor), the model's own loss.
 Peaks are `PeakMeter("cpu", allocator=True)` on a step after the first; each row's peak is its fraction of
 eager's. Times are interleaved rounds (`tasks.validate.step_timing.paired_step_times`: the rows take turns, reversed every
 other round), reported as the median per-round ratio to eager's step with its distribution-free 95% interval
@@ -23,8 +26,10 @@ import statistics
 
 import torch
 
+from memplan import runtime
 from memplan.runtime.chunked_loss import chunked_causal_lm_loss
 from memplan.runtime.measure.meter import PeakMeter
+from memplan.tasks.models import causal_lm
 from memplan.tasks.validate.step_timing import median_interval, paired_step_times
 
 
@@ -59,9 +64,22 @@ def main(argv=None) -> None:
     def chunked(model):
         return lambda: chunked_causal_lm_loss(model, ids, chunk_tokens=args.chunk_tokens).backward()
 
+    def planned(chunk: bool):
+        """A copy of the model run by memplan's executor in the captured order, the loss chunked or fused."""
+        model = copy.deepcopy(eager)
+        graph = runtime.capture(model, causal_lm, (ids,))
+        if chunk != bool(graph.meta["rewrites"]["applied"]["chunk_cross_entropy"]):
+            selection = {**graph.meta["rewrites"]["applied"], "chunk_cross_entropy": [0] if chunk else [],
+                         "fuse_cross_entropy": [] if chunk else [0]}
+            graph = runtime.capture(model, causal_lm, (ids,), rewrites=selection)
+        step = runtime.load(runtime.default_plan(graph), model, causal_lm, graph=graph)
+        step.compile(ids)
+        return model, lambda: step(ids)
+
     rows = [("eager", eager, hf(eager)), ("eager + chunked loss", eager, chunked(eager)),
             ("per-block checkpointing", checkpointed, hf(checkpointed)),
-            ("per-block + chunked loss", checkpointed, chunked(checkpointed))]
+            ("per-block + chunked loss", checkpointed, chunked(checkpointed)),
+            ("memplan executor, fused loss", *planned(False)), ("memplan executor, chunked loss", *planned(True))]
 
     reference = None
     for name, model, step in rows:                   # same losses and gradients as eager's (float rounding)
