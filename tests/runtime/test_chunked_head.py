@@ -169,3 +169,21 @@ def test_losses_it_cannot_compute_are_left_alone(loss_fn):
     assert g.meta["rewrites"]["found"]["chunk_cross_entropy"] == 0
     with pytest.raises(CaptureError, match="chunk_cross_entropy"):
         runtime.capture(model, loss_fn, batch, rewrites={"chunk_cross_entropy": [0]})
+
+
+def test_the_profile_sees_a_chunk_of_logits_as_the_ops_workspace(helpers):
+    """The chunk's logits live inside the ops (their results are small): the profile measures them as each node's
+    workspace, which the planners and the simulator charge, below one whole logits tensor."""
+    if helpers.device.type != "cpu":
+        pytest.skip("the chunked rewrite applies to CPU graphs")
+    from memplan.tasks.profile.stage import ProfileSettings, measure_graph
+
+    torch.manual_seed(0)
+    vocab = 4096
+    model = Head(vocab)
+    batch = (torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64)))
+    g = runtime.capture(model, head_loss, batch, rewrites={"chunk_cross_entropy": [0]})
+    rows = {r["op"]: r for r in measure_graph(g, "cpu", ProfileSettings(), progress=False) if r["impl"] == "default"}
+    chunk_logits, logits = -(-128 // rewrites.CHUNKS) * vocab * 4, 128 * vocab * 4
+    for op in CHUNKED:
+        assert chunk_logits <= rows[op]["workspace_bytes"] < logits / 2, op
