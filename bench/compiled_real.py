@@ -18,7 +18,9 @@ per block under inductor (`create_selective_checkpoint_contexts` with a policy t
 attention, torchtitan's `_save_list`, and recomputes every other op); and memplan's compiled plans:
 `memplan.tasks.compiled.plans.CompiledModel.search(peak, probes=--probes)` at each compiled PyTorch row's measured
 peak (and at `--below` times it), deduplicated, each rebuilt as `CompiledStep(fn, PlannedDecide((region,)))`.
-Plans are solved by `--solver` on the joint graph (tasks/compiled/form.py) and measured compiled.
+Plans are solved by `--solver` on the joint graph (tasks/compiled/form.py) and measured compiled; where none of those
+fits, the search measures its segment candidates (`memplan segments stride/tail`: checkpointing between the joint
+graph's cuts, `tasks.compiled.form.segment_decision`).
 
 Peaks: `PeakMeter("cpu", allocator=True)` of a step after the compiling one, over eager's. Times: every row takes a
 turn in each of `--rounds` interleaved rounds (the order reversed every other round; one warm-up round), reported as
@@ -294,16 +296,19 @@ def bench_model(name: str, args, out: list[str]) -> None:
                 tag = peer if scale == 1.0 else f"{scale:g} x {peer}"
                 print(f"  search at {tag} ({budget:,} B): "
                       + ("none" if probe is None else
-                         f"fraction {probe.fraction}, measured {probe.measured_peak_bytes:,} B"), flush=True)
-                if probe is not None and probe.fraction is not None:
+                         f"{probe.label}, measured {probe.measured_peak_bytes:,} B"), flush=True)
+                if probe is not None and probe.segments is not None:
+                    found.setdefault(f"memplan {probe.label}", probe)
+                elif probe is not None and probe.fraction is not None:
                     found.setdefault(f"memplan {args.solver} @ {probe.fraction:.4g}", probe)
                 elif probe is not None and scale == 1.0 and peer != "inductor":
                     own.add(peer)
     search_s = time.perf_counter() - start
-    probes = [(p.fraction, p.measured_peak_bytes, round(p.compile_seconds)) for p in search.probes]
+    probes = [(p.label, p.measured_peak_bytes, round(p.recompute_cost, 1), round(p.compile_seconds))
+              for p in search.probes]
     print(f"  search: {len(search.probes)} plans measured in {search_s:.0f} s: {probes}", flush=True)
     ours = []
-    for label, probe in sorted(found.items(), key=lambda kv: -kv[1].fraction):
+    for label, probe in sorted(found.items(), key=lambda kv: kv[1].recompute_cost):
         decide = PlannedDecide((probe.region,), unplanned="error")
         add(label, CompiledStep(step_fn["none"], decide))
         ours.append(label)
@@ -351,9 +356,9 @@ def bench_model(name: str, args, out: list[str]) -> None:
     lines += ["", f"Frontier (peak, time over eager's), PyTorch: {fmt(theirs)}.", "",
               f"Frontier, memplan: {fmt(mine) or 'none'}.", "",
               f"PyTorch rows dominated with 95% confidence: {sum(bool(dominated[p]) for p in peers)} of {len(peers)}.",
-              "", "Plans measured by the search (fraction: peak / eager): " + ", ".join(
-                  f"{'inductor' if p.fraction is None else f'{p.fraction:.3g}'}: "
-                  f"{p.measured_peak_bytes / peaks['eager']:.3f}" for p in search.probes) + ".", ""]
+              "", "Plans measured by the search (plan: peak / eager, estimated recompute ms): " + ", ".join(
+                  f"{p.label}: {p.measured_peak_bytes / peaks['eager']:.3f}, {p.recompute_cost:.0f}"
+                  for p in search.probes) + ".", ""]
     print("\n".join(lines), flush=True)
     out.extend(lines)
     steps.clear()

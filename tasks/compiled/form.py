@@ -160,3 +160,86 @@ def compile_step(fn, *, fraction: float = 0.6, solver: str = "dtr", save: str = 
     from memplan.runtime.compiled.step import CompiledStep
 
     return CompiledStep(fn, FractionDecision(solver, fraction, save))
+
+
+def _sourced(joint: JointGraph) -> frozenset[int]:
+    """Forward values computed from no graph input at all (constants, random seeds, `arange`): any kernel can make
+    them, so they neither cut the forward nor are tagged."""
+    sourced: set[int] = set()
+    for node in joint.nodes:
+        if node.phase == "forward" and all(v in sourced for v in node.inputs):
+            sourced.update(node.outputs)
+    return frozenset(sourced)
+
+
+def forward_cuts(joint: JointGraph) -> list[int]:
+    """The forward nodes (indices into `joint.nodes`, in order) after which one value they make alone carries the
+    forward on: no other value a forward node made is read by a later forward node (graph inputs and `_sourced`
+    values aside). In a residual network these are the residual adds, the embedding's output and the chain to the
+    loss: where `torch.utils.checkpoint` around each block saves its input."""
+    sourced = _sourced(joint)
+    made = {v for node in joint.nodes if node.phase == "forward" for v in node.outputs} - sourced
+    forward = [i for i, node in enumerate(joint.nodes) if node.phase == "forward"]
+    last_read: dict[int, int] = {}
+    for i in forward:
+        for v in joint.nodes[i].inputs:
+            if v in made:
+                last_read[v] = i
+    live: set[int] = set()
+    cuts = []
+    for i in forward:
+        outputs = joint.nodes[i].outputs
+        live = {v for v in live if last_read[v] > i} | {v for v in outputs if last_read.get(v, -1) > i}
+        if len(live) == 1 and live <= set(outputs):
+            cuts.append(i)
+    return cuts
+
+
+def segment_cuts(joint: JointGraph) -> list[int]:
+    """`forward_cuts` that end a segment with floating-point work (a matmul, attention, convolution) since the
+    previous one, the first cut included: on a transformer, the embedding, each block's two residual adds and the
+    head's matmul."""
+    cuts = forward_cuts(joint)
+    out: list[int] = []
+    for i in cuts:
+        if not out or any(joint.nodes[k].flops > 0 for k in range(out[-1] + 1, i + 1)):
+            out.append(i)
+    return out
+
+
+SEGMENTS = ((1, 1), (2, 1), (1, 2), (1, 3), (1, 4))
+"""The structured candidates the measured search adds (`segment_decision`'s `(stride, tail)`): checkpointing at
+every segment cut or every second one (a transformer block's two residual adds: `torch.utils.checkpoint` per
+block), the head's segment left to the partitioner; and the last 1-3 segments more not recomputed (the backward
+starts there, so recomputing them saves little memory for their time)."""
+
+
+def segment_decision(joint: JointGraph, stride: int, tail: int) -> Decision | None:
+    """Checkpointing by segments (`segment_cuts`), as `torch.utils.checkpoint` around blocks does but on the joint
+    graph: the values of every `stride`-th cut from the first, and of the last one recomputed after, are saved
+    (`MUST_SAVE`) and every other forward node between the first cut and the `tail`-th last is recomputed
+    (`MUST_RECOMPUTE`); the nodes before the first cut and the last `tail` segments (at least the head's) are left
+    to the partitioner. None where no segment is left to recompute."""
+    if stride < 1 or tail < 1:
+        raise ValueError(f"stride {stride} and tail {tail} must be at least 1")
+    cuts = segment_cuts(joint)
+    end = len(cuts) - 1 - tail
+    if end < 1:
+        return None
+    bounds = {cuts[k] for k in range(0, end, stride)} | {cuts[end]}
+    sourced = _sourced(joint)
+    recompute = {joint.nodes[i].name for i in range(cuts[0] + 1, cuts[end] + 1)
+                 if i not in bounds and joint.nodes[i].phase == "forward"
+                 and not set(joint.nodes[i].outputs) <= sourced}
+    return Decision(frozenset(recompute), frozenset(joint.nodes[i].name for i in bounds))
+
+
+class SegmentDecision:
+    """A `Decide` for the compiled form: `segment_decision(joint, stride, tail)` (none tagged where it has no
+    segment to recompute)."""
+
+    def __init__(self, stride: int, tail: int) -> None:
+        self.stride, self.tail = stride, tail
+
+    def __call__(self, joint: JointGraph) -> Decision:
+        return segment_decision(joint, self.stride, self.tail) or Decision()

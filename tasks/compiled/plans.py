@@ -12,10 +12,17 @@ plans at fractions chosen from what it measured (`next_fraction`): from `B / M` 
 extrapolating the last step where the peak fell (at most twice the even step) and otherwise by the even step that
 spreads the plans left over the rest of the range (the measured peak need not fall with the fraction: on
 transformers' GPT-2 with dropout it measured 5.4 MB at 0.25, 7.3 at 0.55 and 8.8 at 0.2); then by bisection between the highest fraction that fits and the lowest above it that does not, up to
-`probes` plans or until they are `RESOLUTION` apart. Every plan measured is kept for the model and batch size, so the
-budgets of one run share them: each budget's answer is the measured plan with the highest fraction (the least
-recomputation; inductor's own first) within `B`. A lower budget therefore never gets a plan that measured more than
-a higher budget's. The compile is deterministic, so a plan's predicted peak is what the search measured for it;
+`probes` plans or until they are `RESOLUTION` apart. Where none of those measured within `B`, the search measures
+the segment candidates once (`tasks.compiled.form.SEGMENTS`: checkpointing the joint graph between the cuts where one
+value alone carries the forward on, as `torch.utils.checkpoint` around each block does, with the last segments left
+un-recomputed). The solver's own decisions cannot reach as low: on the grouped-query Llama of bench/compiled_real.py
+the simulator's least peak lies where the saved activations are not live, so at any fraction below about 0.6 its
+schedule keeps the same matmul outputs (tagged `MUST_SAVE`) and measured 0.674-0.689 of eager's peak, where
+checkpointing per block measured 0.615 (docs/measurements/compiled-form.md). Every plan measured is kept for the model
+and batch size, so the budgets of one run share them: each budget's answer is the measured plan within `B` with the
+least recomputation: the least estimated cost of the nodes it tags to recompute (`Probe.recompute_cost`; inductor's
+own: none), then the highest fraction. A lower budget therefore never gets a plan that measured more than a higher
+budget's. The compile is deterministic, so a plan's predicted peak is what the search measured for it;
 validation measures it again. The simulator's peak of the partition inductor made (`cut_peak`) is recorded beside it
 (`provenance.simulated_peak_bytes`). A `max_overhead` limit takes the least simulated peak whose predicted cost (the
 roofline estimate) is within `(1 + max_overhead)` of the no-recomputation schedule's (`least_memory_within`) and
@@ -37,7 +44,8 @@ from memplan.runtime.compiled.records import Decision, JointGraph, RegionDecisio
 from memplan.runtime.compiled.partition import Partitioned
 from memplan.runtime.compiled.step import CompiledStep, GraphBreakError
 from memplan.runtime.format.plan import Plan, memplan_version, plan_id
-from memplan.tasks.compiled.form import FractionDecision, cut_peak, joint_problem
+from memplan.tasks.compiled.form import (SEGMENTS, FractionDecision, SegmentDecision, cut_peak, joint_problem,
+                                         segment_decision)
 from memplan.tasks.config import Budget, MemplanError, ModelConfig
 from memplan.tasks.models import build_batch, build_loss, build_model
 from memplan.tasks.records import Solved
@@ -57,9 +65,12 @@ LEAST_FRACTION = 0.05
 
 @dataclass(frozen=True)
 class Probe:
-    """One compiled plan measured: the fraction it was solved at (None: inductor's own partition), its region
-    decision, the simulator's peak of the partition inductor made (`cut_peak`), the predicted cost (ms) of the
-    solver's schedule, its measured peak and the seconds its compile took."""
+    """One compiled plan measured: the fraction it was solved at (None: inductor's own partition or a segment
+    candidate), its region decision, the simulator's peak of the partition inductor made (`cut_peak`), the
+    predicted cost (ms) of the solver's schedule, its measured peak and the seconds its compile took; for a
+    segment candidate its `(stride, tail)` (`tasks.compiled.form.segment_decision`); and the estimated cost (ms,
+    the joint problem's roofline) of the forward nodes it tags for recomputation, by which the search ranks plans
+    (0: inductor's own)."""
 
     fraction: float | None
     region: RegionDecision
@@ -67,6 +78,15 @@ class Probe:
     predicted_cost: float | None
     measured_peak_bytes: int
     compile_seconds: float
+    segments: tuple[int, int] | None = None
+    recompute_cost: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """"inductor", "fraction 0.600" or "segments 2/1" (stride / tail)."""
+        if self.segments is not None:
+            return f"segments {self.segments[0]}/{self.segments[1]}"
+        return "inductor" if self.fraction is None else f"fraction {self.fraction:.3f}"
 
 
 class CompiledGraphError(MemplanError):
@@ -83,6 +103,7 @@ class CompiledModel:
             name, model, loss_fn, batch, device, solver
         self.probes: list[Probe] = []
         self.inductor, joint = self._measure(None)
+        self.joint: JointGraph = joint
         self.problem: Problem = joint_problem(joint)
         self.simulated = simulate(self.problem, default_schedule(self.problem))
         self.random = any(n.target.startswith(RANDOM) for n in joint.nodes)
@@ -93,18 +114,20 @@ class CompiledModel:
         compiles to compare gradients with eager's; None for a step that draws none."""
         if not self.random:
             return None
-        cut, _, _ = self._compiled(probe.fraction, exact_random=True, measure=False)
+        cut, _, _ = self._compiled(probe.fraction, exact_random=True, measure=False, segments=probe.segments)
         return RegionDecision(cut.fingerprint, cut.decision)
 
-    def _compiled(self, fraction: float | None, exact_random: bool = False,
-                  measure: bool = True) -> tuple[Partitioned, CompiledStep, int]:
-        """Compile the step on a copy of the model with the decision at `fraction` (None: inductor's own) and run
-        it once; with `measure`, the peak of a second step (`PeakMeter(allocator=True)`), else 0. The joint graph's
-        cut, the step (its decision's solutions, compile time) and the peak; Dynamo's caches are reset after."""
+    def _compiled(self, fraction: float | None, exact_random: bool = False, measure: bool = True,
+                  segments: tuple[int, int] | None = None) -> tuple[Partitioned, CompiledStep, int]:
+        """Compile the step on a copy of the model with the decision at `fraction` (None: inductor's own), or
+        with `segments` the segment candidate `(stride, tail)`, and run it once; with `measure`, the peak of a
+        second step (`PeakMeter(allocator=True)`), else 0. The joint graph's cut, the step (its decision's
+        solutions, compile time) and the peak; Dynamo's caches are reset after."""
         from memplan.runtime.measure.meter import PeakMeter
 
         replica = copy.deepcopy(self.model)
-        decide = FractionDecision(self.solver, fraction) if fraction is not None else _inductor
+        decide = (SegmentDecision(*segments) if segments is not None
+                  else FractionDecision(self.solver, fraction) if fraction is not None else _inductor)
         step = CompiledStep(_step_of(self.loss_fn, replica), decide, exact_random=exact_random)
         peak = 0
         try:
@@ -125,15 +148,35 @@ class CompiledModel:
                                      f"not one: the compiled form plans a step torch.compile compiles whole.")
         return step.partitioned[0], step, peak
 
-    def _measure(self, fraction: float | None) -> tuple[Probe, JointGraph]:
-        """The plan at `fraction` (None: inductor's own) compiled and measured, kept in `probes`."""
-        cut, step, peak = self._compiled(fraction)
-        solution = None if fraction is None else step.partitioner.decide.solutions[0]
+    def _measure(self, fraction: float | None, segments: tuple[int, int] | None = None) -> tuple[Probe, JointGraph]:
+        """The plan at `fraction` (None: inductor's own), or the segment candidate `segments`, compiled and
+        measured, kept in `probes`."""
+        cut, step, peak = self._compiled(fraction, segments=segments)
+        solution = None if fraction is None or segments is not None else step.partitioner.decide.solutions[0]
         cost = solution.objective if solution is not None and solution.feasible else None
+        problem = joint_problem(cut.joint)
+        tagged = cut.decision.recompute
+        recompute_cost = float(sum(c for c, name in zip(problem.cost, problem.node_names) if name in tagged))
         probe = Probe(fraction, RegionDecision(cut.fingerprint, cut.decision), cut_peak(cut.joint, cut.saved_values),
-                      cost, peak, step.compile_seconds)
+                      cost, peak, step.compile_seconds, segments, recompute_cost)
         self.probes.append(probe)
         return probe, cut.joint
+
+    def measure_segments(self) -> list[Probe]:
+        """The segment candidates (`tasks.compiled.form.SEGMENTS`), each compiled and measured once; those whose
+        decision recomputes nothing or repeats another's are skipped."""
+        seen = {p.region.decision for p in self.probes}
+        out = []
+        for stride, tail in SEGMENTS:
+            known = next((p for p in self.probes if p.segments == (stride, tail)), None)
+            if known is None:
+                decision = self._segment_decision(stride, tail)
+                if decision is None or decision in seen:
+                    continue
+                seen.add(decision)
+                known = self._measure(None, (stride, tail))[0]
+            out.append(known)
+        return out
 
     def measure(self, fraction: float) -> Probe:
         """The plan solved at `fraction`, measured (once per fraction, to 4 decimals)."""
@@ -141,22 +184,27 @@ class CompiledModel:
         known = next((p for p in self.probes if p.fraction == fraction), None)
         return known if known is not None else self._measure(fraction)[0]
 
+    def _segment_decision(self, stride: int, tail: int) -> Decision | None:
+        return segment_decision(self.joint, stride, tail)
+
     def best_within(self, budget: int) -> Probe | None:
-        """The measured plan with the least recomputation (highest fraction; inductor's own first) within
-        `budget`, the least measured peak among equals; None where none is."""
+        """The measured plan with the least recomputation within `budget`: the least estimated cost of what it
+        tags to recompute (`Probe.recompute_cost`; inductor's own: 0), then the highest fraction, then the least
+        measured peak; None where none is."""
         fitting = [p for p in self.probes if p.measured_peak_bytes <= budget]
-        return max(fitting, key=lambda p: (_fraction(p), -p.measured_peak_bytes), default=None)
+        return min(fitting, key=lambda p: (p.recompute_cost, -_fraction(p), p.measured_peak_bytes), default=None)
 
     def next_fraction(self, budget: int, left: int) -> float | None:
         """The fraction to measure next for `budget` with `left` plans still to measure (module docstring), None
         when the search is done."""
-        fits = [_fraction(p) for p in self.probes if p.measured_peak_bytes <= budget]
+        solved = [p for p in self.probes if p.segments is None]
+        fits = [_fraction(p) for p in solved if p.measured_peak_bytes <= budget]
         if fits:
-            above = [_fraction(p) for p in self.probes if p.measured_peak_bytes > budget and _fraction(p) > max(fits)]
+            above = [_fraction(p) for p in solved if p.measured_peak_bytes > budget and _fraction(p) > max(fits)]
             if not above or min(above) - max(fits) <= RESOLUTION:
                 return None
             return (min(above) + max(fits)) / 2
-        points = sorted((_fraction(p), p.measured_peak_bytes) for p in self.probes)
+        points = sorted((_fraction(p), p.measured_peak_bytes) for p in solved)
         (low, peak), rest = points[0], points[1:]
         if low <= LEAST_FRACTION:
             return None
@@ -171,17 +219,23 @@ class CompiledModel:
         return max(LEAST_FRACTION, low - max(step, RESOLUTION))
 
     def search(self, budget: int, probes: int) -> Probe | None:
-        """The plan for a budget in measured bytes (module docstring), measuring at most `probes` more plans."""
+        """The plan for a budget in measured bytes (module docstring), measuring at most `probes` more solved
+        plans, and the segment candidates where none of those fits."""
         for left in range(probes, 0, -1):
             fraction = self.next_fraction(budget, left)
             if fraction is None:
                 break
             self.measure(fraction)
+        if self.best_within(budget) is None:
+            self.measure_segments()
         return self.best_within(budget)
 
 
 def _fraction(probe: Probe) -> float:
-    """A probe's fraction, inductor's own partition counted as above every solved one."""
+    """A probe's fraction, inductor's own partition counted as above every solved one, a segment candidate as
+    below."""
+    if probe.segments is not None:
+        return 0.0
     return 1.0 + RESOLUTION if probe.fraction is None else probe.fraction
 
 
@@ -246,10 +300,9 @@ def _overhead_plan(model: CompiledModel, limit: float) -> Probe:
 def _solved(model: CompiledModel, cell: CompiledCell, budget: int, found: Probe | None, baseline: Plan,
             no_recompute_path: str) -> Solved:
     """The `Solved` record of one cell, its plan `found` (within `budget`) written where there is one."""
-    measured = ", ".join(f"{'inductor' if p.fraction is None else f'{p.fraction:.3f}'}: {p.measured_peak_bytes:,} B"
-                         for p in model.probes)
+    measured = ", ".join(f"{p.label}: {p.measured_peak_bytes:,} B" for p in model.probes)
     summary = (f"{cell.alias}: compiled by inductor in one graph ({model.inductor.compile_seconds:.0f} s to "
-               f"compile); peaks measured by the fraction solved at: {measured}")
+               f"compile); peaks measured by the fraction solved at or segment candidate: {measured}")
     plan = None if found is None else _plan(model, found, model.solver, budget, cell.budget.max_overhead)
     if plan is not None:
         plan.save(cell.plan_path)
@@ -279,6 +332,7 @@ def _plan(model: CompiledModel, probe: Probe, solver: str, budget: int, max_over
     predicted = {"peak_bytes": probe.measured_peak_bytes, "time_ms": _cost(model, probe)}
     provenance = {"solver": solver, "budget_bytes": int(budget), "device": model.device, "backend": "inductor",
                   "fraction": probe.fraction, "simulated_peak_bytes": probe.simulated_peak_bytes,
+                  **({"segments": list(probe.segments)} if probe.segments is not None else {}),
                   "batch": [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                             for t in model.batch],
                   "torch_version": torch.__version__,

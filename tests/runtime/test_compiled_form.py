@@ -124,3 +124,82 @@ def test_a_value_one_fusible_reader_of_its_phase_alone_reads_takes_no_memory():
     assert fused_values(joint) == {3}
     problem = joint_problem(joint)
     assert problem.value_bytes.tolist() == [16, 16, 16, 0, 16, 16, 16]
+
+
+def _residual_joint():
+    """arange (no input, read late) -> embed -> mm1 -> relu -> add (residual) -> mm2 (reads the arange) -> add2
+    (residual) -> head -> loss, and a backward reading some of them."""
+    from memplan.runtime.compiled.records import JointGraph, JointNode
+
+    f = "forward"
+    nodes = (JointNode("arange", "aten.arange.default", f, (), (3,), 0),
+             JointNode("embed", "aten.embedding.default", f, (0, 1), (4,), 0),
+             JointNode("mm1", "aten.mm.default", f, (4, 2), (5,), 8),
+             JointNode("relu", "aten.relu.default", f, (5,), (6,), 0),
+             JointNode("add", "aten.add.Tensor", f, (4, 6), (7,), 0),
+             JointNode("mm2", "aten.mm.default", f, (7, 2, 3), (8,), 8),
+             JointNode("add2", "aten.add.Tensor", f, (7, 8), (9,), 0),
+             JointNode("head", "aten.mm.default", f, (9, 2), (10,), 8),
+             JointNode("loss", "aten.sum.default", f, (10,), (11,), 0),
+             JointNode("grad", "aten.mul.Tensor", "backward", (6, 7, 9, 10), (12,), 0))
+    return JointGraph(nodes, value_bytes=(16,) * 13, inputs=("ids", "table", "w"), outputs=(11, 12))
+
+
+def test_the_forward_is_cut_where_one_value_alone_carries_it_on():
+    from memplan.tasks.compiled.form import forward_cuts, segment_cuts
+
+    joint = _residual_joint()
+    names = lambda idx: [joint.nodes[i].name for i in idx]  # noqa: E731
+    assert names(forward_cuts(joint)) == ["embed", "add", "add2", "head"], "the arange, read late, cuts nothing"
+    assert names(segment_cuts(joint)) == ["embed", "add", "add2", "head"]
+
+
+@pytest.mark.parametrize("stride, tail, recompute, save", [
+    (1, 1, {"mm1", "relu", "mm2"}, {"embed", "add", "add2"}),
+    (2, 1, {"mm1", "relu", "add", "mm2"}, {"embed", "add2"}),
+    (1, 2, {"mm1", "relu"}, {"embed", "add"}),
+])
+def test_a_segment_decision_recomputes_between_the_saved_cuts_and_leaves_the_tail(stride, tail, recompute, save):
+    from memplan.tasks.compiled.form import segment_decision
+
+    decision = segment_decision(_residual_joint(), stride, tail)
+    assert decision == Decision(frozenset(recompute), frozenset(save))
+    assert segment_decision(_residual_joint(), 1, 3) is None, "no segment left to recompute"
+    with pytest.raises(ValueError, match="at least 1"):
+        segment_decision(_residual_joint(), 0, 1)
+
+
+@pytest.fixture(scope="module")
+def segment_runs(runs):
+    """Per segment candidate: the compiled step's cut, its gradients and its measured peak."""
+    from memplan.tasks.compiled.form import SegmentDecision
+
+    torch.manual_seed(0)
+    base, ids = Decoder(), torch.randint(0, 256, (4, 32))
+    out = {}
+    for stride, tail in ((1, 1), (2, 1)):
+        model = copy.deepcopy(base)
+        step = CompiledStep(lambda x, m=model: loss_fn(m, x), SegmentDecision(stride, tail))
+        step(ids).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        with PeakMeter("cpu", allocator=True) as meter:
+            step(ids).backward()
+        out[stride, tail] = (step.partitioned[0], grads, meter.peak_bytes)
+    return out
+
+
+def test_a_segment_candidate_checkpoints_the_blocks_trains_like_eager_and_measures_less(runs, segment_runs):
+    from memplan.tasks.compiled.form import segment_cuts
+
+    (full,), _, _, full_peak = runs[1.0]
+    for (stride, tail), (cut, grads, peak) in segment_runs.items():
+        cuts = [cut.joint.nodes[i].name for i in segment_cuts(cut.joint)]
+        assert len(cuts) == 2 + 2 * 2, "the embedding, two residual adds a block, the head"
+        assert cut.fingerprint == full.fingerprint and cut.recomputed and not cut.recomputed & set(cut.saved)
+        last = cuts[len(cuts) - 1 - tail]        # read by the tail alone, which the partitioner places
+        assert set(cut.decision.save) - {last} <= set(cut.saved), "the cuts the recomputed segments read are saved"
+        assert peak < full_peak and cut.saved_bytes < full.saved_bytes
+        for name, expected in runs["eager"].items():
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-5 * max(1.0, scale), msg=name)

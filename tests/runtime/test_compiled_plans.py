@@ -95,19 +95,26 @@ def test_runtime_load_runs_a_compiled_plan_as_decided_with_eager_gradients(mlp):
 
 
 class Curve(CompiledModel):
-    """A compiled model whose measured peak is a given function of the fraction (no compile)."""
+    """A compiled model whose measured peak is a given function of the fraction, and whose segment candidates
+    `(stride, tail)` measure given `(peak, recompute cost)` (no compile)."""
 
-    def __init__(self, peak, inductor: int) -> None:
-        self.peak, self.probes, self.measured = peak, [], 0
+    def __init__(self, peak, inductor: int, segments: dict | None = None) -> None:
+        self.peak, self.probes, self.measured, self.segment_plans = peak, [], 0, segments or {}
         self.inductor = self._probe(None, inductor)
 
-    def _probe(self, fraction, measured) -> Probe:
-        probe = Probe(fraction, RegionDecision(FINGERPRINT, Decision()), measured, None, measured, 0.0)
+    def _probe(self, fraction, measured, segments=None, cost=0.0) -> Probe:
+        decision = self._segment_decision(*segments) if segments is not None else Decision()
+        probe = Probe(fraction, RegionDecision(FINGERPRINT, decision), measured, None, measured, 0.0, segments, cost)
         self.probes.append(probe)
         return probe
 
-    def _measure(self, fraction):
+    def _segment_decision(self, stride, tail):
+        return Decision(frozenset({f"{stride}/{tail}"})) if (stride, tail) in self.segment_plans else None
+
+    def _measure(self, fraction, segments=None):
         self.measured += 1
+        if segments is not None:
+            return self._probe(None, *self.segment_plans[segments][:1], segments, self.segment_plans[segments][1]), None
         return self._probe(fraction, int(self.peak(fraction))), None
 
 
@@ -138,6 +145,19 @@ def test_the_search_finds_the_least_recomputation_within_a_monotone_budget():
     assert found is not None and found.measured_peak_bytes <= 1600
     assert found.fraction >= 0.6 - RESOLUTION, "bisection ends within RESOLUTION of the best fraction"
     assert model.search(900, probes=12) is None and min(p.fraction or 2 for p in model.probes) >= LEAST_FRACTION
+
+
+def test_segment_candidates_are_measured_once_where_no_solved_plan_fits_and_answer_by_least_recomputation():
+    segments = {(1, 1): (700, 50.0), (2, 1): (750, 45.0), (1, 2): (800, 30.0)}
+    model = Curve(lambda f: 1000 + 1000 * f, inductor=2100, segments=segments)
+    assert model.search(1600, probes=6).segments is None
+    assert not any(p.segments for p in model.probes), "a solved plan fits: no segment candidate is measured"
+    answers = {budget: model.search(budget, probes=4) for budget in (900, 780, 720, 690)}
+    assert sorted(p.segments for p in model.probes if p.segments) == sorted(segments), "each measured once"
+    assert {b: a and a.segments for b, a in answers.items()} == {900: (1, 2), 780: (2, 1), 720: (1, 1), 690: None}
+    peaks = [answers[b].measured_peak_bytes for b in (900, 780, 720)]
+    assert peaks == sorted(peaks, reverse=True), "a lower budget never gets a plan that measured more"
+    assert Probe(None, RegionDecision(FINGERPRINT, Decision()), 1, None, 1, 0.0, (2, 1)).label == "segments 2/1"
 
 
 def breaking_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
