@@ -302,7 +302,7 @@ def _solved(model: CompiledModel, cell: CompiledCell, budget: int, found: Probe 
     """The `Solved` record of one cell, its plan `found` (within `budget`) written where there is one."""
     measured = ", ".join(f"{p.label}: {p.measured_peak_bytes:,} B" for p in model.probes)
     summary = (f"{cell.alias}: compiled by inductor in one graph ({model.inductor.compile_seconds:.0f} s to "
-               f"compile); peaks measured by the fraction solved at or segment candidate: {measured}")
+               f"compile); peaks measured by plan (the fraction solved at, or a segment candidate): {measured}")
     plan = None if found is None else _plan(model, found, model.solver, budget, cell.budget.max_overhead)
     if plan is not None:
         plan.save(cell.plan_path)
