@@ -9,6 +9,16 @@ estimate: a matmul's, attention's or convolution's floating-point work at `FLOPS
 read and written at `BANDWIDTH`. A solver's schedule
 at a budget, judged by the one simulator, names the forward nodes it computes twice: those the compiled step
 recomputes (`runtime/compiled/partition.py` tags them for inductor's partitioner).
+
+The solver's decisions do not reach the lowest compiled peaks. On the joint problem no schedule peaks below the
+parameters' gradients at the end of the backward, when the activations are already freed (on bench/compiled_real.py's
+6-layer Llama: 188.4 MiB, 0.75 of the 252.6 MiB without recomputation). Any budget under that floor resolves to the
+least the solver reaches (`least_within`, 188.9 MiB), and so to one decision, whatever the fraction: it recomputes 40
+forward nodes and keeps 139.8 MiB of forward values for the backward (18 matmul outputs tagged `MUST_SAVE`), which the
+simulator finds off its peak but the compiled step's measured peak, earlier in the backward, holds.
+`segment_decision` is the structured alternative the measured search adds (tasks/compiled_plans.py): checkpointing
+between the forward's cuts (`forward_cuts`: where one value alone carries the forward on), as `torch.utils.checkpoint`
+around each block does, with the last segments optionally left un-recomputed.
 """
 
 from __future__ import annotations

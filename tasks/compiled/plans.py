@@ -16,9 +16,9 @@ transformers' GPT-2 with dropout it measured 5.4 MB at 0.25, 7.3 at 0.55 and 8.8
 the segment candidates once (`tasks.compiled.form.SEGMENTS`: checkpointing the joint graph between the cuts where one
 value alone carries the forward on, as `torch.utils.checkpoint` around each block does, with the last segments left
 un-recomputed). The solver's own decisions cannot reach as low: on the grouped-query Llama of bench/compiled_real.py
-the simulator's least peak lies where the saved activations are not live, so at any fraction below about 0.6 its
-schedule keeps the same matmul outputs (tagged `MUST_SAVE`) and measured 0.674-0.689 of eager's peak, where
-checkpointing per block measured 0.615 (docs/measurements/compiled-form.md). Every plan measured is kept for the model
+the simulator's floor is the parameters' gradients at the end of the backward, where no activation is live, so every
+fraction below about 0.75 gives one decision, which keeps matmul outputs (tagged `MUST_SAVE`) and measured 0.674-0.678
+of eager's peak, where checkpointing per block measured 0.615 (tasks/compiled_form.py, docs/measurements/compiled-form.md). Every plan measured is kept for the model
 and batch size, so the budgets of one run share them: each budget's answer is the measured plan within `B` with the
 least recomputation: the least estimated cost of the nodes it tags to recompute (`Probe.recompute_cost`; inductor's
 own: none), then the highest fraction. A lower budget therefore never gets a plan that measured more than a higher
