@@ -13,12 +13,12 @@ extrapolating the last step where the peak fell (at most twice the even step) an
 spreads the plans left over the rest of the range (the measured peak need not fall with the fraction: on
 transformers' GPT-2 with dropout it measured 5.4 MB at 0.25, 7.3 at 0.55 and 8.8 at 0.2); then by bisection between the highest fraction that fits and the lowest above it that does not, up to
 `probes` plans or until they are `RESOLUTION` apart. Where none of those measured within `B`, the search measures
-the segment candidates once (`tasks.compiled.form.SEGMENTS`: checkpointing the joint graph between the cuts where one
+the segment candidates once (`tasks.compiled.form.segment_candidates`: checkpointing the joint graph between the cuts where one
 value alone carries the forward on, as `torch.utils.checkpoint` around each block does, with the last segments left
 un-recomputed). The solver's own decisions cannot reach as low: on the grouped-query Llama of bench/compiled_real.py
 the simulator's floor is the parameters' gradients at the end of the backward, where no activation is live, so every
 fraction below about 0.75 gives one decision, which keeps matmul outputs (tagged `MUST_SAVE`) and measured 0.674-0.678
-of eager's peak, where checkpointing per block measured 0.615 (tasks/compiled_form.py, docs/measurements/compiled-form.md). Every plan measured is kept for the model
+of eager's peak, where checkpointing per block measured 0.615 (tasks/compiled/form.py, docs/measurements/compiled-form.md). Every plan measured is kept for the model
 and batch size, so the budgets of one run share them: each budget's answer is the measured plan within `B` with the
 least recomputation: the least estimated cost of the nodes it tags to recompute (`Probe.recompute_cost`; inductor's
 own: none), then the highest fraction. A lower budget therefore never gets a plan that measured more than a higher
@@ -44,8 +44,8 @@ from memplan.runtime.compiled.records import Decision, JointGraph, RegionDecisio
 from memplan.runtime.compiled.partition import Partitioned
 from memplan.runtime.compiled.step import CompiledStep, GraphBreakError
 from memplan.runtime.format.plan import Plan, memplan_version, plan_id
-from memplan.tasks.compiled.form import (SEGMENTS, FractionDecision, SegmentDecision, cut_peak, joint_problem,
-                                         segment_decision)
+from memplan.tasks.compiled.form import (FractionDecision, SegmentDecision, cut_peak, joint_problem,
+                                         segment_candidates, segment_decision)
 from memplan.tasks.config import Budget, MemplanError, ModelConfig
 from memplan.tasks.models import build_batch, build_loss, build_model
 from memplan.tasks.records import Solved
@@ -78,14 +78,14 @@ class Probe:
     predicted_cost: float | None
     measured_peak_bytes: int
     compile_seconds: float
-    segments: tuple[int, int] | None = None
+    segments: tuple[int, int, bool] | None = None
     recompute_cost: float = 0.0
 
     @property
     def label(self) -> str:
-        """"inductor", "fraction 0.600" or "segments 2/1" (stride / tail)."""
+        """"inductor", "fraction 0.600" or "segments 2/1" (stride / tail), "segments 1/4 + lead" (lead recomputed)."""
         if self.segments is not None:
-            return f"segments {self.segments[0]}/{self.segments[1]}"
+            return f"segments {self.segments[0]}/{self.segments[1]}" + (" + lead" if self.segments[2] else "")
         return "inductor" if self.fraction is None else f"fraction {self.fraction:.3f}"
 
 
@@ -118,9 +118,9 @@ class CompiledModel:
         return RegionDecision(cut.fingerprint, cut.decision)
 
     def _compiled(self, fraction: float | None, exact_random: bool = False, measure: bool = True,
-                  segments: tuple[int, int] | None = None) -> tuple[Partitioned, CompiledStep, int]:
+                  segments: tuple[int, int, bool] | None = None) -> tuple[Partitioned, CompiledStep, int]:
         """Compile the step on a copy of the model with the decision at `fraction` (None: inductor's own), or
-        with `segments` the segment candidate `(stride, tail)`, and run it once; with `measure`, the peak of a
+        with `segments` the segment candidate `(stride, tail, lead)`, and run it once; with `measure`, the peak of a
         second step (`PeakMeter(allocator=True)`), else 0. The joint graph's cut, the step (its decision's
         solutions, compile time) and the peak; Dynamo's caches are reset after."""
         from memplan.runtime.measure.meter import PeakMeter
@@ -148,7 +148,8 @@ class CompiledModel:
                                      f"not one: the compiled form plans a step torch.compile compiles whole.")
         return step.partitioned[0], step, peak
 
-    def _measure(self, fraction: float | None, segments: tuple[int, int] | None = None) -> tuple[Probe, JointGraph]:
+    def _measure(self, fraction: float | None,
+                 segments: tuple[int, int, bool] | None = None) -> tuple[Probe, JointGraph]:
         """The plan at `fraction` (None: inductor's own), or the segment candidate `segments`, compiled and
         measured, kept in `probes`."""
         cut, step, peak = self._compiled(fraction, segments=segments)
@@ -163,20 +164,23 @@ class CompiledModel:
         return probe, cut.joint
 
     def measure_segments(self) -> list[Probe]:
-        """The segment candidates (`tasks.compiled.form.SEGMENTS`), each compiled and measured once; those whose
-        decision recomputes nothing or repeats another's are skipped."""
+        """The segment candidates (`tasks.compiled.form.segment_candidates`), each compiled and measured once;
+        those whose decision repeats another's are skipped."""
         seen = {p.region.decision for p in self.probes}
         out = []
-        for stride, tail in SEGMENTS:
-            known = next((p for p in self.probes if p.segments == (stride, tail)), None)
+        for candidate in self._segment_candidates():
+            known = next((p for p in self.probes if p.segments == candidate), None)
             if known is None:
-                decision = self._segment_decision(stride, tail)
+                decision = self._segment_decision(*candidate)
                 if decision is None or decision in seen:
                     continue
                 seen.add(decision)
-                known = self._measure(None, (stride, tail))[0]
+                known = self._measure(None, candidate)[0]
             out.append(known)
         return out
+
+    def _segment_candidates(self) -> list[tuple[int, int, bool]]:
+        return segment_candidates(self.joint)
 
     def measure(self, fraction: float) -> Probe:
         """The plan solved at `fraction`, measured (once per fraction, to 4 decimals)."""
@@ -184,8 +188,8 @@ class CompiledModel:
         known = next((p for p in self.probes if p.fraction == fraction), None)
         return known if known is not None else self._measure(fraction)[0]
 
-    def _segment_decision(self, stride: int, tail: int) -> Decision | None:
-        return segment_decision(self.joint, stride, tail)
+    def _segment_decision(self, stride: int, tail: int, lead: bool) -> Decision | None:
+        return segment_decision(self.joint, stride, tail, lead)
 
     def best_within(self, budget: int) -> Probe | None:
         """The measured plan with the least recomputation within `budget`: the least estimated cost of what it

@@ -154,6 +154,12 @@ def test_the_forward_is_cut_where_one_value_alone_carries_it_on():
     assert names(segment_cuts(joint)) == ["embed", "add", "add2", "head"]
 
 
+def test_the_segment_candidates_resolve_their_tail_shares_on_the_graph_each_once():
+    from memplan.tasks.compiled.form import segment_candidates
+
+    assert segment_candidates(_residual_joint()) == [(1, 1, False), (1, 2, False), (1, 1, True), (1, 2, True)]
+
+
 @pytest.mark.parametrize("stride, tail, recompute, save", [
     (1, 1, {"mm1", "relu", "mm2"}, {"embed", "add", "add2"}),
     (2, 1, {"mm1", "relu", "add", "mm2"}, {"embed", "add2"}),
@@ -165,6 +171,8 @@ def test_a_segment_decision_recomputes_between_the_saved_cuts_and_leaves_the_tai
     decision = segment_decision(_residual_joint(), stride, tail)
     assert decision == Decision(frozenset(recompute), frozenset(save))
     assert segment_decision(_residual_joint(), 1, 3) is None, "no segment left to recompute"
+    led = segment_decision(_residual_joint(), stride, tail, lead=True)
+    assert led == Decision(frozenset(recompute | {"embed"}), frozenset(save - {"embed"})), "the arange is left"
     with pytest.raises(ValueError, match="at least 1"):
         segment_decision(_residual_joint(), 0, 1)
 
@@ -203,3 +211,38 @@ def test_a_segment_candidate_checkpoints_the_blocks_trains_like_eager_and_measur
         for name, expected in runs["eager"].items():
             scale = expected.abs().max().item()
             torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-5 * max(1.0, scale), msg=name)
+
+
+class DropoutDecoder(Decoder):
+    """The decoder with dropout after the embedding and on each residual branch (random ops inside the segments)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.dropout(self.tok(ids) + self.pos(torch.arange(ids.shape[1])), 0.2, self.training)
+        for b in self.blocks:
+            n, t, d = x.shape
+            q, k, v = (z.view(n, t, 2, d // 2).transpose(1, 2) for z in b["qkv"](b["ln1"](x)).split(d, dim=-1))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(n, t, d)
+            x = x + F.dropout(b["proj"](a), 0.2, self.training)
+            x = x + F.dropout(b["out"](F.gelu(b["fc"](b["ln2"](x)), approximate="tanh")), 0.2, self.training)
+        return self.head(self.ln(x))
+
+
+def test_a_segment_candidate_replays_dropouts_masks_when_it_recomputes_them():
+    """Recomputed in the backward, a dropout draws the mask its forward drew: with inductor drawing as eager
+    PyTorch does (`exact_random`), the gradients are eager's under the same seed."""
+    from memplan.tasks.compiled.form import SegmentDecision
+
+    torch.manual_seed(0)
+    base, ids = DropoutDecoder(), torch.randint(0, 256, (4, 32))
+    eager, model = copy.deepcopy(base), copy.deepcopy(base)
+    torch.manual_seed(7)
+    loss_fn(eager, ids).backward()
+    step = CompiledStep(lambda x: loss_fn(model, x), SegmentDecision(2, 1), exact_random=True)
+    torch.manual_seed(7)
+    step(ids).backward()
+    cut, = step.partitioned
+    assert any("random" in n.target or "dropout" in n.target or "bernoulli" in n.target
+               for n in cut.joint.nodes if n.name in cut.recomputed), "a random op is recomputed"
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * max(1.0, scale), msg=name)

@@ -108,8 +108,11 @@ class Curve(CompiledModel):
         self.probes.append(probe)
         return probe
 
-    def _segment_decision(self, stride, tail):
-        return Decision(frozenset({f"{stride}/{tail}"})) if (stride, tail) in self.segment_plans else None
+    def _segment_candidates(self):
+        return list(self.segment_plans)
+
+    def _segment_decision(self, stride, tail, lead):
+        return Decision(frozenset({f"{stride}/{tail}/{lead}"})) if (stride, tail, lead) in self.segment_plans else None
 
     def _measure(self, fraction, segments=None):
         self.measured += 1
@@ -148,16 +151,19 @@ def test_the_search_finds_the_least_recomputation_within_a_monotone_budget():
 
 
 def test_segment_candidates_are_measured_once_where_no_solved_plan_fits_and_answer_by_least_recomputation():
-    segments = {(1, 1): (700, 50.0), (2, 1): (750, 45.0), (1, 2): (800, 30.0)}
+    segments = {(1, 1, True): (700, 50.0), (1, 1, False): (750, 45.0), (1, 2, False): (800, 30.0)}
     model = Curve(lambda f: 1000 + 1000 * f, inductor=2100, segments=segments)
     assert model.search(1600, probes=6).segments is None
     assert not any(p.segments for p in model.probes), "a solved plan fits: no segment candidate is measured"
     answers = {budget: model.search(budget, probes=4) for budget in (900, 780, 720, 690)}
     assert sorted(p.segments for p in model.probes if p.segments) == sorted(segments), "each measured once"
-    assert {b: a and a.segments for b, a in answers.items()} == {900: (1, 2), 780: (2, 1), 720: (1, 1), 690: None}
+    assert {b: a and a.segments for b, a in answers.items()} == {900: (1, 2, False), 780: (1, 1, False),
+                                                                 720: (1, 1, True), 690: None}
     peaks = [answers[b].measured_peak_bytes for b in (900, 780, 720)]
     assert peaks == sorted(peaks, reverse=True), "a lower budget never gets a plan that measured more"
-    assert Probe(None, RegionDecision(FINGERPRINT, Decision()), 1, None, 1, 0.0, (2, 1)).label == "segments 2/1"
+    assert Probe(None, RegionDecision(FINGERPRINT, Decision()), 1, None, 1, 0.0, (2, 1, False)).label == "segments 2/1"
+    assert Probe(None, RegionDecision(FINGERPRINT, Decision()), 1, None, 1, 0.0, (1, 4, True)).label == \
+        "segments 1/4 + lead"
 
 
 def breaking_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
