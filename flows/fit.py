@@ -8,8 +8,9 @@ plot of peak memory against the size under `<cache_dir>/reports/`, and both left
 from __future__ import annotations
 
 import base64
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow
 from pydantic import BaseModel
@@ -115,11 +116,14 @@ def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_o
     spec = next(m for m in config.models if m.name == name)
     device = resolve_device(config.device)
     limit = memory_limit(config, device)
-    search = search_fit(spec, config, device, limit, solver, max_overhead, max_size, dimension, batch_size)
+    say = progress_lines()
+    say(f"fit {name}: the largest {dimension} within {limit.limit_bytes / 2**20:,.1f} MiB, up to {max_size}")
+    search = search_fit(spec, config, device, limit, solver, max_overhead, max_size, dimension, batch_size, report=say)
     answer = search.point(search.memplan_largest)
     measured, why_not = None, ""
     try:
         entry, batch = at_size(spec, dimension, answer.size, batch_size)
+        say(f"validating memplan's answer, {dimension} {answer.size}, by measured overhead")
         measured = validate_answer(answer, entry, batch, device, config.seed, config.validation, limit, max_overhead)
     except NoFittingReference as exc:
         why_not = str(exc)
@@ -130,6 +134,18 @@ def fit_flow(config_path: str = "pipeline.toml", model: str | None = None, max_o
                        walk=walk)
     create_fit_artifacts(result)
     return result.model_dump(mode="json")
+
+
+def progress_lines() -> Callable[[str], None]:
+    """A progress line printer for `memplan fit` on stderr (a terminal, a file or a pipe), each line stamped with the
+    seconds since the search started."""
+    from rich.console import Console
+
+    console, start = Console(stderr=True), time.monotonic()
+
+    def say(text: str) -> None:
+        console.print(f"[{time.monotonic() - start:7.1f} s] {text}", markup=False, highlight=False, soft_wrap=True)
+    return say
 
 
 def run_fit(config_path: str | Path = "pipeline.toml", model: str | None = None, max_overhead: float = 0.10,

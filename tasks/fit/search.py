@@ -15,6 +15,7 @@ answer is validated, by measured overhead (flows/fit_refine.py)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -157,9 +158,11 @@ def evaluate_size(spec: ModelConfig, batch_size: int, size: int, label: str, con
 
 def search_fit(spec: ModelConfig, config: PipelineConfig, device: str, limit: MemoryLimit, solver: str,
                max_overhead: float, max_size: int, dimension: Dimension = "batch", batch_size: int | None = None,
-               evaluate: Callable[[int], SizePoint] | None = None) -> FitSearch:
+               evaluate: Callable[[int], SizePoint] | None = None,
+               report: Callable[[str], None] = lambda line: None) -> FitSearch:
     """The largest size (batch, or sequence length at `batch_size`) of eager, per-block checkpointing and
-    memplan under `limit` (module docstring); raises `FitError` when memplan fits not even size 1."""
+    memplan under `limit` (module docstring); raises `FitError` when memplan fits not even size 1. `report` gets
+    a line per size evaluated: its time and what fits."""
     points: dict[int, SizePoint] = {}
 
     def evaluate_at(size: int) -> SizePoint:
@@ -169,7 +172,9 @@ def search_fit(spec: ModelConfig, config: PipelineConfig, device: str, limit: Me
 
     def point(size: int) -> SizePoint:
         if size not in points:
+            started = time.monotonic()
             points[size] = (evaluate or evaluate_at)(size)
+            report(size_line(points[size], dimension, limit.limit_bytes, time.monotonic() - started))
         return points[size]
 
     def fits(peak_of: Callable[[SizePoint], int | None]) -> Callable[[int], bool]:
@@ -194,3 +199,14 @@ def search_fit(spec: ModelConfig, config: PipelineConfig, device: str, limit: Me
                      limit_bytes=limit.limit_bytes, optimizer=limit.optimizer, solver=solver, max_overhead=max_overhead,
                      max_size=max_size, eager_largest=eager, checkpoint_largest=checkpoint, memplan_largest=memplan,
                      points=[points[size] for size in sorted(points)])
+
+
+def size_line(point: SizePoint, dimension: Dimension, limit_bytes: int, seconds: float) -> str:
+    """One size's progress line: what eager, per-block checkpointing and memplan need at it against the limit."""
+    def need(peak: int | None) -> str:
+        total = point.total(peak)
+        return "none" if total is None else f"{total / 2**20:,.1f} MiB ({'fits' if total <= limit_bytes else 'over'})"
+
+    name = "batch" if dimension == "batch" else "sequence length"
+    return (f"{name} {point.size}: eager {need(point.eager_peak_bytes)}, per-block {need(point.checkpoint_peak_bytes)}, "
+            f"memplan {need(point.memplan_peak_bytes)} of {limit_bytes / 2**20:,.1f} MiB ({seconds:.0f} s)")

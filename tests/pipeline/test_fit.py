@@ -68,9 +68,14 @@ def test_search_gives_each_schedule_its_largest_batch(config_data):
     from memplan.tasks.fit.memory_limit import MemoryLimit
 
     config = parse_config(config_data, solvers=["checkmate", "chen-sqrt-n"])
-    search = search_fit(config.models[1], config, "cpu", MemoryLimit(limit_bytes=1000), "dtr", 0.1, 4096, evaluate=fake_point)
+    lines: list[str] = []
+    search = search_fit(config.models[1], config, "cpu", MemoryLimit(limit_bytes=1000), "dtr", 0.1, 4096, evaluate=fake_point,
+                        report=lines.append)
     assert (search.eager_largest, search.checkpoint_largest, search.memplan_largest) == (90, 150, 225)
     assert [p.size for p in search.points] == sorted(p.size for p in search.points)
+    assert len(lines) == len(search.points)                          # a progress line per size evaluated
+    at_225 = next(line for line in lines if line.startswith("batch 225:"))
+    assert "eager 0.0 MiB (over)" in at_225 and "memplan 0.0 MiB (fits)" in at_225     # 1,100 and 1,000 B of 1,000
 
 
 def test_a_limit_below_batch_1_says_what_takes_the_memory(config_data):
