@@ -67,16 +67,16 @@ SOLVERS.update({spec.name: spec for spec in (
 
 
 def solve(problem: Problem, solver: str, budget_bytes: int, options: SolveOptions | None = None) -> Solution:
-    """Run the solver named `solver`; a portfolio solver's answer is never worse than the cheap solvers'
-    (tasks.solve.core.portfolio) unless `options.portfolio` is False. Raises KeyError listing the known names
-    for an unknown solver and OptionError for options it does not take."""
+    """Run the solver named `solver`; a portfolio solver's answer is never worse than the cheap solvers', their
+    implementation variants counted (tasks.solve.core.portfolio), unless `options.portfolio` is False. Raises
+    KeyError listing the known names for an unknown solver and OptionError for options it does not take."""
     if solver not in SOLVERS:
         raise KeyError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     spec, options = SOLVERS[solver], options or SolveOptions()
     solution = spec(problem, budget_bytes, options)
     if spec.portfolio and options.portfolio:
-        solution = best_known(spec.problem_for(problem), int(budget_bytes), solution, options,
-                              {name: SOLVERS[name] for name in CHEAP})
+        solution = best_known(problem, int(budget_bytes), solution, options, {name: SOLVERS[name] for name in CHEAP},
+                              same_space=spec.problem_for(problem) is problem)
     return solution
 
 

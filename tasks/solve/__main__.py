@@ -144,8 +144,8 @@ def catalogue() -> str:
                   + (" Chooses implementation variants." if spec.variants else "")
                   + (" Its schedules run in the policy form (`runtime.apply`): a pipeline plan of it takes that form "
                      "unless `form = \"executor\"`." if spec.policy_form else "")
-                  + (f" Never returns a schedule costlier than {', '.join(CHEAP)} find at the same budget (the "
-                     f"report's `source` names the winner)." if spec.portfolio else ""), ""]
+                  + (f" Never returns a schedule costlier than {', '.join(CHEAP)} find at the same budget, their "
+                     f"implementation variants counted (the report's `source` names the winner)." if spec.portfolio else ""), ""]
         options = describe_options(spec)
         if options:
             lines += ["| option | type | default | meaning |", "|---|---|---|---|"]

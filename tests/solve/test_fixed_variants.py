@@ -145,3 +145,19 @@ def test_a_variant_is_fixed_where_it_needs_less_workspace_and_dtr_prices_its_tim
     sol = solve(p, "dtr", 20)
     assert sol.feasible and sol.objective == pytest.approx(8.0)
     assert [s[2:] for s in sol.schedule if s[0] == "compute" and s[1] in (0, 1)] == [("lean",), ()]
+
+
+@pytest.mark.parametrize("solver", ["checkmate-approx", "checkmate"])
+def test_a_portfolio_solver_planning_without_variants_is_never_costlier_than_dtr_running_them(solver):
+    """f_0's "fast" variant halves its cost (time only): `dtr` runs it, the recompute-only solver plans without it
+    (checkmate's MILP proves its own answer optimal there). The answer is never costlier than dtr's, variants
+    counted: dtr's schedule, its source named, no bound of the smaller space kept."""
+    p = fast_first(1.0)
+    for budget in (20, 16):
+        dtr = solve(p, "dtr", budget)
+        alone = solve(p, solver, budget, SolveOptions(portfolio=False))
+        sol = solve(p, solver, budget)
+        assert alone.feasible and alone.objective > dtr.objective == pytest.approx(brute_force(p, budget))
+        assert sol.objective == dtr.objective and sol.source == "dtr" and sol.schedule == dtr.schedule
+        assert sol.status == "feasible" and sol.bound is None
+        assert simulate(p, sol.schedule).peak_bytes == sol.predicted_peak_bytes <= budget
