@@ -7,6 +7,7 @@ same way.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -17,7 +18,7 @@ from memplan.runtime.format.graph import backend
 from memplan.runtime.format.plan import Plan, graph_provenance, plan_id
 from memplan.tasks.config import Addresses, Budget, MemplanError, PlanForm, PlanSettings
 from memplan.tasks.problems import LoadedProblem, load_problem
-from memplan.tasks.validate.overhead import Rung, no_recompute_path, rung_path, written_rungs
+from memplan.tasks.validate.overhead import MARGIN, Rung, no_recompute_path, rung_path, written_rungs
 from memplan.tasks.records import Candidate, Solved
 from memplan.tasks.solve import SOLVERS, solve
 from memplan.tasks.solve.core.addresses import greedy_addresses
@@ -273,34 +274,96 @@ class Ladder:
 def overhead_ladder(problem: Problem, solver: str, max_overhead: float, eager: Simulation,
                     options: SolveOptions | None = None, rel_tol: float = 0.005) -> Ladder:
     """The least-peak schedule `solver` finds whose predicted cost is at most (1 + `max_overhead`) x the cost of
-    `eager`, the checkpoint-all simulation: bisection (`bisect_budget`, within `rel_tol`) on the budget
-    between the lower bound `min_budget_lower_bound` and the checkpoint-all peak; and the ladder of every
-    schedule the bisection solved (those above the limit included). When even its schedule at the
-    checkpoint-all peak costs more, the chosen Solution has no schedule and says so."""
+    `eager`, the checkpoint-all simulation: a search on the budget (`limit_search`, within `rel_tol`) between the
+    lower bound `min_budget_lower_bound` and the checkpoint-all peak, each solve told what the search needs
+    (`SolveOptions`: `enough`, any schedule within the limit; `cost_limit`, none above the rungs a measured walk
+    may try, `tasks.validate.overhead.MARGIN`; one `memo` for all); and the ladder of every schedule it solved
+    (those above the limit included). When even its schedule at the checkpoint-all peak costs more, the chosen
+    Solution has no schedule and says so."""
     limit = (1 + max_overhead) * eager.compute_cost * (1 + 1e-12)      # float sums of the same costs
+    hinted = replace(options or SolveOptions(), enough=limit, memo={},
+                     cost_limit=(1 + max_overhead * (1 + MARGIN)) * eager.compute_cost * (1 + 1e-12))
     seen: dict[int, Solution] = {}
 
-    def probe(budget: int, solution: Solution | None = None) -> int | None:
-        solution = solution or solve(problem, solver, budget, options)
+    def probe(budget: int) -> tuple[int, float] | None:
+        solution = solve(problem, solver, budget, hinted)
         if not solution.feasible:
             return None
         seen.setdefault(solution.predicted_peak_bytes, solution)
-        return solution.predicted_peak_bytes if solution.objective <= limit else None
+        return solution.predicted_peak_bytes, solution.objective
 
-    at_top = solve(problem, solver, eager.peak_bytes, options)
-    top = probe(eager.peak_bytes, at_top)
-    if top is None:
+    top = probe(eager.peak_bytes)
+    if top is None or top[1] > limit:
+        at_top = solve(problem, solver, eager.peak_bytes, options)
         found = (f"its schedule there costs {at_top.objective / eager.compute_cost - 1:+.1%}" if at_top.feasible
                  else f"it finds no schedule there ({at_top.status})")
         return Ladder(Solution(solver, eager.peak_bytes, "no_solution", message=(
             f"no schedule within +{max_overhead:.0%} predicted overhead: even at the checkpoint-all peak {found}")), [])
     lower = min_budget_lower_bound(problem)
-    chosen = seen[bisect_budget(min(lower, top) - 1, top, probe, rel_tol)]
+    chosen = seen[limit_search(min(lower, top[0]) - 1, top, probe, limit, rel_tol)]
     front: list[Solution] = []
     for peak in sorted(seen):                # least peak first: keep a rung only if it costs less than all below
         if not front or seen[peak].objective < front[-1].objective:
             front.append(seen[peak])
     return Ladder(chosen, front[::-1])
+
+
+def limit_search(rejected: int, top: tuple[int, float], probe: Callable[[int], tuple[int, float] | None],
+                 limit: float, rel_tol: float = 0.005) -> int:
+    """The least peak of a schedule costing at most `limit` that `probe` (a budget -> the peak, at most the budget,
+    and the cost of the schedule it finds, or None) finds at some budget between `rejected`, where it finds none
+    within the limit, and `top`'s peak (`top`: its answer at the checkpoint-all peak), once the two ends are within
+    `rel_tol` of the least (or 1 byte). Like `bisect_budget`, but each probe aims at the budget where the cost,
+    interpolated linearly in 1 / budget between the answers (`_crossing`: a schedule within the limit at its peak,
+    one above it at the budget probed), meets the limit: half a tolerance
+    below it after a probe that found one within the limit and above it after one that did not, so that two probes
+    close the bracket once the interpolation is right, the offset doubling while probes keep landing on the same
+    side (schedules' peaks move in steps); bisection where it cannot interpolate or after `SAME_SIDE` such probes."""
+    accepted, found = top[0], [top]
+    last_within, same = True, 0
+    while accepted - rejected > max(1.0, rel_tol * accepted):
+        tol = max(1.0, rel_tol * accepted)
+        guess = _crossing(found, limit, accepted)
+        if guess is None or same >= SAME_SIDE:
+            budget = (rejected + accepted) // 2
+        else:
+            guess, offset = min(max(guess, rejected), accepted), tol / 2 * 2 ** same
+            budget = round(guess - offset if last_within else guess + offset)
+            budget = max(min(budget, accepted - math.floor(tol)), rejected + 1)     # a miss there ends the search
+        answer = probe(budget)
+        within = answer is not None and answer[1] <= limit
+        if answer is not None:
+            found.append(answer if within else (budget, answer[1]))      # the cost at this budget
+        if within:
+            accepted = min(accepted, answer[0])
+        else:
+            rejected = budget
+        same = same + 1 if within == last_within else 0
+        last_within = within
+    return accepted
+
+
+SAME_SIDE = 4
+"""Probes landing on the same side of the limit in a row after which `limit_search` bisects."""
+
+
+def _crossing(found: list[tuple[int, float]], limit: float, accepted: int) -> float | None:
+    """The peak where the cost meets `limit`, linear in 1 / peak through the least-peak schedule within the limit
+    and the largest-peak one above it (under `accepted`), else the two least-peak ones within it (extrapolated);
+    None where neither pair slopes."""
+    within = sorted({(peak, cost) for peak, cost in found if cost <= limit})
+    above = [(peak, cost) for peak, cost in found if cost > limit and peak < accepted]
+    if above:
+        pair = [within[0], max(above)]
+    elif len(within) >= 2 and within[0][0] < within[1][0] and within[0][1] > within[1][1]:
+        pair = within[:2]
+    else:
+        return None
+    (p0, c0), (p1, c1) = pair
+    if c0 == c1 or min(p0, p1) <= 0:
+        return None
+    inverse = 1 / p0 + (limit - c0) * (1 / p1 - 1 / p0) / (c1 - c0)
+    return 1 / inverse if inverse > 0 else None
 
 
 def least_memory_within(problem: Problem, solver: str, max_overhead: float, eager: Simulation,

@@ -35,7 +35,9 @@ identity, alone and with the memory-saving families, each fixed on every node of
 node-local variant fixed where it needs less workspace), each schedule running its choice's variants;
 a choice whose nodes, each computed once, already cost more than the best schedule found is skipped (as
 profiled on this CPU, MobileNet-V2's masks and output-activated BatchNorm add 36-61% to the step, more
-than the recomputation they could save).
+than the recomputation they could save). For a search over budgets (`SolveOptions`: a `max_overhead` plan) the
+walks also stop past its `cost_limit`, the runs stop at the first schedule costing at most `enough`, and the runs
+and choices that found the best schedules at its other budgets (kept in its `memo`) go first.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from typing import Callable, Literal
 import numpy as np
 import scipy.sparse as sp
 
-from memplan.tasks.solve.core.fixed_variants import Choice, candidate_choices, fixed_problem, tag_schedule
+from memplan.tasks.solve.core.fixed_variants import candidate_choices, fixed_problem, tag_schedule
 from memplan.tasks.solve.core.milp import Progress
 from memplan.tasks.solve.core.orders import keeps_random_order, memory_order, update_order
 from memplan.tasks.solve.core.peak_insertion import peak_insertion_schedule
@@ -322,11 +324,13 @@ def dtr_schedule(problem: Problem, budget: int, heuristic: Heuristic = "eq", sta
         return None
 
 
-def _walk_all(problem: Problem, budget: int, opts: DtrOptions, deadline: float | None, consider: Callable,
-              best_cost: Callable[[], float]) -> int:
+def _walk_all(problem: Problem, budget: int, opts: DtrOptions, deadline: float | None,
+              consider: Callable[[list, tuple], bool], best_cost: Callable[[], float], first: set = frozenset()) -> int:
     """Run the insertion greedy and every walk of `opts` on `problem` until `deadline`, passing each schedule
-    found to `consider`; a walk stops once it costs more than `best_cost()`. Returns the number of runs."""
-    start, runs = time.perf_counter(), 0
+    found and its run's key to `consider`, which returns True when it is enough (the runs stop); the runs keyed
+    in `first` go first (those that found the best schedules at other budgets). A walk stops once it costs more
+    than `best_cost()`. Returns the number of runs."""
+    start = time.perf_counter()
     walks = {"default": problem}
     if "memory" in opts.orders:
         order = memory_order(problem)
@@ -339,24 +343,23 @@ def _walk_all(problem: Problem, budget: int, opts: DtrOptions, deadline: float |
     # the insertion greedy gets at most half the time: on large operator graphs (a 24-layer GPT-2 at 0.3
     # of its peak) it can take minutes where the walks find the same schedule in seconds
     insertion_deadline = None if deadline is None else start + (deadline - start) / 2
-    for order in opts.orders if opts.insertion else ():
-        if order in walks and (deadline is None or time.perf_counter() < insertion_deadline):
-            schedule = peak_insertion_schedule(problem, budget, walks[order].order, insertion_deadline,
-                                               improve_passes=opts.insertion_passes)
-            runs += 1
-            if schedule is not None:
-                consider(schedule)
-    for order, allowance, heuristic, staleness, hold in product(opts.orders, opts.allowances, opts.heuristics,
-                                                                opts.staleness, opts.hold):
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        if order not in walks:
+    keys = [("insertion", order) for order in opts.orders if opts.insertion and order in walks]
+    keys += [("walk", *run) for run in product(opts.orders, opts.allowances, opts.heuristics, opts.staleness, opts.hold)
+             if run[0] in walks]
+    runs = 0
+    for key in sorted(keys, key=lambda key: key not in first):
+        if deadline is not None and time.perf_counter() > (insertion_deadline if key[0] == "insertion" else deadline):
             continue
-        limit = min(opts.max_cost * float(problem.cost.sum()), best_cost())
-        schedule = dtr_schedule(walks[order], int(allowance * budget), heuristic, staleness, hold, deadline, limit)
         runs += 1
-        if schedule is not None:
-            consider(schedule)
+        if key[0] == "insertion":
+            schedule = peak_insertion_schedule(problem, budget, walks[key[1]].order, insertion_deadline,
+                                               improve_passes=opts.insertion_passes)
+        else:
+            order, allowance, heuristic, staleness, hold = key[1:]
+            limit = min(opts.max_cost * float(problem.cost.sum()), best_cost())
+            schedule = dtr_schedule(walks[order], int(allowance * budget), heuristic, staleness, hold, deadline, limit)
+        if schedule is not None and consider(schedule, key):
+            break
     return runs
 
 
@@ -375,29 +378,40 @@ def dtr(problem: Problem, budget: int, options: SolveOptions) -> Solution:
                         message=f"no schedule fits: some node needs {lower} bytes for its inputs, outputs and "
                                 f"workspace")
     deadline = None if options.time_limit is None else start + options.time_limit
+    cost_limit = float("inf") if options.cost_limit is None else options.cost_limit
     best, best_key, runs, progress = None, None, 0, []
     choices = candidate_choices(problem) if opts.variants else [{}]
+    won = set() if options.memo is None else options.memo.setdefault(("dtr", id(problem)), set())
 
-    def consider(schedule, choice: Choice) -> None:
+    def consider(schedule, c: int, key: tuple) -> bool:
         nonlocal best, best_key
-        schedule = tag_schedule(schedule, choice)
+        schedule = tag_schedule(schedule, choices[c])
         sim = simulate(problem, schedule)
-        key = (sim.compute_cost, sim.peak_bytes)
-        if sim.peak_bytes <= budget and (best_key is None or key < best_key):
-            best, best_key = schedule, key
+        found = (sim.compute_cost, sim.peak_bytes)
+        if sim.peak_bytes <= budget and sim.compute_cost <= cost_limit and (best_key is None or found < best_key):
+            best, best_key = schedule, found
+            won.add((c, key))
             progress.append(Progress(time.perf_counter() - start, sim.compute_cost, None))
+        return enough()
 
-    for c, choice in enumerate(choices):           # each choice gets an equal share of the time left
-        fixed = fixed_problem(problem, choice) if problem.has_variants else problem
-        if best_key is not None and fixed.cost.sum() >= best_key[0]:
-            continue                                 # every node once already costs more than the best
-        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(choices) - c)
-        runs += _walk_all(fixed, budget, opts, share,
-                          lambda schedule, choice=choice: consider(schedule, choice),
-                          lambda: float("inf") if best_key is None else best_key[0])
+    def enough() -> bool:
+        return best_key is not None and options.enough is not None and best_key[0] <= options.enough
+
+    def best_cost() -> float:
+        return cost_limit if best_key is None else min(cost_limit, best_key[0])
+
+    # each choice gets an equal share of the time left; those that won at other budgets (`options.memo`) go first
+    for left, c in enumerate(sorted(range(len(choices)), key=lambda c: all(c != i for i, _ in won))):
+        fixed = fixed_problem(problem, choices[c]) if problem.has_variants else problem
+        if enough() or fixed.cost.sum() > best_cost() or (best_key is not None and fixed.cost.sum() >= best_key[0]):
+            continue                                 # every node once already costs more than the best (or the limit)
+        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(choices) - left)
+        runs += _walk_all(fixed, budget, opts, share, lambda schedule, key, c=c: consider(schedule, c, key), best_cost,
+                          {key for i, key in won if i == c})
     return checked_solution(problem, "dtr", budget, best, solve_seconds=time.perf_counter() - start,
                             message="" if best else (f"no DTR walk nor insertion ({runs} run) fit: each walk ran out of "
                                                      f"evictable values or cost more than max_cost = {opts.max_cost:g} "
-                                                     f"x the sum of node costs, each insertion ran out of moves "
-                                                     f"lowering the peak, or the time limit was reached"),
+                                                     f"x the sum of node costs (or the caller's cost_limit), each "
+                                                     f"insertion ran out of moves lowering the peak, or the time "
+                                                     f"limit was reached"),
                             min_budget_lower_bound=lower, progress=progress)

@@ -28,7 +28,9 @@ dispatch cost of the regions run with a policy counted (`runtime.policy.form.dis
 From the cheapest of them, `improved` searches locally for the memory the families leave unused (their decisions
 move in coarse steps, so the cheapest may peak well below the budget): it takes the first neighbouring decision
 that fits and costs less (a region no longer checkpointed, or one more of its nodes kept) until none does, so the
-answer is a local optimum of those moves.
+answer is a local optimum of those moves. No decision's price depends on the budget: a search over budgets (a
+`max_overhead` plan) prices each once (`SolveOptions.memo`), and skips the local search where the cheapest
+candidate already costs at most its `enough`.
 """
 
 from __future__ import annotations
@@ -140,24 +142,37 @@ def movable(regions: Regions, name: str) -> bool:
     return name not in regions.nested_modules and regions.nested_of(name) is None
 
 
-def priced(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]], per_node: tuple[float, float]
-           ) -> tuple[float, float, list, int]:
-    """A decision's cost (compute and the dispatch of its policies), dispatch cost, schedule and simulated peak."""
+def decision_key(regions: Regions, saved: dict[str, frozenset[int]]) -> tuple:
+    """A decision over `regions` as a hashable key."""
+    return (regions.split_modules, regions.nested_modules,
+            tuple(sorted((name, tuple(sorted(keep))) for name, keep in saved.items())))
+
+
+def priced(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]], per_node: tuple[float, float],
+           memo: dict | None = None) -> tuple[float, float, list, int]:
+    """A decision's cost (compute and the dispatch of its policies), dispatch cost, schedule and simulated peak;
+    from `memo` (by `decision_key`) when priced before, as at the other budgets of a search (none depends on it)."""
+    key = None if memo is None else decision_key(regions, saved)
+    if key in (memo or {}):
+        return memo[key]
     schedule = policy_schedule(regions, saved)
     sim = simulate(problem, schedule)
     dispatch = dispatch_cost(per_node, regions, saved)
-    return sim.compute_cost + dispatch, dispatch, schedule, sim.peak_bytes
+    found = sim.compute_cost + dispatch, dispatch, schedule, sim.peak_bytes
+    if memo is not None:
+        memo[key] = found
+    return found
 
 
 def improved(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]], budget: int,
-             per_node: tuple[float, float], deadline: float | None = None
+             per_node: tuple[float, float], deadline: float | None = None, memo: dict | None = None
              ) -> tuple[dict[str, frozenset[int]], tuple[float, float, list, int]]:
     """A local search from a decision within `budget`, for the memory the candidate families leave unused: it moves
     to the first neighbour that fits the budget and costs less (`priced`), until no neighbour does (or `deadline`,
     a `time.perf_counter` value, passes). Neighbours: a checkpointed region no longer checkpointed; then one more
     savable node kept in a checkpointed region (`Regions.settled`), dearest recomputation per byte first. Regions of
-    nested modules keep their decision (`movable`). Returns the decision and its `priced` tuple."""
-    current = priced(problem, regions, saved, per_node)
+    nested modules keep their decision (`movable`). Returns the decision and its `priced` tuple (`memo`: as there)."""
+    current = priced(problem, regions, saved, per_node, memo)
     while deadline is None or time.perf_counter() < deadline:
         keep_more = sorted(((-float(problem.cost[n]) / max(int(problem.node_bytes[n]), 1), name, n)
                             for name, keep in saved.items() if movable(regions, name)
@@ -167,7 +182,7 @@ def improved(problem: Problem, regions: Regions, saved: dict[str, frozenset[int]
             ({**saved, name: more} for _, name, n in keep_more
              if (more := regions.settled(name, saved[name] | {n})) != saved[name]))
         for neighbour in neighbours:
-            candidate = priced(problem, regions, neighbour, per_node)
+            candidate = priced(problem, regions, neighbour, per_node, memo)
             if candidate[3] <= budget and candidate[0] < current[0]:
                 saved, current = neighbour, candidate
                 break
@@ -187,17 +202,17 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
                         message=f"{problem.name} records no module boundaries, which the policy form checkpoints "
                                 f"(capture it with runtime.capture, which records them)", form=FORM)
     per_node = (0.0, 0.0) if options.params is not None and options.params.compiled else problem.policy_dispatch
+    memo = None if options.memo is None else options.memo.setdefault(("selective-policy", id(problem), per_node), {})
     whole = ((regions, saved) for saved in [{}, *decision_ladder(problem, regions), *staircases(problem, regions)])
     best, seen = None, set()
     for over, saved in itertools.chain(whole, split_decisions(problem, regions)):
         if options.time_limit is not None and best is not None and time.perf_counter() - start > options.time_limit:
             break
-        key = (over.split_modules, over.nested_modules,
-               tuple(sorted((name, tuple(sorted(keep))) for name, keep in saved.items())))
+        key = decision_key(over, saved)
         if key in seen:
             continue
         seen.add(key)
-        cost, _, _, peak = priced(problem, over, saved, per_node)
+        cost, _, _, peak = priced(problem, over, saved, per_node, memo)
         if peak <= budget and (best is None or cost < best[0]):
             best = (cost, saved, over)
     if best is None:
@@ -206,7 +221,10 @@ def selective_policy(problem: Problem, budget: int, options: SolveOptions) -> So
                                 f"the budget", form=FORM)
     _, saved, over = best
     deadline = None if options.time_limit is None else start + options.time_limit
-    saved, (cost, dispatch, schedule, _) = improved(problem, over, saved, budget, per_node, deadline)
+    if options.enough is not None and best[0] <= options.enough:      # enough for the caller: no local search
+        cost, dispatch, schedule, _ = priced(problem, over, saved, per_node, memo)
+    else:
+        saved, (cost, dispatch, schedule, _) = improved(problem, over, saved, budget, per_node, deadline, memo)
     recomputed = sum(1 for step in schedule if "compute" in step) - problem.num_nodes
     split = f", {len(over.split_modules)} of them split into their parts" if over.split_modules else ""
     split += f" ({len(over.nested_modules)} also checkpointed whole around them)" if over.nested_modules else ""

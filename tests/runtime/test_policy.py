@@ -333,3 +333,21 @@ def test_a_nested_layers_parts_are_checkpointed_whole():
     del decision[attn]
     with pytest.raises(PolicyFormError, match="checkpointed whole, saving nothing"):
         policy_schedule(nested, decision)
+
+
+def test_told_a_searchs_limits_the_solver_decides_every_budget_as_a_plain_solve():
+    """A `max_overhead` search's solves share one memo of priced decisions and skip the local search where a candidate
+    is within `enough`: at every budget they find a schedule within the limit exactly where a plain solve does, and
+    the plain solve's cost where it is above the limit."""
+    from memplan.tasks.solve.core.solution import SolveOptions
+
+    problem = setup("mlp")[4]
+    eager = simulate(problem, default_schedule(problem))
+    limit = 1.1 * eager.compute_cost
+    told = SolveOptions(enough=limit, memo={})
+    for budget in range(eager.peak_bytes, eager.peak_bytes // 4, -max(1, eager.peak_bytes // 50)):
+        plain, hinted = solve(problem, "selective-policy", budget), solve(problem, "selective-policy", budget, told)
+        assert (plain.feasible and plain.objective <= limit) == (hinted.feasible and hinted.objective <= limit), budget
+        assert plain.feasible == hinted.feasible
+        if plain.feasible and plain.objective > limit:
+            assert hinted.objective == plain.objective and hinted.schedule == plain.schedule, budget

@@ -7,8 +7,9 @@ import pytest
 from memplan.tasks.solve import solve
 from memplan.tasks.solve.core.problem import Problem
 from memplan.tasks.solve.core.simulator import default_schedule, simulate
-from memplan.tasks.solve.core.solution import min_budget_lower_bound
-from memplan.tasks.solve_stage import bisect_budget, least_memory_within
+from memplan.tasks.solve.core.solution import SolveOptions, min_budget_lower_bound
+from memplan.tasks.solve_stage import bisect_budget, least_memory_within, limit_search
+from tests.solve.test_monet import masked_chain
 
 
 def uneven_linear_graph() -> Problem:
@@ -87,3 +88,59 @@ def test_a_solver_whose_one_schedule_costs_more_than_the_limit_says_so():
                                f"peak its schedule there costs {overhead:+.1%}")
     honoured = least_memory_within(problem, "chen-sqrt-n", overhead, eager)
     assert honoured.feasible and honoured.objective == fixed.objective
+
+
+def stepped_probe(step: int, scale: float, probed: list):
+    """Schedules peaking at multiples of `step` bytes, costing 1 + scale / peak, none under 10 steps."""
+    def probe(budget: int) -> tuple[int, float] | None:
+        probed.append(budget)
+        peak = budget - budget % step
+        return (peak, 1 + scale / peak) if peak >= 10 * step else None
+    return probe
+
+
+@pytest.mark.parametrize("step, limit", [(7, 1.5), (7, 3.0), (1, 1.25), (13, 1.1)])
+def test_the_limit_search_finds_the_least_peak_within_the_limit_in_fewer_probes_than_bisection(step, limit):
+    """Against every budget: the least peak whose cost is within the limit, exactly (rel_tol 0) and within the
+    tolerance, each in fewer probes than a bisection to the same tolerance."""
+    top, scale = 10_000, 500.0
+    exact = min(peak for peak in range(10 * step, top + 1, step) if 1 + scale / peak <= limit)
+    for rel_tol in (0.0, 0.005, 0.05):
+        probed, bisected = [], []
+        found = limit_search(0, (top, 1 + scale / top), stepped_probe(step, scale, probed), limit, rel_tol)
+        probe = stepped_probe(step, scale, bisected)
+        reference = bisect_budget(0, top, lambda b: (a := probe(b)) and a[1] <= limit and a[0] or None, rel_tol)
+        assert exact <= found <= (1 + rel_tol) * exact and exact <= reference <= (1 + rel_tol) * exact
+        assert len(probed) < len(bisected), (rel_tol, probed, bisected)
+
+
+def test_the_limit_search_ends_where_costs_do_not_fall_with_the_budget():
+    """A heuristic's costs jump about as the budget falls: the search still ends at a peak within the limit whose
+    next budget down it probed and found none within (the bisection's guarantee)."""
+    probed = []
+
+    def probe(budget: int) -> tuple[int, float] | None:
+        probed.append(budget)
+        return (budget, 1.0 + (0.3 if budget % 3 == 0 else 0.05) * 1000 / budget) if budget >= 100 else None
+
+    found = limit_search(0, (1000, 1.0), probe, 1.2, rel_tol=0.0)
+    assert found - 1 in probed and len(probed) <= 10
+    assert probe(found)[1] <= 1.2 < probe(found - 1)[1]
+
+
+@pytest.mark.parametrize("seed", [4, 5, 9])
+def test_dtr_told_the_searchs_limits_decides_every_budget_as_a_plain_solve(seed):
+    """With implementation variants: at every budget a dtr solve sharing the search's memo and told `enough` (the
+    limit) and `cost_limit` finds a schedule within the limit exactly where a plain solve does, and between the
+    limit and cost_limit the plain solve's schedule itself."""
+    problem = masked_chain(seed)
+    eager = simulate(problem, default_schedule(problem))
+    limit, cap = 1.1 * eager.compute_cost, 1.3 * eager.compute_cost
+    hinted = SolveOptions(enough=limit, cost_limit=cap, memo={})
+    for budget in range(eager.peak_bytes, min_budget_lower_bound(problem) - 1, -1):
+        plain, told = solve(problem, "dtr", budget), solve(problem, "dtr", budget, hinted)
+        within = plain.feasible and plain.objective <= limit + 1e-9
+        assert within == (told.feasible and told.objective <= limit + 1e-9), budget
+        assert not told.feasible or told.predicted_peak_bytes <= budget and told.objective <= cap + 1e-9
+        if plain.feasible and limit + 1e-9 < plain.objective <= cap:
+            assert told.objective == pytest.approx(plain.objective), budget

@@ -46,7 +46,12 @@ class SolveOptions:
     `tasks.solve.SOLVERS[name].options`). `portfolio`: a MILP/LP solver also returns no schedule worse
     than the cheap solvers' at the same budget (tasks.solve.core.portfolio; False tests the solver alone).
     `peers`: the solvers (by name) this one may call for a warm start or a block, passed in by the registry
-    (`SolverSpec.peers`), so that no solver imports another."""
+    (`SolverSpec.peers`), so that no solver imports another. A search solving one problem at many budgets (a
+    `max_overhead` plan, `tasks.solve_stage.overhead_ladder`) may pass `cost_limit` (no schedule costing more is
+    wanted: a solver may drop one, and stop building it), `enough` (the first schedule within the budget costing at
+    most this will do: a solver may stop there rather than look for the cheapest) and `memo`, one dict for all its
+    solves, where a solver may keep what does not depend on the budget or what it learned at other budgets (under
+    keys naming itself and the problem). Solvers may ignore all three."""
 
     time_limit: float | None = DEFAULT_TIME_LIMIT_S
     gap: float = DEFAULT_GAP
@@ -56,6 +61,9 @@ class SolveOptions:
     params: Any = None
     portfolio: bool = True
     peers: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    cost_limit: float | None = None
+    enough: float | None = None
+    memo: dict | None = None
 
 
 @dataclass
