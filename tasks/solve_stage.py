@@ -285,15 +285,15 @@ def overhead_ladder(problem: Problem, solver: str, max_overhead: float, eager: S
                      cost_limit=(1 + max_overhead * (1 + MARGIN)) * eager.compute_cost * (1 + 1e-12))
     seen: dict[int, Solution] = {}
 
-    def probe(budget: int) -> tuple[int, float] | None:
+    def probe(budget: int) -> tuple[int, float]:
         solution = solve(problem, solver, budget, hinted)
-        if not solution.feasible:
-            return None
+        if not solution.feasible:                # none within cost_limit: its cost is at least that
+            return budget, hinted.cost_limit
         seen.setdefault(solution.predicted_peak_bytes, solution)
         return solution.predicted_peak_bytes, solution.objective
 
     top = probe(eager.peak_bytes)
-    if top is None or top[1] > limit:
+    if top[1] > limit:
         at_top = solve(problem, solver, eager.peak_bytes, options)
         found = (f"its schedule there costs {at_top.objective / eager.compute_cost - 1:+.1%}" if at_top.feasible
                  else f"it finds no schedule there ({at_top.status})")
@@ -315,7 +315,8 @@ def limit_search(rejected: int, top: tuple[int, float], probe: Callable[[int], t
     within the limit, and `top`'s peak (`top`: its answer at the checkpoint-all peak), once the two ends are within
     `rel_tol` of the least (or 1 byte). Like `bisect_budget`, but each probe aims at the budget where the cost,
     interpolated linearly in 1 / budget between the answers (`_crossing`: a schedule within the limit at its peak,
-    one above it at the budget probed), meets the limit: half a tolerance
+    one above it at the budget probed; extrapolated from schedules within it no further than bisection would go),
+    meets the limit: half a tolerance
     below it after a probe that found one within the limit and above it after one that did not, so that two probes
     close the bracket once the interpolation is right, the offset doubling while probes keep landing on the same
     side (schedules' peaks move in steps); bisection where it cannot interpolate or after `SAME_SIDE` such probes."""
@@ -323,10 +324,12 @@ def limit_search(rejected: int, top: tuple[int, float], probe: Callable[[int], t
     last_within, same = True, 0
     while accepted - rejected > max(1.0, rel_tol * accepted):
         tol = max(1.0, rel_tol * accepted)
-        guess = _crossing(found, limit, accepted)
+        guess, middle = _crossing(found, limit, accepted), (rejected + accepted) // 2
         if guess is None or same >= SAME_SIDE:
-            budget = (rejected + accepted) // 2
+            budget = middle
         else:
+            if all(cost <= limit for _, cost in found):      # extrapolated: no further than bisection goes
+                guess = max(guess, middle)
             guess, offset = min(max(guess, rejected), accepted), tol / 2 * 2 ** same
             budget = round(guess - offset if last_within else guess + offset)
             budget = max(min(budget, accepted - math.floor(tol)), rejected + 1)     # a miss there ends the search
@@ -363,7 +366,7 @@ def _crossing(found: list[tuple[int, float]], limit: float, accepted: int) -> fl
     if c0 == c1 or min(p0, p1) <= 0:
         return None
     inverse = 1 / p0 + (limit - c0) * (1 / p1 - 1 / p0) / (c1 - c0)
-    return 1 / inverse if inverse > 0 else None
+    return 1 / inverse if inverse > 0 else 0.0
 
 
 def least_memory_within(problem: Problem, solver: str, max_overhead: float, eager: Simulation,
