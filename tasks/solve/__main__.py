@@ -40,7 +40,12 @@ PAPERS = (
      'picks implementation variants), seeded by retention-greedy options that recompute the cheapest '
      "bytes first, and picks one option per block by a dynamic program over the chain, or by Rotor's "
      'nested program where a block boundary is recomputed from an earlier one; the simulator checks '
-     'the composed schedule. `bench/peers.py`, `bench/planning_time.py`.'),
+     'the composed schedule. `bench/peers.py`, `bench/planning_time.py`. When to use it: on a step of '
+     'repeated blocks, where a few percent less memory is worth several times the planning time. On a '
+     "207-node GPT-2 its `max_overhead = 0.1` plan peaked 2.2% below `dtr`'s at 4.3x `dtr`'s search time "
+     "(docs/measurements/planning-time.md). Issue #55's runs saw it return `dtr`'s schedule, or one within 0.1% of "
+     'its cost, at 10-90x the time. It is in no default plan: every solve of it also runs the cheap solvers, '
+     '`dtr` among them.'),
     ('`monet`, `monet-noop`',
      'Shah et al., *Memory Optimization for Deep Networks* (MONeT, ICLR 2021)',
      "The paper's 0-1 program (sec. 4, appendices B-C) on the joint operator graph: the forward pass "
