@@ -33,11 +33,10 @@ def register(app: typer.Typer) -> None:
         """The largest batch (or --sequence length) that fits the device memory limit: eager PyTorch, per-block
         checkpointing, and memplan within --max-overhead (validated). docs/fit.md."""
         from memplan.flows.console import console, exit_on_error, prepare
-        from memplan.flows.fit import size_name
 
-        prepare(config, debug)
+        prepare(config, debug)                    # before anything imports Prefect: it reads its settings then
         with exit_on_error():
-            from memplan.flows.fit import run_fit
+            from memplan.flows.fit import run_fit, size_name
 
             answer = run_fit(config, model, max_overhead, solver, max_size, device_memory,
                              "sequence" if sequence else "batch", batch)
