@@ -21,13 +21,18 @@ from .conftest import tiny_pipeline
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _start_run(folder: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """`memplan run` of the tiny pipeline in its own process group, once it has started Prefect's server;
-    returns the run and its process tree at that moment."""
-    tiny_pipeline(folder, factory="torch.nn:Linear")
+def _memplan_run(folder: Path) -> subprocess.Popen:
+    """`memplan run` of `folder/pipeline.toml` in its own process group, with a Prefect home of its own."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(folder / "prefect-home")}
-    run = subprocess.Popen([sys.executable, "-m", "memplan.flows.cli", "run"], cwd=folder, env=env, start_new_session=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "memplan.flows.cli", "run"], cwd=folder, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _start_run(folder: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """`memplan run` of the tiny pipeline, once it has started Prefect's server; returns the run and its process
+    tree at that moment."""
+    tiny_pipeline(folder, factory="torch.nn:Linear")
+    run = _memplan_run(folder)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and run.poll() is None:
         children = psutil.Process(run.pid).children(recursive=True)
@@ -97,9 +102,7 @@ def _stderr_lines(process: subprocess.Popen) -> list[str]:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
 def test_a_signal_during_validation_stops_the_run_within_two_seconds(tmp_path, signum):
     (tmp_path / "pipeline.toml").write_text('device = "cpu"\n' + LONG_VALIDATION.format(steps=5000))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    run = subprocess.Popen([sys.executable, "-m", "memplan.flows.cli", "run"], cwd=tmp_path, env=env,
-                           start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = _memplan_run(tmp_path)
     lines = _stderr_lines(run)
     deadline = time.monotonic() + 300
     while run.poll() is None and time.monotonic() < deadline and not any(
